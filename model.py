@@ -77,7 +77,7 @@ CHAT_TEMPLATE = (
 @dataclass
 class ModelConfig:
     """Shapes of the embedded tiny Qwen3-VL (defaults: ~4 M parameters, CPU-trainable in minutes)."""
-    vocab_size: int = 1024           # byte-level BPE: 256 bytes + specials + merges
+    vocab_size: int = 2048           # byte-level BPE: 256 bytes + specials + merges
     hidden: int = 256                # text decoder width
     layers: int = 4
     heads: int = 4
@@ -117,8 +117,10 @@ def _tokenizer_corpus() -> list[str]:
     return lines * 4
 
 
-def build_tokenizer(vocab_size: int = 1024):
-    """Byte-level BPE trained in code (deterministic, offline) with Qwen's special tokens + chat template."""
+def build_tokenizer(vocab_size: int = 2048, extra_corpus: tuple[str, ...] = ()):
+    """Byte-level BPE trained in code (deterministic, offline) with Qwen's special tokens + chat template.
+    `extra_corpus`: texts the agent sends every time (system prompt, tools block); training on them makes
+    the tiny model's prompts short, which is what keeps CPU training fast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -127,7 +129,7 @@ def build_tokenizer(vocab_size: int = 1024):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    tok.train_from_iterator(_tokenizer_corpus() + list(extra_corpus) * 50, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=SPECIAL_TOKENS[1:])
     fast.chat_template = CHAT_TEMPLATE
@@ -148,11 +150,11 @@ def build_processor(tokenizer, cfg: ModelConfig):
                             video_processor=video_processor, chat_template=CHAT_TEMPLATE)
 
 
-def build_tiny(cfg: ModelConfig | None = None, seed: int = 0):
+def build_tiny(cfg: ModelConfig | None = None, seed: int = 0, corpus: tuple[str, ...] = ()):
     """The embedded default: a random-init Qwen3-VL with the real classes, plus its processor."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     cfg = cfg or ModelConfig()
-    tokenizer = build_tokenizer(cfg.vocab_size)
+    tokenizer = build_tokenizer(cfg.vocab_size, corpus)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = Qwen3VLConfig(
         text_config=dict(
@@ -186,15 +188,16 @@ def default_device() -> torch.device:
 
 
 def load_model(name_or_path: str = "tiny", device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, attn_implementation: str | None = None, seed: int = 0):
+               dtype: torch.dtype | None = None, attn_implementation: str | None = None, seed: int = 0,
+               tiny_corpus: tuple[str, ...] = (), tiny_config: ModelConfig | None = None):
     """Return `(model, processor)`: `"tiny"` builds the embedded default; a directory or hub id goes
     through the Auto classes (Qwen3-VL, Qwen2.5-VL, ...). bf16 on CUDA, fp32 on CPU unless `dtype`.
     `attn_implementation`: None (library default), "sdpa", "eager" (needed for TDAM's 4-D masks on
-    some versions) or "flash_attention_2"."""
+    some versions) or "flash_attention_2". `tiny_corpus` / `tiny_config`: see `build_tokenizer` / `ModelConfig`."""
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if name_or_path == "tiny":
-        model, processor = build_tiny(seed=seed)
+        model, processor = build_tiny(tiny_config, seed=seed, corpus=tiny_corpus)
         if attn_implementation:
             model.set_attn_implementation(attn_implementation)
     else:

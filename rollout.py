@@ -144,6 +144,19 @@ def encode_chunk(processor, text: str, clips: list[video.Clip] = ()) -> Chunk:
                  out["pixel_values_videos"], out["video_grid_thw"])
 
 
+def prompt_corpus() -> tuple[str, ...]:
+    """The fixed texts every rollout sends (for training the tiny tokenizer: short prompts, fast CPU runs)."""
+    from data import INSTRUCTIONS
+    from model import CHAT_TEMPLATE  # noqa: F401  (the tools block itself is rendered by the template)
+    import json
+    tools = json.dumps(video.CROP_VIDEO_TOOL)
+    header = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+              "function signatures within <tools></tools> XML tags:\n<tools>\n" + tools + "\n</tools>\n\nFor each "
+              "function call, return a json object with function name and arguments within <tool_call></tool_call> "
+              "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+    return (SYSTEM_PROMPT, header, SUBAGENT_PROMPT, FORCED_ANSWER, *INSTRUCTIONS.values())
+
+
 def video_factor(processor) -> int:
     vp = processor.video_processor
     return vp.patch_size * vp.merge_size
@@ -552,3 +565,72 @@ def collate(trajs: list[Trajectory], model, pad_id: int) -> dict:
     if pixels:
         out.update(pixel_values_videos=torch.cat(pixels), video_grid_thw=torch.cat(grids))
     return out
+
+
+# -----------------------------------------------------------------------------
+# SFT: a recorded trajectory encoded through the same machinery as a rollout
+
+def _content_text(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(item.get("text", "") for item in content if isinstance(item, dict))
+
+
+def encode_messages(processor, record: dict, messages: list[dict], video_root: str, cfg: RolloutConfig,
+                    nframes: int | None = None) -> Trajectory:
+    """Token ids + roles + videos of a recorded trajectory (SPEC 9 trajectory record, messages after the
+    prompt). Assistant text is POLICY except the forced "<think>\\n" prefix; tool results are rebuilt by
+    the real tool path: a text result (a sub-agent summary) is used verbatim, a video item is cropped by
+    `run_calls` exactly as a rollout would. Raises ValueError/VideoError on a bad record or video."""
+    from data import resolve_video
+    factor = video_factor(processor)
+    path = resolve_video(video_root, record["video"])
+    duration = video.probe(path).duration
+    k = nframes or cfg.overview_nframes
+    overview = load_overview(path, RolloutConfig(**{**cfg.__dict__, "overview_nframes": k}), factor)
+    c = encode_chunk(processor, prompt_text(processor, record), [overview])
+    t = Trajectory(str(record.get("id", "")), 0, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids),
+                   [(c.pixels, c.grid)], nframes=len(overview.times))
+    tok = processor.tokenizer
+    add = lambda ids, role: (t.token_ids.extend(ids), t.roles.extend([role] * len(ids)))
+    add(encode_chunk(processor, THINK_PREFIX).ids.tolist(), ENV)
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        if m["role"] != "assistant":
+            raise ValueError(f"{record.get('id')}: expected an assistant message at position {i}, got {m['role']!r}")
+        text = _content_text(m["content"])
+        body = text[len(THINK_PREFIX):] if text.startswith(THINK_PREFIX) else text
+        add(tok(body + "<|im_end|>", add_special_tokens=False)["input_ids"], POLICY)
+        turn = THINK_PREFIX + body
+        t.turns.append(turn)
+        calls = parse_tool_calls(turn)
+        t.calls.append(calls)
+        j = i + 1
+        tool_msgs = []
+        while j < len(messages) and messages[j]["role"] == "tool":
+            tool_msgs.append(messages[j])
+            j += 1
+        if tool_msgs:
+            t.n_tool_turns += 1
+            t.n_calls += len(calls)
+            if all(isinstance(tm["content"], str) for tm in tool_msgs):
+                parts, clips = [tm["content"] for tm in tool_msgs], []
+            else:
+                parts, clips = [], []
+                for w, clip, err in run_calls(calls, path, duration, cfg, factor):
+                    parts.append(f"Error: {err}" if err else clip_part(w))
+                    t.tool_failures += err is not None
+                    if err is None:
+                        clips.append(clip)
+                        t.windows.append(w)
+            forced = t.n_tool_turns >= cfg.max_turns
+            rc = encode_chunk(processor, response_chunk_text(parts, forced), clips)
+            add(rc.ids.tolist(), ENV)
+            if rc.pixels is not None:
+                t.videos.append((rc.pixels, rc.grid))
+        i = j
+    t.text = tok.decode(t.token_ids[t.prompt_len:], skip_special_tokens=False)
+    t.answer = extract_answer(t.turns[-1]) if t.turns else None
+    t.done = True
+    return t

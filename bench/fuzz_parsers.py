@@ -1,0 +1,225 @@
+"""Fuzz the reward parsers with random and mutated model outputs; report the slowest call per parser.
+
+    python bench/fuzz_parsers.py --n 100000 [--seed 0]
+
+A seeded generator builds valid agent trajectories (both tool-call syntaxes, parallel calls, tool
+responses, mcq/oe/tvg answers), then mutates them: truncation, dropped or duplicated spans, splices
+of two trajectories, inserted and nested tags, JSON with wrong types, huge numbers (1e400, 5000-digit
+ints), NaN/Infinity, deep nesting, unicode, and rare 1 MB strings. Every parser must return, never
+raise, and stay in its documented range (checked by `check_all`, which tests/test_fuzz.py reuses).
+Prints the case count, the max seconds per call of each parser with the size of that input, and as
+the last line one JSON object.
+"""
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: rewards.py is one up
+
+from rewards import (DATA_TYPES, ToolCall, call_window, extract_answer, extract_letter, extract_time_range,
+                     format_anchor, format_compliant, format_reward, grounding_format_reward, parse_tool_calls,
+                     paravt_reward, vtgr_reward)
+
+TARGETS = {"mcq": "B", "oe": "a red car", "tvg": [10.0, 20.0]}
+UNICODE = "é答案🎬\u200b\u202e\U0001f600ß Ω ١٢٣ \ud800"          # accents, CJK, emoji, zero-width, RTL, lone surrogate
+JSON_VALUES = ["1e400", "-1e400", "NaN", "Infinity", "-Infinity", "1" * 5000, "true", "null", '"12"', "[]", "{}",
+               "[1, 2]", "0", "3.5", "-2", '"\\ud800"', '"' + UNICODE + '"', "[" * 200 + "]" * 200]
+TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<grounding>", "</grounding>", "<answer>",
+        "</answer>", "<tool_response>", "</tool_response>", "<|im_start|>", "<|im_end|>", "<|im_start|>assistant\n"]
+
+
+def _call(rng: random.Random) -> str:
+    """One call block: valid or with wrong types / torture values, in either syntax."""
+    s, e = (rng.choice(JSON_VALUES) if rng.random() < 0.3 else f"{rng.uniform(0, 100):.1f}" for _ in range(2))
+    level = rng.choice(['"coarse"', '"medium"', '"fine"', '"ultra"', "3", "null"])
+    if rng.random() < 0.3:
+        return f'<grounding>{{"temporal_segment": [{s}, {e}], "sampling_strategy": {level}}}</grounding>'
+    body = rng.choice([f'{{"name": "crop_video", "arguments": {{"start_time": {s}, "end_time": {e}, "resolution": {level}}}}}',
+                       f'{{"name": "crop_video", "arguments": {{"start_time": {s}, "end_time": {e}}}}}',
+                       f'{{"name": {rng.choice(JSON_VALUES)}, "arguments": {rng.choice(JSON_VALUES)}}}',
+                       rng.choice(JSON_VALUES), "{not json", "", '{"name": "search", "arguments": {}}'])
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def _answer(rng: random.Random) -> str:
+    return rng.choice(["B", "(C)", "The answer is A", "Option D", "B. a red car", "a red car", "[12.5, 20.0]",
+                       "The event happens in the 20.0 - 12.5 seconds", "1:05 to 1:30", UNICODE, ""])
+
+
+def trajectory(rng: random.Random) -> str:
+    """A well-formed trajectory text: 0-3 tool turns (1-3 parallel calls each), then an answer turn."""
+    parts = []
+    for _ in range(rng.randint(0, 3)):
+        calls = "\n".join(_call(rng) for _ in range(rng.randint(1, 3)))
+        responses = "\n".join("<tool_response>\nA clip of a red car.\n</tool_response>" for _ in range(rng.randint(1, 3)))
+        parts.append(f"<think>\nI should crop the part with the car.\n</think>\n{calls}<|im_end|>\n"
+                     f"<|im_start|>user\n{responses}<|im_end|>\n<|im_start|>assistant\n")
+    parts.append(f"<think>\nThe crop shows the car.\n</think>\n<answer>{_answer(rng)}</answer><|im_end|>")
+    return "".join(parts)
+
+
+def _mutate(text: str, rng: random.Random) -> str:
+    i, j = sorted(rng.randint(0, len(text)) for _ in range(2))
+    kind = rng.randrange(6)
+    if kind == 0:
+        return text[:j]                                                  # truncated mid-tag or mid-JSON
+    if kind == 1:
+        return text[:i] + text[j:]                                       # a span dropped
+    if kind == 2:
+        return text[:j] + text[i:]                                       # a span duplicated
+    if kind == 3:
+        return text[:i] + rng.choice(TAGS) + text[i:]                    # a stray or nested tag
+    if kind == 4:
+        other = trajectory(rng)
+        return text[:i] + other[rng.randint(0, len(other)):]             # splice of two trajectories
+    return text[:i] + "".join(rng.choice(UNICODE) for _ in range(rng.randint(1, 20))) + text[i:]
+
+
+def huge(rng: random.Random, size: int = 1 << 20) -> str:
+    """A ~1 MB pathological string (repeated openers, digits, keywords, one giant JSON body...)."""
+    unit = rng.choice(["<tool_call>", "<think>", "</think>", "<answer>", "1", "1:", "1 - ", "answer is ", "<|",
+                       "<grounding>{", "[", " ", "(", "é", "<tool_call>{\"name\": \"crop_video\"}</tool_call>"])
+    body = unit * (size // len(unit))
+    if rng.random() < 0.3:
+        body = "<tool_call>" + body + "</tool_call>"                      # one enormous block
+    return body
+
+
+def random_output(rng: random.Random) -> str:
+    """One fuzz input: random text, a (mutated) trajectory, or rarely a 1 MB string."""
+    r = rng.random()
+    if r < 0.002:
+        return huge(rng)
+    if r < 0.15:
+        alphabet = "".join(TAGS) + UNICODE + "{}[]\":,0123456789.-e \n"
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300)))
+    text = trajectory(rng)
+    for _ in range(rng.choice([0, 1, 1, 2, 4])):
+        text = _mutate(text, rng)
+    return text
+
+
+def split_turns(text: str) -> list[str]:
+    """Assistant turns of a trajectory text: chunks after each `<|im_start|>assistant`, cut at the next user message."""
+    return [chunk.split("<|im_start|>user", 1)[0] for chunk in text.split("<|im_start|>assistant\n")]
+
+
+def _in(x, lo: float, hi: float, what: str) -> None:
+    assert isinstance(x, float) and math.isfinite(x) and lo - 1e-9 <= x <= hi + 1e-9, f"{what} = {x!r} not in [{lo}, {hi}]"
+
+
+def _check_calls(calls) -> None:
+    assert isinstance(calls, list) and all(isinstance(c, ToolCall) for c in calls)
+    for c in calls:
+        w = call_window(c)
+        assert w is None or all(math.isfinite(x) for x in w), c
+        assert (c.error is None) or isinstance(c.error, str)
+
+
+def _task(text: str) -> str:
+    return list(TARGETS)[len(text) % 3]                       # varies the task with the input, one call each
+
+
+def _paravt(text: str) -> tuple:
+    return paravt_reward(text, TARGETS[_task(text)], _task(text))
+
+
+def _check_paravt(result) -> None:
+    total, parts = result
+    _in(total, -0.15, 2.8, "paravt_reward")
+    assert set(parts) == {"acc", "format", "anchor", "tool", "degenerate"}, parts
+
+
+def _vtgr(text: str) -> tuple:
+    task, turns = _task(text), split_turns(text)
+    windows = [w for w in map(call_window, parse_tool_calls(text)) if w is not None]
+    data_type = "grounding" if task == "tvg" else DATA_TYPES[len(text) % 4]
+    clues = [[10.0, 20.0], [40.0, 45.0]][: 1 + (data_type == "multi_clue")]
+    return vtgr_reward(turns, text, TARGETS[task], task, data_type, windows, clues, len(turns) - 1)
+
+
+def _check_vtgr(result) -> None:
+    total, parts = result
+    _in(total, 0.0, 3.0, "vtgr_reward")
+    for key in ("acc", "format", "tool", "clue"):
+        _in(parts[key], 0.0, 1.0, f"vtgr_reward.{key}")
+
+
+def _check_range(r) -> None:
+    assert r is None or (r[0] <= r[1] and all(isinstance(x, float) and math.isfinite(x) for x in r)), r
+
+
+def _check_optional_str(r) -> None:
+    assert r is None or isinstance(r, str), r
+
+
+def _check_letter(r) -> None:
+    assert r is None or (isinstance(r, str) and len(r) == 1 and r in "ABCDEFGHIJ"), r
+
+
+def _check_bool(r) -> None:
+    assert isinstance(r, bool), r
+
+
+# parser name -> (call on the text, check of the result); each check raises AssertionError when out of range
+CHECKS = {
+    "parse_tool_calls": (parse_tool_calls, _check_calls),
+    "extract_answer": (extract_answer, _check_optional_str),
+    "extract_letter": (lambda t: extract_letter(extract_answer(t)), _check_letter),
+    "extract_time_range": (extract_time_range, _check_range),
+    "format_reward": (format_reward, lambda r: _in(r, -0.15, 1.0, "format_reward")),
+    "format_anchor": (format_anchor, lambda r: _in(r, -0.3, 0.7, "format_anchor")),
+    "format_compliant": (format_compliant, _check_bool),
+    "grounding_format_reward": (lambda t: grounding_format_reward(split_turns(t)),
+                                lambda r: _in(r, 0.0, 1.0, "grounding_format_reward")),
+    "paravt_reward": (_paravt, _check_paravt),
+    "vtgr_reward": (_vtgr, _check_vtgr),
+}
+
+
+def check_all(text: str, stats: dict | None = None) -> None:
+    """Run every parser on `text` and check its result; record the slowest call per parser in `stats`."""
+    for name, (call, check) in CHECKS.items():
+        t0 = time.perf_counter()
+        result = call(text)
+        dt = time.perf_counter() - t0
+        try:
+            check(result)
+        except AssertionError as e:
+            raise AssertionError(f"{name} on input {text[:200]!r} (len {len(text)}): {e}") from None
+        if stats is not None and dt > stats.get(name, (0.0, 0))[0]:
+            stats[name] = (dt, len(text))
+
+
+def fuzz(n: int, seed: int = 0) -> dict:
+    """Check n seeded random inputs; returns {"count", "max_chars", "slowest": {parser: (s, chars)}}."""
+    rng, stats, max_chars = random.Random(seed), {}, 0
+    for _ in range(n):
+        text = random_output(rng)
+        max_chars = max(max_chars, len(text))
+        check_all(text, stats)
+    return {"count": n, "max_chars": max_chars, "slowest": stats}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=100_000, help="number of random inputs (default 100000)")
+    ap.add_argument("--seed", type=int, default=0, help="generator seed")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    out = fuzz(args.n, args.seed)
+    print(f"checked {out['count']} inputs (largest {out['max_chars']} chars) in {time.perf_counter() - t0:.1f} s")
+    for name, (dt, chars) in sorted(out["slowest"].items()):
+        print(f"  {name:24s} max {dt * 1e3:9.2f} ms per call  (input of {chars} chars)")
+    worst = max(out["slowest"].items(), key=lambda kv: kv[1][0])
+    print(json.dumps({"count": out["count"], "max_chars": out["max_chars"], "worst_parser": worst[0],
+                      "worst_s": round(worst[1][0], 6), "worst_input_chars": worst[1][1],
+                      "max_s": {k: round(v[0], 6) for k, v in out["slowest"].items()}}))
+
+
+if __name__ == "__main__":
+    main()

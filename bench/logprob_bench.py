@@ -1,0 +1,199 @@
+"""
+Benchmark: per-token log p(target) from hidden states x lm_head, forward + backward, three ways.
+
+    naive    log_softmax(h @ W^T).gather(t): the full (N, V) logits, and ~3 (N, V) tensors in backward
+    rowwise  full logits, then log_softmax one sequence (row of the batch) at a time, as TRL's
+             selective_log_softmax does for bf16 (N tokens as `--rows` sequences of N / rows)
+    ours     train.token_logprobs: token chunks, (chunk, V) logits at a time, recomputed in backward
+
+    python bench/logprob_bench.py                                  # N 8192, D 4096, V 151,936, fp32, CPU
+    python bench/logprob_bench.py --device cuda --dtype bfloat16   # on a GPU
+
+Each method runs in its own subprocess, so one method's memory never counts against another's.
+Peak extra memory = peak after minus resident before the timed runs: VmHWM - VmRSS from
+/proc/self/status (CPU; the high-water mark is reset through /proc/self/clear_refs), or
+max_memory_allocated - memory_allocated (CUDA). It includes the gradients of h and W that every
+method must return; "working" memory is that peak minus those gradients. Time is the median of
+--repeats forward+backward passes after a warm-up of two passes over one chunk of tokens; the
+first pass minus the second (first_call_extra_s) is ours' torch.compile time, reported apart as
+compile_s. The sum of logp and the norms of grad h and grad W are compared across methods.
+On CPU, N is halved until the naive method's estimated footprint fits in --mem-fraction of
+MemAvailable (printed when it happens).
+Targets: ours peak extra memory <= 1/8 of naive and <= 1/2 of rowwise; time no worse than rowwise.
+The last line of output is one JSON object.
+"""
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `import train`
+from train import token_logprobs  # noqa: E402
+
+METHODS = ("naive", "rowwise", "ours")
+GB = 1024 ** 3
+
+
+def naive(hidden, weight, targets, rows, chunk_size, use_compile):
+    return F.log_softmax((hidden @ weight.T).float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
+
+
+def rowwise(hidden, weight, targets, rows, chunk_size, use_compile):
+    logits = (hidden @ weight.T).view(rows, -1, weight.shape[0])   # (rows, N / rows, V), all of it
+    per_row = [F.log_softmax(row.float(), dim=-1).gather(1, t[:, None]).squeeze(1)
+               for row, t in zip(logits, targets.view(rows, -1))]
+    return torch.cat(per_row)
+
+
+def ours(hidden, weight, targets, rows, chunk_size, use_compile):
+    return token_logprobs(hidden, weight, targets, chunk_size=chunk_size, compile=use_compile)
+
+
+def proc_status_kb(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def worker(args) -> dict:
+    """Run one method in this process; return its timings and peak extra memory."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    fn = {"naive": naive, "rowwise": rowwise, "ours": ours}[args.worker]
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(args.n, args.d, generator=gen, device=device, dtype=dtype).requires_grad_()
+    weight = (torch.randn(args.vocab, args.d, generator=gen, device=device, dtype=dtype)
+              * args.d ** -0.5).requires_grad_()                                 # logits of std ~1
+    targets = torch.randint(0, args.vocab, (args.n,), generator=gen, device=device)
+    grad_out = torch.randn(args.n, generator=gen, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    checksums = []
+
+    def fwd_bwd(n: int) -> float:
+        t0 = time.perf_counter()
+        h = hidden[:n].detach().requires_grad_()                                 # a leaf of n tokens
+        out = fn(h, weight, targets[:n], args.rows if n == args.n else 1, args.chunk_size, not args.no_compile)
+        out.backward(grad_out[:n])
+        sync()
+        elapsed = time.perf_counter() - t0
+        if n == args.n and not checksums:                                        # to cross-check the methods
+            checksums.extend([float(out.double().sum()), float(h.grad.double().norm()), float(weight.grad.double().norm())])
+        del h, out
+        weight.grad = None                                                       # free the (V, D) gradient
+        return elapsed
+
+    n_warm = min(args.n, args.chunk_size)
+    first, second = fwd_bwd(n_warm), fwd_bwd(n_warm)                            # first pays the compile
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:                            # reset VmHWM to VmRSS
+            f.write("5")
+        before = proc_status_kb("VmRSS") * 1024
+    times = [fwd_bwd(args.n) for _ in range(args.repeats)]
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else proc_status_kb("VmHWM") * 1024
+    grad_bytes = (args.n + args.vocab) * args.d * hidden.element_size()          # grad h + grad W, returned by all
+    return {"time_s": statistics.median(times), "times_s": times, "first_call_extra_s": first - second,
+            "peak_extra_gb": (peak - before) / GB, "working_gb": (peak - before - grad_bytes) / GB,
+            "checksums": checksums}
+
+
+def fit_n(args) -> tuple[int, str]:
+    """Largest N (halving from --n) whose naive run fits in --mem-fraction of the free memory."""
+    elem = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    if args.device == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    budget = args.mem_fraction * free
+    n = args.n
+    while True:
+        inputs_and_grads = 2 * (n + args.vocab) * args.d * elem
+        naive_bytes = 3 * n * args.vocab * 4 + inputs_and_grads + 0.5 * GB      # 3 live fp32 (N, V) tensors in backward
+        if naive_bytes <= budget or n <= args.rows:
+            break
+        n //= 2
+    n -= n % args.rows
+    note = "" if n == args.n else (f"N reduced from {args.n} to {n}: the naive method would need "
+                                   f"~{(3 * args.n * args.vocab * 4 + 2 * (args.n + args.vocab) * args.d * elem) / GB:.1f} GB, "
+                                   f"budget {budget / GB:.1f} GB ({args.mem_fraction} x {free / GB:.1f} GB free)")
+    return n, note
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=8192, help="tokens (N)")
+    p.add_argument("--d", type=int, default=4096, help="hidden size (D); Qwen3-VL-8B: 4096")
+    p.add_argument("--vocab", type=int, default=151_936, help="vocabulary (V); Qwen: 151,936")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of h and W")
+    p.add_argument("--chunk-size", type=int, default=1024, help="tokens per chunk for ours")
+    p.add_argument("--rows", type=int, default=8, help="sequences the N tokens form, for rowwise")
+    p.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per method")
+    p.add_argument("--mem-fraction", type=float, default=0.6, help="share of free memory the naive run may use")
+    p.add_argument("--no-compile", action="store_true", help="run ours without torch.compile")
+    p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)  # internal: run one method
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    n, note = fit_n(args)
+    if note:
+        print(note)
+    print(f"device {args.device}  dtype {args.dtype}  N {n}  D {args.d}  V {args.vocab}  "
+          f"chunk {args.chunk_size}  rows {args.rows}  repeats {args.repeats}", flush=True)
+    results = {}
+    for method in METHODS:
+        cmd = [sys.executable, __file__, "--worker", method, "--n", str(n), "--d", str(args.d),
+               "--vocab", str(args.vocab), "--device", args.device, "--dtype", args.dtype,
+               "--chunk-size", str(args.chunk_size), "--rows", str(args.rows), "--repeats", str(args.repeats)]
+        cmd += ["--no-compile"] if args.no_compile else []
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"logprob_bench.py: the {method} worker failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        results[method] = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = results[method]
+        print(f"{method:8s} time {r['time_s']:8.2f} s  peak extra {r['peak_extra_gb']:7.2f} GB  "
+              f"working {r['working_gb']:7.2f} GB  first call +{r['first_call_extra_s']:5.1f} s", flush=True)
+
+    o, nv, rw = results["ours"], results["naive"], results["rowwise"]
+    # sum of logp, norms of grad h and grad W against the naive method's: all must agree
+    agree = max(abs(a - b) / max(1.0, abs(b)) for r in (o, rw) for a, b in zip(r["checksums"], nv["checksums"]))
+    if agree > 1e-3:
+        raise SystemExit(f"logprob_bench.py: the methods disagree (relative checksum difference {agree:.2e})")
+    ratios = {
+        "mem_ours_over_naive": o["peak_extra_gb"] / nv["peak_extra_gb"],
+        "mem_ours_over_rowwise": o["peak_extra_gb"] / rw["peak_extra_gb"],
+        "working_ours_over_naive": o["working_gb"] / nv["working_gb"],
+        "working_ours_over_rowwise": o["working_gb"] / rw["working_gb"],
+        "time_ours_over_rowwise": o["time_s"] / rw["time_s"],
+        "time_ours_over_naive": o["time_s"] / nv["time_s"],
+    }
+    targets = {
+        "mem_le_1/8_naive": ratios["mem_ours_over_naive"] <= 1 / 8,
+        "mem_le_1/2_rowwise": ratios["mem_ours_over_rowwise"] <= 1 / 2,
+        "working_le_1/8_naive": ratios["working_ours_over_naive"] <= 1 / 8,
+        "working_le_1/2_rowwise": ratios["working_ours_over_rowwise"] <= 1 / 2,
+        "time_le_rowwise": ratios["time_ours_over_rowwise"] <= 1.0,
+    }
+    print("\n".join(f"{k:28s} {v:.3f}" for k, v in ratios.items()))
+    print(json.dumps({"device": args.device, "dtype": args.dtype, "n_requested": args.n, "n": n, "d": args.d,
+                      "vocab": args.vocab, "chunk_size": args.chunk_size, "rows": args.rows,
+                      "repeats": args.repeats, "note": note, "checksum_rel_diff": agree,
+                      "compile_s": o["first_call_extra_s"], "results": results, "ratios": ratios,
+                      "targets_met": targets}))
+
+
+if __name__ == "__main__":
+    main()

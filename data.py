@@ -1,0 +1,388 @@
+"""
+Data records (JSONL) and the synthetic "needle in a long video" task.
+
+Prompt record (SPEC 9), one JSON object per line, as `load_records` yields it:
+  id: str; video: str (relative to video_root, must stay inside it); question: str;
+  options: [str] | None (letters A, B, ... implied by order); answer: "B" (mcq) | str (oe) | [s, e] (tvg);
+  task: "mcq" | "oe" | "tvg"; clues: [[s, e], ...] | None (evidence windows, seconds);
+  data_type: single_clue | multi_clue | direct | free_form | grounding (inferred when absent: tvg ->
+  grounding, one clue -> single_clue, several -> multi_clue, none -> free_form);
+  duration: float | None; subtitles: str | None; meta: dict (free-form). Unknown keys are kept.
+SFT record (`write_sft_records`): {"id", "video", "prompt": <prompt record>, "messages": [...]} where
+  messages are the Hugging Face chat messages AFTER the prompt (the system prompt and the user turn
+  with the overview are built by the rollout code from "prompt"): assistant contents are strings in
+  the CONTRACT text format (forced "<think>\n" prefix included, no <|im_end|>: the chat template adds
+  it) and each tool result is {"role": "tool", "content": [{"type": "video", "video": path,
+  "video_start": s, "video_end": e}]}, one per call, which the rollout turns into real clips.
+
+The synthetic task. A video of D seconds (default 64) at 2 fps, 64x64 RGB: a dim background whose
+colour drifts slowly (sinusoid per channel) over a fixed seeded texture (never near white, never
+near a glyph colour). A clue is a MARK window [s, s+8) (s integer, marks >= 4 s apart) during which a
+white 16x16 block sits in the top-left corner. A coloured GLYPH (24x24 square, frame centre, colour
+from PALETTE) is shown during the middle 2 s [s+3, s+5) for "needle" clues, or the whole window for
+"direct" clues. Kinds: single_clue (mcq, glyph colour), multi_clue (mcq, which of two colours came
+first), direct (mcq, glyph visible in the overview), grounding (tvg, when is the mark shown).
+What the overview can show: where the marks are (any overview frame inside a mark window shows the
+block, even at 32x32), and the colour of a direct glyph (a uniform overview of >= 8 frames over 64 s
+has a frame in every 8 s window). What it cannot: a needle's colour, unless an
+overview frame happens to fall in the 2 s glyph slot (16 frames over 64 s: about half the time; 8
+frames: about a quarter); a 2 fps crop of the mark window always shows it (4 frames).
+"""
+import contextlib
+import json
+import math
+import os
+import re
+import tempfile
+
+import numpy as np
+import torch
+
+import video
+from rewards import infer_data_type
+
+TASKS = ("mcq", "oe", "tvg")
+PALETTE = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 70, 230), "yellow": (230, 210, 30)}
+KINDS = ("single_clue", "multi_clue", "direct", "grounding")
+DEFAULT_MIX = {"single_clue": 0.5, "multi_clue": 0.2, "direct": 0.2, "grounding": 0.1}
+FPS, SIZE = 2.0, 64              # synthetic videos: native frame rate, frame side (pixels)
+MARK_LEN, MARK_GAP = 8, 4        # mark window length and minimum gap between marks (seconds)
+NEEDLE = (3.0, 5.0)              # glyph slot of a needle clue, relative to the mark start (seconds)
+MARK_PX, GLYPH_PX = 16, 24       # white block side (top-left), glyph side (centred)
+INSTRUCTIONS = {
+    "mcq": "Answer with the option letter inside <answer></answer>.",
+    "oe": "Answer briefly inside <answer></answer>.",
+    "tvg": "Answer with the time window as <answer>[start, end]</answer> in seconds.",
+}
+SINGLE_Q = "What colour is the shape shown in the video?"
+
+
+class RecordError(ValueError):
+    """An invalid data record; the message starts with where it came from ("train.jsonl:17: ...")."""
+
+
+# ----------------------------------------------------------------------------- records I/O
+
+def resolve_video(video_root: str, rel: str) -> str:
+    """Real path of a record's video; refuses any path (../, absolute, symlink) that lands outside video_root."""
+    if not isinstance(rel, str) or not rel:
+        raise ValueError(f"video path must be a non-empty string, got {rel!r}")
+    root = os.path.realpath(video_root)
+    path = os.path.realpath(os.path.join(root, rel))  # an absolute rel replaces root here, then is checked
+    if os.path.commonpath([root, path]) != root:
+        raise ValueError(f"video path {rel!r} resolves to {path}, outside the video root {root}")
+    return path
+
+
+def _pair(x, what: str) -> list[float]:
+    """[s, e] floats with 0 <= s < e, both finite; ValueError saying what is wrong otherwise."""
+    if not isinstance(x, (list, tuple)) or len(x) != 2 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in x):
+        raise ValueError(f"{what} must be a [start, end] pair of numbers, got {x!r}")
+    s, e = float(x[0]), float(x[1])
+    if not 0 <= s < e:
+        raise ValueError(f"{what} {x!r} needs 0 <= start < end")
+    return [s, e]
+
+
+def _check(rec, video_root: str | None) -> dict:
+    if not isinstance(rec, dict):
+        raise ValueError(f"a record must be a JSON object, got {type(rec).__name__}")
+    missing = [k for k in ("id", "video", "question", "answer", "task") if rec.get(k) is None]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(missing)}")
+    out = dict(rec)  # keep unknown keys: never lose data
+    if not isinstance(rec["id"], (str, int)) or isinstance(rec["id"], bool) or str(rec["id"]) == "":
+        raise ValueError(f"id must be a non-empty string, got {rec['id']!r}")
+    out["id"] = str(rec["id"])
+    for k in ("video", "question"):
+        if not isinstance(rec[k], str) or not rec[k].strip():
+            raise ValueError(f"{k} must be a non-empty string, got {rec[k]!r}")
+    if rec["task"] not in TASKS:
+        raise ValueError(f"unknown task {rec['task']!r}; expected one of {', '.join(TASKS)}")
+    options = rec.get("options")
+    if options is not None and (not isinstance(options, list) or not all(isinstance(o, str) for o in options)):
+        raise ValueError(f"options must be a list of strings, got {options!r}")
+    out["options"] = list(options) if options else None
+    duration = rec.get("duration")
+    if duration is not None:
+        if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not 0 < duration < math.inf:
+            raise ValueError(f"duration must be a positive number of seconds, got {duration!r}")
+        out["duration"] = duration = float(duration)
+    answer, task = rec["answer"], rec["task"]
+    if task == "mcq":
+        if not out["options"] or not 2 <= len(out["options"]) <= 26:
+            raise ValueError("an mcq record needs 2 to 26 options")
+        letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[: len(out["options"])]
+        if not isinstance(answer, str) or len(answer.strip()) != 1 or answer.strip().upper() not in letters:
+            raise ValueError(f"mcq answer {answer!r} is not a letter among the options (A-{letters[-1]})")
+        out["answer"] = answer.strip().upper()
+    elif task == "tvg":
+        out["answer"] = _pair(answer, "tvg answer")
+    else:
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+            raise ValueError(f"oe answer must be a non-empty string, got {answer!r}")
+        out["answer"] = str(answer)
+    clues = rec.get("clues")
+    if clues is not None:
+        if not isinstance(clues, list):
+            raise ValueError(f"clues must be a list of [start, end] windows, got {clues!r}")
+        out["clues"] = [_pair(c, f"clue {i}") for i, c in enumerate(clues)]
+        for i, (s, e) in enumerate(out["clues"]):
+            if duration is not None and e > duration + 1e-6:
+                raise ValueError(f"clue {i} [{s}, {e}] ends after the video's duration {duration}")
+    out["data_type"] = infer_data_type(task, out.get("clues"), rec.get("data_type"))
+    subtitles = rec.get("subtitles")
+    if subtitles is not None and not isinstance(subtitles, str):
+        raise ValueError(f"subtitles must be a string, got {type(subtitles).__name__}")
+    if not isinstance(out.setdefault("meta", {}), dict):
+        raise ValueError(f"meta must be an object, got {out['meta']!r}")
+    if video_root is not None:
+        path = resolve_video(video_root, rec["video"])
+        if not os.path.isfile(path):
+            raise ValueError(f"video {rec['video']!r} not found under {video_root} ({path})")
+    return out
+
+
+def validate_record(rec: dict, video_root: str | None, where: str) -> dict:
+    """Normalised copy of a prompt record (types, upper-case letter, float windows, data_type filled in).
+
+    Raises RecordError "{where}: {what is wrong}"; checks the video file exists when video_root is given."""
+    try:
+        return _check(rec, video_root)
+    except ValueError as e:
+        raise RecordError(f"{where.rstrip(': ')}: {e}") from None
+
+
+def load_records(path: str, video_root: str | None = None, max_bad_fraction: float = 0.5
+                 ) -> tuple[list[dict], list[str]]:
+    """(good records, errors "file:line: reason") of a JSONL file; blank lines are skipped.
+
+    Raises ValueError only if the file cannot be read or more than max_bad_fraction of its lines are bad."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read records ({e})") from None
+    records, errors, seen, n = [], [], {}, 0
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        n += 1
+        where = f"{path}:{lineno}"
+        try:
+            rec = validate_record(json.loads(line), video_root, where)
+        except json.JSONDecodeError as e:
+            errors.append(f"{where}: not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        except RecordError as e:
+            errors.append(str(e))
+            continue
+        if rec["id"] in seen:
+            errors.append(f"{where}: duplicate id {rec['id']!r} (first on line {seen[rec['id']]})")
+            continue
+        seen[rec["id"]] = lineno
+        records.append(rec)
+    if n and len(errors) / n > max_bad_fraction:
+        raise ValueError(f"{path}: {len(errors)} of {n} lines are bad (more than {max_bad_fraction:.0%}); first: "
+                         + "; ".join(errors[:5]))
+    return records, errors
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    """Write to a temp file in the same folder, then os.replace: readers never see a partial file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_records(path: str, records: list[dict]) -> None:
+    """Write records as JSONL, atomically (temp file + os.replace)."""
+    _atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+
+
+def format_question(record: dict) -> str:
+    """User text after the video: [Subtitles], Question, lettered Options, one instruction line by task."""
+    text = f"Subtitles:\n{record['subtitles']}\n" if record.get("subtitles") else ""
+    text += f"Question: {record['question']}\n"
+    if record.get("options"):
+        text += "Options:\n"
+        for letter, opt in zip("ABCDEFGHIJKLMNOPQRSTUVWXYZ", record["options"]):
+            prefixed = re.match(rf"\(?{letter}[.)]\s", opt)  # already "A. x", "A) x" or "(A) x"
+            text += f"{opt}\n" if prefixed else f"{letter}. {opt}\n"
+    return text + INSTRUCTIONS[record["task"]]
+
+
+# ----------------------------------------------------------------------------- the synthetic task
+
+def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, float]]], seed: int
+                  ) -> torch.Tensor:
+    """(T, 3, 64, 64) uint8 frames at 2 fps, T = round(duration * 2). marks: (start s, colour, glyph window)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(round(duration * FPS)) / FPS                                  # (T,) seconds
+    base, amp = rng.uniform(60, 110, 3), rng.uniform(8, 20, 3)                 # per channel
+    period, phase = rng.uniform(duration / 2, 2 * duration, 3), rng.uniform(0, 2 * np.pi, 3)
+    drift = base + amp * np.sin(2 * np.pi * t[:, None] / period + phase)       # (T, 3) in [40, 130]
+    texture = rng.integers(-5, 6, (1, 3, SIZE, SIZE))                          # fixed: cheap to encode
+    x = (drift[:, :, None, None] + texture).astype(np.uint8)                   # (T, 3, H, W)
+    g0 = (SIZE - GLYPH_PX) // 2
+    for s, colour, (g_start, g_end) in marks:
+        x[(t >= s) & (t < s + MARK_LEN), :, :MARK_PX, :MARK_PX] = 255
+        x[(t >= g_start) & (t < g_end), :, g0:g0 + GLYPH_PX, g0:g0 + GLYPH_PX] = \
+            np.array(PALETTE[colour], dtype=np.uint8)[:, None, None]
+    return torch.from_numpy(x)
+
+
+def _mark_starts(rng: np.random.Generator, k: int, duration: float) -> list[int]:
+    """k integer mark starts, sorted, each window inside [0, duration], >= MARK_GAP s apart."""
+    slack = int(duration) - k * MARK_LEN - (k - 1) * MARK_GAP
+    if slack < 0:
+        raise ValueError(f"a {duration} s video cannot hold {k} mark(s) of {MARK_LEN} s")
+    offsets = np.sort(rng.integers(0, slack + 1, k))
+    return [int(o) + i * (MARK_LEN + MARK_GAP) for i, o in enumerate(offsets)]
+
+
+def _kind_counts(n: int, mix: dict) -> dict:
+    """Largest-remainder split of n records over the mix weights (exact proportions as n grows)."""
+    bad = set(mix) - set(KINDS)
+    if bad or not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+        raise ValueError(f"mix must map some of {KINDS} to weights >= 0 with a positive sum, got {mix}")
+    total = sum(mix.values())
+    exact = {k: n * w / total for k, w in mix.items()}
+    counts = {k: int(v) for k, v in exact.items()}
+    for k in sorted(exact, key=lambda k: counts[k] - exact[k])[: n - sum(counts.values())]:
+        counts[k] += 1
+    return counts
+
+
+def _make_one(rid: str, kind: str, rng: np.random.Generator, duration: float) -> tuple[dict, list]:
+    """(prompt record without video path, marks for render_frames) for one synthetic question."""
+    names = list(PALETTE)
+    starts = _mark_starts(rng, 2 if kind == "multi_clue" else 1, duration)
+    colours = [names[i] for i in rng.permutation(len(names))[: len(starts)]]   # distinct colours
+    glyphs = [(s, s + MARK_LEN) if kind == "direct" else (s + NEEDLE[0], s + NEEDLE[1]) for s in starts]
+    clues = [[float(s), float(s + MARK_LEN)] for s in starts]
+    rec = {"id": rid, "task": "mcq", "options": names, "clues": clues, "data_type": kind,
+           "duration": float(duration), "subtitles": None}
+    if kind in ("single_clue", "direct"):
+        rec.update(question=SINGLE_Q, answer="ABCD"[names.index(colours[0])])
+    elif kind == "multi_clue":
+        first, second = colours
+        c1, c2 = (first, second) if rng.random() < 0.5 else (second, first)
+        rec.update(question=f"Which came first, the {c1} shape or the {c2} shape?",
+                   options=[f"the {c1} shape", f"the {c2} shape", "both at once", "neither"],
+                   answer="A" if c1 == first else "B")
+    else:  # grounding
+        rec.update(task="tvg", question="When is the white mark shown?", options=None, answer=list(clues[0]))
+    rec["meta"] = {"kind": kind, "colours": colours, "glyph_windows": [[float(a), float(b)] for a, b in glyphs]}
+    return rec, [(s, c, g) for s, c, g in zip(starts, colours, glyphs)]
+
+
+def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: float = 64.0) -> list[dict]:
+    """n synthetic prompt records (video paths relative to root, so video_root=root), videos cached in
+    <root>/videos/<id>.mp4. Deterministic in (n, seed, mix, duration): same ids, answers and video bytes.
+
+    A sidecar <id>.json holds the generation spec and byte size; a video is re-encoded only when the
+    sidecar is missing or differs (another mix or duration reuses an id with other content)."""
+    counts = _kind_counts(n, DEFAULT_MIX if mix is None else mix)
+    kinds = np.random.default_rng([seed, n]).permutation([k for k in KINDS for _ in range(counts.get(k, 0))])
+    records = []
+    for i, kind in enumerate(kinds):
+        rid = f"syn-{seed}-{i:05d}"
+        rng = np.random.default_rng([seed, i])
+        rec, marks = _make_one(rid, str(kind), rng, duration)
+        rec["video"] = f"videos/{rid}.mp4"
+        path, side = os.path.join(root, rec["video"]), os.path.join(root, f"videos/{rid}.json")
+        spec = {"duration": duration, "marks": [[s, c, list(g)] for s, c, g in marks],
+                "seed": [seed, i], "size": SIZE, "fps": FPS}
+        if not _cached(path, side, spec):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(side)  # video first, sidecar last: a sidecar always vouches for a whole video
+            frames = render_frames(duration, marks, seed=int(rng.integers(2 ** 31)))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp.mp4"  # per process: ranks sharing a root do not collide
+            try:
+                video.write_video(tmp, frames, FPS)
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+            _atomic_write(side, json.dumps({"spec": spec, "bytes": os.path.getsize(path)}).encode())
+        records.append(rec)
+    return records
+
+
+def _cached(path: str, side: str, spec: dict) -> bool:
+    """True when the video exists with the size and spec its sidecar recorded."""
+    if not (os.path.isfile(path) and os.path.isfile(side)):
+        return False
+    try:
+        with open(side, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):  # unreadable or half-written sidecar: regenerate
+        return False
+    return saved.get("spec") == spec and saved.get("bytes") == os.path.getsize(path)
+
+
+# ----------------------------------------------------------------------------- SFT trajectories
+
+def _t(x: float) -> str:
+    return f"{float(x):.1f}"  # 12.0, 12.5
+
+
+def _noisy_window(rng: np.random.Generator, s: float, e: float, noise: float, duration: float) -> tuple:
+    """Clue window with U(-noise, noise) on each end, rounded to 0.5 s, clamped to [0, duration]."""
+    a = min(max(round((s + rng.uniform(-noise, noise)) * 2) / 2, 0.0), duration)
+    b = min(max(round((e + rng.uniform(-noise, noise)) * 2) / 2, 0.0), duration)
+    return (a, b) if a < b else (s, e)
+
+
+def _call(a: float, b: float) -> str:
+    args = {"start_time": float(a), "end_time": float(b)}
+    return f"<tool_call>\n{json.dumps({'name': 'crop_video', 'arguments': args})}\n</tool_call>"
+
+
+def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = False,
+                 window_noise: float = 1.0) -> list[dict]:
+    """The SFT target after the prompt: assistant strings (CONTRACT format) and one tool message per call."""
+    kind, clues, colours = record["data_type"], record["clues"], record["meta"]["colours"]
+    if kind not in KINDS:
+        raise ValueError(f"{record['id']}: oracle trajectories exist for {KINDS} only, not {kind!r}")
+    duration = float(record.get("duration") or clues[-1][1])
+    answer = f"<answer>{record['answer']}</answer>"
+
+    def turn(think: str, body: str) -> dict:
+        return {"role": "assistant", "content": f"<think>\n{think}\n</think>\n{body}"}
+
+    if kind == "grounding":
+        s, e = record["answer"]
+        return [turn(f"The mark is visible from {_t(s)} to {_t(e)} seconds.", f"<answer>[{_t(s)}, {_t(e)}]</answer>")]
+    if kind == "direct" and not always_call:
+        return [turn(f"The shape is visible in the overview: it is {colours[0]}.", answer)]
+    windows = [_noisy_window(rng, s, e, window_noise, duration) for s, e in clues]
+    if kind == "multi_clue":
+        think = (f"I see marks at {_t(clues[0][0])} and {_t(clues[1][0])} seconds but the shapes are too small "
+                 "to read. I will crop both.")
+        final = (f"The first clip shows a {colours[0]} shape and the second a {colours[1]} shape, "
+                 f"so the {colours[0]} shape came first.")
+    else:  # single_clue, or direct with always_call
+        think = f"I see a mark at {_t(clues[0][0])} seconds but the shape is too small to read. I will crop it."
+        final = f"The clip shows a {colours[0]} shape."
+    tools = [{"role": "tool", "content": [{"type": "video", "video": record["video"], "video_start": a,
+                                           "video_end": b}]} for a, b in windows]
+    return [turn(think, "\n".join(_call(a, b) for a, b in windows)), *tools, turn(final, answer)]
+
+
+def write_sft_records(path: str, records: list[dict], seed: int, always_call: bool = False) -> None:
+    """JSONL of {"id", "video", "prompt": record, "messages": oracle_turns(record)} (see module docstring)."""
+    rng = np.random.default_rng(seed)
+    write_records(path, [{"id": r["id"], "video": r["video"], "prompt": r,
+                          "messages": oracle_turns(r, rng, always_call)} for r in records])

@@ -1,0 +1,336 @@
+"""Tests for data.py: record validation and I/O, question text, the synthetic task and its oracle.
+
+Run: /work/venv/bin/python -m pytest tests/test_data.py -q
+"""
+import json
+import os
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import data
+import video
+from data import PALETTE, RecordError
+from rewards import call_window, extract_answer, extract_time_range, parse_tool_calls
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """8 records, default mix: 4 single_clue, 2 multi_clue, 1 direct, 1 grounding (largest remainder)."""
+    root = str(tmp_path_factory.mktemp("syn"))
+    return root, data.make_split(root, 8, seed=0)
+
+
+def _mark_on(frame) -> bool:
+    """Is the white block in the top-left corner? frame (3, H, W) of a 64x64 video, maybe resized."""
+    k = frame.shape[-1] / 64
+    level = frame[:, round(2 * k): round(14 * k), round(2 * k): round(14 * k)].float().mean().item()
+    assert level > 220 or level < 170, f"ambiguous mark level {level}"  # background <= 135, mark 255
+    return level > 220
+
+
+def _glyph(frame) -> str | None:
+    """Palette colour of the centre square, or None when it shows the background."""
+    k = frame.shape[-1] / 64
+    rgb = frame[:, round(26 * k): round(38 * k), round(26 * k): round(38 * k)].float().mean((1, 2)).numpy()
+    dist = {name: np.abs(rgb - np.array(c)).max() for name, c in PALETTE.items()}
+    name = min(dist, key=dist.get)
+    return name if dist[name] < 40 else None
+
+
+# ----------------------------------------------------------------------------- resolve_video
+
+def test_resolve_video_refuses_escapes(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside.mp4"
+    (root / "videos").mkdir(parents=True)
+    (root / "videos" / "a.mp4").write_bytes(b"x")
+    outside.write_bytes(b"x")
+    os.symlink(outside, root / "link.mp4")
+    for rel in ["../outside.mp4",            # parent escape
+                str(outside),                # absolute path outside the root
+                "link.mp4",                  # symlink inside the root pointing outside
+                "videos/../../outside.mp4"]:  # escape hidden after a real folder
+        with pytest.raises(ValueError, match="outside the video root"):
+            data.resolve_video(str(root), rel)
+    real = os.path.realpath(root / "videos" / "a.mp4")
+    assert data.resolve_video(str(root), "videos/a.mp4") == real
+    assert data.resolve_video(str(root), str(root / "videos" / "a.mp4")) == real  # absolute but inside
+
+
+# ----------------------------------------------------------------------------- validate_record / load_records
+
+def _good(**change) -> dict:
+    rec = {"id": "r1", "video": "a.mp4", "question": "What colour?", "options": ["red", "green", "blue", "yellow"],
+           "answer": "B", "task": "mcq", "clues": [[2, 10]], "duration": 64}
+    rec.update(change)
+    return {k: v for k, v in rec.items() if v is not None}
+
+
+@pytest.mark.parametrize("rec, reason", [
+    ({k: v for k, v in _good().items() if k != "id"}, "missing field(s) id"),    # no id
+    (_good(answer=None, question=None), "missing field(s) question, answer"),   # both named
+    (_good(task="qa"), "unknown task 'qa'"),                                     # task outside mcq/oe/tvg
+    (_good(answer="E"), "not a letter among the options (A-D)"),               # letter past the options
+    (_good(answer="red"), "not a letter among the options"),                   # option text, not a letter
+    (_good(options=None), "needs 2 to 26 options"),                              # mcq without options
+    (_good(options="A. red"), "options must be a list of strings"),             # a string, not a list
+    (_good(task="tvg", answer=[5, 3]), "needs 0 <= start < end"),               # reversed window
+    (_good(task="tvg", answer="5-10"), "must be a [start, end] pair"),          # not a pair
+    (_good(clues=[[60, 70]]), "ends after the video's duration 64.0"),          # clue past the end
+    (_good(clues=[[3]]), "clue 0 must be a [start, end] pair"),                 # malformed clue
+    (_good(clues=[[-1, 4]]), "needs 0 <= start < end"),                         # negative start
+    (_good(clues=[[1, float("nan")]]), "must be a [start, end] pair"),          # NaN is not a time
+    (_good(duration=-3), "duration must be a positive number"),                 # nonsense duration
+    (_good(data_type="weird"), "data_type must be one of"),                     # unknown data_type
+    (_good(video="../x.mp4"), "outside the video root"),                        # path escape
+    (_good(video="missing.mp4"), "not found under"),                            # no file on disk
+    ([1, 2], "must be a JSON object"),                                           # not an object
+])
+def test_validate_record_errors(tmp_path, rec, reason):
+    (tmp_path / "a.mp4").write_bytes(b"x")
+    with pytest.raises(RecordError) as e:
+        data.validate_record(rec, str(tmp_path), "f.jsonl:7")
+    assert str(e.value).startswith("f.jsonl:7: ") and reason in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("change, data_type", [
+    ({"task": "tvg", "answer": [1, 9], "options": None}, "grounding"),   # tvg -> grounding
+    ({}, "single_clue"),                                                  # one clue
+    ({"clues": [[1, 5], [20, 30]]}, "multi_clue"),                        # several clues
+    ({"clues": None}, "free_form"),                                       # no clue
+    ({"data_type": "direct"}, "direct"),                                  # given: kept
+])
+def test_validate_record_infers_data_type(change, data_type):
+    assert data.validate_record(_good(**change), None, "x")["data_type"] == data_type
+
+
+def test_validate_record_normalises_and_keeps_extra_keys():
+    rec = data.validate_record(_good(id=17, answer=" b ", extra={"k": 1}), None, "x")
+    assert rec["id"] == "17" and rec["answer"] == "B" and rec["extra"] == {"k": 1}
+    assert rec["clues"] == [[2.0, 10.0]] and all(isinstance(v, float) for v in rec["clues"][0])
+    assert rec["duration"] == 64.0 and rec["meta"] == {}
+
+
+def test_load_records_keeps_good_lines_and_lists_errors(tmp_path):
+    (tmp_path / "a.mp4").write_bytes(b"x")
+    lines = [json.dumps(_good(id="g1")),                      # 1 good
+             "{not json",                                     # 2 bad JSON
+             json.dumps({"id": "m", "video": "a.mp4"}),       # 3 missing fields
+             json.dumps(_good(id="g2")),                      # 4 good
+             json.dumps(_good(id="b1", answer="F")),          # 5 answer not among the options
+             "",                                              # 6 blank: skipped, not counted
+             json.dumps(_good(id="b2", clues=[[60, 65]])),    # 7 clue past the duration
+             json.dumps(_good(id="b3", video="nope.mp4")),    # 8 video missing
+             json.dumps(_good(id="g1")),                      # 9 duplicate id
+             json.dumps(_good(id="g3", task="oe", answer="a red square", options=None)),  # 10 good
+             json.dumps(_good(id="g4")), json.dumps(_good(id="g5")), json.dumps(_good(id="g6"))]  # 11-13
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    records, errors = data.load_records(str(path), str(tmp_path))
+    assert [r["id"] for r in records] == ["g1", "g2", "g3", "g4", "g5", "g6"]
+    assert [e.split(": ")[0] for e in errors] == [f"{path}:{n}" for n in (2, 3, 5, 7, 8, 9)]
+    for e, why in zip(errors, ["not valid JSON", "missing field", "not a letter", "duration", "not found",
+                               "duplicate id 'g1' (first on line 1)"]):
+        assert why in e, e
+
+
+def test_load_records_too_many_bad_lines(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(_good()) + "\n[]\n{\n")
+    with pytest.raises(ValueError, match=r"2 of 3 lines are bad.*bad.jsonl:2: a record must be a JSON object"):
+        data.load_records(str(path))
+    assert len(data.load_records(str(path), max_bad_fraction=0.7)[1]) == 2  # a looser limit passes
+    with pytest.raises(ValueError, match="missing.jsonl: cannot read"):
+        data.load_records(str(tmp_path / "missing.jsonl"))
+
+
+def test_write_records_round_trip_and_atomic(tmp_path):
+    path = str(tmp_path / "out" / "r.jsonl")
+    recs = [data.validate_record(_good(id=f"r{i}", question="Qué color? ✓"), None, "x") for i in range(3)]
+    data.write_records(path, recs)
+    assert data.load_records(path) == (recs, [])
+    with pytest.raises(TypeError):               # unserialisable record: the old file must survive
+        data.write_records(path, [{"id": {1, 2}}])
+    assert data.load_records(path) == (recs, [])
+    assert os.listdir(tmp_path / "out") == ["r.jsonl"]  # no temp file left behind
+
+
+# ----------------------------------------------------------------------------- format_question
+
+MCQ = "Answer with the option letter inside <answer></answer>."
+
+
+@pytest.mark.parametrize("rec, text", [
+    # plain options get letters
+    ({"task": "mcq", "question": "Q?", "options": ["red", "blue"]}, f"Question: Q?\nOptions:\nA. red\nB. blue\n{MCQ}"),
+    # benchmark options that already carry their letter are not prefixed twice
+    ({"task": "mcq", "question": "Q?", "options": ["A. red", "B. blue"]},
+     f"Question: Q?\nOptions:\nA. red\nB. blue\n{MCQ}"),
+    # an option that merely starts with a capital letter is still prefixed
+    ({"task": "mcq", "question": "Q?", "options": ["A cat", "Big dog"]},
+     f"Question: Q?\nOptions:\nA. A cat\nB. Big dog\n{MCQ}"),
+    # open-ended: no options block
+    ({"task": "oe", "question": "Q?", "options": None}, "Question: Q?\nAnswer briefly inside <answer></answer>."),
+    # grounding instruction
+    ({"task": "tvg", "question": "When?"},
+     "Question: When?\nAnswer with the time window as <answer>[start, end]</answer> in seconds."),
+    # subtitles come first
+    ({"task": "oe", "question": "Q?", "subtitles": "hi\nthere"},
+     "Subtitles:\nhi\nthere\nQuestion: Q?\nAnswer briefly inside <answer></answer>."),
+])
+def test_format_question(rec, text):
+    assert data.format_question(rec) == text
+
+
+# ----------------------------------------------------------------------------- make_split
+
+def test_make_split_records_are_valid_and_consistent(split):
+    root, recs = split
+    assert Counter(r["data_type"] for r in recs) == {"single_clue": 4, "multi_clue": 2, "direct": 1, "grounding": 1}
+    assert [r["id"] for r in recs] == [f"syn-0-{i:05d}" for i in range(8)]
+    for r in recs:
+        assert data.validate_record(r, root, r["id"]) == r   # already normalised, video inside root
+        m, clues = r["meta"], r["clues"]
+        assert m["kind"] == r["data_type"] and len(set(m["colours"])) == len(m["colours"]) == len(clues)
+        for (s, e), (g0, g1) in zip(clues, m["glyph_windows"]):
+            assert e - s == 8 and s == int(s) and 0 <= s and e <= r["duration"]
+            assert (g0, g1) == ((s, e) if r["data_type"] == "direct" else (s + 3, s + 5))
+        if len(clues) == 2:
+            assert clues[1][0] >= clues[0][1] + 4                          # >= 4 s apart, time order
+        if r["data_type"] in ("single_clue", "direct"):
+            assert r["options"] == list(PALETTE) and r["answer"] == "ABCD"[list(PALETTE).index(m["colours"][0])]
+        elif r["data_type"] == "multi_clue":
+            assert r["options"][ord(r["answer"]) - 65] == f"the {m['colours'][0]} shape"  # earlier colour
+            assert {r["options"][0], r["options"][1]} == {f"the {c} shape" for c in m["colours"]}
+        else:
+            assert r["task"] == "tvg" and r["answer"] == clues[0]
+
+
+def test_make_split_deterministic_and_cached(split, tmp_path):
+    """Same seed -> same records and the same video BYTES. Regression: letting PyAV convert rgb24 to
+    yuv420p implicitly inside encode() made some videos differ run to run (x264 got different input)."""
+    root, recs = split
+    again = data.make_split(str(tmp_path), 8, seed=0)
+    assert again == recs
+    for r in recs:
+        assert (tmp_path / r["video"]).read_bytes() == open(os.path.join(root, r["video"]), "rb").read()
+    mtimes = [os.stat(tmp_path / r["video"]).st_mtime_ns for r in recs]
+    assert data.make_split(str(tmp_path), 8, seed=0) == recs
+    assert [os.stat(tmp_path / r["video"]).st_mtime_ns for r in recs] == mtimes  # cache hit: not rewritten
+    assert data.make_split(str(tmp_path), 8, seed=1) != recs                     # another seed differs
+
+
+def test_make_split_cache_follows_content(tmp_path):
+    """Same id, other mix: the cached video must be re-encoded, not reused with the old marks."""
+    a = data.make_split(str(tmp_path / "a"), 2, seed=3, mix={"direct": 1.0}, duration=24.0)
+    b = data.make_split(str(tmp_path / "a"), 2, seed=3, mix={"multi_clue": 1.0}, duration=24.0)
+    fresh = data.make_split(str(tmp_path / "b"), 2, seed=3, mix={"multi_clue": 1.0}, duration=24.0)
+    assert [r["id"] for r in a] == [r["id"] for r in b] and b == fresh
+    for r in b:
+        assert (tmp_path / "a" / r["video"]).read_bytes() == (tmp_path / "b" / r["video"]).read_bytes()
+
+
+def test_make_split_mix_proportions(tmp_path):
+    recs = data.make_split(str(tmp_path), 40, seed=5, mix={"single_clue": 3, "grounding": 1}, duration=24.0)
+    assert Counter(r["data_type"] for r in recs) == {"single_clue": 30, "grounding": 10}
+    kinds = [r["data_type"] for r in recs]
+    assert kinds != sorted(kinds)                                    # shuffled, not in blocks
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mix": {"bogus": 1.0}}, "mix must map"),                      # unknown kind
+    ({"mix": {"direct": 0.0}}, "mix must map"),                     # no positive weight
+    ({"mix": {"multi_clue": 1.0}, "duration": 16.0}, "cannot hold 2 mark"),  # 2 marks + gap need 20 s
+])
+def test_make_split_bad_arguments(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        data.make_split(str(tmp_path), 2, seed=0, **kwargs)
+
+
+def test_videos_show_marks_and_glyphs_exactly_when_scheduled(split):
+    """Every frame at 2 fps: the block is on iff inside a mark window, the glyph iff inside its glyph window."""
+    root, recs = split
+    for r in recs:
+        path = os.path.join(root, r["video"])
+        info = video.probe(path)
+        assert (info.duration, info.fps, info.width, info.height) == (64.0, 2.0, 64, 64)
+        clip = video.sample_overview(path, nframes=128)
+        assert np.allclose(clip.times, np.arange(128) / 2)
+        for frame, t in zip(clip.frames, clip.times):
+            want_mark = any(s <= t < e for s, e in r["clues"])
+            want_glyph = [c for c, (g0, g1) in zip(r["meta"]["colours"], r["meta"]["glyph_windows"]) if g0 <= t < g1]
+            assert _mark_on(frame) == want_mark, (r["id"], t)
+            assert _glyph(frame) == (want_glyph[0] if want_glyph else None), (r["id"], t)
+
+
+def test_crop_of_mark_window_shows_glyph_and_overview_shows_mark(split):
+    root, recs = split
+    for r in recs:
+        path = os.path.join(root, r["video"])
+        for (s, e), colour in zip(r["clues"], r["meta"]["colours"]):
+            clip = video.crop(path, s, e, level="medium")            # 2 fps clip of the mark window
+            assert colour in [_glyph(f) for f in clip.frames], (r["id"], s)
+        ov = video.sample_overview(path, nframes=16, max_pixels=32 * 32)   # sparse, 32x32 overview
+        assert ov.frames.shape[-2:] == (32, 32)
+        for frame, t in zip(ov.frames, ov.times):
+            assert _mark_on(frame) == any(s <= t < e for s, e in r["clues"]), (r["id"], t)
+
+
+# ----------------------------------------------------------------------------- oracle trajectories
+
+def _check_oracle(r, msgs, n_calls, noise=1.0):
+    """Structure shared by every kind; returns the crop windows of the first assistant turn."""
+    assistant = [m for m in msgs if m["role"] == "assistant"]
+    assert all(m["content"].startswith("<think>\n") and "</think>\n" in m["content"] for m in assistant)
+    assert extract_answer(assistant[-1]["content"]) is not None and not parse_tool_calls(assistant[-1]["content"])
+    if n_calls == 0:
+        assert len(msgs) == 1
+        return []
+    calls = parse_tool_calls(assistant[0]["content"])
+    windows = [call_window(c) for c in calls]
+    assert len(calls) == n_calls and None not in windows and len(assistant) == 2
+    tools = msgs[1:-1]
+    assert [(m["role"], m["content"][0]["video_start"], m["content"][0]["video_end"], m["content"][0]["video"])
+            for m in tools] == [("tool", a, b, r["video"]) for a, b in windows]
+    for (a, b), (s, e) in zip(windows, r["clues"]):
+        assert a < b and abs(a - s) <= noise and abs(b - e) <= noise and a * 2 == int(a * 2) and b * 2 == int(b * 2)
+    return windows
+
+
+def test_oracle_turns_by_kind(split):
+    _, recs = split
+    rng = np.random.default_rng(0)
+    for r in recs:
+        kind = r["data_type"]
+        msgs = data.oracle_turns(r, rng)
+        answer = extract_answer(msgs[-1]["content"])
+        if kind == "grounding":
+            _check_oracle(r, msgs, 0)
+            assert extract_time_range(answer) == tuple(r["answer"]) and answer == f"[{r['answer'][0]:.1f}, {r['answer'][1]:.1f}]"
+        else:
+            assert answer == r["answer"]
+            windows = _check_oracle(r, msgs, {"single_clue": 1, "multi_clue": 2, "direct": 0}[kind])
+            assert windows == sorted(windows)                                       # calls in time order
+            assert all(c in msgs[-1]["content"] for c in r["meta"]["colours"])      # final think names colours
+        if kind == "direct":
+            _check_oracle(r, data.oracle_turns(r, rng, always_call=True), 1)       # always_call: one crop
+
+
+def test_oracle_windows_clamped_to_the_video():
+    r = {"id": "x", "video": "v.mp4", "data_type": "single_clue", "clues": [[0.0, 8.0]], "duration": 8.0,
+         "answer": "A", "meta": {"colours": ["red"]}}
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        (a, b), = _check_oracle(r, data.oracle_turns(r, rng, window_noise=3.0), 1, noise=3.0)
+        assert 0.0 <= a < b <= 8.0
+
+
+def test_write_sft_records(split, tmp_path):
+    _, recs = split
+    path = str(tmp_path / "sft.jsonl")
+    data.write_sft_records(path, recs, seed=4)
+    rows = [json.loads(line) for line in open(path)]
+    rng = np.random.default_rng(4)
+    assert rows == [{"id": r["id"], "video": r["video"], "prompt": r, "messages": data.oracle_turns(r, rng)}
+                    for r in recs]

@@ -1,0 +1,935 @@
+"""
+Training: GRPO for agentic long-video RL (ParaVT arXiv 2605.20342 + Video-o3 arXiv 2601.23224).
+
+[Algorithm paragraph, numbered departures from the papers, and the three run commands (CPU smoke,
+1 GPU, --gpus 8): written together with parse_args / main below.]
+
+The top of this file holds the pure math the loop uses, importable on its own
+(`from train import grpo_loss`):
+
+    token_logprobs  hidden (N, D) x lm_head (V, D) -> log p(target) (N,), in token chunks, so the
+                    (N, V) logits never exist whole (vocab V = 151,936 for Qwen)
+    grpo_loss       PPO-clip surrogate + optional KL to a frozen reference, token-mean over policy tokens
+    kl_penalty      per-token k1 / k3 KL estimators
+    get_lr          linear warmup, then cosine decay to min_lr_ratio * lr
+    tdam_mask       Video-o3 Task-Decoupled Attention Masking (SFT), (L, L) bool, True = may attend
+"""
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import socket
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import data
+import model as model_lib
+import rewards
+import rollout
+
+# -----------------------------------------------------------------------------
+# Chunked log-probabilities: hidden states x lm_head -> log p(token), never the (N, V) matrix
+
+# `TOKEN_LOGPROBS_COMPILE=0` runs the chunk kernels eagerly everywhere (for debugging and pdb).
+# `TORCH_COMPILE_DISABLE=1` does the same for every torch.compile in the process.
+_compiled_kernels: dict = {}
+
+
+def _kernel(fn, use_compile: bool):
+    """The chunk kernel `fn`, compiled on first use with fixed shapes, or `fn` itself when compile is off."""
+    if not use_compile or os.environ.get("TOKEN_LOGPROBS_COMPILE", "1") == "0":
+        return fn
+    if fn not in _compiled_kernels:
+        _compiled_kernels[fn] = torch.compile(fn, dynamic=False)
+    return _compiled_kernels[fn]
+
+
+def _chunk_logprobs(logits, targets):
+    """One chunk forward: logits (C, V) -> log p(target) (C,) and logsumexp (C,), both fp32."""
+    logits = logits.float()                                       # the upcast fuses into the reductions
+    lse = torch.logsumexp(logits, dim=-1)                         # (C,)
+    target_logit = logits.gather(1, targets[:, None]).squeeze(1)  # (C,)
+    return target_logit - lse, lse
+
+
+def _chunk_grad_logits_(logits, targets, lse, grad_out):
+    """One chunk backward, in place: logits (C, V) <- g * (onehot(t) - softmax) = d loss / d logits."""
+    probs = torch.exp(logits.float() - lse[:, None])              # softmax from the saved logsumexp, fp32
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    onehot = (targets[:, None] == vocab[None, :]).float()
+    logits.copy_(grad_out[:, None] * (onehot - probs))            # compiled: one fused kernel, no new (C, V) buffer
+
+
+def _chunk(x: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
+    """Rows [start, start + chunk) of x, zero-padded at the end so every chunk has `chunk` rows."""
+    part = x[start:start + chunk]
+    pad = chunk - part.shape[0]
+    if pad == 0:
+        return part
+    return torch.cat([part, part.new_zeros((pad, *part.shape[1:]))])
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Chunked log p(target) with a hand-written backward; see `token_logprobs`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, use_compile):
+        n = hidden.shape[0]
+        forward_kernel = _kernel(_chunk_logprobs, use_compile)
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)       # (N,), the only saved activation
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            logits = _chunk(hidden, start, chunk) @ weight.T                   # (C, V), GEMM in the input dtype
+            lp, ls = forward_kernel(logits, _chunk(targets, start, chunk))
+            logprobs[start:stop] = lp[:stop - start]
+            lse[start:stop] = ls[:stop - start]
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.use_compile = chunk, use_compile
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        chunk, n = ctx.chunk, hidden.shape[0]
+        backward_kernel = _kernel(_chunk_grad_logits_, ctx.use_compile)
+        grad_out = grad_out.float()
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None       # (N, D)
+        grad_weight = None
+        if need_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, D) fp32 sum
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            h = _chunk(hidden, start, chunk)                                   # (C, D)
+            # the logits again, exactly as in forward, then overwritten with d loss / d logits;
+            # padded rows carry g = 0, so their rows of grad_logits are exactly zero
+            grad_logits = h @ weight.T                                         # (C, V)
+            backward_kernel(grad_logits, _chunk(targets, start, chunk), _chunk(lse, start, chunk),
+                            _chunk(grad_out, start, chunk))
+            if need_hidden:
+                grad_hidden[start:stop] = (grad_logits @ weight)[:stop - start]  # (C, V) @ (V, D)
+            if need_weight:
+                if grad_logits.dtype == torch.float32:
+                    grad_weight.addmm_(grad_logits.T, h)                       # in place, no (V, D) temporary
+                else:
+                    grad_weight += grad_logits.T @ h                           # bf16 GEMM, fp32 sum over chunks
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
+                   chunk_size: int = 1024, compile: bool = True) -> torch.Tensor:
+    """
+    log p(target) for each token from final hidden states, without materialising the logits.
+
+        logp_i = h_i . W[t_i] - logsumexp_v(h_i . W[v])
+        d logp_i / d logits_i = onehot(t_i) - softmax(logits_i)
+        grad_h_i = g_i (onehot(t_i) - p_i) W          grad_W = sum_i g_i (onehot(t_i) - p_i)^T h_i
+
+    Shapes: hidden (..., D), lm_head_weight (V, D), targets (...) int64 in [0, V) -> (...) float32.
+    Forward walks the tokens in chunks of C = chunk_size rows: a chunk's (C, V) logits come from one
+    GEMM, are reduced in fp32 to the target logit and the logsumexp, and dropped; only lse (N,) is
+    saved. Backward recomputes each chunk's logits with the same GEMM, overwrites them in place with
+    grad_logits = g (onehot - exp(logits - lse)), then grad_hidden chunk = grad_logits @ W and
+    grad_W += grad_logits^T h_chunk (an fp32 accumulator, cast to W's dtype at the end).
+
+    Memory: O(C V) working memory instead of O(N V). With Qwen's vocab V = 151,936 the naive path
+    at N = 8192 tokens holds 5 GB of fp32 logits, and autograd keeps about three such (N, V) tensors
+    alive in backward; here one (C, V) buffer, 0.6 GB for C = 1024 in fp32, whatever N is. The price
+    is one extra GEMM (the logits recomputed in backward): 4 GEMMs of N x D x V instead of 3.
+    bf16/fp16 inputs: the GEMMs run in the input dtype (fp32 accumulation inside the GEMM), the
+    softmax math in fp32, and grad_W sums the chunks in fp32.
+
+    The softmax math of a chunk (forward: logsumexp and gather; backward: the in-place gradient) runs
+    under `torch.compile(dynamic=False)`, compiled lazily on first use, which fuses it into one pass
+    over the (C, V) buffer; the GEMMs are library calls either way. The last chunk is zero-padded to
+    C rows so one shape is compiled; when N < chunk_size the chunk shrinks to the next power of two
+    >= N. `compile=False` or env TOKEN_LOGPROBS_COMPILE=0 runs the same code eagerly (with a few
+    (C, V) temporaries). Call it outside any compiled region: its Python loop is the point.
+    Source: the fused "linear + cross-entropy" of Liger-Kernel (arXiv 2410.10989), here returning
+    per-token log-probs (GRPO needs those, not one summed loss), hence the recompute in backward.
+    """
+    vocab, dim = lm_head_weight.shape
+    if hidden.shape[-1] != dim:
+        raise ValueError(f"token_logprobs: hidden has size {hidden.shape[-1]} in its last dim, "
+                         f"lm_head_weight is {tuple(lm_head_weight.shape)}; expected (V, {hidden.shape[-1]})")
+    if hidden.dtype != lm_head_weight.dtype:
+        raise ValueError(f"token_logprobs: hidden is {hidden.dtype} but lm_head_weight is {lm_head_weight.dtype}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"token_logprobs: targets shape {tuple(targets.shape)} != hidden shape "
+                         f"{tuple(hidden.shape)} without its last dim")
+    if chunk_size < 1:
+        raise ValueError(f"token_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    lead_shape = targets.shape
+    hidden, targets = hidden.reshape(-1, dim), targets.reshape(-1).long()  # (N, D), (N,)
+    n = targets.shape[0]
+    if bool(((targets < 0) | (targets >= vocab)).any()):  # one host sync; a bad id would otherwise read garbage
+        raise ValueError(f"token_logprobs: targets must lie in [0, {vocab}), got min {int(targets.min())} "
+                         f"max {int(targets.max())} (mask pads with a valid id, not -100)")
+    chunk = min(chunk_size, 1 << max(n - 1, 0).bit_length())  # a few fixed shapes, so dynamic=False stays cheap
+    return _TokenLogprobs.apply(hidden, lm_head_weight, targets, chunk, compile).reshape(lead_shape)
+
+
+# -----------------------------------------------------------------------------
+# GRPO loss, KL, learning-rate schedule
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """
+    Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (same shape as the inputs).
+
+        k1 = log pi_theta - log pi_ref                      unbiased, can be negative (ParaVT, in the reward)
+        k3 = exp(log pi_ref - log pi_theta) - (log pi_ref - log pi_theta) - 1
+                                                            unbiased, always >= 0 (DeepSeekMath's choice)
+    Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html
+    """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k3":
+        log_ratio = ref_logprobs - logprobs
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    raise ValueError(f"kl_penalty: estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
+              ref_logprobs: torch.Tensor | None = None, kl_estimator: str = "k3",
+              num_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """
+    PPO-clip surrogate with group advantages (GRPO, arXiv 2402.03300), token-mean as in DAPO (arXiv 2503.14476).
+
+        r_it  = exp(log pi_theta(o_it) - log pi_old(o_it))
+        l_it  = -min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it) + beta KL_it
+        loss  = sum_it m_it l_it / sum_it m_it                  (token-mean over the whole batch)
+
+    Shapes: logprobs, old_logprobs, ref_logprobs, mask (B, L); advantages (B,) broadcast over the
+    sequence, or (B, L) per token (token-level anchoring adds credit at closing-tag positions).
+    The mask m is 1 only on the policy's own sampled tokens: never the prompt, tool responses,
+    inserted video frames, forced text (a forced "<answer>"), or pads. Masked positions are cut out
+    before any arithmetic, so garbage there (inf, NaN) gets exactly zero gradient.
+    eps_low / eps_high = clip_low / clip_high (ParaVT 0.2 / 0.2, Video-o3 "clip higher" 0.2 / 0.3).
+    KL_it is `kl_penalty(logprobs, ref_logprobs, kl_estimator)` against a frozen reference, weighted by
+    beta = kl_coef (Video-o3: 0; ParaVT folds k1 into the reward upstream instead).
+    With one optimiser update per batch pi_old == pi_theta, so r = 1 and clipping does nothing: the
+    loss is -mean(A) over policy tokens and its gradient is the plain policy gradient.
+    num_tokens: the normaliser; default this call's sum(mask). With micro-batches (or ranks), pass
+    the policy-token count of the whole batch, so the summed gradients equal one big batch's.
+    Returns (loss, stats) with stats = clip_frac, kl, n_tokens, ratio_mean as Python numbers.
+    """
+    if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
+        raise ValueError(f"grpo_loss: logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
+                         f"and mask {tuple(mask.shape)} must all be (B, L)")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(f"grpo_loss: advantages {tuple(advantages.shape)} must be (B,) or (B, L) "
+                         f"for logprobs {tuple(logprobs.shape)}")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("grpo_loss: kl_coef != 0 needs ref_logprobs")
+    if ref_logprobs is not None and ref_logprobs.shape != logprobs.shape:
+        raise ValueError(f"grpo_loss: ref_logprobs {tuple(ref_logprobs.shape)} != logprobs {tuple(logprobs.shape)}")
+    mask = mask.bool()
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logprobs.dtype)  # (B, 1) or (B, L)
+    adv = torch.where(mask, adv, 0.0)                                                          # (B, L)
+    logprobs = torch.where(mask, logprobs, 0.0)            # cut masked positions out before any arithmetic
+    old_logprobs = torch.where(mask, old_logprobs.detach(), 0.0)
+
+    ratio = torch.exp(logprobs - old_logprobs)             # (B, L); exactly 1 where masked
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    kl = torch.zeros_like(logprobs)
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, torch.where(mask, ref_logprobs.detach(), 0.0), kl_estimator)  # 0 where masked
+        if kl_coef != 0.0:
+            per_token = per_token + kl_coef * kl
+
+    n_tokens = mask.sum()
+    normaliser = n_tokens.clamp(min=1) if num_tokens is None else num_tokens
+    # the normaliser: token-mean over all policy tokens of the batch (DAPO), not GRPO's per-sequence mean
+    loss = torch.where(mask, per_token, 0.0).sum() / normaliser
+
+    with torch.no_grad():
+        clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))
+        denom = n_tokens.clamp(min=1)
+        stats = {
+            "clip_frac": float((clipped & mask).sum() / denom),
+            "kl": float(kl.sum() / denom),
+            "n_tokens": int(n_tokens),
+            "ratio_mean": float(torch.where(mask, ratio, 0.0).sum() / denom),
+        }
+    return loss, stats
+
+
+def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
+    """
+    Linear warmup to lr over `warmup_steps`, then cosine decay to min_lr = min_lr_ratio * lr at `total_steps`.
+
+        step < warmup:  lr * (step + 1) / warmup
+        else:           min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2,  p = (step - warmup) / (total - warmup)
+    Steps past total_steps stay at min_lr (nanoGPT's get_lr, with the ratio instead of an absolute floor).
+    """
+    if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"get_lr: need total_steps >= 1 and 0 <= warmup_steps <= total_steps, "
+                         f"got total_steps={total_steps}, warmup_steps={warmup_steps}")
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    min_lr = min_lr_ratio * lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# -----------------------------------------------------------------------------
+# TDAM: Task-Decoupled Attention Masking (Video-o3 SFT)
+
+def _check_span(name: str, span: tuple[int, int], seq_len: int) -> tuple[int, int]:
+    start, end = span
+    if not 0 <= start <= end <= seq_len:
+        raise ValueError(f"tdam_mask: {name} {span} is not a [start, end) span inside a sequence of {seq_len} tokens")
+    return start, end
+
+
+def tdam_mask(seq_len: int, overview_span: tuple[int, int] | None, answer_span: tuple[int, int] | None,
+              call_spans: list[tuple[int, int]], obs_spans: list[tuple[int, int]]) -> torch.Tensor:
+    """
+    Video-o3's Task-Decoupled Attention Masking (arXiv 2601.23224, used on 10% of SFT batches).
+
+    Start from the causal mask M[i, j] = (j <= i), True = query i may attend to key j, then:
+      (1) rows of the final answer span may not see columns of the overview video span, when the
+          sequence holds more than one video (obs_spans non-empty), so the answer must rest on the
+          cropped evidence;
+      (2) rows of every tool-call span after the first may not see columns of the tool-observation
+          video spans that end before that call starts, so each new call plans from the overview
+          rather than copying the last crop.
+    Every other entry stays causal. Spans are [start, end) token indices; `answer_span` is the text
+    after `<answer>`. Returns (L, L) bool; `to_additive_mask` turns it into HF's 4-D float form.
+    """
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()  # (L, L) causal
+    obs = [_check_span("obs_span", s, seq_len) for s in obs_spans]
+    calls = sorted(_check_span("call_span", s, seq_len) for s in call_spans)
+    if overview_span is not None and answer_span is not None and obs:
+        v0, v1 = _check_span("overview_span", overview_span, seq_len)
+        a0, a1 = _check_span("answer_span", answer_span, seq_len)
+        if a0 < v1 and a1 > v0:
+            raise ValueError(f"tdam_mask: answer_span {answer_span} overlaps overview_span {overview_span}")
+        mask[a0:a1, v0:v1] = False                                # rule (1)
+    for c0, c1 in calls[1:]:
+        for o0, o1 in obs:
+            if o1 <= c0:
+                mask[c0:c1, o0:o1] = False                        # rule (2)
+    return mask
+
+
+def to_additive_mask(bool_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """
+    Bool mask (True = attend) -> HF's 4-D additive float mask: 0 where allowed, finfo(dtype).min elsewhere.
+    (L, L) -> (1, 1, L, L); (B, L, L) -> (B, 1, L, L), the head dim broadcast.
+    """
+    if bool_mask.dim() not in (2, 3) or bool_mask.shape[-1] != bool_mask.shape[-2]:
+        raise ValueError(f"to_additive_mask: expected (L, L) or (B, L, L), got {tuple(bool_mask.shape)}")
+    additive = torch.zeros(bool_mask.shape, dtype=dtype, device=bool_mask.device)
+    additive = additive.masked_fill(~bool_mask.bool(), torch.finfo(dtype).min)
+    return additive[None, None] if bool_mask.dim() == 2 else additive[:, None]
+
+
+# ----- parse_args / main / launcher: below -----
+
+
+# -----------------------------------------------------------------------------
+# rewards per recipe, and the per-step metrics
+
+def score_trajectory(traj, record: dict, recipe: str, anchoring: str, released_scoring: bool) -> tuple[float, dict]:
+    """Total reward and its components for one trajectory under a recipe (see module docstring).
+    anchoring == "token": the anchor term leaves the sequence reward and goes onto closing tags instead."""
+    text = traj.policy_text if released_scoring else traj.text
+    target, task = record["answer"], record["task"]
+    clues = record.get("clues") or []
+    data_type = rewards.infer_data_type(task, clues, record.get("data_type"))
+    anchor_w = 0.5 if anchoring == "sequence" else 0.0
+    if recipe == "vtgr":
+        total, parts = rewards.vtgr_reward(traj.turns, text, target, task, data_type, traj.windows, clues, traj.n_tool_turns)
+        parts["anchor"] = rewards.format_anchor(text)
+    else:
+        total, parts = rewards.paravt_reward(text, target, task, anchor_weight=anchor_w)
+        if recipe == "combined" and clues:   # the VTGR tool term wherever the record has clue windows
+            fmt_ok = rewards.grounding_format_reward(traj.turns) == 1.0
+            tool = rewards.vtgr_tool_term(data_type, traj.windows, clues, traj.n_tool_turns, parts["acc"] == 1.0, fmt_ok)
+            total += tool - parts["tool"]
+            parts["tool"] = tool
+    parts["clue"] = rewards.hybrid_clue_score(traj.windows, clues, multi_clue=data_type == "multi_clue") if clues else 0.0
+    return float(total), {k: float(v) for k, v in parts.items()}
+
+
+def rollout_metrics(trajs: list, comps: list[dict]) -> dict:
+    """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves)."""
+    ok = [t for t in trajs if t.error is None]
+    n = max(1, len(ok))
+    calls = sum(t.n_calls for t in ok)
+    tool_turns = sum(t.n_tool_turns for t in ok)
+    out = {f"reward/{k}": sum(c[k] for c in comps) / max(1, len(comps)) for k in (comps[0] if comps else {})}
+    out.update(accuracy=out.get("reward/acc", 0.0),
+               format_compliance=sum(rewards.format_compliant(t.text) for t in ok) / n,
+               tool_call_ratio=sum(t.n_calls > 0 for t in ok) / n,
+               calls_per_turn=calls / max(1, tool_turns), turns=tool_turns / n,
+               tool_failure_rate=sum(t.tool_failures for t in ok) / max(1, calls),
+               truncated=sum(t.truncated or t.hit_turn_limit for t in ok) / n,
+               mean_k=sum(t.nframes for t in ok) / n, bad_samples=len(trajs) - len(ok))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# batches: whole trajectories -> log-probs of the policy tokens
+
+def forward_logprobs(model, batch: dict, chunk_size: int, attn_mask_4d=None) -> torch.Tensor:
+    """(B, L-1) log p(next token) at POLICY positions (0 elsewhere), through `token_logprobs`."""
+    device = next(model.parameters()).device
+    kw = {k: v.to(device) for k, v in batch.items() if k not in ("roles",)}
+    if "pixel_values_videos" in kw:
+        kw["pixel_values_videos"] = kw["pixel_values_videos"].to(next(model.parameters()).dtype)
+    if attn_mask_4d is not None:
+        kw["attention_mask"] = attn_mask_4d.to(device)
+    hidden = model.model(**kw, use_cache=False).last_hidden_state[:, :-1]            # (B, L-1, D)
+    targets = batch["input_ids"][:, 1:].to(device)
+    policy = (batch["roles"][:, 1:] == 1).to(device)
+    out = torch.zeros(targets.shape, device=device, dtype=torch.float32)
+    if policy.any():
+        out[policy] = token_logprobs(hidden[policy], model.lm_head.weight, targets[policy], chunk_size)
+    return out
+
+
+def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
+    """(B, 1, L, L) additive mask: TDAM on each row (spans found from the tokens) plus padding."""
+    B, L = batch["input_ids"].shape
+    masks = []
+    for i in range(B):
+        row = batch["input_ids"][i].tolist()
+        n = int(batch["attention_mask"][i].sum())
+        vids, s = [], None
+        for j, t in enumerate(row[:n] + [-1]):       # maximal runs of video tokens, merged per video
+            if t == video_id and s is None:
+                s = j
+            elif t != video_id and s is not None:
+                vids.append((s, j))
+                s = None
+        prompt_len = row.index(ids["<think>"]) if ids["<think>"] in row else n
+        overview = [v for v in vids if v[1] <= prompt_len]
+        obs = [v for v in vids if v[0] >= prompt_len]
+        span = lambda vs: (vs[0][0], vs[-1][1]) if vs else None
+        calls = [(j, row.index(ids["</tool_call>"], j) + 1) for j in range(n)
+                 if row[j] == ids["<tool_call>"] and ids["</tool_call>"] in row[j:n]]
+        ans = [j for j in range(n) if row[j] == ids["<answer>"]]
+        answer = (ans[-1] + 1, n) if ans else None
+        m = tdam_mask(n, span(overview), answer, calls, obs) if answer and answer[0] < n else \
+            torch.ones(n, n, dtype=torch.bool).tril()
+        full = torch.zeros(L, L, dtype=torch.bool)
+        full[:n, :n] = m
+        full[torch.arange(L), torch.arange(L)] = True        # pads attend to themselves (no NaN rows)
+        masks.append(full)
+    return to_additive_mask(torch.stack(masks)).squeeze(1)[:, None]
+
+
+def sft_loss(model, batch: dict, chunk_size: int, attn_mask_4d=None) -> tuple[torch.Tensor, int]:
+    """Cross-entropy on assistant (POLICY) tokens only, token mean."""
+    lp = forward_logprobs(model, batch, chunk_size, attn_mask_4d)
+    mask = (batch["roles"][:, 1:] == 1).to(lp.device)
+    n = int(mask.sum())
+    return -(lp * mask).sum() / max(1, n), n
+
+
+def grpo_step_loss(model, batch: dict, old_lp, adv_tok, ref_lp, args) -> tuple[torch.Tensor, dict]:
+    lp = forward_logprobs(model, batch, args.logprob_chunk)
+    mask = (batch["roles"][:, 1:] == 1).to(lp.device)
+    return grpo_loss(lp, old_lp, adv_tok, mask, clip_low=args.clip_low, clip_high=args.clip_high,
+                     kl_coef=args.kl_coef, ref_logprobs=ref_lp, kl_estimator=args.kl_estimator)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints (atomic: written to a temp dir, then renamed)
+
+def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra: dict, state_dict=None) -> str:
+    final = os.path.join(run_dir, f"ckpt-{step:06d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    if state_dict is None:
+        model_lib.save_model(model, processor, tmp)
+    else:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        processor.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None, "step": step,
+                "rng_torch": torch.get_rng_state(), "rng_random": random.getstate(), **extra},
+               os.path.join(tmp, "trainer.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)                   # the only moment a checkpoint becomes visible
+    return final
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """Newest complete checkpoint (a half-written `.tmp` dir is never picked up)."""
+    if not os.path.isdir(run_dir):
+        return None
+    done = sorted(d for d in os.listdir(run_dir) if re.fullmatch(r"ckpt-\d{6}", d)
+                  and os.path.exists(os.path.join(run_dir, d, "trainer.pt")))
+    return os.path.join(run_dir, done[-1]) if done else None
+
+
+def append_metrics(path: str, row: dict, last_step: int | None = None) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def truncate_metrics(path: str, stage: str, step: int) -> None:
+    """On resume: drop rows logged after the checkpoint, so no step appears twice."""
+    if not os.path.exists(path):
+        return
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    order = {"sft": 0, "rl": 1}
+    keep = [r for r in rows if (order.get(r.get("stage"), 0), r.get("step", 0)) <= (order[stage], step)]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(tmp, path)
+
+
+def plot_run(run_dir: str) -> str:
+    """Reward, format compliance and tool-call ratio against RL step (ParaVT's training curves) -> PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
+    rows = [r for r in rows if r.get("stage") == "rl"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    for ax, key in zip(axes, ("reward", "format_compliance", "tool_call_ratio")):
+        ax.plot([r["step"] for r in rows], [r.get(key, float("nan")) for r in rows])
+        ax.set_title(key)
+        ax.set_xlabel("RL step")
+    fig.tight_layout()
+    out = os.path.join(run_dir, "curves.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# arguments
+
+# The embedded default (`python train.py` with no arguments): sizes chosen for a 2-core CPU.
+TINY_TASK = dict(n_train=256, n_eval=48, duration=64.0, overview_nframes=8, overview_max_pixels=32 * 32,
+                 crop_max_pixels=64 * 64, subagent_max_pixels=64 * 64)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("run")
+    g.add_argument("--stage", choices=("all", "sft", "rl"), default="all",
+                   help="all = the default pipeline: SFT warm start, then RL, then held-out evaluation")
+    g.add_argument("--run-dir", default="runs/default", help="checkpoints, metrics.jsonl, curves.png")
+    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --run-dir")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--strict", action="store_true", help="raise on a non-finite loss/grad instead of skipping the step")
+    g.add_argument("--plot", metavar="RUN_DIR", default=None, help="only draw RUN_DIR/curves.png from its metrics.jsonl")
+    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--gpus", type=int, default=None, help="processes on this node (default: visible CUDA devices, or 1)")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    g.add_argument("--compile", type=int, default=None, help="torch.compile the log-prob kernels (default: 1 on CUDA, 0 on CPU)")
+    g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward (large models)")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a Qwen3-VL / Qwen2.5-VL checkpoint dir")
+    g.add_argument("--data", default=None, help="RL prompt records JSONL (SPEC 9); default: the synthetic task")
+    g.add_argument("--sft-data", default=None, help="SFT trajectory records JSONL; default: synthetic oracle trajectories")
+    g.add_argument("--video-root", default=None, help="folder the records' video paths are relative to")
+    g.add_argument("--eval-data", default=None, help="held-out prompt records for evaluation (default: synthetic split)")
+    g.add_argument("--max-bad-fraction", type=float, default=0.2, help="stop if more than this fraction of samples is bad")
+    g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
+    g = p.add_argument_group("SFT")
+    g.add_argument("--sft-steps", type=int, default=150)
+    g.add_argument("--sft-batch", type=int, default=16)
+    g.add_argument("--sft-lr", type=float, default=2e-3)
+    g.add_argument("--tdam-ratio", type=float, default=0.1, help="fraction of SFT batches trained with TDAM masks")
+    g = p.add_argument_group("RL")
+    g.add_argument("--rl-steps", type=int, default=30)
+    g.add_argument("--recipe", choices=("combined", "paravt", "vtgr", "vanilla"), default="combined")
+    g.add_argument("--group-size", type=int, default=8)
+    g.add_argument("--prompts-per-step", type=int, default=4)
+    g.add_argument("--lr", type=float, default=2e-4)
+    g.add_argument("--warmup-steps", type=int, default=0)
+    g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer passes per batch (old log-probs recomputed first)")
+    g.add_argument("--micro-batch", type=int, default=8)
+    g.add_argument("--clip-low", type=float, default=0.2)
+    g.add_argument("--clip-high", type=float, default=0.3)
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL to a frozen reference (0 = off, no reference kept)")
+    g.add_argument("--kl-estimator", choices=("k1", "k3"), default="k3")
+    g.add_argument("--shaping", action="store_true", help="ParaVT reward shaping clip(10 (R - 0.2), +-20)")
+    g.add_argument("--dynamic-sampling", action="store_true", help="drop zero-variance groups from the update")
+    g.add_argument("--mask-truncated", type=int, default=1, help="exclude trajectories cut by a limit from the loss")
+    g.add_argument("--train-subagents", action="store_true", help="train sub-agent tokens with their caller's advantage")
+    g.add_argument("--tool-mode", choices=("interleaved", "subagent"), default="interleaved")
+    g.add_argument("--max-turns", type=int, default=3)
+    g.add_argument("--max-new-tokens", type=int, default=96)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--gating", type=int, default=None, help="nFrames gating on/off (default: on for paravt/combined)")
+    g.add_argument("--gating-choices", default="4,8,16,32,64")
+    g.add_argument("--anchoring", choices=("sequence", "token", "none"), default=None,
+                   help="exploration anchoring (default: sequence for paravt/combined, none for vanilla/vtgr)")
+    g.add_argument("--released-scoring", action="store_true",
+                   help="score generated tokens only, as the ParaVT release did (forced prefix/tool responses unseen)")
+    g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N RL steps (0 = only at the end)")
+    g.add_argument("--logprob-chunk", type=int, default=1024)
+    args = p.parse_args(argv)
+    if args.group_size < 2:
+        p.error("--group-size must be >= 2 (group advantages need a group)")
+    if args.gating is None:
+        args.gating = int(args.recipe in ("paravt", "combined"))
+    if args.anchoring is None:
+        args.anchoring = "sequence" if args.recipe in ("paravt", "combined") else "none"
+    return args
+
+
+# -----------------------------------------------------------------------------
+# the run
+
+def print0(rank: int, *a, **k) -> None:
+    if rank == 0:
+        print(*a, **k, flush=True)
+
+
+def setup_distributed(rank: int, args) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). One process: no process group. Several: nccl on CUDA, gloo on CPU."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    world = int(os.environ.get("WORLD_SIZE", args.gpus or 1))
+    if world > 1:
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world))
+        if use_cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=int(os.environ["RANK"]), world_size=world)
+        rank = dist.get_rank()
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
+    return rank, world, device
+
+
+def all_mean(values: dict, world: int) -> dict:
+    """Average scalar metrics across ranks (each rank rolled out its own prompts)."""
+    if world == 1:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: float(v) / world for k, v in zip(keys, t)}
+
+
+def synthetic_data(args, cache: str) -> tuple[list, list, str]:
+    root = os.path.join(cache, "synthetic")
+    train = data.make_split(root, TINY_TASK["n_train"], seed=1000 + args.seed, duration=TINY_TASK["duration"])
+    held = data.make_split(root, TINY_TASK["n_eval"], seed=2000 + args.seed, duration=TINY_TASK["duration"])
+    return train, held, root
+
+
+def rollout_cfg(args, tiny: bool, **over) -> rollout.RolloutConfig:
+    extra = {k: TINY_TASK[k] for k in ("overview_nframes", "overview_max_pixels", "crop_max_pixels",
+                                        "subagent_max_pixels")} if tiny else {"overview_nframes": 64}
+    return rollout.RolloutConfig(**{**dict(tool_mode=args.tool_mode, max_turns=args.max_turns,
+                                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                           group_size=args.group_size, subagent_max_new_tokens=48 if tiny else 512),
+                                    **extra, **over})
+
+
+def evaluate_split(model, processor, records, video_root, cfg) -> dict:
+    """Greedy agent on held-out records -> the summary fields of the default run."""
+    greedy = rollout.RolloutConfig(**{**cfg.__dict__, "temperature": 0.0, "group_size": 1})
+    trajs, comps = [], []
+    for i in range(0, len(records), 8):
+        batch = records[i:i + 8]
+        for rec, t in zip(batch, rollout.run_agent(model, processor, batch, video_root, greedy, seed=0)):
+            trajs.append(t)
+            comps.append(score_trajectory(t, rec, "combined", "sequence", False)[1])
+    m = rollout_metrics(trajs, comps)
+    return {"accuracy": m["accuracy"], "format_compliance": m["format_compliance"],
+            "tool_call_ratio": m["tool_call_ratio"], "clue_score": m["reward/clue"], "turns": m["turns"]}
+
+
+def main(rank: int, args) -> dict:
+    t_start = time.time()
+    # ----- compute init
+    rank, world, device = setup_distributed(rank, args)
+    torch.manual_seed(args.seed + rank)
+    random.seed(args.seed + rank)
+    use_compile = bool(args.compile if args.compile is not None else device.type == "cuda")
+    os.makedirs(args.run_dir, exist_ok=True)
+    metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
+    print0(rank, json.dumps({"args": vars(args), "world": world, "device": str(device)}))
+
+    # ----- model (from the newest checkpoint when resuming)
+    ckpt = latest_checkpoint(args.run_dir) if args.resume else None
+    state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if ckpt else None
+    tiny = args.model == "tiny"
+    model, processor = model_lib.load_model(ckpt or args.model, device=device, seed=args.seed,
+                                            tiny_corpus=rollout.prompt_corpus())
+    ids = model_lib.special_token_ids(processor)
+    pad_id = processor.tokenizer.pad_token_id
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.language_model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    ref_model = None
+    if args.kl_coef > 0:
+        ref_model, _ = model_lib.load_model(ckpt or args.model, device=device, seed=args.seed,
+                                            tiny_corpus=rollout.prompt_corpus())
+        ref_model.requires_grad_(False)
+
+    # ----- data
+    cache = os.environ.get("PARAVT_CACHE", "cache")
+    if args.data:
+        train_recs, errors = data.load_records(args.data, args.video_root, args.max_bad_fraction)
+        held = data.load_records(args.eval_data, args.video_root)[0] if args.eval_data else train_recs[:32]
+        video_root = args.video_root
+        for e in errors[:5]:
+            print0(rank, f"skipped record: {e}")
+    else:
+        train_recs, held, video_root = synthetic_data(args, cache)
+    by_id = {r["id"]: r for r in train_recs}
+    cfg = rollout_cfg(args, tiny)
+    run_stages = ["sft", "rl"] if args.stage == "all" else [args.stage]
+    stage0, step0 = (state["stage"], state["step"]) if state else (run_stages[0], 0)
+    if state:
+        truncate_metrics(metrics_path, stage0, step0)
+        print0(rank, f"resumed from {ckpt} ({stage0} step {step0})")
+    summary = {}
+    if args.stage == "all" and not state:
+        summary["before"] = evaluate_split(model, processor, held, video_root, cfg)
+        print0(rank, "before:", json.dumps(summary["before"]))
+    counters = {"skipped_steps": 0, "bad_samples": 0}
+
+    def optimizer_step(optimizer, step, loss, stage, sample_ids) -> float | None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            msg = f"non-finite loss/grad at {stage} step {step} (samples {sample_ids[:8]})"
+            if args.strict:
+                raise FloatingPointError(msg)
+            print0(rank, "skipped:", msg)
+            counters["skipped_steps"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            return None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)                      # .item() sync, once per step
+
+    # ----- SFT warm start
+    if "sft" in run_stages and not (state and stage0 == "rl"):
+        sft_items = sft_examples(args, train_recs, processor, video_root, cfg, rank)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
+        start = step0 if state and stage0 == "sft" else 0
+        if state and stage0 == "sft" and state["optimizer"]:
+            optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng_torch"])
+            random.setstate(state["rng_random"])
+        model.train()
+        for step in tqdm(range(start + 1, args.sft_steps + 1), desc="sft", disable=rank != 0, initial=start,
+                         total=args.sft_steps):
+            t0 = time.time()
+            lr = get_lr(step - 1, args.sft_steps, args.sft_lr, warmup_steps=min(10, args.sft_steps // 10))
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            rng = random.Random(args.seed * 7919 + step * 31 + rank)
+            items = [sft_items[rng.randrange(len(sft_items))] for _ in range(args.sft_batch)]
+            batch = rollout.collate(items, model, pad_id)
+            tdam = rng.random() < args.tdam_ratio
+            mask4 = tdam_batch_mask(batch, ids, model.config.video_token_id) if tdam else None
+            loss, n_tok = sft_loss(model, batch, args.logprob_chunk, mask4)
+            loss.backward()
+            gn = optimizer_step(optimizer, step, loss.detach(), "sft", [t.record_id for t in items])
+            row = all_mean({"loss": float(loss), "grad_norm": gn if gn is not None else float("nan"), "lr": lr,
+                            "tokens_per_s": n_tok / (time.time() - t0), "step_time": time.time() - t0,
+                            "tdam": float(tdam)}, world)
+            if rank == 0:
+                append_metrics(metrics_path, {"stage": "sft", "step": step, **row, **counters})
+                if step % 25 == 0 or step == args.sft_steps:
+                    tqdm.write(f"sft {step}/{args.sft_steps} | loss {row['loss']:.4f} | lr {lr:.2e} | "
+                               f"{row['step_time']:.2f}s")
+            if step % args.save_every == 0 or step == args.sft_steps:
+                save0(rank, world, args.run_dir, step, model, processor, optimizer, {"stage": "sft"})
+        model.eval()
+        if args.stage == "all":
+            summary["sft"] = evaluate_split(model, processor, held, video_root, cfg)
+            print0(rank, "after SFT:", json.dumps(summary["sft"]))
+
+    # ----- RL (PARA-GRPO / VTGR / combined / vanilla)
+    if "rl" in run_stages:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        start = step0 if state and stage0 == "rl" else 0
+        if state and stage0 == "rl":
+            optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng_torch"])
+            random.setstate(state["rng_random"])
+        choices = [int(c) for c in args.gating_choices.split(",")]
+        close_ids = [ids[t] for t in ("</think>", "</tool_call>", "</answer>") if ids.get(t) is not None]
+        for step in tqdm(range(start + 1, args.rl_steps + 1), desc="rl", disable=rank != 0, initial=start,
+                         total=args.rl_steps):
+            t0 = time.time()
+            lr = get_lr(step - 1, args.rl_steps, args.lr, args.warmup_steps)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            # ----- rollouts: each rank its own prompts, K gated per prompt (same K for its group)
+            rng = random.Random(args.seed * 104729 + step * 997 + rank)
+            recs = [train_recs[rng.randrange(len(train_recs))] for _ in range(args.prompts_per_step)]
+            ks = [rewards.gate_nframes(r["id"], step, choices, seed=args.seed) if args.gating else None for r in recs]
+            model.eval()
+            trajs = rollout.run_agent(model, processor, recs, video_root, cfg, seed=args.seed * 1_000_003 + step * 101 + rank,
+                                      nframes=ks)
+            # ----- rewards and advantages
+            scored = [score_trajectory(t, recs[i // args.group_size], args.recipe, args.anchoring, args.released_scoring)
+                      for i, t in enumerate(trajs)]
+            R = torch.tensor([s for s, _ in scored])
+            adv = rewards.group_advantages(R, args.group_size, shaping=args.shaping)
+            zero_var = rewards.zero_variance_groups(R, args.group_size)
+            keep = torch.tensor([t.error is None and t.token_ids != [] for t in trajs])
+            if args.mask_truncated:
+                keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in trajs])
+            if args.dynamic_sampling:
+                keep &= ~zero_var.repeat_interleave(args.group_size)
+            counters["bad_samples"] += sum(t.error is not None for t in trajs)
+            if counters["bad_samples"] > args.max_bad_fraction * step * len(trajs) and step > 5:
+                raise RuntimeError(f"more than {args.max_bad_fraction:.0%} of samples failed by step {step}: "
+                                   f"see the skipped-sample messages above")
+            items = [(t, float(adv[i]), comps) for i, (t, (_, comps)) in enumerate(zip(trajs, scored)) if keep[i]]
+            if args.train_subagents:
+                items += [(s, a, c) for t, a, c in list(items) for s in t.subagents]
+            stats = {"clip_frac": 0.0, "kl": 0.0}
+            gn = None
+            model.train()
+            if items:
+                gn, stats = policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, step, rank,
+                                          optimizer_step)
+            # ----- log
+            m = rollout_metrics(trajs, [c for _, c in scored])
+            m.update(reward=float(R.mean()), zero_var_frac=float(zero_var.float().mean()), kept=len(items),
+                     grad_norm=gn if gn is not None else float("nan"), lr=lr, step_time=time.time() - t0,
+                     tokens_per_s=sum(len(t.token_ids) for t in trajs) / (time.time() - t0), **stats)
+            m = all_mean(m, world)
+            if rank == 0:
+                append_metrics(metrics_path, {"stage": "rl", "step": step, **m, **counters})
+                tqdm.write(f"rl {step}/{args.rl_steps} | R {m['reward']:.3f} | acc {m['accuracy']:.2f} | "
+                           f"fmt {m['format_compliance']:.2f} | tool {m['tool_call_ratio']:.2f} | "
+                           f"turns {m['turns']:.2f} | K {m['mean_k']:.1f} | zero-var {m['zero_var_frac']:.2f} | "
+                           f"clip {m['clip_frac']:.3f} | kl {m['kl']:.4f} | {m['step_time']:.1f}s")
+            if args.eval_every and step % args.eval_every == 0 and rank == 0:
+                print0(rank, "eval:", json.dumps(evaluate_split(model, processor, held, video_root, cfg)))
+            if step % args.save_every == 0 or step == args.rl_steps:
+                save0(rank, world, args.run_dir, step, model, processor, optimizer, {"stage": "rl"})
+        model.eval()
+    # ----- summary
+    if args.stage == "all":
+        summary["after"] = evaluate_split(model, processor, held, video_root, cfg)
+        summary["seconds"] = round(time.time() - t_start, 1)
+        if rank == 0:
+            png = plot_run(args.run_dir)
+            print(f"{'':18s}{'before':>10s}{'SFT':>10s}{'SFT+RL':>10s}")
+            for k in summary["after"]:
+                print(f"{k:18s}" + "".join(f"{summary[s][k]:10.3f}" for s in ("before", "sft", "after") if s in summary))
+            print(f"curves: {png}")
+            print(json.dumps(summary))
+    if world > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+def sft_examples(args, records, processor, video_root, cfg, rank) -> list:
+    """Encoded SFT trajectories (bad records are skipped and counted, never fatal unless most are bad)."""
+    if args.sft_data:
+        rows, errors = data.load_records(args.sft_data, None, args.max_bad_fraction) if False else ([], [])
+        with open(args.sft_data) as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    errors.append(f"{args.sft_data}:{n}: bad JSON ({e})")
+        pairs = [(r.get("prompt") or r, r.get("messages", []), f"{args.sft_data}:{n}") for n, r in enumerate(rows, 1)]
+    else:
+        rng = np.random.default_rng(args.seed)
+        pairs = [(r, data.oracle_turns(r, rng, always_call=args.always_call), r["id"]) for r in records]
+        errors = []
+    items = []
+    for rec, msgs, where in pairs:
+        try:
+            items.append(rollout.encode_messages(processor, rec, msgs, video_root, cfg))
+        except (ValueError, KeyError, OSError) as e:
+            errors.append(f"{where}: {e}")
+    for e in errors[:5]:
+        print0(rank, f"skipped SFT record: {e}")
+    if not items or len(errors) > args.max_bad_fraction * (len(items) + len(errors)):
+        raise ValueError(f"{len(errors)} of {len(items) + len(errors)} SFT records are bad; first: {errors[:3]}")
+    return items
+
+
+def policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, step, rank, optimizer_step):
+    """GRPO update on the kept trajectories: old log-probs recomputed, then ppo_epochs passes of micro-batches."""
+    chunks = [items[i:i + args.micro_batch] for i in range(0, len(items), args.micro_batch)]
+    batches = [rollout.collate([t for t, _, _ in c], model, pad_id) for c in chunks]
+    advs = []
+    for c, b in zip(chunks, batches):
+        a = torch.tensor([x for _, x, _ in c])[:, None].expand(-1, b["input_ids"].shape[1] - 1).clone()
+        if args.anchoring == "token":       # anchor credit on the closing-tag tokens only (SPEC 4.1)
+            tags = rewards.anchor_token_mask(b["input_ids"][:, 1:], close_ids)
+            a += 0.5 * torch.tensor([cm["anchor"] for _, _, cm in c])[:, None] * tags
+        advs.append(a)
+    with torch.no_grad():
+        old = [forward_logprobs(model, b, args.logprob_chunk) for b in batches]
+        ref = [forward_logprobs(ref_model, b, args.logprob_chunk) if ref_model is not None else None for b in batches]
+    n_total = sum(int((b["roles"][:, 1:] == 1).sum()) for b in batches)
+    gn, stats_sum = None, {"clip_frac": 0.0, "kl": 0.0}
+    for epoch in range(args.ppo_epochs):
+        total = torch.zeros(())
+        for b, o, a, r in zip(batches, old, advs, ref):
+            loss, st = grpo_step_loss(model, b, o, a.to(o.device), r, args)
+            n = int((b["roles"][:, 1:] == 1).sum())
+            (loss * n / max(1, n_total)).backward()     # token-mean over the whole batch, across micro-batches
+            total = total + loss.detach() * n / max(1, n_total)
+            for k in stats_sum:
+                stats_sum[k] += float(st.get(k, 0.0)) * n / max(1, n_total) / args.ppo_epochs
+        gn = optimizer_step(optimizer, step, total, "rl", [t.record_id for t, _, _ in items])
+    return gn, stats_sum
+
+
+def save0(rank, world, run_dir, step, model, processor, optimizer, extra) -> None:
+    """Checkpoint from rank 0 (FSDP: the full state dict gathered first, on every rank)."""
+    state_dict = None
+    if world > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        save_checkpoint(run_dir, step, model, processor, optimizer if world == 1 else None,
+                        {**extra, "step": step}, state_dict)
+    if world > 1:
+        dist.barrier()
+
+
+def find_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    if args.plot:
+        print(plot_run(args.plot))
+    elif "RANK" in os.environ:                        # started by torchrun (multi-node, or habit)
+        main(int(os.environ.get("LOCAL_RANK", 0)), args)
+    elif (args.gpus or 1) > 1:                        # python train.py --gpus 8
+        if args.device != "cpu" and args.gpus > torch.cuda.device_count():
+            raise ValueError(f"--gpus {args.gpus} but only {torch.cuda.device_count()} CUDA devices are visible "
+                             f"(use --device cpu for a gloo run on CPU)")
+        os.environ.setdefault("MASTER_ADDR", "localhost")
+        os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+        torch.multiprocessing.spawn(main, args=(args,), nprocs=args.gpus)
+    else:                                             # one GPU or CPU: no process group
+        main(0, args)

@@ -1,0 +1,402 @@
+"""
+Video decoding and frame sampling for the agent: the overview the model skims and the clips its
+`crop_video` calls return, plus a synthetic video whose frames can be identified after compression.
+
+Conventions (every function here):
+- frames are uint8 RGB tensors of shape (T, 3, H, W); 10-bit or other pixel formats are converted
+  to 8-bit RGB by FFmpeg (`to_ndarray(format="rgb24")`).
+- times are float64 numpy arrays (T,) holding each frame's real presentation time in seconds,
+  pts * time_base, counted from the video stream's start_time. They are absolute in the original
+  video, for the overview and for every crop, so the model can name windows it has seen (SPEC 3).
+- T is always even: Qwen-VL's temporal patch is 2 frames. When a video has fewer real frames than
+  asked for, the last frame is repeated (with its time) to reach the count.
+- stream=None means the FIRST video stream in container order, stream=k the k-th video stream
+  (0-based, counting video streams only). We do not use FFmpeg's "best stream" heuristic: it depends
+  on bitrate/resolution and picks stream 3 (480x270) in a file whose first video is stream 0, so the
+  first-in-order rule is the reproducible one and matches what a player shows by default.
+
+Sampling: a target time list is made (uniform bin centres over the video or the window) and each
+target gets the decoded frame nearest to it (`sample_frame_indices` is the pure form of that rule;
+decoding applies it on the fly so only chosen frames are converted to RGB).
+Crop budgets follow Video-o3 (arXiv 2601.23224), ported to Qwen3-VL: clip at 2 fps, level quotas
+coarse/medium/fine = 1024/2048/3072 visual tokens, per-frame tokens = min(quota // (T // 2), 768).
+ParaVT (arXiv 2605.20342) sub-agent crops use fps=1, max_frames=16, max_pixels=224*224, level=None.
+"""
+import math
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+
+import av
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+LEVEL_TOKENS = {"coarse": 1024, "medium": 2048, "fine": 3072}  # visual-token quota per clip (Qwen3-VL)
+MAX_TOKENS_PER_FRAME = 768       # per temporal patch of 2 frames, SPEC 3
+CLIP_FPS = 2.0                   # Video-o3 samples crops at 2 fps
+CLIP_MAX_FRAMES = 128            # default crop cap: keeps >= 16 tokens per frame pair at the coarse quota
+OPEN_TIMEOUT_S = 10.0            # av.open timeout (matters for network-backed paths), so nothing hangs
+TIME_TOL = 1e-6                  # seconds; times closer than this count as equal (window edges, ties)
+
+# Hermes-style schema of the tool the agent calls (rendered into the system prompt's <tools> block).
+CROP_VIDEO_TOOL = {"type": "function", "function": {
+    "name": "crop_video", "description": "Watch a temporal window of the video more closely.",
+    "parameters": {"type": "object", "required": ["start_time", "end_time"], "properties": {
+        "start_time": {"type": "number", "description": "window start, seconds from the video start"},
+        "end_time": {"type": "number", "description": "window end, seconds from the video start"},
+        "resolution": {"type": "string", "enum": list(LEVEL_TOKENS), "description": "detail level, default medium"},
+    }}}}
+
+
+class VideoError(ValueError):
+    """A video that cannot be used; the message names the file and the problem (`.reason` has the problem alone)."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = str(path), reason
+
+
+@dataclass
+class VideoInfo:
+    path: str
+    stream: int             # container stream index of the chosen video stream
+    duration: float         # seconds
+    fps: float              # average frame rate
+    num_frames: int         # from the header, else round(duration * fps) (see frames_from_header)
+    frames_from_header: bool
+    width: int
+    height: int
+
+
+@dataclass
+class Clip:
+    frames: torch.Tensor    # (T, 3, H, W) uint8 RGB
+    times: np.ndarray       # (T,) float64 presentation times, seconds
+    path: str
+    decoded: int            # frames the decoder produced to make this clip
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+def check_window(start, end, duration: float, min_length: float = 0.0) -> tuple[float, float]:
+    """Validate a crop window as the released tools do (SPEC 2); errors read as observations for the model."""
+    try:
+        start, end = float(start), float(end)
+    except (TypeError, ValueError):
+        raise ValueError(f"start_time and end_time must be numbers, got {start!r} and {end!r}") from None
+    if not (math.isfinite(start) and math.isfinite(end)):
+        raise ValueError(f"start_time and end_time must be finite numbers, got {start} and {end}")
+    start = max(start, 0.0)
+    if start >= end:
+        raise ValueError(f"start_time {round(start, 3)} must be smaller than end_time {round(end, 3)}")
+    if start >= duration:
+        raise ValueError(f"start_time {round(start, 3)} is past the end of the video ({round(duration, 3)} s)")
+    end = min(end, duration)
+    if end - start < min_length:
+        raise ValueError(f"window [{round(start, 3)}, {round(end, 3)}] is {round(end - start, 3)} s long; "
+                         f"the minimum is {min_length} s")
+    return start, end
+
+
+def even_count(n: int, cap: int) -> int:
+    """n capped at cap, then made even (up if that stays <= cap, else down), at least 2."""
+    n = min(n, cap)
+    if n % 2:
+        n = n + 1 if n + 1 <= cap else n - 1
+    return max(n, 2)
+
+
+def uniform_targets(start: float, end: float, n: int) -> np.ndarray:
+    """n target times at the centres of n equal bins of [start, end): start + (i + 1/2) (end - start) / n."""
+    return start + (np.arange(n) + 0.5) * (end - start) / n  # (n,)
+
+
+def sample_frame_indices(frame_times: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Index of the frame nearest each target; frame_times sorted (N,).
+
+    Ties (within TIME_TOL) go to the earlier frame, i.e. the one on screen. They are common, not rare:
+    bin centres sit exactly between frames whenever the frame rate is an odd multiple of the sampling
+    rate (10 fps sampled at 2 fps, or every frame of a video), and float rounding must not decide them."""
+    frame_times = np.asarray(frame_times, dtype=np.float64)
+    mid = (frame_times[:-1] + frame_times[1:]) / 2 + TIME_TOL  # (N-1,) right ends of frames' nearest regions
+    return np.searchsorted(mid, np.asarray(targets, dtype=np.float64), side="left")
+
+
+def crop_budget(window: float, level: str | None, fps: float = CLIP_FPS, max_frames: int = CLIP_MAX_FRAMES,
+                tokens_per_pixel_area: int = 32 * 32) -> tuple[int, int | None]:
+    """(n_frames, per-frame max pixels) for a window: n = even(window * fps) <= max_frames,
+    tokens = min(LEVEL_TOKENS[level] // (n // 2), 768) (at least 1), pixels = tokens * tokens_per_pixel_area.
+    level=None gives no pixel budget. Source: Video-o3 (arXiv 2601.23224), SPEC 3."""
+    n = even_count(max(1, round(window * fps)), max_frames)
+    if level is None:
+        return n, None
+    if level not in LEVEL_TOKENS:
+        raise ValueError(f"unknown resolution {level!r}; choose one of {', '.join(LEVEL_TOKENS)}")
+    tokens = max(1, min(LEVEL_TOKENS[level] // (n // 2), MAX_TOKENS_PER_FRAME))
+    return n, tokens * tokens_per_pixel_area
+
+
+def resize_frames(frames: torch.Tensor, max_pixels: int, factor: int = 32) -> torch.Tensor:
+    """Resize (T, 3, H, W) uint8 so H'*W' <= max_pixels, H', W' multiples of factor, aspect kept (Qwen smart_resize)."""
+    if max_pixels < factor * factor:
+        raise ValueError(f"max_pixels {max_pixels} is below one {factor}x{factor} patch")
+    h, w = frames.shape[-2:]
+    hb, wb = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
+    if hb * wb > max_pixels:
+        beta = math.sqrt(h * w / max_pixels)
+        hb = max(factor, math.floor(h / beta / factor) * factor)
+        wb = max(factor, math.floor(w / beta / factor) * factor)
+        if hb * wb > max_pixels:  # an extreme aspect ratio clamped one side at `factor`: trim the other
+            if hb > wb:
+                hb = max_pixels // wb // factor * factor
+            else:
+                wb = max_pixels // hb // factor * factor
+    if (hb, wb) == (h, w):
+        return frames
+    out = F.interpolate(frames.float(), size=(hb, wb), mode="bilinear", align_corners=False, antialias=True)
+    return out.round_().clamp_(0, 255).to(torch.uint8)  # (T, 3, H', W')
+
+
+# ----------------------------------------------------------------------------- decoding (I/O)
+
+def _open(path, stream: int | None):
+    """Open a file and pick its video stream; returns (container, video stream)."""
+    path = str(path)
+    if not os.path.exists(path):
+        raise VideoError(path, "no such file")
+    if not os.path.isfile(path):
+        raise VideoError(path, "not a regular file")
+    if os.path.getsize(path) == 0:
+        raise VideoError(path, "empty file (0 bytes)")
+    try:
+        container = av.open(path, timeout=OPEN_TIMEOUT_S)
+    except av.FFmpegError as e:
+        raise VideoError(path, f"not a readable video (not a video, corrupt or truncated): {e.strerror or e}") from None
+    videos = list(container.streams.video)
+    k = 0 if stream is None else stream
+    if not videos or not 0 <= k < len(videos):
+        kinds = ", ".join(s.type for s in container.streams) or "none"
+        container.close()
+        what = "no video stream" if not videos else f"no video stream {k} (it has {len(videos)})"
+        raise VideoError(path, f"{what}; streams: {kinds}")
+    vs = videos[k]
+    vs.thread_type = "AUTO"
+    return container, vs
+
+
+def _frames(container, vs, path: str, seek_time: float = 0.0, count: list | None = None):
+    """Yield (time, av.VideoFrame) in presentation order from the keyframe at or before seek_time.
+
+    count[0] is increased for every frame the decoder outputs (the cost of a clip)."""
+    start_pts, tb = vs.start_time or 0, vs.time_base
+    count = [0] if count is None else count
+    if seek_time > 0:
+        container.seek(start_pts + int(seek_time / tb), stream=vs, backward=True)
+    prev_t, retried = None, seek_time <= 0
+    try:
+        for frame in container.decode(vs):
+            count[0] += 1
+            if frame.pts is None:  # no timestamp (rare containers): one nominal frame after the previous
+                t = (prev_t or 0.0) + 1 / float(vs.average_rate or 25)
+            else:
+                t = float((frame.pts - start_pts) * tb)
+            if prev_t is None and not retried and t > seek_time + TIME_TOL:
+                # the demuxer landed after the target (inexact seek): restart from the stream start, once
+                retried = True
+                container.seek(start_pts, stream=vs, backward=True)
+                yield from _frames(container, vs, path, 0.0, count)
+                return
+            prev_t = t
+            yield t, frame
+    except av.FFmpegError as e:
+        raise VideoError(path, f"decoding failed (corrupt or truncated): {e.strerror or e}") from None
+
+
+def _window(frames, start: float, end: float, edge: dict):
+    """Pass on frames with start <= time <= end; keep the last one before and first one after in `edge`."""
+    for t, frame in frames:
+        if t < start - TIME_TOL:
+            edge["before"] = (t, frame)
+        elif t > end + TIME_TOL:
+            edge["after"] = (t, frame)
+            return
+        else:
+            yield t, frame
+
+
+def _to_tensor(frame, max_pixels: int | None, factor: int) -> torch.Tensor:
+    x = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)[None]  # (1, 3, H, W)
+    return x if max_pixels is None else resize_frames(x, max_pixels, factor)
+
+
+def _pick(frames, targets: np.ndarray, max_pixels: int | None, factor: int) -> list:
+    """Streaming form of `sample_frame_indices`: one (time, (1, 3, H, W) tensor) per target, in order."""
+    chosen, j, prev = [], 0, None
+    for t, frame in frames:
+        if prev is not None:
+            while j < len(targets) and targets[j] <= (prev[0] + t) / 2 + TIME_TOL:
+                if prev[2] is None:  # convert a frame once, and only when a target picks it
+                    prev[2] = _to_tensor(prev[1], max_pixels, factor)
+                chosen.append((prev[0], prev[2]))
+                j += 1
+        if j == len(targets):
+            break  # every target has its frame: stop decoding
+        prev = [t, frame, None]
+    if prev is not None and j < len(targets):  # targets after the last decoded frame get that frame
+        x = prev[2] if prev[2] is not None else _to_tensor(prev[1], max_pixels, factor)
+        chosen += [(prev[0], x)] * (len(targets) - j)
+    return chosen
+
+
+def _clip(path: str, chosen: list, targets: np.ndarray, fps: float, n_out: int, decoded: int) -> Clip:
+    """Check the frames reach the targets (else the file is truncated), stack them, repeat the last to n_out."""
+    if not chosen:
+        raise VideoError(path, "no decodable video frame")
+    if targets[-1] - chosen[-1][0] > max(1.0, 2 / fps):
+        raise VideoError(path, f"truncated: decodable frames stop at {chosen[-1][0]:.2f} s, "
+                               f"before {targets[-1]:.2f} s")
+    chosen = chosen + [chosen[-1]] * (n_out - len(chosen))
+    sizes = {tuple(x.shape) for _, x in chosen}
+    if len(sizes) > 1:
+        raise VideoError(path, f"frame size changes inside the video {sorted(sizes)}; pass max_pixels")
+    frames = torch.cat([x for _, x in chosen])  # (T, 3, H, W)
+    return Clip(frames, np.array([t for t, _ in chosen], dtype=np.float64), path, decoded)
+
+
+def probe(path, stream: int | None = None) -> VideoInfo:
+    """Duration, frame rate, frame count and size of a video stream (decodes only if no duration is stored)."""
+    container, vs = _open(path, stream)
+    with container:
+        fps = float(vs.average_rate or vs.guessed_rate or 0) or 25.0
+        if vs.duration:
+            duration = float(vs.duration * vs.time_base)
+        elif container.duration:  # e.g. Matroska keeps the duration on the container only
+            duration = container.duration / av.time_base
+        else:  # nothing stored: decode to the end
+            last = max((t for t, _ in _frames(container, vs, str(path))), default=None)
+            duration = 0.0 if last is None else last + 1 / fps
+        if duration <= 0:
+            raise VideoError(path, "zero-length video (no duration and no decodable frame)")
+        n = vs.frames or max(1, round(duration * fps))  # AV1-in-mkv headers hold no frame count
+        return VideoInfo(str(path), vs.index, duration, fps, n, bool(vs.frames), vs.codec_context.width,
+                         vs.codec_context.height)
+
+
+def sample_overview(path, fps: float = 2.0, max_frames: int = 768, nframes: int | None = None,
+                    max_pixels: int | None = None, stream: int | None = None, factor: int = 32) -> Clip:
+    """Uniform overview of the whole video: exactly nframes=K frames, or min(max_frames, round(duration * fps))
+    made even. Targets are bin centres (`uniform_targets`), at most one per real frame; each gets its nearest frame."""
+    path = str(path)
+    if nframes is not None and (nframes < 2 or nframes % 2):
+        raise ValueError(f"nframes must be an even number >= 2, got {nframes}")
+    if nframes is None and not (fps > 0 and max_frames >= 2):
+        raise ValueError(f"need fps > 0 and max_frames >= 2, got fps={fps}, max_frames={max_frames}")
+    info = probe(path, stream)
+    n_out = nframes if nframes is not None else even_count(max(1, round(info.duration * fps)), max_frames)
+    targets = uniform_targets(0.0, info.duration, min(n_out, info.num_frames))
+    count = [0]
+    container, vs = _open(path, stream)
+    with container:
+        chosen = _pick(_frames(container, vs, path, 0.0, count), targets, max_pixels, factor)
+    return _clip(path, chosen, targets, info.fps, n_out, count[0])
+
+
+def crop(path, start: float, end: float, level: str | None = "medium", fps: float | None = None,
+         max_frames: int | None = None, max_pixels: int | None = None, min_length: float = 0.0,
+         stream: int | None = None, tokens_per_pixel_area: int = 32 * 32) -> Clip:
+    """Frames of [start, end] only: seek to the keyframe before start, decode until the window is covered.
+
+    Frame count and pixel budget come from `crop_budget`; explicit fps / max_frames / max_pixels override it.
+    Only frames with start <= time <= end are used; a window holding no frame gets the frame nearest its centre.
+    """
+    path = str(path)
+    info = probe(path, stream)
+    try:
+        start, end = check_window(start, end, info.duration, min_length)
+    except ValueError as e:
+        raise VideoError(path, str(e)) from None
+    factor = round(math.sqrt(tokens_per_pixel_area))  # 32 for Qwen3-VL, 28 for Qwen2.5-VL
+    n_out, budget = crop_budget(end - start, level, fps or CLIP_FPS, max_frames or CLIP_MAX_FRAMES,
+                                tokens_per_pixel_area)
+    max_pixels = max_pixels or budget
+    n_real = max(1, round((end - start) * info.fps))  # about how many real frames the window holds
+    targets = uniform_targets(start, end, min(n_out, n_real))
+    count, edge = [0], {}
+    container, vs = _open(path, stream)
+    with container:
+        chosen = _pick(_window(_frames(container, vs, path, start, count), start, end, edge), targets,
+                       max_pixels, factor)
+        if not chosen and edge:  # window shorter than the frame spacing: the frame nearest its centre
+            t, frame = min(edge.values(), key=lambda f: abs(f[0] - (start + end) / 2))
+            chosen = [(t, _to_tensor(frame, max_pixels, factor))]
+    return _clip(path, chosen, targets, info.fps, n_out, count[0])
+
+
+# ----------------------------------------------------------------------------- synthetic video
+
+NUM_DIGITS, BASE = 8, 4                  # frame index written as 8 base-4 digits: up to 65536 frames
+LEVELS = (40, 98, 156, 214)              # grey level of each digit; 58 apart survives H.264 easily
+
+
+def synthetic_frames(num_frames: int, height: int, width: int, seed: int = 0) -> torch.Tensor:
+    """(T, 3, H, W) uint8 frames: the top half holds 8 flat grey cells giving the frame index in base 4,
+    the bottom half seeded blocky colour noise. Proportional layout, so the code survives resizing."""
+    assert num_frames <= BASE ** NUM_DIGITS, f"at most {BASE ** NUM_DIGITS} frames, got {num_frames}"
+    assert height >= 16 and width >= 8 * NUM_DIGITS, f"frames must be >= 16x{8 * NUM_DIGITS}, got {height}x{width}"
+    g = torch.Generator().manual_seed(seed)
+    top = height // 2
+    noise = torch.randint(0, 256, (num_frames, 3, (height - top + 7) // 8, (width + 7) // 8), generator=g,
+                          dtype=torch.uint8)
+    noise = noise.repeat_interleave(8, dim=2).repeat_interleave(8, dim=3)[:, :, : height - top, :width]
+    frames = torch.empty(num_frames, 3, height, width, dtype=torch.uint8)
+    frames[:, :, top:] = noise
+    idx = torch.arange(num_frames)
+    for k in range(NUM_DIGITS):  # most significant digit first, left to right
+        digit = idx // BASE ** (NUM_DIGITS - 1 - k) % BASE
+        x0, x1 = k * width // NUM_DIGITS, (k + 1) * width // NUM_DIGITS
+        frames[:, :, :top, x0:x1] = torch.tensor(LEVELS, dtype=torch.uint8)[digit].view(-1, 1, 1, 1)
+    return frames
+
+
+def read_frame_index(frame: torch.Tensor) -> int:
+    """Read back the index written by `synthetic_frames` from one (3, H, W) frame (the centre of each cell)."""
+    h, w = frame.shape[-2:]
+    band = frame[:, h // 8: 3 * h // 8].float()  # middle rows of the code band, away from its edges
+    index = 0
+    for k in range(NUM_DIGITS):
+        x0, x1 = k * w // NUM_DIGITS, (k + 1) * w // NUM_DIGITS
+        q = (x1 - x0) // 4
+        level = band[:, :, x0 + q: x1 - q].mean().item()
+        digit = int(np.abs(np.array(LEVELS) - level).argmin())
+        index = index * BASE + digit
+    return index
+
+
+def write_video(path, frames: torch.Tensor, fps: float, codec: str = "libx264", crf: int = 18,
+                gop: int | None = None, container_format: str | None = None, faststart: bool = False) -> None:
+    """Encode (T, 3, H, W) uint8 RGB frames to a file (or a file-like object, mp4 by default) as yuv420p.
+
+    gop sets the keyframe interval (frames), so tests can check that a crop seeks instead of decoding from 0;
+    faststart puts the mp4 index before the data (then a cut file still opens, and reads as truncated).
+    """
+    assert frames.dtype == torch.uint8 and frames.ndim == 4 and frames.shape[1] == 3, "need (T, 3, H, W) uint8"
+    assert frames.shape[2] % 2 == 0 and frames.shape[3] % 2 == 0, f"yuv420p needs even sizes, got {tuple(frames.shape)}"
+    if container_format is None and not isinstance(path, (str, os.PathLike)):
+        container_format = "mp4"
+    rate = Fraction(fps).limit_denominator(1001)
+    options = {"movflags": "faststart"} if faststart else {}
+    with av.open(path, mode="w", format=container_format, options=options) as out:
+        vs = out.add_stream(codec, rate=rate)
+        vs.width, vs.height, vs.pix_fmt = frames.shape[3], frames.shape[2], "yuv420p"
+        if codec in ("libx264", "libx265"):
+            # ultrafast + one thread: fast and byte-for-byte reproducible (frame threads reorder work)
+            vs.options = {"crf": str(crf), "preset": "ultrafast", "threads": "1"}
+        if gop is not None:
+            vs.codec_context.gop_size = gop
+        for i, x in enumerate(frames.permute(0, 2, 3, 1).numpy()):  # (H, W, 3) each
+            # convert to yuv420p ourselves: PyAV's implicit conversion inside encode() is not deterministic
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(x), format="rgb24").reformat(format="yuv420p")
+            frame.pts, frame.time_base = i, 1 / rate
+            out.mux(vs.encode(frame))
+        out.mux(vs.encode(None))  # flush the encoder
