@@ -902,8 +902,9 @@ PRESETS = {  # rollout.RolloutConfig fields of each paper's protocol (SPEC 7); g
                     max_turns=8, temperature=0.0, group_size=1),
 }
 # The embedded tiny model on CPU: the small frames the synthetic task is designed for (train.py TINY_TASK).
-TINY_OVERRIDES = dict(overview_nframes=8, overview_max_pixels=32 * 32, crop_max_pixels=64 * 64,
-                      subagent_max_pixels=64 * 64, subagent_max_new_tokens=48)
+def tiny_overrides() -> dict:
+    import rollout
+    return dict(rollout.TINY_ROLLOUT)
 
 
 def rollout_config(preset: str = "paravt", tool_mode: str | None = None, **overrides):
@@ -922,7 +923,7 @@ def rollout_config(preset: str = "paravt", tool_mode: str | None = None, **overr
 def trajectory_row(record: dict, traj) -> dict:
     """A predictions row from a rollout.Trajectory: the final assistant turn is the response."""
     assert traj.record_id == record["id"], f"trajectory {traj.record_id!r} for record {record['id']!r}"
-    return {"id": record["id"], "response": traj.turns[-1] if traj.turns else "", "answer": record["answer"],
+    return {"id": record["id"], "response": traj.turns[-1] if traj.turns else "", "answer": traj.answer,
             "turns": len(traj.turns), "calls": sum(len(c) for c in traj.calls),
             "windows": [[float(s), float(e)] for s, e in traj.windows], "tool_failures": traj.tool_failures,
             "latency": traj.latency, "error": traj.error}
@@ -995,8 +996,9 @@ def main(argv=None) -> dict:
     else:
         import model as model_lib
         name = args.model or "tiny"
-        model, processor = model_lib.load_model(name, device=args.device)
-        overrides = {**(TINY_OVERRIDES if name == "tiny" else {}),
+        import rollout
+        model, processor = model_lib.load_model(name, device=args.device, tiny_corpus=rollout.prompt_corpus())
+        overrides = {**(tiny_overrides() if name == "tiny" else {}),
                      **({"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {})}
         run_batch = agent_runner(model, processor, video_root, args.preset, tool_mode=args.tool_mode, **overrides)
         out = args.out or Path("runs") / "eval" / f"{bench}-{args.preset}.jsonl"

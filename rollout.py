@@ -64,6 +64,13 @@ class RolloutConfig:
     subagent_max_pixels: int = 224 * 224
     subagent_max_new_tokens: int = 512
     max_context: int = 32768             # a row that would exceed this is cut and flagged
+    tools_block: bool = True             # Hermes tools block in the system prompt (real checkpoints expect it)
+
+
+# The embedded tiny default: small frames and a short prompt, so a 2-core CPU trains it in minutes.
+# Without the tools block the system prompt still names the tool; the SFT warm start teaches the format.
+TINY_ROLLOUT = dict(overview_nframes=8, overview_max_pixels=32 * 32, crop_fps=1.0, crop_max_pixels=64 * 64,
+                    subagent_max_pixels=64 * 64, subagent_max_new_tokens=48, tools_block=False)
 
 
 @dataclass
@@ -162,13 +169,13 @@ def video_factor(processor) -> int:
     return vp.patch_size * vp.merge_size
 
 
-def prompt_text(processor, record: dict) -> str:
+def prompt_text(processor, record: dict, tools_block: bool = True) -> str:
     """System + Hermes tools block + the overview video + the question, ending with the assistant tag."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": [{"type": "video", "video": record["video"]},
                                              {"type": "text", "text": format_question(record)}]}]
-    return processor.tokenizer.apply_chat_template(messages, tools=[video.CROP_VIDEO_TOOL], tokenize=False,
-                                                   add_generation_prompt=True)
+    return processor.tokenizer.apply_chat_template(messages, tools=[video.CROP_VIDEO_TOOL] if tools_block else None,
+                                                   tokenize=False, add_generation_prompt=True)
 
 
 def load_overview(path: str, cfg: RolloutConfig, factor: int) -> video.Clip:
@@ -410,7 +417,7 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
             k = nframes[i] if nframes and nframes[i] else cfg.overview_nframes
             overview = load_overview(path, RolloutConfig(**{**cfg.__dict__, "overview_nframes": k}), factor)
             duration = video.probe(path).duration
-            c = encode_chunk(processor, prompt_text(processor, rec), [overview])
+            c = encode_chunk(processor, prompt_text(processor, rec, cfg.tools_block), [overview])
         except (ValueError, OSError, video.VideoError) as err:
             failed.append((i, f"{type(err).__name__}: {err}"))
             continue
@@ -588,7 +595,7 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
     duration = video.probe(path).duration
     k = nframes or cfg.overview_nframes
     overview = load_overview(path, RolloutConfig(**{**cfg.__dict__, "overview_nframes": k}), factor)
-    c = encode_chunk(processor, prompt_text(processor, record), [overview])
+    c = encode_chunk(processor, prompt_text(processor, record, cfg.tools_block), [overview])
     t = Trajectory(str(record.get("id", "")), 0, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids),
                    [(c.pixels, c.grid)], nframes=len(overview.times))
     tok = processor.tokenizer

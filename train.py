@@ -518,9 +518,9 @@ def plot_run(run_dir: str) -> str:
 # -----------------------------------------------------------------------------
 # arguments
 
-# The embedded default (`python train.py` with no arguments): sizes chosen for a 2-core CPU.
-TINY_TASK = dict(n_train=256, n_eval=48, duration=64.0, overview_nframes=8, overview_max_pixels=32 * 32,
-                 crop_max_pixels=64 * 64, subagent_max_pixels=64 * 64)
+# The embedded default (`python train.py` with no arguments): sizes chosen for a 2-core CPU
+# (frame sizes and prompt settings of the tiny model: rollout.TINY_ROLLOUT).
+TINY_TASK = dict(n_train=256, n_eval=48, duration=64.0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -632,12 +632,10 @@ def synthetic_data(args, cache: str) -> tuple[list, list, str]:
 
 
 def rollout_cfg(args, tiny: bool, **over) -> rollout.RolloutConfig:
-    extra = {k: TINY_TASK[k] for k in ("overview_nframes", "overview_max_pixels", "crop_max_pixels",
-                                        "subagent_max_pixels")} if tiny else {"overview_nframes": 64}
+    extra = rollout.TINY_ROLLOUT if tiny else {"overview_nframes": 64}
     return rollout.RolloutConfig(**{**dict(tool_mode=args.tool_mode, max_turns=args.max_turns,
                                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                           group_size=args.group_size, subagent_max_new_tokens=48 if tiny else 512),
-                                    **extra, **over})
+                                           group_size=args.group_size), **extra, **over})
 
 
 def evaluate_split(model, processor, records, video_root, cfg) -> dict:

@@ -552,7 +552,7 @@ def fake_rollout(configs):
         return [types.SimpleNamespace(
             record_id=r["id"], turns=["<think>\nlook</think>\n<tool_call>...</tool_call>", "<think>\nok</think>\n<answer>A</answer>"],
             calls=[["c1", "c2"], []], windows=[(1.0, 2.0), (3.0, 4.0)], tool_failures=1, latency=0.5,
-            error=None) for r in records]
+            answer="A", error=None) for r in records]
     return types.SimpleNamespace(RolloutConfig=FakeConfig, run_agent=run_agent)
 
 
@@ -565,13 +565,14 @@ def test_agent_runner_maps_trajectories(monkeypatch):
     assert m["calls_per_turn"] == 1.0 and m["tool_failure_rate"] == 0.5 and m["mean_latency_s"] == 0.5
     row = ev.agent_runner(None, None, "videos", "paravt", tool_mode="interleaved")(five_records()[:1])[0]
     assert row["windows"] == [[1.0, 2.0], [3.0, 4.0]] and row["calls"] == 2 and row["response"].endswith("</answer>")
+    assert row["answer"] == "A"                  # the parsed answer, not the ground truth
     assert configs[-1].tool_mode == "interleaved" and configs[-1].max_calls_per_turn == 5
 
 
 @pytest.mark.parametrize("preset", sorted(ev.PRESETS))
 def test_presets_match_the_real_rollout_config(preset):
     rollout = pytest.importorskip("rollout")
-    cfg = ev.rollout_config(preset, **ev.TINY_OVERRIDES)     # every preset / tiny field exists there
+    cfg = ev.rollout_config(preset, **ev.tiny_overrides())     # every preset / tiny field exists there
     assert isinstance(cfg, rollout.RolloutConfig) and cfg.temperature == 0.0 and cfg.group_size == 1
 
 
