@@ -65,8 +65,10 @@ CHAT_TEMPLATE = (
     "{% else %}"
     "<|im_start|>{{ message.role }}\n{{ render(message.content) }}"
     "{% if message.tool_calls %}{% for call in message.tool_calls %}"
-    "{{ '\\n' }}<tool_call>\n{\"name\": \"{{ (call.function or call).name }}\", \"arguments\": "
-    "{{ (call.function or call).arguments | tojson }}}\n</tool_call>"
+    "{% set args = (call.function or call).arguments %}"
+    "{% if message.content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ (call.function or call).name }}\", \"arguments\": "
+    "{% if args is string %}{{ args }}{% else %}{{ args | tojson }}{% endif %}}\n</tool_call>"
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endif %}"
     "{% endfor %}"
@@ -121,7 +123,7 @@ def build_tokenizer(vocab_size: int = 2048, extra_corpus: tuple[str, ...] = ()):
     """Byte-level BPE trained in code (deterministic, offline) with Qwen's special tokens + chat template.
     `extra_corpus`: texts the agent sends every time (system prompt, tools block); training on them makes
     the tiny model's prompts short, which is what keeps CPU training fast."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -130,8 +132,11 @@ def build_tokenizer(vocab_size: int = 2048, extra_corpus: tuple[str, ...] = ()):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_tokenizer_corpus() + list(extra_corpus) * 50, trainer=trainer)
+    # As in Qwen3: ChatML and vision markers are special; the reasoning/tool tags are ordinary added
+    # tokens (one id each, kept by decode(skip_special_tokens=True)).
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in SPECIAL_TOKENS[7:]])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIAL_TOKENS[1:])
+                                   additional_special_tokens=SPECIAL_TOKENS[1:7])
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

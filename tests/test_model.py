@@ -1,0 +1,287 @@
+"""
+Tests for model.py: the embedded tiny Qwen3-VL, its offline tokenizer and chat template, the real
+processor's video path (text timestamps), and saving / reloading in Hugging Face format.
+
+    python -m pytest tests/test_model.py -q
+
+The tiny model is built once per module. Reference for the chat-template shape: the Qwen3 template
+(ChatML turns, Hermes `<tools>` block in the system turn, `<tool_call>` JSON lines, tool results folded
+into one user turn of `<tool_response>` blocks).
+"""
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+import model as model_lib
+import rollout
+import video
+
+FPS, SECONDS, SIDE = 10, 40, 64        # the synthetic test video: 40 s at 10 fps, 64x64
+VIDEO_TEXT = "<|vision_start|><|video_pad|><|vision_end|>"
+TIMESTAMP = re.compile(r"<(\d+(?:\.\d+)?) seconds>")
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+          "<|image_pad|>", "<|video_pad|>"]
+TAGS = [t for t in model_lib.SPECIAL_TOKENS if t not in CHATML]   # <think>, <tool_call>, <answer>, ...
+RECORD = {"video": "clip.mp4", "question": "What colour is the square?", "options": ["red", "blue"], "task": "mcq"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, processor) of the embedded default, fp32 on CPU (so logits compare exactly)."""
+    return model_lib.load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
+
+
+@pytest.fixture(scope="module")
+def clip() -> video.Clip:
+    """An (8, 3, 64, 64) uint8 clip at 0.5 s spacing, no file behind it."""
+    frames = video.synthetic_frames(8, SIDE, SIDE, seed=3)
+    return video.Clip(frames, np.arange(8) * 0.5 + 10.0, "clip.mp4", 8)
+
+
+@pytest.fixture(scope="module")
+def video_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vid") / "long.mp4"
+    video.write_video(path, video.synthetic_frames(FPS * SECONDS, SIDE, SIDE, seed=1), FPS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved(tiny, tmp_path_factory):
+    """The tiny model written with save_model (Hugging Face format)."""
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    model_lib.save_model(*tiny, str(path))
+    return path
+
+
+def inputs(processor, clip: video.Clip) -> dict:
+    """Model kwargs for the full agent prompt (system + tools + video + question) around `clip`."""
+    c = rollout.encode_chunk(processor, rollout.prompt_text(processor, RECORD), [clip])
+    return dict(input_ids=c.ids[None], attention_mask=torch.ones_like(c.ids)[None],
+                mm_token_type_ids=c.mm_types[None], pixel_values_videos=c.pixels, video_grid_thw=c.grid)
+
+
+def logits(model, kwargs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**kwargs).logits
+
+
+# ----------------------------------------------------------------------------- architecture
+
+def test_tiny_is_a_real_qwen3_vl(tiny):
+    model, processor = tiny
+    assert type(model) is transformers.Qwen3VLForConditionalGeneration
+    assert type(processor) is transformers.Qwen3VLProcessor
+    assert model.config.model_type == "qwen3_vl"
+    assert len(model.config.vision_config.deepstack_visual_indexes) > 0
+    rope = model.config.text_config.rope_parameters
+    # M-RoPE: the (t, h, w) sections split the head's rotary pairs exactly
+    assert sum(rope["mrope_section"]) == model.config.text_config.head_dim // 2
+    assert 1e6 <= model_lib.count_parameters(model) <= 2e7
+    assert next(model.parameters()).dtype == torch.float32
+    assert json.loads(model_lib.describe(model))["model_type"] == "qwen3_vl"
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def test_tokenizer_is_deterministic(tiny):
+    """Two offline builds give the same vocabulary and merges, and the same as the loaded model's."""
+    a = model_lib.build_tokenizer(2048, rollout.prompt_corpus())
+    b = model_lib.build_tokenizer(2048, rollout.prompt_corpus())
+    assert a.get_vocab() == b.get_vocab() == tiny[1].tokenizer.get_vocab()
+    assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
+    assert len(tiny[1].tokenizer) <= tiny[0].config.text_config.vocab_size
+
+
+@pytest.mark.parametrize("token", model_lib.SPECIAL_TOKENS)
+def test_special_token_is_one_token_and_round_trips(tiny, token):
+    """Alone and inside text, each structural token is a single id that decodes back to itself."""
+    tok = tiny[1].tokenizer
+    ids = tok(token, add_special_tokens=False)["input_ids"]
+    assert ids == [tok.convert_tokens_to_ids(token)]
+    assert tok.decode(ids, skip_special_tokens=False) == token
+    text = f"look 12.5{token}the end"
+    inner = tok(text, add_special_tokens=False)["input_ids"]
+    assert inner.count(ids[0]) == 1
+    assert tok.decode(inner, skip_special_tokens=False) == text
+
+
+def test_text_tags_survive_skip_special_tokens(tiny):
+    """Qwen3's tokenizer marks only the ChatML / vision tokens special; <think>, <tool_call>, <answer>, ...
+    are plain added tokens, so decode(skip_special_tokens=True) keeps them (as rollout's sub-agent text
+    does on a real checkpoint) while it drops <|im_end|> and the vision markers."""
+    tok = tiny[1].tokenizer
+    text = "".join(f"{t}x" for t in TAGS)
+    ids = tok(f"<|im_start|>{text}{VIDEO_TEXT}<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+# ----------------------------------------------------------------------------- chat template
+
+CALLS = [{"type": "function", "function": {"name": "crop_video", "arguments": {"start_time": 12.0, "end_time": 20.0}}},
+         {"type": "function", "function": {"name": "crop_video",
+                                           "arguments": {"start_time": 3.5, "end_time": 9.5, "resolution": "fine"}}}]
+CONVERSATION = [
+    {"role": "system", "content": "SYS"},
+    {"role": "user", "content": [{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "Q?"}]},
+    {"role": "assistant", "content": "<think>\nlook closer\n</think>", "tool_calls": CALLS},
+    {"role": "tool", "content": "first result"},
+    {"role": "tool", "content": [{"type": "video", "video": "c.mp4"}, {"type": "text", "text": "second"}]},
+]
+TURNS = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>Q?<|im_end|>\n"
+         "<|im_start|>assistant\n<think>\nlook closer\n</think>\n"
+         "<tool_call>\n{\"name\": \"crop_video\", \"arguments\": {\"start_time\": 12.0, \"end_time\": 20.0}}"
+         "\n</tool_call>\n"
+         "<tool_call>\n{\"name\": \"crop_video\", \"arguments\": {\"start_time\": 3.5, \"end_time\": 9.5, "
+         "\"resolution\": \"fine\"}}\n</tool_call><|im_end|>\n"
+         "<|im_start|>user\n<tool_response>\nfirst result\n</tool_response>\n"
+         "<tool_response>\n<|vision_start|><|video_pad|><|vision_end|>second\n</tool_response><|im_end|>\n"
+         "<|im_start|>assistant\n")
+
+
+def test_chat_template_with_tools(tiny):
+    """System + Hermes <tools> block (one JSON line per tool), then the turns; the two tool messages
+    fold into one user turn of <tool_response> blocks."""
+    tools_block = ("<|im_start|>system\nSYS\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+                   "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+                   + json.dumps(video.CROP_VIDEO_TOOL) + "\n</tools>\n\nFor each function call, return a json object "
+                   "with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                   "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n")
+    for renderer in (tiny[1].tokenizer, tiny[1]):   # tokenizer and processor carry the same template
+        got = renderer.apply_chat_template(CONVERSATION, tools=[video.CROP_VIDEO_TOOL], tokenize=False,
+                                           add_generation_prompt=True)
+        assert got == tools_block + TURNS
+
+
+def test_chat_template_without_tools(tiny):
+    got = tiny[1].tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert got == "<|im_start|>system\nSYS<|im_end|>\n" + TURNS
+    # the agent prompt ends on the assistant tag and holds exactly one video placeholder
+    prompt = rollout.prompt_text(tiny[1], RECORD)
+    assert prompt.endswith("<|im_start|>assistant\n") and prompt.count("<|video_pad|>") == 1
+
+
+ARGS = {"start_time": 1.0, "end_time": 2.0}
+ONE_CALL = '<tool_call>\n{"name": "crop_video", "arguments": {"start_time": 1.0, "end_time": 2.0}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("content, arguments, expected", [
+    ("ok", ARGS, "ok\n" + ONE_CALL),              # tool calls after text: a newline separates them
+    ("", ARGS, ONE_CALL),                         # no text before the first call: Qwen3 adds no blank line
+    # arguments already a JSON string (OpenAI wire format): Qwen3 inserts it verbatim, not re-quoted
+    ("ok", json.dumps(ARGS), "ok\n" + ONE_CALL),
+], ids=["text-then-call", "call-only", "string-arguments"])
+def test_chat_template_tool_call_edge_cases(tiny, content, arguments, expected):
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": content,
+                 "tool_calls": [{"type": "function", "function": {"name": "crop_video", "arguments": arguments}}]}]
+    got = tiny[1].tokenizer.apply_chat_template(messages, tokenize=False)
+    assert got == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n" + expected + "<|im_end|>\n"
+
+
+# ----------------------------------------------------------------------------- forward / generate
+
+def test_forward_and_generate_with_video(tiny, clip):
+    model, processor = tiny
+    kw = inputs(processor, clip)
+    n = kw["input_ids"].shape[1]
+    # 8 frames of 64x64 -> 4 temporal patches x (64/32)^2 = 16 video tokens
+    assert (kw["input_ids"] == model.config.video_token_id).sum().item() == 16
+    out = logits(model, kw)
+    assert out.shape == (1, n, model.config.text_config.vocab_size)
+    assert torch.isfinite(out).all()
+    # the pixels reach the logits: another clip changes them
+    other = video.Clip(255 - clip.frames, clip.times, clip.path, clip.decoded)
+    assert not torch.allclose(out, logits(model, inputs(processor, other)))
+    with torch.no_grad():
+        gen = model.generate(**kw, max_new_tokens=4, do_sample=False)
+    assert gen.shape[0] == 1 and n < gen.shape[1] <= n + 4
+    assert torch.equal(gen[0, :n], kw["input_ids"][0])
+    assert gen[0, n].item() == out[0, -1].argmax().item()   # greedy first token = argmax of the forward
+
+
+# ----------------------------------------------------------------------------- processor timestamps
+
+@pytest.mark.parametrize("kind, lo, hi", [
+    ("crop", 20.0, 24.0),      # a crop's timestamps are absolute times in the video, not 0-based
+    ("overview", 0.0, SECONDS),  # an overview spans the whole video
+])
+def test_processor_timestamps_are_absolute(tiny, video_path, kind, lo, hi):
+    processor = tiny[1]
+    if kind == "crop":
+        c = video.crop(video_path, lo, hi, level="medium", max_pixels=SIDE * SIDE)
+    else:
+        c = video.sample_overview(video_path, nframes=8)
+    chunk = rollout.encode_chunk(processor, VIDEO_TEXT, [c])
+    stamps = [float(s) for s in TIMESTAMP.findall(processor.tokenizer.decode(chunk.ids))]
+    T = len(c.times)
+    assert len(stamps) == T // 2 == chunk.grid[0, 0].item()
+    assert all(lo <= s <= hi for s in stamps)
+    span = (hi - lo) / (T // 2)                      # one temporal patch covers this much time
+    assert stamps[0] - lo < span and hi - stamps[-1] < span
+    assert stamps == sorted(stamps) and stamps[-1] - stamps[0] > (hi - lo) / 2
+    # one timestamp per 2-frame patch: the mean of the pair's times, printed with one decimal
+    pairs = c.times.reshape(-1, 2).mean(axis=1)
+    np.testing.assert_allclose(stamps, pairs, atol=0.05 + 1e-9)
+
+
+# ----------------------------------------------------------------------------- save / load
+
+def test_save_writes_hugging_face_files(saved):
+    names = {p.name for p in saved.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert json.loads((saved / "config.json").read_text())["model_type"] == "qwen3_vl"
+
+
+def test_reload_with_auto_classes(tiny, saved, clip):
+    model, processor = tiny
+    model2 = AutoModelForImageTextToText.from_pretrained(str(saved)).eval()
+    processor2 = AutoProcessor.from_pretrained(str(saved))
+    assert type(model2) is type(model) and type(processor2) is type(processor)
+    # the reloaded processor encodes prompt + video exactly as the original
+    kw, kw2 = inputs(processor, clip), inputs(processor2, clip)
+    assert kw.keys() == kw2.keys() and all(torch.equal(kw[k], kw2[k]) for k in kw)
+    text = "Question: what came first? <think>\n</think><answer>B</answer> 12.5 seconds"
+    assert processor2.tokenizer(text)["input_ids"] == processor.tokenizer(text)["input_ids"]
+    assert model_lib.special_token_ids(processor2) == model_lib.special_token_ids(processor)
+    assert processor2.tokenizer.apply_chat_template(CONVERSATION, tools=[video.CROP_VIDEO_TOOL], tokenize=False) == \
+        processor.tokenizer.apply_chat_template(CONVERSATION, tools=[video.CROP_VIDEO_TOOL], tokenize=False)
+    assert torch.equal(logits(model2, kw), logits(model, kw))
+
+
+def test_load_model_from_directory(tiny, saved, clip):
+    """The real-checkpoint path of load_model, on CPU in fp32."""
+    model2, processor2 = model_lib.load_model(str(saved), device="cpu")
+    assert next(model2.parameters()).dtype == torch.float32
+    assert next(model2.parameters()).device.type == "cpu" and not model2.training
+    kw = inputs(processor2, clip)
+    assert torch.equal(logits(model2, kw), logits(tiny[0], kw))
+
+
+@pytest.mark.parametrize("rel", [
+    "missing",               # absolute path to a directory that does not exist
+    "nested/missing/model",  # several levels below the temporary folder
+])
+def test_load_model_missing_directory(tmp_path, rel):
+    path = str(tmp_path / rel)
+    with pytest.raises(FileNotFoundError, match=re.escape(path)):
+        model_lib.load_model(path, device="cpu")
+
+
+# ----------------------------------------------------------------------------- special ids
+
+def test_special_token_ids(tiny):
+    model, processor = tiny
+    ids = model_lib.special_token_ids(processor)
+    assert list(ids) == model_lib.SPECIAL_TOKENS
+    assert all(isinstance(i, int) for i in ids.values()) and len(set(ids.values())) == len(ids)
+    assert all(processor.tokenizer.convert_ids_to_tokens(i) == t for t, i in ids.items())
+    # the model config points at the same ids
+    assert ids["<|video_pad|>"] == model.config.video_token_id
+    assert ids["<|vision_start|>"] == model.config.vision_start_token_id
+    assert ids["<|im_end|>"] == model.generation_config.eos_token_id
+    assert ids["<|endoftext|>"] == model.generation_config.pad_token_id
