@@ -350,14 +350,34 @@ def _call(a: float, b: float) -> str:
     return f"<tool_call>\n{json.dumps({'name': 'crop_video', 'arguments': args})}\n</tool_call>"
 
 
+def overview_patch_times(duration: float, nframes: int) -> list[tuple[float, float, float]]:
+    """(t, f0, f1) per temporal patch of a K-frame overview of a synthetic video: the two frame times
+    (nearest 2 fps frames to video.uniform_targets) and t, their mean, which the processor prints."""
+    grid = np.arange(round(duration * FPS)) / FPS
+    times = grid[video.sample_frame_indices(grid, video.uniform_targets(0.0, duration, nframes))]
+    return [(float((a + b) / 2), float(a), float(b)) for a, b in zip(times[0::2], times[1::2])]
+
+
+def seen_at(clue: list[float], patches: list[tuple[float, float, float]]) -> float | None:
+    """The printed time t of the first overview patch that shows the mark [s, s+8), or None (missed)."""
+    s, e = clue
+    return next((t for t, f0, f1 in patches if s <= f0 < e or s <= f1 < e), None)
+
+
 def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = False,
-                 window_noise: float = 1.0) -> list[dict]:
-    """The SFT target after the prompt: assistant strings (CONTRACT format) and one tool message per call."""
+                 window_noise: float = 1.0, nframes: int = 8) -> list[dict]:
+    """The SFT target after the prompt: assistant strings (CONTRACT format) and one tool message per call.
+
+    The oracle only claims what a K-frame overview shows (`nframes` = the overview the rollout uses):
+    a needle's mark is seen in a temporal patch printed as "<t seconds>" whose frames lie within t +- 4 s
+    (K = 8 over 64 s), so the glyph slot lies inside (t - 9, t + 9) and it crops [t - 10, t + 10], with
+    +-window_noise (<= 1 s) on each end. A mark no overview frame shows is searched by cropping its half of the video."""
     kind, clues, colours = record["data_type"], record["clues"], record["meta"]["colours"]
     if kind not in KINDS:
         raise ValueError(f"{record['id']}: oracle trajectories exist for {KINDS} only, not {kind!r}")
     duration = float(record.get("duration") or clues[-1][1])
     answer = f"<answer>{record['answer']}</answer>"
+    patches = overview_patch_times(duration, nframes)
 
     def turn(think: str, body: str) -> dict:
         return {"role": "assistant", "content": f"<think>\n{think}\n</think>\n{body}"}
@@ -367,14 +387,23 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
         return [turn(f"The mark is visible from {_t(s)} to {_t(e)} seconds.", f"<answer>[{_t(s)}, {_t(e)}]</answer>")]
     if kind == "direct" and not always_call:
         return [turn(f"The shape is visible in the overview: it is {colours[0]}.", answer)]
-    windows = [_noisy_window(rng, s, e, window_noise, duration) for s, e in clues]
+    seen = [seen_at(c, patches) for c in clues]
+    windows, where = [], []
+    for c, t in zip(clues, seen):
+        if t is None:       # missed by the overview: crop the half of the video around the clue
+            half = duration / 2
+            lo = 0.0 if c[0] < half else half
+            windows.append((lo, lo + half))
+            where.append("somewhere")
+        else:
+            windows.append(_noisy_window(rng, max(0.0, t - 10), min(duration, t + 10), window_noise, duration))
+            where.append(f"near {_t(t)} seconds")
     if kind == "multi_clue":
-        think = (f"I see marks at {_t(clues[0][0])} and {_t(clues[1][0])} seconds but the shapes are too small "
-                 "to read. I will crop both.")
+        think = f"I see marks {where[0]} and {where[1]} but the shapes are too small to read. I will crop both."
         final = (f"The first clip shows a {colours[0]} shape and the second a {colours[1]} shape, "
                  f"so the {colours[0]} shape came first.")
     else:  # single_clue, or direct with always_call
-        think = f"I see a mark at {_t(clues[0][0])} seconds but the shape is too small to read. I will crop it."
+        think = f"I see a mark {where[0]} but the shape is too small to read. I will crop it."
         final = f"The clip shows a {colours[0]} shape."
     tools = [{"role": "tool", "content": [{"type": "video", "video": record["video"], "video_start": a,
                                            "video_end": b}]} for a, b in windows]

@@ -1,8 +1,36 @@
 """
-Training: GRPO for agentic long-video RL (ParaVT arXiv 2605.20342 + Video-o3 arXiv 2601.23224).
+Training: SFT warm start (with TDAM) and GRPO for agentic long-video RL, one file that reads top to
+bottom: pure math, arguments, `main(rank, args)`, the launcher.
 
-[Algorithm paragraph, numbered departures from the papers, and the three run commands (CPU smoke,
-1 GPU, --gpus 8): written together with parse_args / main below.]
+Algorithm. Per RL step each rank draws `--prompts-per-step` records, gates each overview to K frames
+(nFrames gating: K ~ Uniform{4..64}, the same K for a prompt's whole group), rolls out G samples per
+prompt with rollout.py (parallel crop_video calls, up to --max-turns tool rounds, KV cache reused across
+turns), scores every trajectory with rewards.py under the chosen recipe, turns rewards into group
+advantages A = (R - mean) / (std + eps), optionally adds the exploration-anchoring credit on the
+closing-tag tokens, and takes a PPO-clip step on the policy's own tokens only (token-mean).
+
+Recipes (--recipe): paravt = ParaVT R_acc + R_fmt(anchored) + R_tool, with gating (PARA-GRPO);
+vtgr = Video-o3 R_acc + strict R_fmt + hybrid-clue tool term with turn decay; combined (default) =
+ParaVT's accuracy and anchored format terms, gating, and the VTGR tool term wherever a record has clue
+windows; vanilla = accuracy + format + tool reward, no gating, no anchoring (the ablation).
+
+Departures from the papers' releases (each also noted where it happens):
+ 1. Rewards score the trajectory as the model saw it (forced "<think>\n" prefix and tool responses
+    included); ParaVT scored generated tokens only (--released-scoring restores that).
+ 2. Token-level exploration anchoring is available (--anchoring token), as the ParaVT paper words it;
+    the release adds the anchor to the sequence reward only (--anchoring sequence).
+ 3. nFrames gating really acts (the release's config replaced K by 64 frames).
+ 4. Sub-agent tokens can be trained with their caller's advantage (--train-subagents); ParaVT did not.
+ 5. Old log-probs are recomputed by a training forward (not taken from the sampler), so ratio == 1 on
+    the first PPO epoch and clipping only acts from the second epoch (--ppo-epochs > 1) on.
+
+Run commands:
+    python train.py                                   # the embedded default on CPU: tiny model, synthetic task
+    python train.py --stage rl --rl-steps 2 --n-train 8 --group-size 2 --prompts-per-step 2   # CPU smoke
+    python train.py --model /ckpt/Qwen3-VL-8B-Instruct --data rl.jsonl --video-root /videos --stage rl
+    python train.py --gpus 8 --model /ckpt/Qwen3-VL-8B-Instruct --data rl.jsonl --video-root /videos \
+        --stage rl --group-size 8 --prompts-per-step 1 --lr 2e-6 --shaping --kl-coef 0.01 --grad-checkpointing
+    torchrun --nnodes 2 --nproc-per-node 8 ... train.py ...   # multi-node: torchrun's environment is used
 
 The top of this file holds the pure math the loop uses, importable on its own
 (`from train import grpo_loss`):
@@ -15,6 +43,8 @@ The top of this file holds the pure math the loop uses, importable on its own
     tdam_mask       Video-o3 Task-Decoupled Attention Masking (SFT), (L, L) bool, True = may attend
 """
 import argparse
+import contextlib
+import hashlib
 import json
 import math
 import os
@@ -385,7 +415,7 @@ def rollout_metrics(trajs: list, comps: list[dict]) -> dict:
 # -----------------------------------------------------------------------------
 # batches: whole trajectories -> log-probs of the policy tokens
 
-def forward_logprobs(model, batch: dict, chunk_size: int, attn_mask_4d=None) -> torch.Tensor:
+def forward_logprobs(model, batch: dict, chunk_size: int, attn_mask_4d=None, compile: bool = True) -> torch.Tensor:
     """(B, L-1) log p(next token) at POLICY positions (0 elsewhere), through `token_logprobs`."""
     device = next(model.parameters()).device
     kw = {k: v.to(device) for k, v in batch.items() if k not in ("roles",)}
@@ -397,8 +427,10 @@ def forward_logprobs(model, batch: dict, chunk_size: int, attn_mask_4d=None) -> 
     targets = batch["input_ids"][:, 1:].to(device)
     policy = (batch["roles"][:, 1:] == 1).to(device)
     out = torch.zeros(targets.shape, device=device, dtype=torch.float32)
+    if hasattr(model.lm_head, "unshard"):     # FSDP: the weight is read below, not through lm_head's forward
+        model.lm_head.unshard()               # (its gradient is reduce-scattered with the norm's, in backward)
     if policy.any():
-        out[policy] = token_logprobs(hidden[policy], model.lm_head.weight, targets[policy], chunk_size)
+        out[policy] = token_logprobs(hidden[policy], model.lm_head.weight, targets[policy], chunk_size, compile)
     return out
 
 
@@ -433,16 +465,16 @@ def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
     return to_additive_mask(torch.stack(masks)).squeeze(1)[:, None]
 
 
-def sft_loss(model, batch: dict, chunk_size: int, attn_mask_4d=None) -> tuple[torch.Tensor, int]:
+def sft_loss(model, batch: dict, chunk_size: int, attn_mask_4d=None, compile: bool = True) -> tuple[torch.Tensor, int]:
     """Cross-entropy on assistant (POLICY) tokens only, token mean."""
-    lp = forward_logprobs(model, batch, chunk_size, attn_mask_4d)
+    lp = forward_logprobs(model, batch, chunk_size, attn_mask_4d, compile)
     mask = (batch["roles"][:, 1:] == 1).to(lp.device)
     n = int(mask.sum())
     return -(lp * mask).sum() / max(1, n), n
 
 
 def grpo_step_loss(model, batch: dict, old_lp, adv_tok, ref_lp, args) -> tuple[torch.Tensor, dict]:
-    lp = forward_logprobs(model, batch, args.logprob_chunk)
+    lp = forward_logprobs(model, batch, args.logprob_chunk, compile=bool(args.compile))
     mask = (batch["roles"][:, 1:] == 1).to(lp.device)
     return grpo_loss(lp, old_lp, adv_tok, mask, clip_low=args.clip_low, clip_high=args.clip_high,
                      kl_coef=args.kl_coef, ref_logprobs=ref_lp, kl_estimator=args.kl_estimator)
@@ -452,7 +484,7 @@ def grpo_step_loss(model, batch: dict, old_lp, adv_tok, ref_lp, args) -> tuple[t
 # checkpoints (atomic: written to a temp dir, then renamed)
 
 def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra: dict, state_dict=None) -> str:
-    final = os.path.join(run_dir, f"ckpt-{step:06d}")
+    final = os.path.join(run_dir, f"ckpt-{extra['stage']}-{step:06d}")   # SFT step 2 and RL step 2 are two models
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -464,18 +496,22 @@ def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra:
     torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None, "step": step,
                 "rng_torch": torch.get_rng_state(), "rng_random": random.getstate(), **extra},
                os.path.join(tmp, "trainer.pt"))
-    shutil.rmtree(final, ignore_errors=True)
+    shutil.rmtree(final + ".old", ignore_errors=True)
+    if os.path.exists(final):                # saving a step again: move the old one aside whole, never half-delete it
+        os.replace(final, final + ".old")
     os.replace(tmp, final)                   # the only moment a checkpoint becomes visible
+    shutil.rmtree(final + ".old", ignore_errors=True)
     return final
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
-    """Newest complete checkpoint (a half-written `.tmp` dir is never picked up)."""
+    """Newest complete checkpoint, RL after SFT, then by step (a half-written `.tmp` dir is never picked up)."""
     if not os.path.isdir(run_dir):
         return None
-    done = sorted(d for d in os.listdir(run_dir) if re.fullmatch(r"ckpt-\d{6}", d)
-                  and os.path.exists(os.path.join(run_dir, d, "trainer.pt")))
-    return os.path.join(run_dir, done[-1]) if done else None
+    order = {"sft": 0, "rl": 1}
+    done = [(order[m[1]], int(m[2]), d) for d in os.listdir(run_dir) if (m := re.fullmatch(r"ckpt-(sft|rl)-(\d{6})", d))
+            and os.path.exists(os.path.join(run_dir, d, "trainer.pt"))]
+    return os.path.join(run_dir, max(done)[2]) if done else None
 
 
 def append_metrics(path: str, row: dict, last_step: int | None = None) -> None:
@@ -546,6 +582,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--video-root", default=None, help="folder the records' video paths are relative to")
     g.add_argument("--eval-data", default=None, help="held-out prompt records for evaluation (default: synthetic split)")
     g.add_argument("--max-bad-fraction", type=float, default=0.2, help="stop if more than this fraction of samples is bad")
+    g.add_argument("--n-train", type=int, default=TINY_TASK["n_train"], help="synthetic task: training prompts")
+    g.add_argument("--n-eval", type=int, default=TINY_TASK["n_eval"], help="synthetic task: held-out prompts")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
     g = p.add_argument_group("SFT")
     g.add_argument("--sft-steps", type=int, default=150)
@@ -573,12 +611,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-turns", type=int, default=3)
     g.add_argument("--max-new-tokens", type=int, default=96)
     g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--overview-nframes", type=int, default=None,
+                   help="overview frames when gating is off (default: 8 on the tiny model, 64 otherwise)")
     g.add_argument("--gating", type=int, default=None, help="nFrames gating on/off (default: on for paravt/combined)")
     g.add_argument("--gating-choices", default="4,8,16,32,64")
     g.add_argument("--anchoring", choices=("sequence", "token", "none"), default=None,
                    help="exploration anchoring (default: sequence for paravt/combined, none for vanilla/vtgr)")
     g.add_argument("--released-scoring", action="store_true",
                    help="score generated tokens only, as the ParaVT release did (forced prefix/tool responses unseen)")
+    g.add_argument("--final-eval", action="store_true", help="held-out evaluation at the end (always on for --stage all)")
     g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N RL steps (0 = only at the end)")
     g.add_argument("--logprob-chunk", type=int, default=1024)
     args = p.parse_args(argv)
@@ -614,6 +655,13 @@ def setup_distributed(rank: int, args) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def all_min(value: int) -> int:
+    """The smallest of an integer across ranks."""
+    t = torch.tensor([value])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t)
+
+
 def all_mean(values: dict, world: int) -> dict:
     """Average scalar metrics across ranks (each rank rolled out its own prompts)."""
     if world == 1:
@@ -624,15 +672,38 @@ def all_mean(values: dict, world: int) -> dict:
     return {k: float(v) / world for k, v in zip(keys, t)}
 
 
+@contextlib.contextmanager
+def full_weights(model):
+    """FSDP: all-gather every shard once and keep the full weights for a block of no-grad forwards whose
+    number differs between ranks (rollouts, evaluation), so no rank waits in an all-gather that another
+    never reaches; resharded on exit. A model without FSDP units passes through untouched."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model.model]
+    root = [model.model] if isinstance(model.model, FSDPModule) else []
+    for m in root + units:
+        m.unshard()
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in units:
+            m.set_reshard_after_forward(True, recurse=False)
+        for m in root + units:
+            m.reshard()
+
+
 def synthetic_data(args, cache: str) -> tuple[list, list, str]:
     root = os.path.join(cache, "synthetic")
-    train = data.make_split(root, TINY_TASK["n_train"], seed=1000 + args.seed, duration=TINY_TASK["duration"])
-    held = data.make_split(root, TINY_TASK["n_eval"], seed=2000 + args.seed, duration=TINY_TASK["duration"])
+    train = data.make_split(root, args.n_train, seed=1000 + args.seed, duration=TINY_TASK["duration"])
+    held = data.make_split(root, args.n_eval, seed=2000 + args.seed, duration=TINY_TASK["duration"])
     return train, held, root
 
 
 def rollout_cfg(args, tiny: bool, **over) -> rollout.RolloutConfig:
-    extra = rollout.TINY_ROLLOUT if tiny else {"overview_nframes": 64}
+    extra = dict(rollout.TINY_ROLLOUT) if tiny else {"overview_nframes": 64}
+    if args.overview_nframes:
+        extra["overview_nframes"] = args.overview_nframes
     return rollout.RolloutConfig(**{**dict(tool_mode=args.tool_mode, max_turns=args.max_turns,
                                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                            group_size=args.group_size), **extra, **over})
@@ -644,7 +715,9 @@ def evaluate_split(model, processor, records, video_root, cfg) -> dict:
     trajs, comps = [], []
     for i in range(0, len(records), 8):
         batch = records[i:i + 8]
-        for rec, t in zip(batch, rollout.run_agent(model, processor, batch, video_root, greedy, seed=0)):
+        with full_weights(model):
+            out = rollout.run_agent(model, processor, batch, video_root, greedy, seed=0)
+        for rec, t in zip(batch, out):
             trajs.append(t)
             comps.append(score_trajectory(t, rec, "combined", "sequence", False)[1])
     m = rollout_metrics(trajs, comps)
@@ -659,16 +732,17 @@ def main(rank: int, args) -> dict:
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     use_compile = bool(args.compile if args.compile is not None else device.type == "cuda")
+    args.compile = int(use_compile)                  # resolved once: the loss functions read it
     os.makedirs(args.run_dir, exist_ok=True)
     metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
     print0(rank, json.dumps({"args": vars(args), "world": world, "device": str(device)}))
 
     # ----- model (from the newest checkpoint when resuming)
     ckpt = latest_checkpoint(args.run_dir) if args.resume else None
-    state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False) if ckpt else None
-    tiny = args.model == "tiny"
+    state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=True) if ckpt else None  # no pickle code
     model, processor = model_lib.load_model(ckpt or args.model, device=device, seed=args.seed,
                                             tiny_corpus=rollout.prompt_corpus())
+    tiny = hasattr(model.config, "tiny_model_config")     # the embedded default, fresh or from a checkpoint
     ids = model_lib.special_token_ids(processor)
     pad_id = processor.tokenizer.pad_token_id
     if args.grad_checkpointing:
@@ -677,7 +751,8 @@ def main(rank: int, args) -> dict:
         from torch.distributed.fsdp import fully_shard
         for layer in model.model.language_model.layers:
             fully_shard(layer)
-        fully_shard(model)
+        fully_shard([model.model.language_model.norm, model.lm_head])  # token_logprobs reads lm_head.weight directly
+        fully_shard(model.model)                      # the root: every forward (rollout, training) enters here
     ref_model = None
     if args.kl_coef > 0:
         ref_model, _ = model_lib.load_model(ckpt or args.model, device=device, seed=args.seed,
@@ -698,14 +773,14 @@ def main(rank: int, args) -> dict:
     cfg = rollout_cfg(args, tiny)
     run_stages = ["sft", "rl"] if args.stage == "all" else [args.stage]
     stage0, step0 = (state["stage"], state["step"]) if state else (run_stages[0], 0)
-    if state:
+    if state and rank == 0:
         truncate_metrics(metrics_path, stage0, step0)
         print0(rank, f"resumed from {ckpt} ({stage0} step {step0})")
     summary = {}
     if args.stage == "all" and not state:
         summary["before"] = evaluate_split(model, processor, held, video_root, cfg)
         print0(rank, "before:", json.dumps(summary["before"]))
-    counters = {"skipped_steps": 0, "bad_samples": 0}
+    counters = {"skipped_steps": 0, "bad_samples": 0, **(state.get("counters", {}) if state else {})}  # kept across resumes
 
     def optimizer_step(optimizer, step, loss, stage, sample_ids) -> float | None:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -723,7 +798,8 @@ def main(rank: int, args) -> dict:
 
     # ----- SFT warm start
     if "sft" in run_stages and not (state and stage0 == "rl"):
-        sft_items = sft_examples(args, train_recs, processor, video_root, cfg, rank)
+        sft_items, sft_bad = sft_examples(args, train_recs, processor, video_root, cfg, rank)
+        counters["bad_samples"] += 0 if state else sft_bad    # a resumed run counted them before
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
         start = step0 if state and stage0 == "sft" else 0
         if state and stage0 == "sft" and state["optimizer"]:
@@ -742,7 +818,7 @@ def main(rank: int, args) -> dict:
             batch = rollout.collate(items, model, pad_id)
             tdam = rng.random() < args.tdam_ratio
             mask4 = tdam_batch_mask(batch, ids, model.config.video_token_id) if tdam else None
-            loss, n_tok = sft_loss(model, batch, args.logprob_chunk, mask4)
+            loss, n_tok = sft_loss(model, batch, args.logprob_chunk, mask4, use_compile)
             loss.backward()
             gn = optimizer_step(optimizer, step, loss.detach(), "sft", [t.record_id for t in items])
             row = all_mean({"loss": float(loss), "grad_norm": gn if gn is not None else float("nan"), "lr": lr,
@@ -754,7 +830,7 @@ def main(rank: int, args) -> dict:
                     tqdm.write(f"sft {step}/{args.sft_steps} | loss {row['loss']:.4f} | lr {lr:.2e} | "
                                f"{row['step_time']:.2f}s")
             if step % args.save_every == 0 or step == args.sft_steps:
-                save0(rank, world, args.run_dir, step, model, processor, optimizer, {"stage": "sft"})
+                save0(rank, world, args.run_dir, step, model, processor, optimizer, {"stage": "sft", "counters": counters})
         model.eval()
         if args.stage == "all":
             summary["sft"] = evaluate_split(model, processor, held, video_root, cfg)
@@ -764,12 +840,13 @@ def main(rank: int, args) -> dict:
     if "rl" in run_stages:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         start = step0 if state and stage0 == "rl" else 0
-        if state and stage0 == "rl":
+        if state and stage0 == "rl" and state["optimizer"]:
             optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng_torch"])
             random.setstate(state["rng_random"])
         choices = [int(c) for c in args.gating_choices.split(",")]
         close_ids = [ids[t] for t in ("</think>", "</tool_call>", "</answer>") if ids.get(t) is not None]
+        warned = set()                                # record ids whose video failed: warn once each
         for step in tqdm(range(start + 1, args.rl_steps + 1), desc="rl", disable=rank != 0, initial=start,
                          total=args.rl_steps):
             t0 = time.time()
@@ -781,8 +858,9 @@ def main(rank: int, args) -> dict:
             recs = [train_recs[rng.randrange(len(train_recs))] for _ in range(args.prompts_per_step)]
             ks = [rewards.gate_nframes(r["id"], step, choices, seed=args.seed) if args.gating else None for r in recs]
             model.eval()
-            trajs = rollout.run_agent(model, processor, recs, video_root, cfg, seed=args.seed * 1_000_003 + step * 101 + rank,
-                                      nframes=ks)
+            with full_weights(model):
+                trajs = rollout.run_agent(model, processor, recs, video_root, cfg,
+                                          seed=args.seed * 1_000_003 + step * 101 + rank, nframes=ks)
             # ----- rewards and advantages
             scored = [score_trajectory(t, recs[i // args.group_size], args.recipe, args.anchoring, args.released_scoring)
                       for i, t in enumerate(trajs)]
@@ -795,6 +873,10 @@ def main(rank: int, args) -> dict:
             if args.dynamic_sampling:
                 keep &= ~zero_var.repeat_interleave(args.group_size)
             counters["bad_samples"] += sum(t.error is not None for t in trajs)
+            for t in trajs[::args.group_size]:
+                if t.error is not None and t.record_id not in warned:
+                    warned.add(t.record_id)
+                    print(f"skipped sample {t.record_id} (rl step {step}, rank {rank}): {t.error}", flush=True)
             if counters["bad_samples"] > args.max_bad_fraction * step * len(trajs) and step > 5:
                 raise RuntimeError(f"more than {args.max_bad_fraction:.0%} of samples failed by step {step}: "
                                    f"see the skipped-sample messages above")
@@ -804,7 +886,7 @@ def main(rank: int, args) -> dict:
             stats = {"clip_frac": 0.0, "kl": 0.0}
             gn = None
             model.train()
-            if items:
+            if (len(items) if world == 1 else all_min(len(items))) > 0:   # FSDP: every rank updates, or none
                 gn, stats = policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, step, rank,
                                           optimizer_step)
             # ----- log
@@ -819,29 +901,35 @@ def main(rank: int, args) -> dict:
                            f"fmt {m['format_compliance']:.2f} | tool {m['tool_call_ratio']:.2f} | "
                            f"turns {m['turns']:.2f} | K {m['mean_k']:.1f} | zero-var {m['zero_var_frac']:.2f} | "
                            f"clip {m['clip_frac']:.3f} | kl {m['kl']:.4f} | {m['step_time']:.1f}s")
-            if args.eval_every and step % args.eval_every == 0 and rank == 0:
+            if args.eval_every and step % args.eval_every == 0:   # every rank (FSDP gathers), rank 0 prints
                 print0(rank, "eval:", json.dumps(evaluate_split(model, processor, held, video_root, cfg)))
             if step % args.save_every == 0 or step == args.rl_steps:
-                save0(rank, world, args.run_dir, step, model, processor, optimizer, {"stage": "rl"})
+                save0(rank, world, args.run_dir, step, model, processor, optimizer, {"stage": "rl", "counters": counters})
         model.eval()
     # ----- summary
-    if args.stage == "all":
+    if args.stage == "all" or args.final_eval:
         summary["after"] = evaluate_split(model, processor, held, video_root, cfg)
         summary["seconds"] = round(time.time() - t_start, 1)
         if rank == 0:
-            png = plot_run(args.run_dir)
-            print(f"{'':18s}{'before':>10s}{'SFT':>10s}{'SFT+RL':>10s}")
+            png = plot_run(args.run_dir) if "rl" in run_stages else None
+            cols = [s for s in ("before", "sft", "after") if s in summary]
+            print(f"{'':18s}" + "".join(f"{ {'sft': 'SFT', 'after': 'final'}.get(s, s):>10s}" for s in cols))
             for k in summary["after"]:
-                print(f"{k:18s}" + "".join(f"{summary[s][k]:10.3f}" for s in ("before", "sft", "after") if s in summary))
+                print(f"{k:18s}" + "".join(f"{summary[s][k]:10.3f}" for s in cols))
             print(f"curves: {png}")
             print(json.dumps(summary))
+    if os.environ.get("PARAVT_DUMP_PARAMS"):         # tests: a digest of each full weight as this rank sees it
+        digests = {n: hashlib.sha256((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+                                     .numpy().tobytes()).hexdigest() for n, p in model.named_parameters()}
+        with open(f"{os.environ['PARAVT_DUMP_PARAMS']}.rank{rank}.json", "w") as f:
+            json.dump(digests, f)
     if world > 1:
         dist.destroy_process_group()
     return summary
 
 
-def sft_examples(args, records, processor, video_root, cfg, rank) -> list:
-    """Encoded SFT trajectories (bad records are skipped and counted, never fatal unless most are bad)."""
+def sft_examples(args, records, processor, video_root, cfg, rank) -> tuple[list, int]:
+    """(encoded SFT trajectories, number skipped): bad records are skipped and counted, never fatal unless most are bad."""
     if args.sft_data:
         rows, errors = data.load_records(args.sft_data, None, args.max_bad_fraction) if False else ([], [])
         with open(args.sft_data) as f:
@@ -865,7 +953,7 @@ def sft_examples(args, records, processor, video_root, cfg, rank) -> list:
         print0(rank, f"skipped SFT record: {e}")
     if not items or len(errors) > args.max_bad_fraction * (len(items) + len(errors)):
         raise ValueError(f"{len(errors)} of {len(items) + len(errors)} SFT records are bad; first: {errors[:3]}")
-    return items
+    return items, len(errors)
 
 
 def policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, step, rank, optimizer_step):
@@ -879,10 +967,12 @@ def policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, s
             tags = rewards.anchor_token_mask(b["input_ids"][:, 1:], close_ids)
             a += 0.5 * torch.tensor([cm["anchor"] for _, _, cm in c])[:, None] * tags
         advs.append(a)
-    with torch.no_grad():
-        old = [forward_logprobs(model, b, args.logprob_chunk) for b in batches]
-        ref = [forward_logprobs(ref_model, b, args.logprob_chunk) if ref_model is not None else None for b in batches]
+    with torch.no_grad(), full_weights(model):
+        old = [forward_logprobs(model, b, args.logprob_chunk, compile=bool(args.compile)) for b in batches]
+        ref = [forward_logprobs(ref_model, b, args.logprob_chunk, compile=bool(args.compile)) if ref_model is not None else None for b in batches]
     n_total = sum(int((b["roles"][:, 1:] == 1).sum()) for b in batches)
+    # FSDP: every rank must run as many forward/backward passes (each all-gathers and reduce-scatters)
+    pad = -all_min(-len(batches)) - len(batches) if dist.is_initialized() else 0
     gn, stats_sum = None, {"clip_frac": 0.0, "kl": 0.0}
     for epoch in range(args.ppo_epochs):
         total = torch.zeros(())
@@ -893,6 +983,8 @@ def policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, s
             total = total + loss.detach() * n / max(1, n_total)
             for k in stats_sum:
                 stats_sum[k] += float(st.get(k, 0.0)) * n / max(1, n_total) / args.ppo_epochs
+        for _ in range(pad):                           # zero-weight passes: no gradient, matching collectives
+            (grpo_step_loss(model, batches[-1], old[-1], advs[-1].to(old[-1].device), ref[-1], args)[0] * 0.0).backward()
         gn = optimizer_step(optimizer, step, total, "rl", [t.record_id for t, _, _ in items])
     return gn, stats_sum
 
@@ -916,8 +1008,11 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
-if __name__ == "__main__":
-    args = parse_args()
+def launch(args) -> None:
+    """The launcher: torchrun's environment, `--gpus N` processes spawned here, or one process.
+    A bad device request is a ValueError before any model, data or process is started."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)")
     if args.plot:
         print(plot_run(args.plot))
     elif "RANK" in os.environ:                        # started by torchrun (multi-node, or habit)
@@ -931,3 +1026,7 @@ if __name__ == "__main__":
         torch.multiprocessing.spawn(main, args=(args,), nprocs=args.gpus)
     else:                                             # one GPU or CPU: no process group
         main(0, args)
+
+
+if __name__ == "__main__":
+    launch(parse_args())

@@ -293,9 +293,23 @@ def _check_oracle(r, msgs, n_calls, noise=1.0):
     tools = msgs[1:-1]
     assert [(m["role"], m["content"][0]["video_start"], m["content"][0]["video_end"], m["content"][0]["video"])
             for m in tools] == [("tool", a, b, r["video"]) for a, b in windows]
-    for (a, b), (s, e) in zip(windows, r["clues"]):
-        assert a < b and abs(a - s) <= noise and abs(b - e) <= noise and a * 2 == int(a * 2) and b * 2 == int(b * 2)
+    for (a, b), (g0, g1) in zip(windows, r["meta"]["glyph_windows"]):
+        # the oracle crops around what the 8-frame overview shows; the crop must hold >= 1 s of the glyph slot
+        assert a < b and a * 2 == int(a * 2) and b * 2 == int(b * 2)
+        assert min(b, g1) - max(a, g0) >= 1.0, (r["id"], (a, b), (g0, g1))
     return windows
+
+
+@pytest.mark.parametrize("clue, expected", [
+    ([25.0, 33.0], 24.0),   # frame 28 of the (20, 28) patch shows the mark -> printed 24.0
+    ([13.0, 21.0], 24.0),   # frame 20 only
+    ([5.0, 13.0], 8.0),     # frame 12 of the first patch (4, 12)
+    ([0.0, 3.0], None),     # no overview frame inside: the overview misses it
+])
+def test_seen_at_uses_the_printed_patch_time(clue, expected):
+    patches = data.overview_patch_times(64.0, 8)
+    assert [t for t, _, _ in patches] == [8.0, 24.0, 40.0, 56.0]
+    assert data.seen_at(clue, patches) == expected
 
 
 def test_oracle_turns_by_kind(split):
@@ -319,7 +333,7 @@ def test_oracle_turns_by_kind(split):
 
 def test_oracle_windows_clamped_to_the_video():
     r = {"id": "x", "video": "v.mp4", "data_type": "single_clue", "clues": [[0.0, 8.0]], "duration": 8.0,
-         "answer": "A", "meta": {"colours": ["red"]}}
+         "answer": "A", "meta": {"colours": ["red"], "glyph_windows": [[3.0, 5.0]]}}
     rng = np.random.default_rng(1)
     for _ in range(50):
         (a, b), = _check_oracle(r, data.oracle_turns(r, rng, window_noise=3.0), 1, noise=3.0)
