@@ -599,3 +599,16 @@ def test_cli_rescore_prints_final_json(tmp_path, capsys):
 def test_cli_requires_annotations():
     with pytest.raises(SystemExit):
         ev.parse_args(["--bench", "mlvu"])
+
+
+def test_synthetic_end_to_end_on_the_tiny_model(tmp_path, capsys):
+    """`python eval.py` path: synthetic records -> tiny model -> rollout -> predictions -> score (< 1 min)."""
+    out = tmp_path / "preds.jsonl"
+    argv = ["--limit", "4", "--max-new-tokens", "8", "--video-root", str(tmp_path / "syn"), "--out", str(out)]
+    metrics = ev.main(argv)
+    rows = ev.read_predictions(out)
+    assert [r["id"] for r in rows] == [f"syn-2000-{i:05d}" for i in range(4)] and metrics["n"] == 4
+    assert all(r["error"] is None and r["latency"] > 0 for r in rows)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 4
+    again = ev.main(argv)                       # resumes: nothing is re-run, nothing duplicated
+    assert len(ev.read_predictions(out)) == 4 and again["n"] == 4
