@@ -143,7 +143,8 @@ def _strip_block(text: str, name: str) -> str:
 def extract_answer(text: str) -> str | None:
     """The answer, SPEC 4.1 order (ParaVT release): (1) the first `<answer>...</answer>` (innermost if
     nested); else (2) the text after the first `</think>` without tool blocks, later think blocks,
-    chat markers and stray tags; else (3) the last non-empty line that is not a tag line. None if none.
+    chat markers and stray tags; else (3) the last non-empty line, outside tool blocks, that is not a tag
+    line. None if none.
     Tool responses are removed first (departure 2): a sub-agent's summary is not the policy's answer."""
     if not isinstance(text, str):
         return None
@@ -161,6 +162,8 @@ def extract_answer(text: str) -> str | None:
         rest = _TAG_RE.sub("", _MARKER_RE.sub("", rest)).strip()
         if rest:
             return rest
+    for name in ("tool_call", "grounding"):        # a call's JSON line is never the answer
+        text = _strip_block(text, name)
     for line in reversed(_MARKER_RE.sub("", text).splitlines()):
         line = line.strip()
         if line and not (line.startswith("<") and line.endswith(">")):

@@ -286,6 +286,7 @@ class _Row:
     path: str
     generator: torch.Generator | None
     index: int = 0                       # which record
+    seed: int = 0                        # this trajectory's seed (row_seed of seed, record, sample)
     duration: float = 0.0
     pending: list[int] = field(default_factory=list)    # sampled tokens not yet in the cache
     turn_tokens: list[int] = field(default_factory=list)
@@ -434,8 +435,9 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
             for s in range(G):
                 t = Trajectory(str(rec.get("id", i)), s, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids),
                                [(c.pixels, c.grid)], nframes=n)
-                g = None if cfg.temperature <= 0 else torch.Generator().manual_seed(row_seed(seed, i, s))
-                rows.append(_Row(t, path, g, index=i, duration=duration))
+                rs = row_seed(seed, i, s)
+                g = None if cfg.temperature <= 0 else torch.Generator().manual_seed(rs)
+                rows.append(_Row(t, path, g, index=i, seed=rs, duration=duration))
         for r in rows:
             r.traj.token_ids += prefix.ids.tolist()
             r.traj.roles += [ENV] * len(prefix.ids)
@@ -489,8 +491,10 @@ def _turn_loop(model, processor, batch: KVBatch, rows: list[_Row], cfg: RolloutC
             next_live.append((j, i))
         summaries = {}
         if sub_jobs:
+            # each sub-agent's seed comes from its caller's seed, the turn and the call index, so a
+            # trajectory does not depend on which other records share its batch
             subs = run_subagents(model, processor, sub_jobs, cfg,
-                                 [row_seed(seed, 10_000 + turn, n) for n in range(len(sub_jobs))], ids)
+                                 [row_seed(rows[i].seed, 10_000 + turn, k) for i, k, _ in sub_jobs], ids)
             for st in subs:
                 rows[st.parent[0]].traj.subagents.append(st)
                 summaries[st.parent] = st.text

@@ -1,0 +1,75 @@
+"""Small helpers shared by the bench scripts: threads, A/B timing interleaved, medians, a table.
+
+A bench compares two ways of doing the same work on a shared, noisy machine. So the two sides run
+interleaved (A, B, A, B, ...) after one untimed warm-up each, and each side reports the median of its
+repeats; ratios are ratios of medians. The last line a bench prints is one JSON object.
+"""
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))   # run from anywhere: the modules are one folder up
+
+
+def set_threads(n: int) -> int:
+    """Use n intra-op threads (0 = leave torch's default). Token-by-token decoding of a tiny model is
+    latency-bound; on a shared CPU, threads waiting on each other slow every small matmul, so the
+    benches default to 1. Returns the count in use."""
+    if n > 0:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float, object]:
+    """(wall seconds, CPU seconds of this process, result) of one call."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - w0, time.process_time() - c0, out
+
+
+def ab_times(sides: dict[str, Callable[[], object]], repeats: int, warmup: bool = True
+             ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(wall, cpu): seconds of each side's repeats, run interleaved A, B, A, B, ... after one untimed
+    call each. CPU time (process_time) is the steadier figure on a shared machine when threads = 1."""
+    if warmup:
+        for fn in sides.values():
+            fn()
+    wall, cpu = {name: [] for name in sides}, {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            w, c, _ = timed(fn)
+            wall[name].append(w)
+            cpu[name].append(c)
+    return wall, cpu
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """Plain text table; floats with 4 significant digits."""
+    cells = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def print_json(obj: dict) -> None:
+    """The bench's last line: one JSON object (floats rounded to 4 significant digits)."""
+    def rnd(x):
+        if isinstance(x, float):
+            return float(f"{x:.4g}")
+        if isinstance(x, dict):
+            return {k: rnd(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [rnd(v) for v in x]
+        return x
+    print(json.dumps(rnd(obj)), flush=True)

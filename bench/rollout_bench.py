@@ -1,0 +1,342 @@
+"""Benchmark the rollout engine (rollout.py) against the simple ways of doing the same work.
+
+    python bench/rollout_bench.py                          # tiny Qwen3-VL, CPU, a few minutes
+    python bench/rollout_bench.py --overview-frames 32 --size 64 --repeats 3
+
+1. multi-turn   One interleaved trajectory of --turns assistant turns (a crop_video call in each but
+                the last, which answers), the model's outputs scripted so both sides do the same work.
+                ours:     run_agent: the prompt (overview video) prefilled once, then each turn only
+                          the new chunk (tool response + clip) is prefilled on top of the KV cache.
+                re-encode the released behaviour: at every turn a full forward over the whole
+                          sequence so far (every frame through the vision tower again), then that
+                          turn's tokens decoded on a fresh cache.
+                The re-encode side is timed on model work alone (the trajectory's token ids and
+                pixels are given); ours is timed end to end (video decoding, cropping, processor
+                included), so the time ratio is conservative.
+                Targets: >= 2x fewer prefilled tokens, >= 1.5x faster.
+2. sub-agents   --calls parallel crop_video calls: all their sub-agents as ONE batched generation
+                (rollout.run_subagents) vs one call of run_subagents per job. Same clips, greedy,
+                <|im_end|> masked so every sub-agent writes exactly --sub-tokens tokens. Target >= 2x.
+3. decode       rollout.decode_turn (prefill with KVBatch.extend, then token by token) vs
+                model.generate on the same prompts (overview video + question), greedy, exactly
+                --new-tokens tokens each (generate: min_new_tokens = max_new_tokens; ours: the same
+                <|im_end|> mask). Tokens/s at batch 1 and --batch. Target ratio >= 1.0.
+
+Each measurement runs its two sides interleaved (A, B, A, B) after one warm-up and reports medians;
+ratios are baseline / ours (> 1 means ours is better). `same_tokens` flags check that the two sides
+produced the same tokens. The last line of output is one JSON object.
+"""
+import argparse
+import os
+import tempfile
+
+import torch
+from transformers import DynamicCache
+
+from common import ab_times, median, print_json, set_threads, table  # bench/common.py (puts the repo on sys.path)
+
+import rollout
+import video
+from model import load_model, special_token_ids
+
+QUESTION = "What colour is the shape shown in the video?"
+OPTIONS = ["red", "green", "blue", "yellow"]
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def make_video(root: str, duration: float, size: int) -> dict:
+    """A synthetic 2 fps video of `duration` s at size x size and an mcq record pointing at it."""
+    path = os.path.join(root, "bench.mp4")
+    video.write_video(path, video.synthetic_frames(round(duration * 2), size, size, seed=0), 2.0)
+    return {"id": "bench", "video": "bench.mp4", "question": QUESTION, "options": OPTIONS, "task": "mcq",
+            "answer": "A", "duration": duration}
+
+
+class Script:
+    """Stand-in for rollout.sample_next_token: each generator (one per row) walks through the token
+    lists `turns` (one per assistant turn, the last one repeating)."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.state = turns, {}
+
+    def __call__(self, logits, generator, temperature, top_p):
+        key = generator.initial_seed() if generator is not None else None
+        t, p = self.state.get(key, (0, 0))
+        toks = self.turns[min(t, len(self.turns) - 1)]
+        self.state[key] = (t + 1, 0) if p + 1 == len(toks) else (t, p + 1)
+        return toks[p]
+
+
+def masked_greedy(stop_id: int):
+    """Greedy with <|im_end|> never chosen (what generate's min_new_tokens does), so lengths are fixed."""
+    def sample(logits, generator, temperature, top_p):
+        logits = logits.clone()
+        logits[stop_id] = -float("inf")
+        return int(logits.argmax())
+    return sample
+
+
+class Counter:
+    """Wraps KVBatch.extend and decode_turn to count prefilled tokens and vision patches of a run."""
+
+    def __init__(self):
+        self.prefill_tokens = self.decode_tokens = self.patches = 0
+        self.in_decode = False
+
+    def install(self):
+        extend, decode_turn = rollout.KVBatch.extend, rollout.decode_turn
+
+        def counted_extend(batch, model, chunks, pad_id):
+            n = sum(len(c.ids) for c in chunks if c is not None)
+            if self.in_decode:
+                self.decode_tokens += n
+            else:
+                self.prefill_tokens += n
+            self.patches += sum(len(c.pixels) for c in chunks if c is not None and c.pixels is not None)
+            return extend(batch, model, chunks, pad_id)
+
+        def counted_decode(*a, **kw):
+            self.in_decode = True
+            try:
+                return decode_turn(*a, **kw)
+            finally:
+                self.in_decode = False
+
+        rollout.KVBatch.extend, rollout.decode_turn = counted_extend, counted_decode
+        return lambda: (setattr(rollout.KVBatch, "extend", extend), setattr(rollout, "decode_turn", decode_turn))
+
+
+# ----------------------------------------------------------------------------- 1. multi-turn
+
+def turn_spans(roles: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of POLICY tokens: one per assistant turn."""
+    spans, start = [], None
+    for i, r in enumerate(roles + [rollout.ENV]):
+        if r == rollout.POLICY and start is None:
+            start = i
+        elif r != rollout.POLICY and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def video_tokens(grid: torch.Tensor, merge: int) -> int:
+    return int((grid.prod(-1) // (merge * merge)).sum())
+
+
+@torch.no_grad()
+def reencode_rollout(model, processor, traj: rollout.Trajectory, path: str, cfg: rollout.RolloutConfig) -> dict:
+    """The released loop on a known trajectory: per turn, a full forward over everything before the
+    turn (all its videos through the vision tower), then the turn's tokens one by one on that cache.
+    The video work is the same as ours (overview and every crop decoded once); the processor is not
+    re-run (token ids and pixels are taken from `traj`), which favours this side."""
+    factor, merge = rollout.video_factor(processor), processor.video_processor.merge_size
+    pad_id = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    rollout.load_overview(path, cfg, factor)
+    duration = video.probe(path).duration
+    for calls in traj.calls:
+        rollout.run_calls(calls, path, duration, cfg, factor)
+    video_id = model.config.video_token_id
+    prefill = patches = decoded = 0
+    for a, b in turn_spans(traj.roles):
+        n_video = sum(t == video_id for t in traj.token_ids[:a])
+        videos, seen = [], 0
+        for p, g in traj.videos:          # the videos whose tokens lie before this turn
+            seen += video_tokens(g, merge)
+            if seen > n_video:
+                break
+            videos.append((p, g))
+        part = rollout.Trajectory(traj.record_id, 0, traj.token_ids[:a], traj.roles[:a], traj.prompt_len, videos)
+        batch = rollout.collate([part], model, pad_id)
+        batch.pop("roles")
+        cache = DynamicCache(config=model.config)
+        out = model.model(**batch, cache=cache, use_cache=True)
+        logits = model.lm_head(out.last_hidden_state[:, -1]).float()                  # (1, V)
+        mask, next_pos = batch["attention_mask"], int(batch["position_ids"].max()) + 1
+        prefill += a
+        patches += sum(len(p) for p, _ in videos)
+        for j, tok in enumerate(traj.token_ids[a:b]):
+            float(torch.log_softmax(logits[0], -1)[tok])      # the per-token work ours does too
+            if j == b - a - 1:
+                break                                           # the stop token is never fed back
+            mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
+            pos = torch.full((3, 1, 1), next_pos, dtype=torch.long)
+            next_pos += 1
+            out = model.model(input_ids=torch.tensor([[tok]]), attention_mask=mask, position_ids=pos,
+                              cache=cache, use_cache=True)
+            logits = model.lm_head(out.last_hidden_state[:, -1]).float()
+            decoded += 1
+    return dict(prefill_tokens=prefill, decode_tokens=decoded, patches=patches)
+
+
+def bench_multiturn(model, processor, root: str, rec: dict, args) -> dict:
+    tok = processor.tokenizer
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"] + [stop]
+    duration = rec["duration"]
+    starts = [round((k + 0.5) * duration / args.turns) for k in range(args.turns - 1)]
+    texts = [f"I need a closer look.\n</think>\n<tool_call>\n{{\"name\": \"crop_video\", \"arguments\": "
+             f"{{\"start_time\": {s}.0, \"end_time\": {s + args.window}.0}}}}\n</tool_call>" for s in starts]
+    texts.append("The shape is red.\n</think>\n<answer>A</answer>")
+    cfg = rollout.RolloutConfig(tool_mode="interleaved", max_turns=args.turns - 1, max_new_tokens=128,
+                                temperature=1.0, overview_nframes=args.overview_frames,
+                                overview_max_pixels=args.size ** 2, crop_fps=2.0, crop_max_pixels=args.crop_size ** 2,
+                                tools_block=False)
+    counter = Counter()
+
+    def ours():
+        rollout.sample_next_token = Script([enc(t) for t in texts])
+        return rollout.run_agent(model, processor, [rec], root, cfg, seed=0)[0]
+
+    restore = counter.install()
+    try:
+        traj = ours()
+    finally:
+        restore()
+    assert traj.n_tool_turns == args.turns - 1 and traj.answer == "A", "the scripted trajectory did not run"
+    path = os.path.join(root, rec["video"])
+    reencode = lambda: reencode_rollout(model, processor, traj, path, cfg)
+    base = reencode()
+    wall, cpu = ab_times({"ours": ours, "reencode": reencode}, args.repeats)
+    return dict(turns=args.turns, sequence_tokens=len(traj.token_ids), policy_tokens=sum(traj.roles),
+                ours_prefill_tokens=counter.prefill_tokens, reencode_prefill_tokens=base["prefill_tokens"],
+                ours_vision_patches=counter.patches, reencode_vision_patches=base["patches"],
+                ours_decode_tokens=counter.decode_tokens, reencode_decode_tokens=base["decode_tokens"],
+                ours_s=median(wall["ours"]), reencode_s=median(wall["reencode"]),
+                ours_cpu_s=median(cpu["ours"]), reencode_cpu_s=median(cpu["reencode"]),
+                prefill_ratio=base["prefill_tokens"] / counter.prefill_tokens,
+                speedup=median(wall["reencode"]) / median(wall["ours"]),
+                cpu_speedup=median(cpu["reencode"]) / median(cpu["ours"]))
+
+
+# ----------------------------------------------------------------------------- 2. sub-agents
+
+def bench_subagents(model, processor, root: str, rec: dict, args) -> dict:
+    ids = special_token_ids(processor)
+    path = os.path.join(root, rec["video"])
+    factor = rollout.video_factor(processor)
+    starts = [round(k * (rec["duration"] - args.window) / max(1, args.calls - 1)) for k in range(args.calls)]
+    clips = [video.crop(path, s, s + args.window, level=None, fps=1.0, max_frames=16, max_pixels=args.crop_size ** 2,
+                        tokens_per_pixel_area=factor * factor) for s in starts]
+    jobs = [(0, k, clip) for k, clip in enumerate(clips)]
+    cfg = rollout.RolloutConfig(temperature=0.0, subagent_max_new_tokens=args.sub_tokens)
+    rollout.sample_next_token = masked_greedy(ids["<|im_end|>"])
+    batched = lambda: [t.text for t in rollout.run_subagents(model, processor, jobs, cfg, [0] * len(jobs), ids)]
+    serial = lambda: [rollout.run_subagents(model, processor, [j], cfg, [0], ids)[0].text for j in jobs]
+    same = batched() == serial()
+    wall, cpu = ab_times({"batched": batched, "serial": serial}, args.repeats)
+    t_b, t_s = median(wall["batched"]), median(wall["serial"])
+    return dict(calls=args.calls, tokens_each=args.sub_tokens, batched_s=t_b, serial_s=t_s, speedup=t_s / t_b,
+                cpu_speedup=median(cpu["serial"]) / median(cpu["batched"]), same_tokens=same)
+
+
+# ----------------------------------------------------------------------------- 3. decode loop vs generate
+
+def bench_decode(model, processor, root: str, rec: dict, args, batch_size: int) -> dict:
+    tok = processor.tokenizer
+    ids = special_token_ids(processor)
+    stop, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
+    cfg = rollout.RolloutConfig(temperature=0.0, overview_nframes=args.decode_frames,
+                                overview_max_pixels=args.crop_size ** 2, tools_block=False)
+    overview = rollout.load_overview(os.path.join(root, rec["video"]), cfg, rollout.video_factor(processor))
+    records = [{**rec, "question": QUESTION + " Look carefully." * k} for k in range(batch_size)]   # lengths differ
+    texts = [rollout.prompt_text(processor, r, False) for r in records]
+    chunks = [rollout.encode_chunk(processor, t, [overview]) for t in texts]
+    old_side = tok.padding_side
+    tok.padding_side = "left"
+    inputs = processor(text=texts, videos=[overview.frames] * batch_size, padding=True, return_tensors="pt",
+                       videos_kwargs=dict(do_sample_frames=False, do_resize=False,
+                                          video_metadata=[rollout.clip_metadata(overview)] * batch_size))
+    tok.padding_side = old_side
+    n = args.new_tokens
+    rollout.sample_next_token = masked_greedy(stop)
+
+    @torch.no_grad()
+    def ours():
+        kv = rollout.KVBatch.empty(model, batch_size, "cpu")
+        kv.extend(model, chunks, pad)
+        rows = [rollout._Row(rollout.Trajectory("", 0, [], [], 0, []), "", None) for _ in chunks]
+        rollout.decode_turn(model, kv, rows, cfg, n, stop_id=-1, pad_id=pad)     # -1: never stops
+        return [r.turn_tokens for r in rows]
+
+    @torch.no_grad()
+    def generate():
+        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
+        return out[:, -n:].tolist()
+
+    same = ours() == generate()
+    wall, cpu = ab_times({"ours": ours, "generate": generate}, args.repeats)
+    t_o, t_g = median(wall["ours"]), median(wall["generate"])
+    return dict(batch=batch_size, new_tokens=n, ours_tok_s=batch_size * n / t_o, generate_tok_s=batch_size * n / t_g,
+                ratio=t_g / t_o, cpu_ratio=median(cpu["generate"]) / median(cpu["ours"]), same_tokens=same)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--overview-frames", type=int, default=128, help="overview frames (even)")
+    p.add_argument("--size", type=int, default=128, help="frame side in pixels of the video and its overview")
+    p.add_argument("--crop-size", type=int, default=64, help="frame side in pixels of crops (clips, sub-agents)")
+    p.add_argument("--duration", type=float, default=64.0, help="video length, seconds (2 fps)")
+    p.add_argument("--turns", type=int, default=4, help="assistant turns in the multi-turn trajectory")
+    p.add_argument("--window", type=int, default=8, help="seconds per crop_video call")
+    p.add_argument("--calls", type=int, default=5, help="parallel calls for the sub-agent bench")
+    p.add_argument("--sub-tokens", type=int, default=48, help="tokens each sub-agent writes")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt in the decode bench")
+    p.add_argument("--decode-frames", type=int, default=16,
+                   help="overview frames (at --crop-size) in the decode bench's prompts: short, so decoding dominates")
+    p.add_argument("--batch", type=int, default=4, help="prompts per batch in the decode bench (plus batch 1)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per side (median reported)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch default)")
+    p.add_argument("--parts", default="1,2,3", help="which measurements to run, e.g. 1,3")
+    args = p.parse_args()
+    threads = set_threads(args.threads)
+    torch.manual_seed(0)
+    model, processor = load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
+    sampler = rollout.sample_next_token
+    with tempfile.TemporaryDirectory() as root:
+        rec = make_video(root, args.duration, args.size)
+        parts = set(args.parts.split(","))
+        try:
+            mt = bench_multiturn(model, processor, root, rec, args) if "1" in parts else None
+            sa = bench_subagents(model, processor, root, rec, args) if "2" in parts else None
+            dec = [bench_decode(model, processor, root, rec, args, b) for b in sorted({1, args.batch})] if "3" in parts else []
+        finally:
+            rollout.sample_next_token = sampler
+
+    print(f"tiny Qwen3-VL on CPU, {threads} thread(s); overview {args.overview_frames} frames at {args.size}x{args.size}, "
+          f"crops at {args.crop_size}x{args.crop_size}; medians of {args.repeats} interleaved repeats")
+    out = dict(threads=threads, overview_frames=args.overview_frames, size=args.size, crop_size=args.crop_size,
+               repeats=args.repeats)
+    targets = {}
+    if mt:
+        print("\n1. multi-turn interleaved rollout, cache reuse vs re-encoding every turn")
+        print(table([["prefilled tokens", mt["ours_prefill_tokens"], mt["reencode_prefill_tokens"], mt["prefill_ratio"]],
+                     ["vision patches", mt["ours_vision_patches"], mt["reencode_vision_patches"],
+                      mt["reencode_vision_patches"] / mt["ours_vision_patches"]],
+                     ["decoded tokens", mt["ours_decode_tokens"], mt["reencode_decode_tokens"], 1.0],
+                     ["wall s", mt["ours_s"], mt["reencode_s"], mt["speedup"]],
+                     ["cpu s", mt["ours_cpu_s"], mt["reencode_cpu_s"], mt["cpu_speedup"]]],
+                    ["", "ours", "re-encode", "ratio"]))
+        out["multiturn"] = mt
+        targets.update(prefill_ratio_ge_2=mt["prefill_ratio"] >= 2, multiturn_speedup_ge_1_5=mt["speedup"] >= 1.5)
+    if sa:
+        print(f"\n2. {sa['calls']} sub-agents x {sa['tokens_each']} tokens: batched vs one at a time "
+              f"(same tokens: {sa['same_tokens']})")
+        print(table([["wall s", sa["batched_s"], sa["serial_s"], sa["speedup"]]], ["", "batched", "serial", "ratio"]))
+        print(f"cpu ratio {sa['cpu_speedup']:.3g}")
+        out["subagents"] = sa
+        targets["subagent_speedup_ge_2"] = sa["speedup"] >= 2
+    if dec:
+        print(f"\n3. decode loop vs model.generate, {args.new_tokens} new tokens per prompt, greedy")
+        print(table([[d["batch"], d["ours_tok_s"], d["generate_tok_s"], d["ratio"], d["cpu_ratio"], d["same_tokens"]]
+                     for d in dec], ["batch", "ours tok/s", "generate tok/s", "ratio", "cpu ratio", "same tokens"]))
+        out["decode"] = {f"batch{d['batch']}": d for d in dec}
+        targets["decode_ratio_ge_1"] = all(d["ratio"] >= 1 for d in dec)
+    print_json({**out, "targets": targets})
+
+
+if __name__ == "__main__":
+    main()

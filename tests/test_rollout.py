@@ -1,0 +1,349 @@
+"""Tests for rollout.py: the batched multi-turn engine on the embedded tiny Qwen3-VL and real mp4s.
+
+The random tiny model does not write tool calls by itself, so most tests script it: `Scripted`
+replaces `rollout.sample_next_token` (the engine calls it once per sampled token) and emits the
+tokens of given turn texts, row by row. The engine still runs every forward pass, so the recorded
+log-probs are real and can be checked against a full recompute.
+
+    cd /work/main && /work/venv/bin/python -m pytest tests/test_rollout.py -q
+"""
+import json
+import re
+
+import pytest
+import torch
+
+import data
+import rollout
+import video
+from model import load_model
+
+SEED = 0
+
+
+# ----------------------------------------------------------------------------- fixtures and helpers
+
+@pytest.fixture(scope="module")
+def tiny():
+    # One thread: token-by-token decoding of a 4 M model is latency-bound, and on a shared CPU two
+    # OpenMP threads waiting on each other make each small matmul ~10x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """4 synthetic 64 s videos: [multi_clue, single_clue, single_clue, direct] for seed 0."""
+    root = str(tmp_path_factory.mktemp("rollout"))
+    return root, data.make_split(root, 4, seed=0)
+
+
+def config(**kw) -> rollout.RolloutConfig:
+    return rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, **kw})
+
+
+def call(start, end, **extra) -> str:
+    return "<tool_call>\n" + json.dumps({"name": "crop_video", "arguments": {"start_time": start,
+                                                                            "end_time": end, **extra}}) + "\n</tool_call>"
+
+
+def turn(think: str, body: str) -> str:
+    """A policy turn after the environment's forced "<think>\\n"."""
+    return f"{think}\n</think>\n{body}"
+
+
+ANSWER = turn("done", "<answer>B</answer>")
+
+
+class Scripted:
+    """Stand-in for `rollout.sample_next_token`: row (record i, sample s) emits the tokens of
+    scripts[(i, s)][t] + <|im_end|> in its turn t (the last turn repeats); any other sampler (a
+    sub-agent) emits `sub`. Rows are told apart by their generator's seed (`rollout.row_seed`), so the
+    script needs temperature > 0. `log[(i, s)]` collects every token it emitted for that row."""
+
+    def __init__(self, processor, scripts: dict, seed: int = SEED, sub: str = "A red square in the centre."):
+        tok = processor.tokenizer
+        end = tok.convert_tokens_to_ids("<|im_end|>")
+        enc = lambda text: tok(text, add_special_tokens=False)["input_ids"] + [end]
+        self.keys = {rollout.row_seed(seed, i, s): (i, s) for i, s in scripts}
+        self.turns = {key: [enc(t) for t in texts] for key, texts in scripts.items()}
+        self.sub = [enc(sub)]
+        self.state, self.log = {}, {}
+
+    def __call__(self, logits, generator, temperature, top_p):
+        assert generator is not None, "scripted rows need temperature > 0 (a generator per row)"
+        seed = generator.initial_seed()
+        key = self.keys.get(seed, "sub")
+        turns = self.turns.get(key, self.sub)
+        t, p = self.state.get(seed, (0, 0))
+        toks = turns[min(t, len(turns) - 1)]
+        self.state[seed] = (t + 1, 0) if p + 1 == len(toks) else (t, p + 1)
+        self.log.setdefault(key, []).append(toks[p])
+        return toks[p]
+
+
+@pytest.fixture
+def script(monkeypatch, tiny):
+    def install(scripts: dict, **kw) -> Scripted:
+        s = Scripted(tiny[1], scripts, **kw)
+        monkeypatch.setattr(rollout, "sample_next_token", s)
+        return s
+    return install
+
+
+def responses(text: str) -> list[str]:
+    return re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, flags=re.S)
+
+
+def user_messages(text: str) -> list[str]:
+    return re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", text, flags=re.S)
+
+
+def recomputed_logprobs(model, trajs, pad_id: int) -> list[torch.Tensor]:
+    """log p(token | everything before it) at each POLICY token, from ONE forward over whole sequences."""
+    batch = rollout.collate(trajs, model, pad_id)
+    roles = batch.pop("roles")
+    with torch.no_grad():
+        logits = model(**batch).logits[:, :-1].float()                          # (B, L-1, V)
+    lp = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    policy = roles[:, 1:] == rollout.POLICY
+    return [lp[b][policy[b]] for b in range(len(trajs))]
+
+
+# ----------------------------------------------------------------------------- one scripted trajectory
+
+def test_parallel_calls_windows_order_roles(tiny, split, script):
+    model, processor = tiny
+    root, recs = split
+    turns = [turn("two marks, look closer", call(30.0, 34.0) + "\n" + call(10.0, 14.0)), ANSWER]
+    s = script({(0, 0): turns})
+    [t] = rollout.run_agent(model, processor, recs[1:2], root, config(), seed=SEED)
+    assert t.error is None and not t.truncated and not t.hit_turn_limit
+    assert t.windows == [(30.0, 34.0), (10.0, 14.0)]
+    assert (t.n_tool_turns, t.n_calls, t.tool_failures) == (1, 2, 0)
+    assert t.answer == "B"
+    # responses come back in call order, each clip's frame timestamps inside its own window
+    parts = responses(t.text)
+    assert [p.split(" s:")[0] for p in parts] == ["Clip 30.0-34.0", "Clip 10.0-14.0"]
+    for part, (a, b) in zip(parts, t.windows):
+        stamps = [float(x) for x in re.findall(r"<(\d+\.\d) seconds>", part)]
+        assert stamps and all(a <= x <= b for x in stamps), (part, stamps)
+    # exactly the sampled tokens are POLICY, in order; prompt, forced prefixes, responses are ENV
+    sampled = s.log[(0, 0)]
+    policy = [tid for tid, role in zip(t.token_ids, t.roles) if role == rollout.POLICY]
+    assert policy == sampled and len(t.logprobs) == len(sampled)
+    tok = processor.tokenizer
+    assert set(t.roles[:t.prompt_len]) == {rollout.ENV}
+    env_text = tok.decode([tid for tid, r in zip(t.token_ids[t.prompt_len:], t.roles[t.prompt_len:])
+                           if r == rollout.ENV], skip_special_tokens=False)
+    assert env_text.startswith(rollout.THINK_PREFIX + "\n<|im_start|>user\n<tool_response>\nClip 30.0-34.0 s:")
+    assert env_text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n" + rollout.THINK_PREFIX)
+    assert env_text.count("<tool_response>") == 2 and "<tool_call>" not in env_text and "<answer>" not in env_text
+    assert t.text.startswith(rollout.THINK_PREFIX + turns[0] + "<|im_end|>")
+    assert t.turns == [rollout.THINK_PREFIX + turns[0], rollout.THINK_PREFIX + turns[1]]
+
+
+# ----------------------------------------------------------------------------- cache reuse is exact
+
+# Two records of different prompt lengths (multi_clue vs single_clue question), G = 2, rows that
+# answer at once, call once, call twice (one call failing), so rows finish turns at different steps
+# and the batched cache has holes in the middle of rows.
+EXACT_SCRIPTS = {
+    (0, 0): [turn("two marks", call(28.0, 36.0) + "\n" + call(50.0, 58.0)), turn("again", call(30.0, 33.0)), ANSWER],
+    (0, 1): [ANSWER],
+    (1, 0): [turn("one mark", call(29.0, 37.0)), ANSWER],
+    (1, 1): [turn("m", call(70.0, 80.0) + "\n" + call(2.0, 6.0)), turn("once more", call(40.0, 30.0)), ANSWER],
+}   # (1, 1)'s 2nd response is an error only: a text-only chunk next to chunks with clips
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "subagent"])   # clips in context vs summaries in context
+def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode):
+    model, processor = tiny
+    root, recs = split
+    script(EXACT_SCRIPTS, sub="A blue square.")
+    trajs = rollout.run_agent(model, processor, recs[:2], root, config(tool_mode=mode, group_size=2), seed=SEED)
+    assert [(t.record_id, t.sample) for t in trajs] == [(recs[0]["id"], 0), (recs[0]["id"], 1),
+                                                         (recs[1]["id"], 0), (recs[1]["id"], 1)]
+    assert [t.n_tool_turns for t in trajs] == [2, 0, 1, 2]
+    assert [t.answer for t in trajs] == ["B"] * 4
+    assert [t.tool_failures for t in trajs] == [0, 0, 0, 2] and len({len(t.token_ids) for t in trajs}) == 4
+    assert trajs[0].prompt_len != trajs[2].prompt_len                    # the prompts differ in length too
+    if mode == "interleaved":
+        assert [len(t.videos) for t in trajs] == [3, 1, 2, 2]            # overview + one per turn with a clip
+        assert "Clip 28.0-36.0 s:" in trajs[0].text
+    else:
+        assert all(len(t.videos) == 1 for t in trajs) and "A blue square." in trajs[0].text
+        assert [len(t.subagents) for t in trajs] == [3, 0, 1, 1]
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    full = recomputed_logprobs(model, trajs, pad)
+    for t, ref in zip(trajs, full):
+        assert len(t.logprobs) == len(ref) == sum(t.roles)
+        torch.testing.assert_close(torch.tensor(t.logprobs), ref, atol=1e-4, rtol=0)
+    if mode == "subagent":   # the batched sub-agent generation is exact too
+        subs = [st for t in trajs for st in t.subagents]
+        for st, ref in zip(subs, recomputed_logprobs(model, subs, pad)):
+            torch.testing.assert_close(torch.tensor(st.logprobs), ref, atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------- seeds
+
+def test_seeded_sampling_reproducible_and_greedy_deterministic(tiny, split):
+    model, processor = tiny
+    root, recs = split
+    run = lambda seed, **kw: [t.token_ids for t in rollout.run_agent(
+        model, processor, recs[:1], root, config(max_turns=1, max_new_tokens=8, group_size=2, **kw), seed=seed)]
+    a, b, c = run(0), run(0), run(1)
+    assert a == b                      # same seed, same tokens
+    assert a[0] != c[0] and a[1] != c[1]   # another seed, other tokens
+    assert a[0] != a[1]                # the two group samples draw from different streams
+    g1, g2 = run(0, temperature=0.0), run(5, temperature=0.0)
+    assert g1 == g2 and g1[0] == g1[1]     # greedy: no randomness at all
+
+
+# ----------------------------------------------------------------------------- turn limit
+
+def test_turn_limit_forces_answer_and_drops_last_calls(tiny, split, script):
+    model, processor = tiny
+    root, recs = split
+    script({(0, 0): [turn("look", call(10.0, 14.0))]})                 # calls a tool every turn
+    [t] = rollout.run_agent(model, processor, recs[1:2], root, config(max_turns=2), seed=SEED)
+    assert t.hit_turn_limit and t.error is None
+    assert len(t.turns) == 3 and [len(c) for c in t.calls] == [1, 1, 1]
+    assert t.n_tool_turns == 2 and t.windows == [(10.0, 14.0)] * 2    # the 3rd turn's call is not run
+    users = user_messages(t.text)
+    assert len(users) == 2 and len(responses(t.text)) == 2
+    assert rollout.FORCED_ANSWER not in users[0] and rollout.FORCED_ANSWER in users[1]
+    assert t.text.endswith(call(10.0, 14.0) + "<|im_end|>")             # nothing after the last turn
+
+
+# ----------------------------------------------------------------------------- bad calls are observations
+
+OTHER = "videos/syn-0-00000.mp4"    # another record's video: a model-written video_path must not be used
+GOOD = call(2.0, 6.0)                # every case's turn is `first` + this good call
+CLIP = "Clip 2.0-6.0 s:"
+BAD_CALLS = [
+    # (name, first call(s) of the turn, failures, windows run, how each response starts)
+    ("malformed_json", '<tool_call>\n{"name": "crop_video", "arguments": {"start_time": 1.0,\n</tool_call>',
+     1, [(2.0, 6.0)], ["Error: invalid JSON", CLIP]),
+    ("unknown_tool", '<tool_call>\n{"name": "zoom", "arguments": {"start_time": 1.0, "end_time": 5.0}}\n</tool_call>',
+     1, [(2.0, 6.0)], ["Error: unknown tool 'zoom'", CLIP]),
+    ("past_end", call(70.0, 80.0), 1, [(2.0, 6.0)], ["Error: start_time 70.0 is past the end of the video", CLIP]),
+    ("start_after_end", call(20.0, 10.0), 1, [(2.0, 6.0)], ["Error: start_time 20.0 must be smaller", CLIP]),
+    ("shorter_than_1s", call(10.0, 10.5), 1, [(2.0, 6.0)], ["Error: window [10.0, 10.5] is 0.5 s long", CLIP]),
+    # 5 valid calls, 44 empty blocks, the good call: 50 calls; only max_calls_per_turn = 5 run, one
+    # error observation about the other 45 (not 45 errors, and the good 50th call is not run)
+    ("fifty_calls", "\n".join(call(float(k), k + 2.0) for k in range(5)) + "<tool_call>{}</tool_call>" * 44,
+     1, [(float(k), k + 2.0) for k in range(5)],
+     [f"Clip {k}.0-{k + 2}.0 s:" for k in range(5)] + ["Error: only 5 calls per turn are executed; 45 were dropped"]),
+    ("video_path_ignored", call(2.0, 6.0, video_path=OTHER), 0, [(2.0, 6.0), (2.0, 6.0)], [CLIP, CLIP]),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_call_trajs(tiny, split):
+    """All BAD_CALLS cases as one batch (one record copy per case), interleaved mode."""
+    model, processor = tiny
+    root, recs = split
+    scripts = {(i, 0): [turn("x", case[1] + "\n" + GOOD), ANSWER] for i, case in enumerate(BAD_CALLS)}
+    records = [{**recs[1], "id": case[0]} for case in BAD_CALLS]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rollout, "sample_next_token", Scripted(processor, scripts))
+        trajs = rollout.run_agent(model, processor, records, root, config(max_new_tokens=400), seed=SEED)
+    return {t.record_id: t for t in trajs}
+
+
+@pytest.mark.parametrize("name,first,failures,windows,starts", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_calls_become_error_observations(bad_call_trajs, name, first, failures, windows, starts):
+    t = bad_call_trajs[name]
+    assert t.error is None and not t.truncated and t.answer == "B" and t.n_tool_turns == 1
+    assert t.tool_failures == failures and t.windows == windows and t.n_calls == len(t.calls[0])
+    parts = responses(t.text)
+    assert len(parts) == len(starts) and all(p.startswith(s) for p, s in zip(parts, starts)), parts
+    if name == "video_path_ignored":   # both calls cropped the sample's own video: identical pixels
+        pixels, grid = t.videos[1]
+        assert grid.tolist() == [grid[0].tolist()] * 2
+        half = len(pixels) // 2
+        torch.testing.assert_close(pixels[:half], pixels[half:], atol=0, rtol=0)
+
+
+def test_subagent_mode_allows_short_windows_and_ignores_video_path(tiny, split, script):
+    model, processor = tiny
+    root, recs = split
+    body = "\n".join([call(10.0, 10.5), call(2.0, 6.0, video_path=OTHER), call(2.0, 6.0)])
+    script({(0, 0): [turn("x", body), ANSWER]})
+    [t] = rollout.run_agent(model, processor, recs[1:2], root, config(tool_mode="subagent", max_new_tokens=200),
+                            seed=SEED)
+    assert t.tool_failures == 0 and t.windows == [(10.0, 10.5), (2.0, 6.0), (2.0, 6.0)]
+    subs = t.subagents
+    assert [st.parent for st in subs] == [(0, 0), (0, 1), (0, 2)]
+    torch.testing.assert_close(subs[1].videos[0][0], subs[2].videos[0][0], atol=0, rtol=0)
+    own = video.crop(f"{root}/{recs[1]['video']}", 2.0, 6.0, level=None, fps=1.0, max_frames=16, max_pixels=64 * 64)
+    other = video.crop(f"{root}/{OTHER}", 2.0, 6.0, level=None, fps=1.0, max_frames=16, max_pixels=64 * 64)
+    assert not torch.equal(own.frames, other.frames)   # so equal pixels above do say "own video"
+
+
+# ----------------------------------------------------------------------------- a broken record
+
+def test_missing_video_sets_error_others_roll_out(tiny, split, script):
+    model, processor = tiny
+    root, recs = split
+    records = [recs[1], {**recs[2], "video": "videos/missing.mp4"}, recs[3]]
+    script({(i, s): [turn("look", call(29.0, 37.0)), ANSWER] for i in (0, 2) for s in (0, 1)})
+    trajs = rollout.run_agent(model, processor, records, root, config(group_size=2), seed=SEED)
+    assert [t.record_id for t in trajs] == [r["id"] for r in records for _ in range(2)]
+    for t in trajs[2:4]:
+        assert "missing.mp4" in t.error and t.token_ids == [] and t.answer is None
+    for t in trajs[:2] + trajs[4:]:
+        assert t.error is None and t.answer == "B" and t.windows == [(29.0, 37.0)]
+
+
+# ----------------------------------------------------------------------------- sample_next_token
+
+def test_sample_greedy_is_argmax():
+    logits = torch.randn(50, 300, generator=torch.Generator().manual_seed(0))
+    assert [rollout.sample_next_token(x, None, 0.0, 1.0) for x in logits] == logits.argmax(-1).tolist()
+
+
+def test_sample_small_top_p_keeps_only_top_token():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    assert {rollout.sample_next_token(logits, g, 1.0, 0.01) for _ in range(200)} == {int(logits.argmax())}
+    # control: without the nucleus the same logits draw many tokens
+    assert len({rollout.sample_next_token(logits, g, 1.0, 1.0) for _ in range(200)}) > 20
+
+
+def test_sample_temperature_seeded_reproducible():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(3))
+    draw = lambda seed: [rollout.sample_next_token(logits, g, 0.7, 0.9)
+                         for g in [torch.Generator().manual_seed(seed)] for _ in range(50)]
+    assert draw(4) == draw(4) and draw(4) != draw(5)
+
+
+# ----------------------------------------------------------------------------- KVBatch
+
+def test_kvbatch_merge_select_keep_rows_intact(tiny, split):
+    model, processor = tiny
+    root, recs = split
+    cfg = config()
+    overview = rollout.load_overview(f"{root}/{recs[0]['video']}", cfg, rollout.video_factor(processor))
+    a = rollout.encode_chunk(processor, rollout.prompt_text(processor, recs[0], False), [overview])
+    b = rollout.encode_chunk(processor, "<|im_start|>user\nA short text-only row.<|im_end|>\n")
+    nxt = rollout.encode_chunk(processor, "<|im_start|>assistant\n" + rollout.THINK_PREFIX)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    def alone(chunk):
+        kv = rollout.KVBatch.empty(model, 1, "cpu")
+        kv.extend(model, [chunk], pad)
+        return kv
+
+    ka, kb = alone(a), alone(b)
+    merged = rollout.KVBatch.merge([ka.select([0]), kb])
+    assert merged.mask.tolist()[1] == [1] * len(b.ids) + [0] * (len(a.ids) - len(b.ids))
+    swapped = merged.select([1, 0])
+    for kv in (ka, kb, merged, swapped):
+        kv.extend(model, [nxt] * len(kv), pad)
+    torch.testing.assert_close(merged.last_logits, torch.cat([ka.last_logits, kb.last_logits]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(swapped.last_logits, torch.cat([kb.last_logits, ka.last_logits]), atol=1e-4, rtol=0)
+    assert merged.next_pos.tolist() == [int(ka.next_pos), int(kb.next_pos)]
