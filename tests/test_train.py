@@ -1,0 +1,435 @@
+"""Tests for the training loop of train.py: the CPU smoke runs (`--stage all`, `--stage rl`), exact resume,
+FSDP2 on two CPU processes (gloo), the launcher's device checks, TDAM on real encoded trajectories and
+the reward of each recipe. The pure math at the top of train.py is tested in test_train_math.py.
+
+Run: /work/venv/bin/python -m pytest tests/test_train.py -q      (CPU, a few minutes)
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import data
+import model as model_lib
+import rewards
+import rollout
+import train
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The fast smoke configuration: tiny default model, 8 training prompts, groups of 2, 12 new tokens a turn,
+# overviews gated to 4 or 8 frames.
+SMOKE = ["--sft-steps", "2", "--rl-steps", "2", "--n-train", "8", "--n-eval", "4", "--group-size", "2",
+         "--prompts-per-step", "2", "--max-new-tokens", "12", "--sft-batch", "4", "--gating-choices", "4,8"]
+
+# The RL metrics row (ParaVT's curves plus the optimiser's health).
+RL_METRICS = ("reward", "reward/acc", "reward/format", "reward/tool", "accuracy", "format_compliance",
+              "tool_call_ratio", "calls_per_turn", "turns", "tool_failure_rate", "mean_k", "zero_var_frac",
+              "clip_frac", "kl", "grad_norm", "lr", "tokens_per_s", "step_time", "skipped_steps", "bad_samples")
+
+
+def smoke_argv(run_dir, *extra) -> list[str]:
+    """Arguments of a fast CPU smoke run writing to run_dir; `extra` overrides or adds flags."""
+    return [*SMOKE, "--run-dir", str(run_dir), *extra]
+
+
+def run(argv) -> dict:
+    """train.main in this process (one rank, no process group)."""
+    return train.main(0, train.parse_args([str(a) for a in argv]))
+
+
+def metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def weights(ckpt_dir) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(ckpt_dir, "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One folder for the synthetic videos of every run in this file."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(autouse=True)
+def _cache_env(cache, monkeypatch):
+    monkeypatch.setenv("PARAVT_CACHE", cache)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: these tiny models run about 3x faster so on a small shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
+
+
+# -----------------------------------------------------------------------------
+# smoke runs
+
+def test_smoke_stage_all(tmp_path, capsys, tiny):
+    """The default pipeline end to end: SFT, RL with every metric logged, evaluation, curves, summary line."""
+    run(smoke_argv(tmp_path, "--stage", "all", "--mask-truncated", "0"))
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])                       # the last printed line is one JSON object
+    assert set(summary) == {"before", "sft", "after", "seconds"}
+    assert summary["seconds"] > 0
+    assert set(summary["after"]) >= {"accuracy", "format_compliance", "tool_call_ratio"}
+
+    rows = metrics(tmp_path)
+    sft = [r for r in rows if r["stage"] == "sft"]
+    rl = [r for r in rows if r["stage"] == "rl"]
+    assert [r["step"] for r in sft] == [1, 2] and [r["step"] for r in rl] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in sft)
+    for r in rl:
+        missing = [k for k in RL_METRICS if k not in r]
+        assert not missing, f"RL row lacks {missing}"
+        assert r["kept"] > 0 and math.isfinite(r["grad_norm"])   # the update ran on every step
+        assert 4 <= r["mean_k"] <= 8                             # gated overview sizes
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+    # training moved the weights away from the initial model (the same seed builds the same model)
+    init = {k: v.detach() for k, v in tiny[0].state_dict().items()}
+    for ckpt in ("ckpt-sft-000002", "ckpt-rl-000002"):
+        final = weights(tmp_path / ckpt)
+        assert set(final) == set(init)
+        changed = [k for k in final if not torch.equal(final[k], init[k])]
+        assert "lm_head.weight" in changed and len(changed) > len(init) // 2, ckpt
+
+
+def test_stage_rl_alone(tmp_path):
+    """`--stage rl` straight from the tiny default: two steps, the whole metrics row, a checkpoint."""
+    run(smoke_argv(tmp_path, "--stage", "rl", "--mask-truncated", "0"))
+    rows = metrics(tmp_path)
+    assert [(r["stage"], r["step"]) for r in rows] == [("rl", 1), ("rl", 2)]
+    for r in rows:
+        assert all(k in r for k in RL_METRICS), [k for k in RL_METRICS if k not in r]
+        assert r["lr"] > 0 and r["step_time"] > 0 and r["tokens_per_s"] > 0
+    assert train.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
+
+
+def test_sampled_video_placeholder_is_left_out_of_the_update(tmp_path, monkeypatch):
+    """Regression: a random policy samples <|video_pad|> now and then (1 in ~40 trajectories of the tiny
+    model). `collate` took it for a video placeholder without frames and the update crashed
+    (StopIteration in get_rope_index). Such a sample is scored, but not trained on."""
+    real_run_agent = rollout.run_agent
+
+    def with_placeholder(model, *a, **k):
+        trajs = real_run_agent(model, *a, **k)
+        trajs[0].token_ids.append(model.config.video_token_id)
+        trajs[0].roles.append(rollout.POLICY)
+        return trajs
+
+    monkeypatch.setattr(rollout, "run_agent", with_placeholder)
+    run(smoke_argv(tmp_path, "--stage", "rl", "--rl-steps", "1", "--mask-truncated", "0", "--prompts-per-step", "1"))
+    (row,) = metrics(tmp_path)
+    assert row["kept"] == 1 and math.isfinite(row["grad_norm"])   # the other sample of the group trained
+
+
+# -----------------------------------------------------------------------------
+# resume
+
+class Interrupted(Exception):
+    pass
+
+
+def varied_reward(traj, record, recipe, anchoring, released_scoring):
+    """A reward that differs between samples of a group (a function of the sampled tokens), so
+    advantages are non-zero and every step really moves the weights; the real components are kept."""
+    total, parts = SCORE(traj, record, recipe, anchoring, released_scoring)
+    return total + (sum(traj.token_ids) % 7) / 7.0, parts
+
+
+SCORE = train.score_trajectory
+
+
+def test_resume_is_exact(tmp_path, monkeypatch):
+    """Stopped after step 2 and resumed to step 4 == 4 steps in one go, bit for bit (CPU, fixed seeds).
+    The stop is an exception in the rollout of step 3 (after checkpoint 2), not `--rl-steps 2`: the
+    cosine schedule depends on --rl-steps, so a 2-step run is a different run."""
+    monkeypatch.setattr(train, "score_trajectory", varied_reward)
+    argv = lambda d: smoke_argv(d, "--stage", "rl", "--rl-steps", "4", "--save-every", "1", "--mask-truncated", "0",
+                                "--prompts-per-step", "1")
+    run(argv(tmp_path / "straight"))
+
+    real_run_agent, calls = rollout.run_agent, []
+
+    def stop_at_step_3(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Interrupted
+        return real_run_agent(*a, **k)
+
+    monkeypatch.setattr(rollout, "run_agent", stop_at_step_3)
+    with pytest.raises(Interrupted):
+        run(argv(tmp_path / "resumed"))
+    assert train.latest_checkpoint(str(tmp_path / "resumed")).endswith("ckpt-rl-000002")
+    monkeypatch.setattr(rollout, "run_agent", real_run_agent)
+    run(argv(tmp_path / "resumed") + ["--resume"])
+
+    a, b = weights(tmp_path / "straight" / "ckpt-rl-000004"), weights(tmp_path / "resumed" / "ckpt-rl-000004")
+    diff = {k: float((a[k] - b[k]).abs().max()) for k in a if not torch.equal(a[k], b[k])}
+    assert not diff, f"resumed run differs from the straight run: {diff}"
+    moved = weights(tmp_path / "straight" / "ckpt-rl-000002")
+    assert any(not torch.equal(a[k], moved[k]) for k in a), "steps 3-4 did not change the weights"
+    rows_a, rows_b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    for ra, rb in zip(rows_a, rows_b):                   # same rewards, same gradients, step by step
+        assert (ra["reward"], ra["grad_norm"], ra["lr"]) == (rb["reward"], rb["grad_norm"], rb["lr"])
+    assert all(r["grad_norm"] > 0 for r in rows_a)
+
+
+# -----------------------------------------------------------------------------
+# several processes, launcher
+
+def test_fsdp_two_cpu_processes(tmp_path, cache):
+    """`--gpus 2 --device cpu`: FSDP2 over gloo trains (SFT and RL steps), both ranks hold the same full
+    weights at the end, and the checkpoint rank 0 wrote is exactly those weights."""
+    dump = tmp_path / "params"
+    env = {**os.environ, "PARAVT_CACHE": cache, "PARAVT_DUMP_PARAMS": str(dump), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "train.py", *smoke_argv(tmp_path, "--stage", "all", "--sft-steps", "1", "--sft-batch", "2",
+                                                     "--n-eval", "1", "--mask-truncated", "0"),
+           "--gpus", "2", "--device", "cpu"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["after"] is not None
+    ranks = [json.loads((tmp_path / f"params.rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    saved = weights(tmp_path / "ckpt-rl-000002")
+    assert ranks[0] == {k: model_lib_digest(v) for k, v in saved.items()}
+    init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
+    unchanged = [n for n, p in init.named_parameters() if ranks[0][n] == model_lib_digest(p.detach())]
+    assert not unchanged, f"FSDP training left these untouched (their gradients never arrived): {unchanged}"
+    assert [r["step"] for r in metrics(tmp_path) if r["stage"] == "rl"] == [1, 2]
+
+
+def model_lib_digest(t: torch.Tensor) -> str:
+    """The digest train.py writes under PARAVT_DUMP_PARAMS."""
+    import hashlib
+    return hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--gpus", "4"],                     # more processes than CUDA devices (none here)
+    ["--gpus", "4", "--device", "cuda"],  # the same, asking for CUDA explicitly
+    ["--device", "cuda"],                # one process on a CUDA device that is not there
+])
+def test_launcher_rejects_missing_devices(argv, monkeypatch):
+    """A bad device request is a ValueError raised before any model, data or process is started."""
+    if torch.cuda.device_count() >= 4:
+        pytest.skip("this machine has the CUDA devices")
+    started = []
+    monkeypatch.setattr(train, "main", lambda *a, **k: started.append("main"))
+    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *a, **k: started.append("spawn"))
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="CUDA device"):
+        train.launch(train.parse_args(argv))
+    assert started == []
+
+
+# -----------------------------------------------------------------------------
+# TDAM on real encoded trajectories
+
+def _call(a: float, b: float) -> str:
+    args = {"start_time": a, "end_time": b}
+    return f"<tool_call>\n{json.dumps({'name': 'crop_video', 'arguments': args})}\n</tool_call>"
+
+
+def two_tool_turns(rec: dict) -> list[dict]:
+    """Crop the clue, look at the clip, crop again, look again, answer: two observations, two call turns."""
+    (s, e), = rec["clues"]
+    tool = lambda a, b: {"role": "tool", "content": [{"type": "video", "video": rec["video"], "video_start": a,
+                                                      "video_end": b}]}
+    return [{"role": "assistant", "content": f"<think>\nI see a mark, let me crop it.\n</think>\n{_call(s, e)}"},
+            tool(s, e),
+            {"role": "assistant", "content": f"<think>\nThe start again.\n</think>\n{_call(0.0, 8.0)}"},
+            tool(0.0, 8.0),
+            {"role": "assistant", "content": "<think>\nIt is red.\n</think>\n<answer>A</answer>"}]
+
+
+def _positions(ids: list[int], tok: int) -> list[int]:
+    return [j for j, t in enumerate(ids) if t == tok]
+
+
+def expected_tdam(traj, special: dict, video_id: int) -> torch.Tensor:
+    """(n, n) allowed-mask worked out from the trajectory's own bookkeeping: prompt_len, and the tags the
+    environment wrote. A video's columns run from its first to its last video token (the frame
+    timestamps between them included). The prompt itself mentions <think> and <answer>."""
+    ids, n, start = traj.token_ids, len(traj.token_ids), traj.prompt_len
+    after = lambda tok: [j for j in _positions(ids, special[tok]) if j >= start]
+    block = lambda js: list(range(js[0], js[-1] + 1))
+    videos = _positions(ids, video_id)
+    overview = block([j for j in videos if j < start])
+    obs = [block([j for j in videos if o < j < c]) for o, c in zip(after("<tool_response>"), after("</tool_response>"))]
+    calls = list(zip(after("<tool_call>"), after("</tool_call>")))
+    answer = after("<answer>")[-1]
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    allowed[answer + 1:, overview] = False                     # (1) the answer cannot look at the overview
+    for c0, c1 in calls[1:]:                                   # (2) later calls cannot look at earlier crops
+        for cols in obs:
+            if cols[-1] < c0:
+                allowed[c0:c1 + 1, cols] = False
+    return allowed
+
+
+@pytest.fixture(scope="module")
+def tdam_batch(tiny, tmp_path_factory):
+    """A collated batch of an oracle trajectory with one crop and a two-tool-turn trajectory (padded)."""
+    model, processor = tiny
+    root = str(tmp_path_factory.mktemp("tdam"))
+    recs = [r for r in data.make_split(root, 8, seed=5) if r["data_type"] == "single_clue"][:2]
+    cfg = train.rollout_cfg(train.parse_args([]), tiny=True)
+    oracle = data.oracle_turns(recs[0], np.random.default_rng(0))
+    assert any(m["role"] == "tool" for m in oracle)            # the oracle crops
+    trajs = [rollout.encode_messages(processor, recs[0], oracle, root, cfg),
+             rollout.encode_messages(processor, recs[1], two_tool_turns(recs[1]), root, cfg)]
+    assert len(trajs[0].token_ids) != len(trajs[1].token_ids)
+    assert [len(t.videos) for t in trajs] == [2, 3]            # overview + one / two observations
+    return trajs, rollout.collate(trajs, model, processor.tokenizer.pad_token_id)
+
+
+def test_tdam_batch_mask_on_encoded_trajectories(tiny, tdam_batch):
+    model, processor = tiny
+    trajs, batch = tdam_batch
+    special = model_lib.special_token_ids(processor)
+    video_id = model.config.video_token_id
+    mask = train.tdam_batch_mask(batch, special, video_id)
+    B, L = batch["input_ids"].shape
+    assert mask.shape == (B, 1, L, L)
+    allowed = mask[:, 0] == 0
+    for i, t in enumerate(trajs):
+        n = len(t.token_ids)
+        want = expected_tdam(t, special, video_id)
+        assert torch.equal(allowed[i, :n, :n], want), f"row {i}: {(allowed[i, :n, :n] != want).nonzero()[:5]}"
+        assert not allowed[i, :n, n:].any()                    # real tokens never see pads
+        assert torch.equal(allowed[i, n:, :], torch.eye(L, dtype=torch.bool)[n:])   # pads see only themselves
+    # the rules really cut something in both rows: the answer loses the overview, call 2 loses crop 1
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    assert all(int((causal[:len(t.token_ids), :len(t.token_ids)] & ~allowed[i, :len(t.token_ids), :len(t.token_ids)])
+                   .sum()) > 0 for i, t in enumerate(trajs))
+    ids1 = trajs[1].token_ids
+    second_call = _positions(ids1, special["<tool_call>"])[1]
+    first_obs = [j for j in _positions(ids1, video_id) if j > trajs[1].prompt_len][0]
+    assert not allowed[1, second_call, first_obs] and allowed[1, second_call, 0]
+
+
+def test_tdam_mask_reaches_attention(tiny, tdam_batch):
+    """The 4-D mask path: a causal 4-D mask reproduces the 2-D loss, the TDAM mask changes it, both finite."""
+    model, processor = tiny
+    trajs, batch = tdam_batch
+    special = model_lib.special_token_ids(processor)
+    L = batch["input_ids"].shape[1]
+    with torch.no_grad():
+        plain, _ = train.sft_loss(model, batch, 1024, None, compile=False)
+        causal = torch.zeros(len(trajs), L, L, dtype=torch.bool)
+        for i, t in enumerate(trajs):
+            n = len(t.token_ids)
+            causal[i, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+            causal[i, range(n, L), range(n, L)] = True
+        same, _ = train.sft_loss(model, batch, 1024, train.to_additive_mask(causal), compile=False)
+        tdam, _ = train.sft_loss(model, batch, 1024, train.tdam_batch_mask(batch, special, model.config.video_token_id),
+                                 compile=False)
+    assert math.isfinite(float(tdam))
+    assert abs(float(same) - float(plain)) < 1e-5
+    assert abs(float(tdam) - float(plain)) > 1e-6
+
+
+def test_sft_step_with_tdam_on_every_batch(tmp_path):
+    """`--tdam-ratio 1.0`: the SFT step trains through the 4-D mask with a finite loss."""
+    run(smoke_argv(tmp_path, "--stage", "sft", "--sft-steps", "1", "--sft-batch", "2", "--tdam-ratio", "1.0",
+                   "--n-train", "4"))
+    (row,) = metrics(tmp_path)
+    assert row["tdam"] == 1.0 and math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+
+
+# -----------------------------------------------------------------------------
+# score_trajectory: the reward of each recipe
+
+THINK = rollout.THINK_PREFIX
+CALL_TURN = f"{THINK}I see a mark near 12 seconds, let me crop it.\n</think>\n{_call(12.0, 20.0)}"
+ANSWER_TURN = f"{THINK}The clip shows a red shape.\n</think>\n<answer>A</answer>"
+
+
+def hand_trajectory(turns=(CALL_TURN, ANSWER_TURN), windows=((12.0, 20.0),)) -> SimpleNamespace:
+    """What run_agent returns, by hand: the text as the model saw it and the policy's own text."""
+    response = "<|im_end|>\n<|im_start|>user\n<tool_response>\nClip 12.0-20.0 s:\n</tool_response><|im_end|>\n" \
+               "<|im_start|>assistant\n"
+    text = response.join(turns) + "<|im_end|>"
+    policy = "<|im_end|>".join(t[len(THINK):] for t in turns) + "<|im_end|>"
+    return SimpleNamespace(text=text, policy_text=policy, turns=list(turns), windows=list(windows),
+                           n_tool_turns=len(turns) - 1)
+
+
+RECORD = {"answer": "A", "task": "mcq", "options": ["red", "green", "blue", "yellow"], "clues": [[12.0, 20.0]],
+          "data_type": "single_clue"}
+NO_CLUES = {**RECORD, "clues": None, "data_type": None}
+
+
+def test_combined_uses_vtgr_tool_term_when_clues_exist():
+    t = hand_trajectory()
+    assert rewards.grounding_format_reward(t.turns) == 1.0   # strict format holds, so the VTGR term is live
+    total, parts = train.score_trajectory(t, RECORD, "combined", "sequence", False)
+    vtgr_tool = rewards.vtgr_tool_term("single_clue", t.windows, RECORD["clues"], 1, True, True)
+    paravt_total, paravt_parts = rewards.paravt_reward(t.text, "A", "mcq", anchor_weight=0.5)
+    assert vtgr_tool != paravt_parts["tool"]                 # the two tool terms differ here
+    assert parts["tool"] == pytest.approx(vtgr_tool)
+    assert total == pytest.approx(paravt_total - paravt_parts["tool"] + vtgr_tool)
+    assert parts["clue"] == pytest.approx(rewards.hybrid_clue_score(t.windows, RECORD["clues"]))
+    # without clue windows, combined is ParaVT's reward unchanged
+    total, parts = train.score_trajectory(t, NO_CLUES, "combined", "sequence", False)
+    assert total == pytest.approx(paravt_total) and parts["tool"] == paravt_parts["tool"]
+
+
+@pytest.mark.parametrize("turns, windows, why", [
+    ((ANSWER_TURN,), [], "anchor 0.7: a closed think, an answer body (R_fmt under its cap of 1)"),
+    ((f"{THINK}It is red, the answer is A",), [], "anchor -0.3: the only think never closes"),
+])
+def test_anchor_by_recipe_and_anchoring(turns, windows, why):
+    t = hand_trajectory(turns, windows)
+    anchor = rewards.format_anchor(t.text)
+    assert anchor != 0, why
+    seq, parts = train.score_trajectory(t, RECORD, "paravt", "sequence", False)
+    tok, tok_parts = train.score_trajectory(t, RECORD, "paravt", "token", False)
+    vanilla, _ = train.score_trajectory(t, RECORD, "vanilla", "none", False)
+    acc = rewards.accuracy_reward(t.text, "A", "mcq")
+    plain = acc + rewards.format_reward(t.text, anchor_weight=0.0) + rewards.tool_reward(t.text, acc)
+    assert vanilla == pytest.approx(plain)                   # vanilla: no anchor at all
+    assert tok == pytest.approx(plain)                       # token anchoring: the anchor leaves the sequence reward
+    assert tok_parts["anchor"] == pytest.approx(anchor)      # ... and is handed on for the closing tags
+    assert seq == pytest.approx(acc + rewards.format_reward(t.text, anchor_weight=0.5) + rewards.tool_reward(t.text, acc))
+    assert seq != pytest.approx(plain)                       # sequence anchoring: 0.5 * anchor inside R_fmt
+    assert parts["anchor"] == pytest.approx(anchor)
+
+
+def test_released_scoring_scores_policy_text():
+    """The release scored generated tokens only: no forced "<think>\\n", no tool responses."""
+    t = hand_trajectory()
+    ours, _ = train.score_trajectory(t, RECORD, "paravt", "sequence", False)
+    released, _ = train.score_trajectory(t, RECORD, "paravt", "sequence", True)
+    assert released == pytest.approx(rewards.paravt_reward(t.policy_text, "A", "mcq", anchor_weight=0.5)[0])
+    assert ours == pytest.approx(rewards.paravt_reward(t.text, "A", "mcq", anchor_weight=0.5)[0])
+    assert released < ours                                   # the forced prefix and the tool response go unseen
+
+
+def test_vtgr_recipe_is_video_o3_reward():
+    t = hand_trajectory()
+    total, parts = train.score_trajectory(t, RECORD, "vtgr", "none", False)
+    want, _ = rewards.vtgr_reward(t.turns, t.text, "A", "mcq", "single_clue", t.windows, RECORD["clues"], 1)
+    assert total == pytest.approx(want) and total > 2.0      # right answer, strict format, a good crop
+    assert parts["anchor"] == pytest.approx(rewards.format_anchor(t.text))
