@@ -78,14 +78,14 @@ CHAT_TEMPLATE = (
 
 @dataclass
 class ModelConfig:
-    """Shapes of the embedded tiny Qwen3-VL (defaults: ~4 M parameters, CPU-trainable in minutes)."""
+    """Shapes of the embedded tiny Qwen3-VL (defaults: ~3.3 M parameters, CPU-trainable in minutes)."""
     vocab_size: int = 2048           # byte-level BPE: 256 bytes + specials + merges
-    hidden: int = 256                # text decoder width
+    hidden: int = 192                # text decoder width
     layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
+    heads: int = 3
+    kv_heads: int = 1
     head_dim: int = 64
-    intermediate: int = 768
+    intermediate: int = 512
     mrope_section: tuple = (12, 10, 10)   # (t, h, w) halves of head_dim/2 = 32 rotary pairs
     vision_hidden: int = 128
     vision_depth: int = 2

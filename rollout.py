@@ -69,7 +69,7 @@ class RolloutConfig:
 
 # The embedded tiny default: small frames and a short prompt, so a 2-core CPU trains it in minutes.
 # Without the tools block the system prompt still names the tool; the SFT warm start teaches the format.
-TINY_ROLLOUT = dict(overview_nframes=8, overview_max_pixels=32 * 32, crop_fps=1.0, crop_max_pixels=64 * 64,
+TINY_ROLLOUT = dict(overview_nframes=8, overview_max_pixels=32 * 32, crop_fps=0.5, crop_max_pixels=64 * 64,
                     subagent_max_pixels=64 * 64, subagent_max_new_tokens=48, tools_block=False)
 
 
@@ -293,9 +293,11 @@ class _Row:
 
 
 def decode_turn(model, batch: KVBatch, rows: list[_Row], cfg: RolloutConfig, max_new_tokens: int,
-                stop_id: int, pad_id: int) -> KVBatch:
+                stop_id: int, pad_id: int, banned: list[int] = ()) -> KVBatch:
     """Sample until every row emits <|im_end|> or hits max_new_tokens. Finished rows leave the decoding
-    batch at once; the returned batch has the rows back in their original order."""
+    batch at once; the returned batch has the rows back in their original order. `banned` ids (vision
+    placeholders: only the processor may write them) are never sampled; the recorded log-probs are
+    those of the unmasked logits, the same numbers a training forward computes."""
     active = list(range(len(rows)))
     parked: list[tuple[list[int], KVBatch]] = []
     sub = batch
@@ -305,7 +307,10 @@ def decode_turn(model, batch: KVBatch, rows: list[_Row], cfg: RolloutConfig, max
         finished = []
         for j, i in enumerate(active):
             r = rows[i]
-            tok = sample_next_token(sub.last_logits[j], r.generator, cfg.temperature, cfg.top_p)
+            logits = sub.last_logits[j]
+            if banned:
+                logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), float("-inf"))
+            tok = sample_next_token(logits, r.generator, cfg.temperature, cfg.top_p)
             r.traj.logprobs.append(float(torch.log_softmax(sub.last_logits[j], -1)[tok]))
             r.turn_tokens.append(tok)
             r.traj.token_ids.append(tok)
@@ -326,6 +331,10 @@ def decode_turn(model, batch: KVBatch, rows: list[_Row], cfg: RolloutConfig, max
     order = [i for idx, _ in parked for i in idx]
     merged = KVBatch.merge([b for _, b in parked])
     return merged.select([order.index(i) for i in range(len(rows))])
+
+
+def vision_ids(ids: dict) -> list[int]:
+    return [ids[t] for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>") if ids.get(t) is not None]
 
 
 # -----------------------------------------------------------------------------
@@ -386,7 +395,8 @@ def run_subagents(model, processor, jobs: list[tuple[int, int, video.Clip]], cfg
                        prompt_len=len(c.ids), videos=[(c.pixels, c.grid)], parent=(caller, k))
         g = None if cfg.temperature <= 0 else torch.Generator().manual_seed(seed)
         rows.append(_Row(t, "", g))
-    decode_turn(model, batch, rows, cfg, cfg.subagent_max_new_tokens, ids["<|im_end|>"], ids["<|endoftext|>"])
+    decode_turn(model, batch, rows, cfg, cfg.subagent_max_new_tokens, ids["<|im_end|>"], ids["<|endoftext|>"],
+                vision_ids(ids))
     for r in rows:
         toks = [t for t in r.turn_tokens if t != ids["<|im_end|>"]]
         r.traj.text = processor.tokenizer.decode(toks, skip_special_tokens=True).strip()
@@ -459,7 +469,7 @@ def _turn_loop(model, processor, batch: KVBatch, rows: list[_Row], cfg: RolloutC
     live = list(range(len(rows)))
     for turn in range(cfg.max_turns + 1):
         sub_rows = [rows[i] for i in live]
-        batch = decode_turn(model, batch, sub_rows, cfg, cfg.max_new_tokens, stop_id, pad_id)
+        batch = decode_turn(model, batch, sub_rows, cfg, cfg.max_new_tokens, stop_id, pad_id, vision_ids(ids))
         tok = processor.tokenizer
         next_live, chunks, sub_jobs = [], {}, []
         results = {}

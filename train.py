@@ -44,6 +44,7 @@ The top of this file holds the pure math the loop uses, importable on its own
 """
 import argparse
 import contextlib
+import glob
 import hashlib
 import json
 import math
@@ -434,6 +435,12 @@ def forward_logprobs(model, batch: dict, chunk_size: int, attn_mask_4d=None, com
     return out
 
 
+def trainable(traj, video_id: int) -> bool:
+    """False when the policy sampled a <|video_pad|>: `collate` would take it for a video placeholder with no
+    frames, so the sample is scored (as text) but left out of the update."""
+    return not any(role == rollout.POLICY and tok == video_id for tok, role in zip(traj.token_ids, traj.roles))
+
+
 def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
     """(B, 1, L, L) additive mask: TDAM on each row (spans found from the tokens) plus padding."""
     B, L = batch["input_ids"].shape
@@ -448,13 +455,21 @@ def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
             elif t != video_id and s is not None:
                 vids.append((s, j))
                 s = None
-        prompt_len = row.index(ids["<think>"]) if ids["<think>"] in row else n
+        # the prompt ends at the forced "<think>" before the first policy token (the system prompt and the
+        # Hermes tools block mention <think>, <answer> and <tool_call> themselves)
+        roles = batch["roles"][i, :n].tolist()
+        first_policy = roles.index(1) if 1 in roles else n
+        prompt_len = max([j for j in range(first_policy) if row[j] == ids["<think>"]], default=first_policy)
+        span = lambda vs: (vs[0][0], vs[-1][1]) if vs else None   # a video's runs + the timestamps between them
         overview = [v for v in vids if v[1] <= prompt_len]
         obs = [v for v in vids if v[0] >= prompt_len]
-        span = lambda vs: (vs[0][0], vs[-1][1]) if vs else None
-        calls = [(j, row.index(ids["</tool_call>"], j) + 1) for j in range(n)
+        if ids.get("<tool_response>") is not None:      # one span per observation video, like the overview
+            opens = [j for j in range(prompt_len, n) if row[j] == ids["<tool_response>"]]
+            closes = [j for j in range(prompt_len, n) if row[j] == ids["</tool_response>"]]
+            obs = [sp for o, c in zip(opens, closes) if (sp := span([v for v in obs if o < v[0] and v[1] <= c]))]
+        calls = [(j, row.index(ids["</tool_call>"], j) + 1) for j in range(prompt_len, n)
                  if row[j] == ids["<tool_call>"] and ids["</tool_call>"] in row[j:n]]
-        ans = [j for j in range(n) if row[j] == ids["<answer>"]]
+        ans = [j for j in range(prompt_len, n) if row[j] == ids["<answer>"]]
         answer = (ans[-1] + 1, n) if ans else None
         m = tdam_mask(n, span(overview), answer, calls, obs) if answer and answer[0] < n else \
             torch.ones(n, n, dtype=torch.bool).tril()
@@ -573,6 +588,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("hardware")
     g.add_argument("--gpus", type=int, default=None, help="processes on this node (default: visible CUDA devices, or 1)")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    g.add_argument("--threads", type=int, default=0,
+                   help="CPU threads per process (0 = torch's default; 1 is far faster on a busy or shared CPU)")
     g.add_argument("--compile", type=int, default=None, help="torch.compile the log-prob kernels (default: 1 on CUDA, 0 on CPU)")
     g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward (large models)")
     g = p.add_argument_group("model and data")
@@ -729,6 +746,8 @@ def main(rank: int, args) -> dict:
     t_start = time.time()
     # ----- compute init
     rank, world, device = setup_distributed(rank, args)
+    if args.threads or (world > 1 and device.type == "cpu"):     # CPU ranks split the cores
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     use_compile = bool(args.compile if args.compile is not None else device.type == "cuda")
@@ -753,11 +772,6 @@ def main(rank: int, args) -> dict:
             fully_shard(layer)
         fully_shard([model.model.language_model.norm, model.lm_head])  # token_logprobs reads lm_head.weight directly
         fully_shard(model.model)                      # the root: every forward (rollout, training) enters here
-    ref_model = None
-    if args.kl_coef > 0:
-        ref_model, _ = model_lib.load_model(ckpt or args.model, device=device, seed=args.seed,
-                                            tiny_corpus=rollout.prompt_corpus())
-        ref_model.requires_grad_(False)
 
     # ----- data
     cache = os.environ.get("PARAVT_CACHE", "cache")
@@ -821,7 +835,7 @@ def main(rank: int, args) -> dict:
             loss, n_tok = sft_loss(model, batch, args.logprob_chunk, mask4, use_compile)
             loss.backward()
             gn = optimizer_step(optimizer, step, loss.detach(), "sft", [t.record_id for t in items])
-            row = all_mean({"loss": float(loss), "grad_norm": gn if gn is not None else float("nan"), "lr": lr,
+            row = all_mean({"loss": float(loss.detach()), "grad_norm": gn if gn is not None else float("nan"), "lr": lr,
                             "tokens_per_s": n_tok / (time.time() - t0), "step_time": time.time() - t0,
                             "tdam": float(tdam)}, world)
             if rank == 0:
@@ -839,6 +853,12 @@ def main(rank: int, args) -> dict:
     # ----- RL (PARA-GRPO / VTGR / combined / vanilla)
     if "rl" in run_stages:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        ref_model = None
+        if args.kl_coef > 0:    # the frozen reference = the policy as RL began: the SFT result, else --model
+            sft_ckpts = sorted(glob.glob(os.path.join(args.run_dir, "ckpt-sft-*[0-9]")))
+            src = sft_ckpts[-1] if "sft" in run_stages and sft_ckpts else args.model
+            ref_model, _ = model_lib.load_model(src, device=device, seed=args.seed, tiny_corpus=rollout.prompt_corpus())
+            ref_model.requires_grad_(False)
         start = step0 if state and stage0 == "rl" else 0
         if state and stage0 == "rl" and state["optimizer"]:
             optimizer.load_state_dict(state["optimizer"])
@@ -846,7 +866,8 @@ def main(rank: int, args) -> dict:
             random.setstate(state["rng_random"])
         choices = [int(c) for c in args.gating_choices.split(",")]
         close_ids = [ids[t] for t in ("</think>", "</tool_call>", "</answer>") if ids.get(t) is not None]
-        warned = set()                                # record ids whose video failed: warn once each
+        warned, rl_bad = set(), 0                     # record ids whose video failed (warn once each), failed samples
+        video_id = model.config.video_token_id
         for step in tqdm(range(start + 1, args.rl_steps + 1), desc="rl", disable=rank != 0, initial=start,
                          total=args.rl_steps):
             t0 = time.time()
@@ -867,22 +888,23 @@ def main(rank: int, args) -> dict:
             R = torch.tensor([s for s, _ in scored])
             adv = rewards.group_advantages(R, args.group_size, shaping=args.shaping)
             zero_var = rewards.zero_variance_groups(R, args.group_size)
-            keep = torch.tensor([t.error is None and t.token_ids != [] for t in trajs])
+            keep = torch.tensor([t.error is None and t.token_ids != [] and trainable(t, video_id) for t in trajs])
             if args.mask_truncated:
                 keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in trajs])
             if args.dynamic_sampling:
                 keep &= ~zero_var.repeat_interleave(args.group_size)
+            rl_bad += sum(t.error is not None for t in trajs)
             counters["bad_samples"] += sum(t.error is not None for t in trajs)
             for t in trajs[::args.group_size]:
                 if t.error is not None and t.record_id not in warned:
                     warned.add(t.record_id)
                     print(f"skipped sample {t.record_id} (rl step {step}, rank {rank}): {t.error}", flush=True)
-            if counters["bad_samples"] > args.max_bad_fraction * step * len(trajs) and step > 5:
+            if rl_bad > args.max_bad_fraction * (step - start) * len(trajs) and step - start > 5:   # this run's RL samples
                 raise RuntimeError(f"more than {args.max_bad_fraction:.0%} of samples failed by step {step}: "
                                    f"see the skipped-sample messages above")
             items = [(t, float(adv[i]), comps) for i, (t, (_, comps)) in enumerate(zip(trajs, scored)) if keep[i]]
             if args.train_subagents:
-                items += [(s, a, c) for t, a, c in list(items) for s in t.subagents]
+                items += [(s, a, c) for t, a, c in list(items) for s in t.subagents if trainable(s, video_id)]
             stats = {"clip_frac": 0.0, "kl": 0.0}
             gn = None
             model.train()
@@ -930,19 +952,24 @@ def main(rank: int, args) -> dict:
 
 def sft_examples(args, records, processor, video_root, cfg, rank) -> tuple[list, int]:
     """(encoded SFT trajectories, number skipped): bad records are skipped and counted, never fatal unless most are bad."""
-    if args.sft_data:
-        rows, errors = data.load_records(args.sft_data, None, args.max_bad_fraction) if False else ([], [])
+    errors, pairs = [], []
+    if args.sft_data:                    # trajectory records: {"id", "video", "prompt" | prompt fields, "messages"}
         with open(args.sft_data) as f:
             for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    errors.append(f"{args.sft_data}:{n}: bad JSON ({e})")
-        pairs = [(r.get("prompt") or r, r.get("messages", []), f"{args.sft_data}:{n}") for n, r in enumerate(rows, 1)]
-    else:
+                    r = json.loads(line)
+                    pairs.append((r.get("prompt") or r, r["messages"], f"{args.sft_data}:{n}"))
+                except (json.JSONDecodeError, KeyError, AttributeError) as e:
+                    errors.append(f"{args.sft_data}:{n}: not a trajectory record ({type(e).__name__}: {e})")
+    else:                                # oracle trajectories of the synthetic task
         rng = np.random.default_rng(args.seed)
-        pairs = [(r, data.oracle_turns(r, rng, always_call=args.always_call), r["id"]) for r in records]
-        errors = []
+        for r in records:
+            try:
+                pairs.append((r, data.oracle_turns(r, rng, always_call=args.always_call), r["id"]))
+            except (ValueError, KeyError) as e:
+                errors.append(f"{r.get('id')}: no oracle trajectory ({e}); pass --sft-data for real data")
     items = []
     for rec, msgs, where in pairs:
         try:
@@ -1013,6 +1040,8 @@ def launch(args) -> None:
     A bad device request is a ValueError before any model, data or process is started."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)")
+    if args.gpus is None:   # default: every visible CUDA device, or one CPU process
+        args.gpus = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 1
     if args.plot:
         print(plot_run(args.plot))
     elif "RANK" in os.environ:                        # started by torchrun (multi-node, or habit)

@@ -36,8 +36,8 @@ def make_problem(n, dim=32, vocab=QWEN_VOCAB, seed=0, scale=0.5):
 
 
 def value_and_grads(fn, hidden, weight, targets, grad_out, dtype):
-    h = hidden.to(dtype).requires_grad_()
-    w = weight.to(dtype).requires_grad_()
+    h = hidden.detach().to(dtype).requires_grad_()  # detach first: never flip the caller's tensor
+    w = weight.detach().to(dtype).requires_grad_()
     out = fn(h, w, targets)
     grad_h, grad_w = torch.autograd.grad(out, (h, w), grad_out.to(out.dtype))
     return out, grad_h, grad_w
