@@ -18,7 +18,7 @@ SFT record (`write_sft_records`): {"id", "video", "prompt": <prompt record>, "me
 The synthetic task. A video of D seconds (default 64) at 2 fps, 64x64 RGB: a dim background whose
 colour drifts slowly (sinusoid per channel) over a fixed seeded texture (never near white, never
 near a glyph colour). A clue is a MARK window [s, s+8) (s integer, marks >= 4 s apart) during which a
-white 16x16 block sits in the top-left corner. A coloured GLYPH (24x24 square, frame centre, colour
+white 32x32 block fills the top-left quadrant. A coloured GLYPH (the bottom half of the frame, colour
 from PALETTE) is shown during the middle 2 s [s+3, s+5) for "needle" clues, or the whole window for
 "direct" clues. Kinds: single_clue (mcq, glyph colour), multi_clue (mcq, which of two colours came
 first), direct (mcq, glyph visible in the overview), grounding (tvg, when is the mark shown).
@@ -48,7 +48,9 @@ DEFAULT_MIX = {"single_clue": 0.5, "multi_clue": 0.2, "direct": 0.2, "grounding"
 FPS, SIZE = 2.0, 64              # synthetic videos: native frame rate, frame side (pixels)
 MARK_LEN, MARK_GAP = 8, 4        # mark window length and minimum gap between marks (seconds)
 NEEDLE = (3.0, 5.0)              # glyph slot of a needle clue, relative to the mark start (seconds)
-MARK_PX, GLYPH_PX = 16, 24       # white block side (top-left), glyph side (centred)
+RENDER_VERSION = 3               # bump when render_frames changes: cached videos are then re-rendered
+MARK_PX, GLYPH_PX = 32, 32       # white block (top-left quadrant, one Qwen3-VL visual token at 64x64: a
+                                 # token covers 32x32 pixels); glyph = the bottom half (rows >= 32, two tokens)
 INSTRUCTIONS = {
     "mcq": "Answer with the option letter inside <answer></answer>.",
     "oe": "Answer briefly inside <answer></answer>.",
@@ -232,10 +234,10 @@ def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, floa
     drift = base + amp * np.sin(2 * np.pi * t[:, None] / period + phase)       # (T, 3) in [40, 130]
     texture = rng.integers(-5, 6, (1, 3, SIZE, SIZE))                          # fixed: cheap to encode
     x = (drift[:, :, None, None] + texture).astype(np.uint8)                   # (T, 3, H, W)
-    g0 = (SIZE - GLYPH_PX) // 2
+    g0 = SIZE - GLYPH_PX                                                        # the bottom half
     for s, colour, (g_start, g_end) in marks:
         x[(t >= s) & (t < s + MARK_LEN), :, :MARK_PX, :MARK_PX] = 255
-        x[(t >= g_start) & (t < g_end), :, g0:g0 + GLYPH_PX, g0:g0 + GLYPH_PX] = \
+        x[(t >= g_start) & (t < g_end), :, g0:, :] = \
             np.array(PALETTE[colour], dtype=np.uint8)[:, None, None]
     return torch.from_numpy(x)
 
@@ -301,7 +303,7 @@ def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: 
         rec["video"] = f"videos/{rid}.mp4"
         path, side = os.path.join(root, rec["video"]), os.path.join(root, f"videos/{rid}.json")
         spec = {"duration": duration, "marks": [[s, c, list(g)] for s, c, g in marks],
-                "seed": [seed, i], "size": SIZE, "fps": FPS}
+                "seed": [seed, i], "size": SIZE, "fps": FPS, "layout": [MARK_PX, GLYPH_PX, RENDER_VERSION]}
         if not _cached(path, side, spec):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(side)  # video first, sidecar last: a sidecar always vouches for a whole video

@@ -69,7 +69,7 @@ class RolloutConfig:
 
 # The embedded tiny default: small frames and a short prompt, so a 2-core CPU trains it in minutes.
 # Without the tools block the system prompt still names the tool; the SFT warm start teaches the format.
-TINY_ROLLOUT = dict(overview_nframes=8, overview_max_pixels=32 * 32, crop_fps=0.5, crop_max_pixels=64 * 64,
+TINY_ROLLOUT = dict(overview_nframes=8, overview_max_pixels=64 * 64, crop_fps=1.0, crop_max_pixels=64 * 64,
                     subagent_max_pixels=64 * 64, subagent_max_new_tokens=48, tools_block=False)
 
 

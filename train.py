@@ -489,9 +489,12 @@ def sft_loss(model, batch: dict, chunk_size: int, attn_mask_4d=None, compile: bo
 
 
 def grpo_step_loss(model, batch: dict, old_lp, adv_tok, ref_lp, args) -> tuple[torch.Tensor, dict]:
+    """GRPO loss of one micro-batch. old_lp None = on-policy single epoch: the old log-probs ARE the current
+    ones (ratio 1), so they are taken detached from this forward instead of from an extra one."""
     lp = forward_logprobs(model, batch, args.logprob_chunk, compile=bool(args.compile))
     mask = (batch["roles"][:, 1:] == 1).to(lp.device)
-    return grpo_loss(lp, old_lp, adv_tok, mask, clip_low=args.clip_low, clip_high=args.clip_high,
+    old_lp = lp.detach() if old_lp is None else old_lp
+    return grpo_loss(lp, old_lp, adv_tok.to(lp.device), mask, clip_low=args.clip_low, clip_high=args.clip_high,
                      kl_coef=args.kl_coef, ref_logprobs=ref_lp, kl_estimator=args.kl_estimator)
 
 
@@ -827,7 +830,7 @@ def main(rank: int, args) -> dict:
             lr = get_lr(step - 1, args.sft_steps, args.sft_lr, warmup_steps=min(10, args.sft_steps // 10))
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            rng = random.Random(args.seed * 7919 + step * 31 + rank)
+            rng = random.Random(f"sft:{args.seed}:{step}:{rank}")   # string seeds: draws independent across steps
             items = [sft_items[rng.randrange(len(sft_items))] for _ in range(args.sft_batch)]
             batch = rollout.collate(items, model, pad_id)
             tdam = rng.random() < args.tdam_ratio
@@ -875,7 +878,7 @@ def main(rank: int, args) -> dict:
             for g in optimizer.param_groups:
                 g["lr"] = lr
             # ----- rollouts: each rank its own prompts, K gated per prompt (same K for its group)
-            rng = random.Random(args.seed * 104729 + step * 997 + rank)
+            rng = random.Random(f"rl:{args.seed}:{step}:{rank}")
             recs = [train_recs[rng.randrange(len(train_recs))] for _ in range(args.prompts_per_step)]
             ks = [rewards.gate_nframes(r["id"], step, choices, seed=args.seed) if args.gating else None for r in recs]
             model.eval()
@@ -905,7 +908,7 @@ def main(rank: int, args) -> dict:
             items = [(t, float(adv[i]), comps) for i, (t, (_, comps)) in enumerate(zip(trajs, scored)) if keep[i]]
             if args.train_subagents:
                 items += [(s, a, c) for t, a, c in list(items) for s in t.subagents if trainable(s, video_id)]
-            stats = {"clip_frac": 0.0, "kl": 0.0}
+            stats = {"clip_frac": 0.0, "kl": 0.0, "loss": 0.0}   # no kept sample: no update this step
             gn = None
             model.train()
             if (len(items) if world == 1 else all_min(len(items))) > 0:   # FSDP: every rank updates, or none
@@ -984,7 +987,8 @@ def sft_examples(args, records, processor, video_root, cfg, rank) -> tuple[list,
 
 
 def policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, step, rank, optimizer_step):
-    """GRPO update on the kept trajectories: old log-probs recomputed, then ppo_epochs passes of micro-batches."""
+    """GRPO update on the kept trajectories: ppo_epochs passes of micro-batches; with several epochs the old
+    log-probs are recomputed first by a no-grad forward (with one, they equal the current ones)."""
     chunks = [items[i:i + args.micro_batch] for i in range(0, len(items), args.micro_batch)]
     batches = [rollout.collate([t for t, _, _ in c], model, pad_id) for c in chunks]
     advs = []
@@ -995,7 +999,8 @@ def policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, s
             a += 0.5 * torch.tensor([cm["anchor"] for _, _, cm in c])[:, None] * tags
         advs.append(a)
     with torch.no_grad(), full_weights(model):
-        old = [forward_logprobs(model, b, args.logprob_chunk, compile=bool(args.compile)) for b in batches]
+        old = [forward_logprobs(model, b, args.logprob_chunk, compile=bool(args.compile)) if args.ppo_epochs > 1
+               else None for b in batches]
         ref = [forward_logprobs(ref_model, b, args.logprob_chunk, compile=bool(args.compile)) if ref_model is not None else None for b in batches]
     n_total = sum(int((b["roles"][:, 1:] == 1).sum()) for b in batches)
     # FSDP: every rank must run as many forward/backward passes (each all-gathers and reduce-scatters)
@@ -1004,15 +1009,16 @@ def policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, s
     for epoch in range(args.ppo_epochs):
         total = torch.zeros(())
         for b, o, a, r in zip(batches, old, advs, ref):
-            loss, st = grpo_step_loss(model, b, o, a.to(o.device), r, args)
+            loss, st = grpo_step_loss(model, b, o, a, r, args)
             n = int((b["roles"][:, 1:] == 1).sum())
             (loss * n / max(1, n_total)).backward()     # token-mean over the whole batch, across micro-batches
             total = total + loss.detach() * n / max(1, n_total)
             for k in stats_sum:
                 stats_sum[k] += float(st.get(k, 0.0)) * n / max(1, n_total) / args.ppo_epochs
         for _ in range(pad):                           # zero-weight passes: no gradient, matching collectives
-            (grpo_step_loss(model, batches[-1], old[-1], advs[-1].to(old[-1].device), ref[-1], args)[0] * 0.0).backward()
+            (grpo_step_loss(model, batches[-1], old[-1], advs[-1], ref[-1], args)[0] * 0.0).backward()
         gn = optimizer_step(optimizer, step, total, "rl", [t.record_id for t, _, _ in items])
+        stats_sum["loss"] = float(total)             # the last epoch's token-mean loss
     return gn, stats_sum
 
 

@@ -31,9 +31,9 @@ def _mark_on(frame) -> bool:
 
 
 def _glyph(frame) -> str | None:
-    """Palette colour of the centre square, or None when it shows the background."""
+    """Palette colour of the bottom-right quadrant (the glyph's place), or None when it shows the background."""
     k = frame.shape[-1] / 64
-    rgb = frame[:, round(26 * k): round(38 * k), round(26 * k): round(38 * k)].float().mean((1, 2)).numpy()
+    rgb = frame[:, round(40 * k): round(56 * k), round(40 * k): round(56 * k)].float().mean((1, 2)).numpy()
     dist = {name: np.abs(rgb - np.array(c)).max() for name, c in PALETTE.items()}
     name = min(dist, key=dist.get)
     return name if dist[name] < 40 else None
