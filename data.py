@@ -19,14 +19,14 @@ The synthetic task. A video of D seconds (default 64) at 2 fps, 64x64 RGB: a dim
 colour drifts slowly (sinusoid per channel) over a fixed seeded texture (never near white, never
 near a glyph colour). A clue is a MARK window [s, s+8) (s integer, marks >= 4 s apart) during which a
 white 32x32 block fills the top-left quadrant. A coloured GLYPH (the bottom half of the frame, colour
-from PALETTE) is shown during the middle 2 s [s+3, s+5) for "needle" clues, or the whole window for
+from PALETTE) is shown during the middle 4 s [s+2, s+6) (NEEDLE) for "needle" clues, or the whole window for
 "direct" clues. Kinds: single_clue (mcq, glyph colour), multi_clue (mcq, which of two colours came
 first), direct (mcq, glyph visible in the overview), grounding (tvg, when is the mark shown).
 What the overview can show: where the marks are (any overview frame inside a mark window shows the
 block, even at 32x32), and the colour of a direct glyph (a uniform overview of >= 8 frames over 64 s
 has a frame in every 8 s window). What it cannot: a needle's colour, unless an
-overview frame happens to fall in the 2 s glyph slot (16 frames over 64 s: about half the time; 8
-frames: about a quarter); a 2 fps crop of the mark window always shows it (4 frames).
+overview frame happens to fall in the 4 s glyph slot (8 frames over 64 s: about half the time; 4
+frames: a quarter; 16 or more: always, which is ParaVT's tool necessity gap); a crop always shows it.
 """
 import contextlib
 import json
@@ -47,8 +47,8 @@ KINDS = ("single_clue", "multi_clue", "direct", "grounding")
 DEFAULT_MIX = {"single_clue": 0.5, "multi_clue": 0.2, "direct": 0.2, "grounding": 0.1}
 FPS, SIZE = 2.0, 64              # synthetic videos: native frame rate, frame side (pixels)
 MARK_LEN, MARK_GAP = 8, 4        # mark window length and minimum gap between marks (seconds)
-NEEDLE = (3.0, 5.0)              # glyph slot of a needle clue, relative to the mark start (seconds)
-RENDER_VERSION = 3               # bump when render_frames changes: cached videos are then re-rendered
+NEEDLE = (2.0, 6.0)              # glyph slot of a needle clue, relative to the mark start (seconds)
+RENDER_VERSION = 4               # bump when render_frames changes: cached videos are then re-rendered
 MARK_PX, GLYPH_PX = 32, 32       # white block (top-left quadrant, one Qwen3-VL visual token at 64x64: a
                                  # token covers 32x32 pixels); glyph = the bottom half (rows >= 32, two tokens)
 INSTRUCTIONS = {
@@ -372,8 +372,8 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
 
     The oracle only claims what a K-frame overview shows (`nframes` = the overview the rollout uses):
     a needle's mark is seen in a temporal patch printed as "<t seconds>" whose frames lie within t +- 4 s
-    (K = 8 over 64 s), so the glyph slot lies inside (t - 9, t + 9) and it crops [t - 10, t + 10], with
-    +-window_noise (<= 1 s) on each end. A mark no overview frame shows is searched by cropping its half of the video."""
+    (K = 8 over 64 s), so the glyph slot [s+2, s+6) lies inside (t - 10, t + 10) and it crops [t - 10, t + 10],
+    with +-window_noise (<= 1 s) on each end. A mark no overview frame shows is searched by cropping its half of the video."""
     kind, clues, colours = record["data_type"], record["clues"], record["meta"]["colours"]
     if kind not in KINDS:
         raise ValueError(f"{record['id']}: oracle trajectories exist for {KINDS} only, not {kind!r}")

@@ -123,6 +123,7 @@ class _TokenLogprobs(torch.autograd.Function):
             lp, ls = forward_kernel(logits, _chunk(targets, start, chunk))
             logprobs[start:stop] = lp[:stop - start]
             lse[start:stop] = ls[:stop - start]
+            del logits  # free this chunk's buffer before the next GEMM allocates one
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk, ctx.use_compile = chunk, use_compile
         return logprobs
@@ -153,6 +154,7 @@ class _TokenLogprobs(torch.autograd.Function):
                     grad_weight.addmm_(grad_logits.T, h)                       # in place, no (V, D) temporary
                 else:
                     grad_weight += grad_logits.T @ h                           # bf16 GEMM, fp32 sum over chunks
+            del grad_logits  # free this chunk's buffer before the next GEMM allocates one
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
@@ -606,12 +608,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--n-eval", type=int, default=TINY_TASK["n_eval"], help="synthetic task: held-out prompts")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
     g = p.add_argument_group("SFT")
-    g.add_argument("--sft-steps", type=int, default=150)
-    g.add_argument("--sft-batch", type=int, default=16)
+    g.add_argument("--sft-steps", type=int, default=300)
+    g.add_argument("--sft-batch", type=int, default=8)
     g.add_argument("--sft-lr", type=float, default=2e-3)
     g.add_argument("--tdam-ratio", type=float, default=0.1, help="fraction of SFT batches trained with TDAM masks")
     g = p.add_argument_group("RL")
-    g.add_argument("--rl-steps", type=int, default=30)
+    g.add_argument("--rl-steps", type=int, default=20)
     g.add_argument("--recipe", choices=("combined", "paravt", "vtgr", "vanilla"), default="combined")
     g.add_argument("--group-size", type=int, default=8)
     g.add_argument("--prompts-per-step", type=int, default=4)
@@ -629,7 +631,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--train-subagents", action="store_true", help="train sub-agent tokens with their caller's advantage")
     g.add_argument("--tool-mode", choices=("interleaved", "subagent"), default="interleaved")
     g.add_argument("--max-turns", type=int, default=3)
-    g.add_argument("--max-new-tokens", type=int, default=96)
+    g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--overview-nframes", type=int, default=None,
                    help="overview frames when gating is off (default: 8 on the tiny model, 64 otherwise)")

@@ -195,7 +195,7 @@ def test_make_split_records_are_valid_and_consistent(split):
         assert m["kind"] == r["data_type"] and len(set(m["colours"])) == len(m["colours"]) == len(clues)
         for (s, e), (g0, g1) in zip(clues, m["glyph_windows"]):
             assert e - s == 8 and s == int(s) and 0 <= s and e <= r["duration"]
-            assert (g0, g1) == ((s, e) if r["data_type"] == "direct" else (s + 3, s + 5))
+            assert (g0, g1) == ((s, e) if r["data_type"] == "direct" else (s + data.NEEDLE[0], s + data.NEEDLE[1]))
         if len(clues) == 2:
             assert clues[1][0] >= clues[0][1] + 4                          # >= 4 s apart, time order
         if r["data_type"] in ("single_clue", "direct"):
@@ -333,7 +333,7 @@ def test_oracle_turns_by_kind(split):
 
 def test_oracle_windows_clamped_to_the_video():
     r = {"id": "x", "video": "v.mp4", "data_type": "single_clue", "clues": [[0.0, 8.0]], "duration": 8.0,
-         "answer": "A", "meta": {"colours": ["red"], "glyph_windows": [[3.0, 5.0]]}}
+         "answer": "A", "meta": {"colours": ["red"], "glyph_windows": [[2.0, 6.0]]}}
     rng = np.random.default_rng(1)
     for _ in range(50):
         (a, b), = _check_oracle(r, data.oracle_turns(r, rng, window_noise=3.0), 1, noise=3.0)
