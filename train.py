@@ -972,7 +972,8 @@ def sft_examples(args, records, processor, video_root, cfg, rank) -> tuple[list,
         rng = np.random.default_rng(args.seed)
         for r in records:
             try:
-                pairs.append((r, data.oracle_turns(r, rng, always_call=args.always_call), r["id"]))
+                pairs.append((r, data.oracle_turns(r, rng, always_call=args.always_call,
+                                                   nframes=cfg.overview_nframes or 8), r["id"]))
             except (ValueError, KeyError) as e:
                 errors.append(f"{r.get('id')}: no oracle trajectory ({e}); pass --sft-data for real data")
     items = []
