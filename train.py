@@ -617,7 +617,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--recipe", choices=("combined", "paravt", "vtgr", "vanilla"), default="combined")
     g.add_argument("--group-size", type=int, default=8)
     g.add_argument("--prompts-per-step", type=int, default=4)
-    g.add_argument("--lr", type=float, default=2e-4)
+    g.add_argument("--lr", type=float, default=2e-5)
     g.add_argument("--warmup-steps", type=int, default=0)
     g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer passes per batch (old log-probs recomputed first)")
     g.add_argument("--micro-batch", type=int, default=8)

@@ -18,52 +18,16 @@ import torch
 from safetensors.torch import load_file
 
 import data
-import model as model_lib
-import rollout
 import train
+from conftest import metrics, run, smoke_argv   # shared with the other training tests
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The fast smoke configuration (as in test_train.py): tiny default model, groups of 2, 12 new tokens a turn.
-SMOKE = ["--sft-steps", "2", "--rl-steps", "2", "--n-train", "8", "--n-eval", "4", "--group-size", "2",
-         "--prompts-per-step", "2", "--max-new-tokens", "12", "--sft-batch", "4", "--gating-choices", "4,8"]
-
-
-def smoke_argv(run_dir, *extra) -> list[str]:
-    return [*SMOKE, "--run-dir", str(run_dir), *extra]
-
-
-def run(argv) -> dict:
-    return train.main(0, train.parse_args([str(a) for a in argv]))
-
-
-def metrics(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(autouse=True)
-def _cache_env(cache, monkeypatch):
-    monkeypatch.setenv("PARAVT_CACHE", cache)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: these tiny models run about 3x faster so on a small shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
+def _setup(cache_env, one_thread):
+    """Synthetic videos in a module-wide scratch folder; one torch thread."""
 
 
 # -----------------------------------------------------------------------------
