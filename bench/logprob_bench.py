@@ -10,11 +10,12 @@ Benchmark: per-token log p(target) from hidden states x lm_head, forward + backw
     python bench/logprob_bench.py --device cuda --dtype bfloat16   # on a GPU
 
 Each method runs in its own subprocess, so one method's memory never counts against another's.
-Peak extra memory = peak after minus resident before the timed runs: VmHWM - VmRSS from
-/proc/self/status (CPU; the high-water mark is reset through /proc/self/clear_refs), or
-max_memory_allocated - memory_allocated (CUDA). It includes the gradients of h and W that every
+Peak extra memory = the highest peak of a timed pass minus what was resident before: VmHWM - VmRSS
+from /proc/self/status (CPU; the high-water mark is reset through /proc/self/clear_refs before
+each pass), or max_memory_allocated - memory_allocated (CUDA). It includes the gradients of h and W that every
 method must return; "working" memory is that peak minus those gradients. Time is the median of
---repeats forward+backward passes after a warm-up of two passes over one chunk of tokens; the
+--repeats forward+backward passes (wall clock; process CPU seconds beside it, steadier when other
+jobs share the machine) after a warm-up of two passes over one chunk of tokens; the
 first pass minus the second (first_call_extra_s) is ours' torch.compile time, reported apart as
 compile_s. The sum of logp and the norms of grad h and grad W are compared across methods.
 On CPU, N is halved until the naive method's estimated footprint fits in --mem-fraction of
@@ -68,42 +69,49 @@ def worker(args) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     fn = {"naive": naive, "rowwise": rowwise, "ours": ours}[args.worker]
     gen = torch.Generator(device=device).manual_seed(0)
-    hidden = torch.randn(args.n, args.d, generator=gen, device=device, dtype=dtype).requires_grad_()
+    hidden = torch.randn(args.n, args.d, generator=gen, device=device, dtype=dtype)
     weight = (torch.randn(args.vocab, args.d, generator=gen, device=device, dtype=dtype)
               * args.d ** -0.5).requires_grad_()                                 # logits of std ~1
     targets = torch.randint(0, args.vocab, (args.n,), generator=gen, device=device)
     grad_out = torch.randn(args.n, generator=gen, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
+    cuda = device.type == "cuda"
     checksums = []
 
-    def fwd_bwd(n: int) -> float:
-        t0 = time.perf_counter()
+    def resident() -> int:
+        return torch.cuda.memory_allocated() if cuda else proc_status_kb("VmRSS") * 1024
+
+    def fwd_bwd(n: int) -> tuple[float, float, int]:
+        """One forward + backward over n tokens: (wall seconds, CPU seconds, peak bytes)."""
+        gc.collect()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:                        # reset VmHWM to VmRSS
+                f.write("5")
+        t0, cpu0 = time.perf_counter(), time.process_time()
         h = hidden[:n].detach().requires_grad_()                                 # a leaf of n tokens
         out = fn(h, weight, targets[:n], args.rows if n == args.n else 1, args.chunk_size, not args.no_compile)
         out.backward(grad_out[:n])
-        sync()
-        elapsed = time.perf_counter() - t0
-        if n == args.n and not checksums:                                        # to cross-check the methods
-            checksums.extend([float(out.double().sum()), float(h.grad.double().norm()), float(weight.grad.double().norm())])
+        if cuda:
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        peak = torch.cuda.max_memory_allocated() if cuda else proc_status_kb("VmHWM") * 1024
+        if n == args.n and not checksums:  # to cross-check the methods; after the peak is read (fp64 copies)
+            checksums.extend([float(out.double().sum()), float(h.grad.double().norm()),
+                              float(weight.grad.double().norm())])
         del h, out
         weight.grad = None                                                       # free the (V, D) gradient
-        return elapsed
+        return wall, cpu, peak
 
     n_warm = min(args.n, args.chunk_size)
-    first, second = fwd_bwd(n_warm), fwd_bwd(n_warm)                            # first pays the compile
+    first, second = fwd_bwd(n_warm)[0], fwd_bwd(n_warm)[0]                      # the first pays the compile
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:                            # reset VmHWM to VmRSS
-            f.write("5")
-        before = proc_status_kb("VmRSS") * 1024
-    times = [fwd_bwd(args.n) for _ in range(args.repeats)]
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else proc_status_kb("VmHWM") * 1024
+    before = resident()
+    runs = [fwd_bwd(args.n) for _ in range(args.repeats)]
+    peak = max(r[2] for r in runs)
     grad_bytes = (args.n + args.vocab) * args.d * hidden.element_size()          # grad h + grad W, returned by all
-    return {"time_s": statistics.median(times), "times_s": times, "first_call_extra_s": first - second,
+    return {"time_s": statistics.median(r[0] for r in runs), "times_s": [r[0] for r in runs],
+            "cpu_s": statistics.median(r[1] for r in runs), "first_call_extra_s": first - second,
             "peak_extra_gb": (peak - before) / GB, "working_gb": (peak - before - grad_bytes) / GB,
             "checksums": checksums}
 
@@ -164,7 +172,7 @@ def main():
             raise SystemExit(f"logprob_bench.py: the {method} worker failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
         results[method] = json.loads(proc.stdout.strip().splitlines()[-1])
         r = results[method]
-        print(f"{method:8s} time {r['time_s']:8.2f} s  peak extra {r['peak_extra_gb']:7.2f} GB  "
+        print(f"{method:8s} time {r['time_s']:8.2f} s  cpu {r['cpu_s']:8.1f} s  peak extra {r['peak_extra_gb']:7.2f} GB  "
               f"working {r['working_gb']:7.2f} GB  first call +{r['first_call_extra_s']:5.1f} s", flush=True)
 
     o, nv, rw = results["ours"], results["naive"], results["rowwise"]
@@ -179,6 +187,7 @@ def main():
         "working_ours_over_rowwise": o["working_gb"] / rw["working_gb"],
         "time_ours_over_rowwise": o["time_s"] / rw["time_s"],
         "time_ours_over_naive": o["time_s"] / nv["time_s"],
+        "cpu_ours_over_rowwise": o["cpu_s"] / rw["cpu_s"],        # CPU seconds: steadier on a shared machine
     }
     targets = {
         "mem_le_1/8_naive": ratios["mem_ours_over_naive"] <= 1 / 8,
