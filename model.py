@@ -32,6 +32,13 @@ SPECIAL_TOKENS = [
     "<answer>", "</answer>",
 ]
 
+# The Hermes tools block around the tool schemas (one JSON per line between the two parts), as Qwen3 writes it.
+TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_OUTRO = ("</tools>\n\nFor each function call, return a json object with function name and arguments within "
+               "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+               "<args-json-object>}\n</tool_call>")
+
 # Qwen3-style chat template (ChatML + Hermes tools block). Video items render as a single
 # <|video_pad|> between vision markers; the processor expands it into per-frame timestamps + tokens.
 # Tool results (role "tool") are folded into one user turn of <tool_response> blocks, as Qwen3 does.
@@ -47,12 +54,8 @@ CHAT_TEMPLATE = (
     "{% if tools %}"
     "<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ render(messages[0].content) }}\n\n{% endif %}"
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}\n</tool_call><|im_end|>\n"
+    + TOOLS_INTRO + "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}" + TOOLS_OUTRO +
+    "<|im_end|>\n"
     "{% elif messages[0].role == 'system' %}"
     "<|im_start|>system\n{{ render(messages[0].content) }}<|im_end|>\n"
     "{% endif %}"

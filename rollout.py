@@ -21,6 +21,7 @@ How nothing is computed twice (the released code re-templates and re-encodes eve
 
 Shapes: cache tensors (B, kv_heads, L, head_dim); mask (B, L); positions (3, B, L) for (t, h, w).
 """
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,8 +30,8 @@ import torch
 from transformers import DynamicCache
 
 import video
-from data import format_question
-from model import special_token_ids
+from data import INSTRUCTIONS, format_question
+from model import TOOLS_INTRO, TOOLS_OUTRO, special_token_ids
 from rewards import ToolCall, call_window, extract_answer, parse_tool_calls
 
 ENV, POLICY = 0, 1
@@ -153,14 +154,7 @@ def encode_chunk(processor, text: str, clips: list[video.Clip] = ()) -> Chunk:
 
 def prompt_corpus() -> tuple[str, ...]:
     """The fixed texts every rollout sends (for training the tiny tokenizer: short prompts, fast CPU runs)."""
-    from data import INSTRUCTIONS
-    from model import CHAT_TEMPLATE  # noqa: F401  (the tools block itself is rendered by the template)
-    import json
-    tools = json.dumps(video.CROP_VIDEO_TOOL)
-    header = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
-              "function signatures within <tools></tools> XML tags:\n<tools>\n" + tools + "\n</tools>\n\nFor each "
-              "function call, return a json object with function name and arguments within <tool_call></tool_call> "
-              "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+    header = f"{TOOLS_INTRO}\n{json.dumps(video.CROP_VIDEO_TOOL)}\n{TOOLS_OUTRO}"
     return (SYSTEM_PROMPT, header, SUBAGENT_PROMPT, FORCED_ANSWER, *INSTRUCTIONS.values())
 
 
