@@ -22,7 +22,6 @@ How nothing is computed twice (the released code re-templates and re-encodes eve
 Shapes: cache tensors (B, kv_heads, L, head_dim); mask (B, L); positions (3, B, L) for (t, h, w).
 """
 import json
-import math
 import time
 from dataclasses import dataclass, field
 
