@@ -537,7 +537,8 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return os.path.join(run_dir, max(done)[2]) if done else None
 
 
-def append_metrics(path: str, row: dict, last_step: int | None = None) -> None:
+def append_metrics(path: str, row: dict) -> None:
+    """One JSON line per step, flushed at once (a killed run loses at most the step in flight)."""
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
