@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache
 
 import video
-from data import INSTRUCTIONS, format_question
+from data import INSTRUCTIONS, format_question, resolve_video
 from model import TOOLS_INTRO, TOOLS_OUTRO, special_token_ids
 from rewards import ToolCall, call_window, extract_answer, parse_tool_calls
 
@@ -171,12 +171,24 @@ def prompt_text(processor, record: dict, tools_block: bool = True) -> str:
                                                    tokenize=False, add_generation_prompt=True)
 
 
-def load_overview(path: str, cfg: RolloutConfig, factor: int) -> video.Clip:
-    n = cfg.overview_nframes or video.even_count(max(1, round(video.probe(path).duration * cfg.overview_fps)),
-                                                 cfg.overview_max_frames)
+def load_overview(path: str, duration: float, cfg: RolloutConfig, factor: int, nframes: int | None) -> video.Clip:
+    """The overview clip: exactly `nframes` frames (gating) or the fps rule, each frame sized so the whole
+    overview costs about 16k visual tokens (Video-o3's budget) unless cfg.overview_max_pixels is set."""
+    n = nframes or video.even_count(max(1, round(duration * cfg.overview_fps)), cfg.overview_max_frames)
     max_pixels = cfg.overview_max_pixels or min(768, 16384 // max(1, n // 2)) * factor * factor
     return video.sample_overview(path, fps=cfg.overview_fps, max_frames=cfg.overview_max_frames,
-                                 nframes=cfg.overview_nframes, max_pixels=max_pixels, factor=factor)
+                                 nframes=nframes, max_pixels=max_pixels, factor=factor)
+
+
+def encode_prompt(processor, record: dict, video_root: str, cfg: RolloutConfig, nframes: int | None = None
+                  ) -> tuple[str, float, Chunk, int]:
+    """(video path, duration, prompt chunk, overview frame count) of a record: the path checked to stay
+    inside video_root, the video probed once. Raises ValueError/OSError/VideoError on a bad record or video."""
+    path = resolve_video(video_root, record["video"])
+    duration = video.probe(path).duration
+    overview = load_overview(path, duration, cfg, video_factor(processor), nframes or cfg.overview_nframes)
+    c = encode_chunk(processor, prompt_text(processor, record, cfg.tools_block), [overview])
+    return path, duration, c, len(overview.times)
 
 
 # -----------------------------------------------------------------------------
@@ -407,7 +419,6 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
     by record (record 0's samples first). `nframes[i]` overrides the overview frame count of record i
     (nFrames gating: the same K for the whole group). A record whose video fails to decode gives G
     trajectories with `error` set (counted by the caller), never an exception."""
-    from data import resolve_video
     t0 = time.time()
     device = next(model.parameters()).device
     ids = special_token_ids(processor)
@@ -417,15 +428,11 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
     prompts, rows, failed = [], [], []
     for i, rec in enumerate(records):
         try:
-            path = resolve_video(video_root, rec["video"])
-            k = nframes[i] if nframes and nframes[i] else cfg.overview_nframes
-            overview = load_overview(path, RolloutConfig(**{**cfg.__dict__, "overview_nframes": k}), factor)
-            duration = video.probe(path).duration
-            c = encode_chunk(processor, prompt_text(processor, rec, cfg.tools_block), [overview])
+            path, duration, c, n = encode_prompt(processor, rec, video_root, cfg, nframes[i] if nframes else None)
         except (ValueError, OSError, video.VideoError) as err:
             failed.append((i, f"{type(err).__name__}: {err}"))
             continue
-        prompts.append((i, rec, path, duration, c, len(overview.times)))
+        prompts.append((i, rec, path, duration, c, n))
     out: dict[int, list[Trajectory]] = {i: [Trajectory(str(records[i].get("id", i)), s, [], [], 0, [], error=msg, done=True)
                                             for s in range(G)] for i, msg in failed}
     if prompts:
@@ -596,15 +603,10 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
     prompt). Assistant text is POLICY except the forced "<think>\\n" prefix; tool results are rebuilt by
     the real tool path: a text result (a sub-agent summary) is used verbatim, a video item is cropped by
     `run_calls` exactly as a rollout would. Raises ValueError/VideoError on a bad record or video."""
-    from data import resolve_video
     factor = video_factor(processor)
-    path = resolve_video(video_root, record["video"])
-    duration = video.probe(path).duration
-    k = nframes or cfg.overview_nframes
-    overview = load_overview(path, RolloutConfig(**{**cfg.__dict__, "overview_nframes": k}), factor)
-    c = encode_chunk(processor, prompt_text(processor, record, cfg.tools_block), [overview])
+    path, duration, c, n = encode_prompt(processor, record, video_root, cfg, nframes)
     t = Trajectory(str(record.get("id", "")), 0, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids),
-                   [(c.pixels, c.grid)], nframes=len(overview.times))
+                   [(c.pixels, c.grid)], nframes=n)
     tok = processor.tokenizer
     add = lambda ids, role: (t.token_ids.extend(ids), t.roles.extend([role] * len(ids)))
     add(encode_chunk(processor, THINK_PREFIX).ids.tolist(), ENV)

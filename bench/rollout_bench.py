@@ -133,8 +133,8 @@ def reencode_rollout(model, processor, traj: rollout.Trajectory, path: str, cfg:
     re-run (token ids and pixels are taken from `traj`), which favours this side."""
     factor, merge = rollout.video_factor(processor), processor.video_processor.merge_size
     pad_id = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    rollout.load_overview(path, cfg, factor)
     duration = video.probe(path).duration
+    rollout.load_overview(path, duration, cfg, factor, cfg.overview_nframes)
     for calls in traj.calls:
         rollout.run_calls(calls, path, duration, cfg, factor)
     video_id = model.config.video_token_id
@@ -239,7 +239,9 @@ def bench_decode(model, processor, root: str, rec: dict, args, batch_size: int) 
     stop, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
     cfg = rollout.RolloutConfig(temperature=0.0, overview_nframes=args.decode_frames,
                                 overview_max_pixels=args.crop_size ** 2, tools_block=False)
-    overview = rollout.load_overview(os.path.join(root, rec["video"]), cfg, rollout.video_factor(processor))
+    path = os.path.join(root, rec["video"])
+    overview = rollout.load_overview(path, video.probe(path).duration, cfg, rollout.video_factor(processor),
+                                     cfg.overview_nframes)
     records = [{**rec, "question": QUESTION + " Look carefully." * k} for k in range(batch_size)]   # lengths differ
     texts = [rollout.prompt_text(processor, r, False) for r in records]
     chunks = [rollout.encode_chunk(processor, t, [overview]) for t in texts]

@@ -327,7 +327,9 @@ def test_kvbatch_merge_select_keep_rows_intact(tiny, split):
     model, processor = tiny
     root, recs = split
     cfg = config()
-    overview = rollout.load_overview(f"{root}/{recs[0]['video']}", cfg, rollout.video_factor(processor))
+    path = f"{root}/{recs[0]['video']}"
+    overview = rollout.load_overview(path, video.probe(path).duration, cfg, rollout.video_factor(processor),
+                                     cfg.overview_nframes)
     a = rollout.encode_chunk(processor, rollout.prompt_text(processor, recs[0], False), [overview])
     b = rollout.encode_chunk(processor, "<|im_start|>user\nA short text-only row.<|im_end|>\n")
     nxt = rollout.encode_chunk(processor, "<|im_start|>assistant\n" + rollout.THINK_PREFIX)
