@@ -287,6 +287,18 @@ def _make_one(rid: str, kind: str, rng: np.random.Generator, duration: float) ->
     return rec, [(s, c, g) for s, c, g in zip(starts, colours, glyphs)]
 
 
+def parse_mix(text: str | None) -> dict | None:
+    """Parse a task mix: "single_clue=2,direct=1" -> {"single_clue": 2.0, "direct": 1.0}; None or "" -> None (DEFAULT_MIX)."""
+    if not text:
+        return None
+    try:
+        mix = {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise ValueError(f"task mix: expected kind=weight[,kind=weight...], got {text!r}") from None
+    _kind_counts(1, mix)                 # validates the kinds and weights, with its own message
+    return mix
+
+
 def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: float = 64.0) -> list[dict]:
     """n synthetic prompt records (video paths relative to root, so video_root=root), videos cached in
     <root>/videos/<id>.mp4. Deterministic in (n, seed, mix, duration): same ids, answers and video bytes.

@@ -485,6 +485,24 @@ def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
     return to_additive_mask(torch.stack(masks)).squeeze(1)[:, None]
 
 
+def length_grouped_batch(lengths: list[int], batch_size: int, step: int, seed: int, group: int = 16) -> list[int]:
+    """Indices of SFT batch `step` (1-based): each epoch is a seeded shuffle cut into groups of
+    group * batch_size items; a group is sorted by length and cut into batches, and the batches of the epoch
+    are shuffled. Rows of a batch then have similar lengths (less padding) while every item is seen once per
+    epoch (the "group by length" sampler of common trainers). Deterministic in (step, seed): resumes exactly."""
+    n = len(lengths)
+    per_epoch = max(1, n // batch_size)               # a last partial batch is dropped (it reappears next epoch)
+    epoch, k = divmod(step - 1, per_epoch)
+    rng = random.Random(f"sft-epoch:{seed}:{epoch}")
+    order = rng.sample(range(n), n)
+    batches = []
+    for g in range(0, per_epoch * batch_size, group * batch_size):
+        block = sorted(order[g:min(g + group * batch_size, per_epoch * batch_size)], key=lambda i: lengths[i])
+        batches += [block[i:i + batch_size] for i in range(0, len(block), batch_size)]
+    rng.shuffle(batches)
+    return batches[k] if n >= batch_size else [order[i % n] for i in range(batch_size)]
+
+
 def sft_loss(model, batch: dict, chunk_size: int, attn_mask_4d=None, compile: bool = True) -> tuple[torch.Tensor, int]:
     """Cross-entropy on assistant (POLICY) tokens only, token mean."""
     lp = forward_logprobs(model, batch, chunk_size, attn_mask_4d, compile)
@@ -610,6 +628,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-bad-fraction", type=float, default=0.2, help="stop if more than this fraction of samples is bad")
     g.add_argument("--n-train", type=int, default=TINY_TASK["n_train"], help="synthetic task: training prompts")
     g.add_argument("--n-eval", type=int, default=TINY_TASK["n_eval"], help="synthetic task: held-out prompts")
+    g.add_argument("--task-duration", type=float, default=TINY_TASK["duration"], help="synthetic task: video seconds")
+    g.add_argument("--task-mix", default=None, help="synthetic task: kind=weight,... (default: data.DEFAULT_MIX)")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
     g = p.add_argument_group("SFT")
     g.add_argument("--sft-steps", type=int, default=800)
@@ -721,8 +741,9 @@ def full_weights(model):
 
 def synthetic_data(args, cache: str) -> tuple[list, list, str]:
     root = os.path.join(cache, "synthetic")
-    train = data.make_split(root, args.n_train, seed=1000 + args.seed, duration=TINY_TASK["duration"])
-    held = data.make_split(root, args.n_eval, seed=2000 + args.seed, duration=TINY_TASK["duration"])
+    mix = data.parse_mix(args.task_mix)
+    train = data.make_split(root, args.n_train, seed=1000 + args.seed, mix=mix, duration=args.task_duration)
+    held = data.make_split(root, args.n_eval, seed=2000 + args.seed, mix=mix, duration=args.task_duration)
     return train, held, root
 
 
@@ -822,6 +843,7 @@ def main(rank: int, args) -> dict:
     # ----- SFT warm start
     if "sft" in run_stages and not (state and stage0 == "rl"):
         sft_items, sft_bad = sft_examples(args, train_recs, processor, video_root, cfg, rank)
+        sft_lengths = [len(t.token_ids) for t in sft_items]
         counters["bad_samples"] += 0 if state else sft_bad    # a resumed run counted them before
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
         start = step0 if state and stage0 == "sft" else 0
@@ -837,7 +859,7 @@ def main(rank: int, args) -> dict:
             for g in optimizer.param_groups:
                 g["lr"] = lr
             rng = random.Random(f"sft:{args.seed}:{step}:{rank}")   # string seeds: draws independent across steps
-            items = [sft_items[rng.randrange(len(sft_items))] for _ in range(args.sft_batch)]
+            items = [sft_items[i] for i in length_grouped_batch(sft_lengths, args.sft_batch, step, args.seed + rank)]
             batch = rollout.collate(items, model, pad_id)
             tdam = rng.random() < args.tdam_ratio
             mask4 = tdam_batch_mask(batch, ids, model.config.video_token_id) if tdam else None

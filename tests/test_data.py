@@ -348,3 +348,12 @@ def test_write_sft_records(split, tmp_path):
     rng = np.random.default_rng(4)
     assert rows == [{"id": r["id"], "video": r["video"], "prompt": r, "messages": data.oracle_turns(r, rng)}
                     for r in recs]
+
+
+def test_parse_mix():
+    assert data.parse_mix(None) is None and data.parse_mix("") is None
+    assert data.parse_mix("single_clue=2, direct=1") == {"single_clue": 2.0, "direct": 1.0}
+    for bad, message in [("direct", "kind=weight"), ("direct=x", "kind=weight"), ("colour=1", "mix must map"),
+                         ("direct=-1", "mix must map")]:
+        with pytest.raises(ValueError, match=message):
+            data.parse_mix(bad)
