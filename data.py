@@ -18,15 +18,16 @@ SFT record (`write_sft_records`): {"id", "video", "prompt": <prompt record>, "me
 The synthetic task. A video of D seconds (default 64) at 2 fps, 64x64 RGB: a dim background whose
 colour drifts slowly (sinusoid per channel) over a fixed seeded texture (never near white, never
 near a glyph colour). A clue is a MARK window [s, s+8) (s integer, marks >= 4 s apart) during which a
-white 32x32 block fills the top-left quadrant. A coloured GLYPH (the bottom half of the frame, colour
-from PALETTE) is shown during the middle 4 s [s+2, s+6) (NEEDLE) for "needle" clues, or the whole window for
-"direct" clues. Kinds: single_clue (mcq, glyph colour), multi_clue (mcq, which of two colours came
+white 32x32 block fills the top-left quadrant. A coloured GLYPH (colour from PALETTE) is shown: for a
+"needle" clue small (the bottom half of the frame) and during the middle 4 s [s+2, s+6) (NEEDLE) only; for a
+"direct" clue big (the three quadrants around the mark) and for the whole window. Kinds: single_clue (mcq, glyph colour), multi_clue (mcq, which of two colours came
 first), direct (mcq, glyph visible in the overview), grounding (tvg, when is the mark shown).
 What the overview can show: where the marks are (any overview frame inside a mark window shows the
 block, even at 32x32), and the colour of a direct glyph (a uniform overview of >= 8 frames over 64 s
 has a frame in every 8 s window). What it cannot: a needle's colour, unless an
 overview frame happens to fall in the 4 s glyph slot (8 frames over 64 s: about half the time; 4
 frames: a quarter; 16 or more: always, which is ParaVT's tool necessity gap); a crop always shows it.
+A big glyph never looks like a small one, so whether the tool is needed can be read off the overview.
 """
 import contextlib
 import json
@@ -48,9 +49,10 @@ DEFAULT_MIX = {"single_clue": 0.5, "multi_clue": 0.2, "direct": 0.2, "grounding"
 FPS, SIZE = 2.0, 64              # synthetic videos: native frame rate, frame side (pixels)
 MARK_LEN, MARK_GAP = 8, 4        # mark window length and minimum gap between marks (seconds)
 NEEDLE = (2.0, 6.0)              # glyph slot of a needle clue, relative to the mark start (seconds)
-RENDER_VERSION = 4               # bump when render_frames changes: cached videos are then re-rendered
+RENDER_VERSION = 5               # bump when render_frames changes: cached videos are then re-rendered
 MARK_PX, GLYPH_PX = 32, 32       # white block (top-left quadrant, one Qwen3-VL visual token at 64x64: a
-                                 # token covers 32x32 pixels); glyph = the bottom half (rows >= 32, two tokens)
+                                 # token covers 32x32 pixels); small glyph = the bottom half (rows >= 32, two
+                                 # tokens), big glyph = the bottom half and the top-right quadrant (three)
 INSTRUCTIONS = {
     "mcq": "Answer with the option letter inside <answer></answer>.",
     "oe": "Answer briefly inside <answer></answer>.",
@@ -224,9 +226,10 @@ def format_question(record: dict) -> str:
 
 # ----------------------------------------------------------------------------- the synthetic task
 
-def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, float]]], seed: int
+def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, float], bool]], seed: int
                   ) -> torch.Tensor:
-    """(T, 3, 64, 64) uint8 frames at 2 fps, T = round(duration * 2). marks: (start s, colour, glyph window)."""
+    """(T, 3, 64, 64) uint8 frames at 2 fps, T = round(duration * 2).
+    marks: (start s, colour, glyph window, big glyph?)."""
     rng = np.random.default_rng(seed)
     t = np.arange(round(duration * FPS)) / FPS                                  # (T,) seconds
     base, amp = rng.uniform(60, 110, 3), rng.uniform(8, 20, 3)                 # per channel
@@ -235,10 +238,12 @@ def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, floa
     texture = rng.integers(-5, 6, (1, 3, SIZE, SIZE))                          # fixed: cheap to encode
     x = (drift[:, :, None, None] + texture).astype(np.uint8)                   # (T, 3, H, W)
     g0 = SIZE - GLYPH_PX                                                        # the bottom half
-    for s, colour, (g_start, g_end) in marks:
+    for s, colour, (g_start, g_end), big in marks:
         x[(t >= s) & (t < s + MARK_LEN), :, :MARK_PX, :MARK_PX] = 255
-        x[(t >= g_start) & (t < g_end), :, g0:, :] = \
-            np.array(PALETTE[colour], dtype=np.uint8)[:, None, None]
+        on, rgb = (t >= g_start) & (t < g_end), np.array(PALETTE[colour], dtype=np.uint8)[:, None, None]
+        x[on, :, g0:, :] = rgb
+        if big:
+            x[on, :, :g0, MARK_PX:] = rgb
     return torch.from_numpy(x)
 
 
@@ -284,7 +289,7 @@ def _make_one(rid: str, kind: str, rng: np.random.Generator, duration: float) ->
     else:  # grounding
         rec.update(task="tvg", question="When is the white mark shown?", options=None, answer=list(clues[0]))
     rec["meta"] = {"kind": kind, "colours": colours, "glyph_windows": [[float(a), float(b)] for a, b in glyphs]}
-    return rec, [(s, c, g) for s, c, g in zip(starts, colours, glyphs)]
+    return rec, [(s, c, g, kind == "direct") for s, c, g in zip(starts, colours, glyphs)]
 
 
 def parse_mix(text: str | None) -> dict | None:
@@ -314,7 +319,7 @@ def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: 
         rec, marks = _make_one(rid, str(kind), rng, duration)
         rec["video"] = f"videos/{rid}.mp4"
         path, side = os.path.join(root, rec["video"]), os.path.join(root, f"videos/{rid}.json")
-        spec = {"duration": duration, "marks": [[s, c, list(g)] for s, c, g in marks],
+        spec = {"duration": duration, "marks": [[s, c, list(g), big] for s, c, g, big in marks],
                 "seed": [seed, i], "size": SIZE, "fps": FPS, "layout": [MARK_PX, GLYPH_PX, RENDER_VERSION]}
         if not _cached(path, side, spec):
             with contextlib.suppress(FileNotFoundError):
@@ -379,13 +384,16 @@ def seen_at(clue: list[float], patches: list[tuple[float, float, float]]) -> flo
 
 
 def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = False,
-                 window_noise: float = 1.0, nframes: int = 8) -> list[dict]:
+                 window_noise: float = 1.0, nframes: int = 8, direct_crop: float = 0.0) -> list[dict]:
     """The SFT target after the prompt: assistant strings (CONTRACT format) and one tool message per call.
 
-    The oracle only claims what a K-frame overview shows (`nframes` = the overview the rollout uses):
-    a needle's mark is seen in a temporal patch printed as "<t seconds>" whose frames lie within t +- 4 s
-    (K = 8 over 64 s), so the glyph slot [s+2, s+6) lies inside (t - 10, t + 10) and it crops [t - 10, t + 10],
-    with +-window_noise (<= 1 s) on each end. A mark no overview frame shows is searched by cropping its half of the video."""
+    The oracle acts only on what a K-frame overview shows (`nframes` = the overview the rollout uses).
+    A mark is seen in a temporal patch printed as "<t seconds>" whose two frames lie at t +- d/2
+    (d = duration / K); the mark window holds one of them, so a needle's glyph slot [s+2, s+6) lies inside
+    (t - d/2 - 6, t + d/2 + 6), which it crops (+-window_noise, <= 1 s, on each end; for K = 8 over 64 s:
+    [t - 10, t + 10]). A big (direct) glyph the overview shows is read off the overview, or cropped with
+    probability `direct_crop` (both are right: RL then weighs them, VTGR pricing the crop 0.675 vs 0.75).
+    A mark no overview frame shows (K = 4 misses half of them) is searched by cropping the whole video."""
     kind, clues, colours = record["data_type"], record["clues"], record["meta"]["colours"]
     if kind not in KINDS:
         raise ValueError(f"{record['id']}: oracle trajectories exist for {KINDS} only, not {kind!r}")
@@ -399,25 +407,33 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     if kind == "grounding":
         s, e = record["answer"]
         return [turn(f"The mark is visible from {_t(s)} to {_t(e)} seconds.", f"<answer>[{_t(s)}, {_t(e)}]</answer>")]
-    if kind == "direct" and not always_call:
-        return [turn(f"The shape is visible in the overview: it is {colours[0]}.", answer)]
     seen = [seen_at(c, patches) for c in clues]
+    if kind == "direct" and seen[0] is not None and not always_call and rng.random() >= direct_crop:
+        return [turn(f"A big shape is visible in the overview near {_t(seen[0])} seconds: it is {colours[0]}.", answer)]
+    half = duration / nframes / 2 + MARK_LEN - NEEDLE[0]
     windows, where = [], []
-    for c, t in zip(clues, seen):
-        if t is None:       # missed by the overview: crop the half of the video around the clue
-            half = duration / 2
-            lo = 0.0 if c[0] < half else half
-            windows.append((lo, lo + half))
-            where.append("somewhere")
+    for t in seen:
+        if t is None:
+            windows.append((0.0, duration))
+            where.append("missed")
         else:
-            windows.append(_noisy_window(rng, max(0.0, t - 10), min(duration, t + 10), window_noise, duration))
+            windows.append(_noisy_window(rng, max(0.0, t - half), min(duration, t + half), window_noise, duration))
             where.append(f"near {_t(t)} seconds")
     if kind == "multi_clue":
-        think = f"I see marks {where[0]} and {where[1]} but the shapes are too small to read. I will crop both."
+        near = [w for w in where if w != "missed"]
+        think = (f"I see marks {near[0]} and {near[1]} but the shapes are too small to read. I will crop both."
+                 if len(near) == 2 else
+                 f"I see one mark {near[0]}; the overview misses the other. The shapes are too small to read. "
+                 "I will crop it and the whole video." if near else
+                 "I see no mark in the overview. I will crop the whole video twice.")
         final = (f"The first clip shows a {colours[0]} shape and the second a {colours[1]} shape, "
                  f"so the {colours[0]} shape came first.")
-    else:  # single_clue, or direct with always_call
-        think = f"I see a mark {where[0]} but the shape is too small to read. I will crop it."
+    elif kind == "direct" and seen[0] is not None:
+        think = f"A big shape is visible in the overview near {_t(seen[0])} seconds. I will crop it to be sure."
+        final = f"The clip shows a {colours[0]} shape."
+    else:  # single_clue, or a direct glyph the overview missed
+        think = (f"I see a mark {where[0]} but the shape is too small to read. I will crop it." if seen[0] is not None
+                 else "I see no mark in the overview. I will crop the whole video.")
         final = f"The clip shows a {colours[0]} shape."
     tools = [{"role": "tool", "content": [{"type": "video", "video": record["video"], "video_start": a,
                                            "video_end": b}]} for a, b in windows]

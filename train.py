@@ -630,6 +630,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--n-eval", type=int, default=TINY_TASK["n_eval"], help="synthetic task: held-out prompts")
     g.add_argument("--task-duration", type=float, default=TINY_TASK["duration"], help="synthetic task: video seconds")
     g.add_argument("--task-mix", default=None, help="synthetic task: kind=weight,... (default: data.DEFAULT_MIX)")
+    g.add_argument("--direct-crop", type=float, default=0.25,
+                   help="synthetic SFT: chance the oracle crops a direct clue it could read off the overview")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
     g = p.add_argument_group("SFT")
     g.add_argument("--sft-steps", type=int, default=800)
@@ -994,18 +996,23 @@ def sft_examples(args, records, processor, video_root, cfg, rank) -> tuple[list,
                     pairs.append((r.get("prompt") or r, r["messages"], f"{args.sft_data}:{n}"))
                 except (json.JSONDecodeError, KeyError, AttributeError) as e:
                     errors.append(f"{args.sft_data}:{n}: not a trajectory record ({type(e).__name__}: {e})")
-    else:                                # oracle trajectories of the synthetic task
+    else:  # oracle trajectories of the synthetic task: each record with the evaluation overview, and with
+        # gating on once more with a K drawn from the gating choices, so RL's gated overviews are familiar
         rng = np.random.default_rng(args.seed)
+        k_eval = cfg.overview_nframes or 8
+        choices = [int(c) for c in args.gating_choices.split(",")] if args.gating else []
         for r in records:
-            try:
-                pairs.append((r, data.oracle_turns(r, rng, always_call=args.always_call,
-                                                   nframes=cfg.overview_nframes or 8), r["id"]))
-            except (ValueError, KeyError) as e:
-                errors.append(f"{r.get('id')}: no oracle trajectory ({e}); pass --sft-data for real data")
+            for k in [k_eval] + [int(rng.choice(choices))] * bool(choices):
+                try:
+                    msgs = data.oracle_turns(r, rng, always_call=args.always_call, nframes=k,
+                                             direct_crop=args.direct_crop)
+                    pairs.append((r, msgs, r["id"], k))
+                except (ValueError, KeyError) as e:
+                    errors.append(f"{r.get('id')}: no oracle trajectory ({e}); pass --sft-data for real data")
     items = []
-    for rec, msgs, where in pairs:
+    for rec, msgs, where, *k in pairs:
         try:
-            items.append(rollout.encode_messages(processor, rec, msgs, video_root, cfg))
+            items.append(rollout.encode_messages(processor, rec, msgs, video_root, cfg, nframes=k[0] if k else None))
         except (ValueError, KeyError, OSError) as e:
             errors.append(f"{where}: {e}")
     for e in errors[:5]:

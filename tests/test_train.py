@@ -75,6 +75,23 @@ def test_smoke_stage_all(tmp_path, capsys, tiny):
         assert "lm_head.weight" in changed and len(changed) > len(init) // 2, ckpt
 
 
+def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
+    """The 1-minute version of the default run (issue: the embedded default visibly learns): a smaller task
+    (16 s videos, direct questions only: a big glyph the overview shows), 100 SFT steps, then greedy
+    accuracy on 32 held-out questions. Four options: chance is 1/4; P(>= 16 of 32 right | chance) = 0.002."""
+    run(["--stage", "sft", "--final-eval", "--run-dir", tmp_path, "--task-duration", "16", "--task-mix", "direct=1",
+         "--n-train", "64", "--n-eval", "32", "--sft-steps", "100", "--gating-choices", "4,8", "--direct-crop", "0",
+         "--save-every", "100", "--seed", "0"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    losses = [r["loss"] for r in metrics(tmp_path) if r["stage"] == "sft"]
+    assert len(losses) == 100 and all(math.isfinite(x) for x in losses)
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
+    init, final = tiny[0].state_dict(), weights(tmp_path / "ckpt-sft-000100")
+    assert sum(not torch.equal(final[k], init[k]) for k in init) > len(init) // 2      # parameters changed
+    assert summary["after"]["format_compliance"] >= 0.9
+    assert summary["after"]["accuracy"] >= 0.5, summary                             # chance: 0.25
+
+
 def test_stage_rl_alone(tmp_path):
     """`--stage rl` straight from the tiny default: two steps, the whole metrics row, a checkpoint."""
     run(smoke_argv(tmp_path, "--stage", "rl", "--mask-truncated", "0"))
