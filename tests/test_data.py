@@ -30,10 +30,12 @@ def _mark_on(frame) -> bool:
     return level > 220
 
 
-def _glyph(frame) -> str | None:
-    """Palette colour of the bottom-right quadrant (the glyph's place), or None when it shows the background."""
+def _glyph(frame, top: bool = False) -> str | None:
+    """Palette colour of the bottom-right quadrant (every glyph covers it; `top`: the top-right one, which
+    only a big glyph covers), or None when it shows the background."""
     k = frame.shape[-1] / 64
-    rgb = frame[:, round(40 * k): round(56 * k), round(40 * k): round(56 * k)].float().mean((1, 2)).numpy()
+    y = 8 if top else 40
+    rgb = frame[:, round(y * k): round((y + 16) * k), round(40 * k): round(56 * k)].float().mean((1, 2)).numpy()
     dist = {name: np.abs(rgb - np.array(c)).max() for name, c in PALETTE.items()}
     name = min(dist, key=dist.get)
     return name if dist[name] < 40 else None
@@ -262,6 +264,8 @@ def test_videos_show_marks_and_glyphs_exactly_when_scheduled(split):
             want_glyph = [c for c, (g0, g1) in zip(r["meta"]["colours"], r["meta"]["glyph_windows"]) if g0 <= t < g1]
             assert _mark_on(frame) == want_mark, (r["id"], t)
             assert _glyph(frame) == (want_glyph[0] if want_glyph else None), (r["id"], t)
+            big = want_glyph and r["data_type"] == "direct"              # a big glyph also fills the top right
+            assert _glyph(frame, top=True) == (want_glyph[0] if big else None), (r["id"], t)
 
 
 def test_crop_of_mark_window_shows_glyph_and_overview_shows_mark(split):
@@ -329,6 +333,34 @@ def test_oracle_turns_by_kind(split):
             assert all(c in msgs[-1]["content"] for c in r["meta"]["colours"])      # final think names colours
         if kind == "direct":
             _check_oracle(r, data.oracle_turns(r, rng, always_call=True), 1)       # always_call: one crop
+
+
+@pytest.mark.parametrize("nframes", [4, 8, 16, 32, 64])
+def test_oracle_acts_on_what_a_k_frame_overview_shows(split, nframes):
+    """For every gating K: a seen needle is cropped around its patch time and the crop holds >= 1 s of the
+    glyph; a mark the overview misses (only K = 4 misses any) is searched with a whole-video crop; a big
+    glyph the overview shows is answered directly, or cropped when direct_crop = 1."""
+    _, recs = split
+    rng = np.random.default_rng(0)
+    patches = data.overview_patch_times(64.0, nframes)
+    for r in recs:
+        if r["data_type"] == "grounding":
+            continue
+        seen = [data.seen_at(c, patches) for c in r["clues"]]
+        assert nframes == 4 or None not in seen
+        for direct_crop in (0.0, 1.0):
+            msgs = data.oracle_turns(r, rng, nframes=nframes, direct_crop=direct_crop)
+            assert extract_answer(msgs[-1]["content"]) == r["answer"]
+            calls = [call_window(c) for c in parse_tool_calls(msgs[0]["content"])]
+            if r["data_type"] == "direct" and seen[0] is not None and direct_crop == 0.0:
+                assert calls == [] and len(msgs) == 1
+                continue
+            assert len(calls) == len(r["clues"])
+            for (a, b), t, (g0, g1) in zip(calls, seen, r["meta"]["glyph_windows"]):
+                if t is None:
+                    assert (a, b) == (0.0, 64.0)
+                else:
+                    assert a <= t <= b and min(b, g1) - max(a, g0) >= 1.0, (r["id"], nframes, (a, b), (g0, g1))
 
 
 def test_oracle_windows_clamped_to_the_video():
