@@ -1002,7 +1002,7 @@ def sft_examples(args, records, processor, video_root, cfg, rank) -> tuple[list,
         k_eval = cfg.overview_nframes or 8
         choices = [int(c) for c in args.gating_choices.split(",")] if args.gating else []
         for r in records:
-            for k in [k_eval] + [int(rng.choice(choices))] * bool(choices):
+            for k in [k_eval] + ([int(rng.choice(choices))] if choices else []):
                 try:
                     msgs = data.oracle_turns(r, rng, always_call=args.always_call, nframes=k,
                                              direct_crop=args.direct_crop)

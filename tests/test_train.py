@@ -103,6 +103,18 @@ def test_stage_rl_alone(tmp_path):
     assert train.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
 
 
+@pytest.mark.parametrize("extra, ks", [([], {4, 8}), (["--gating", "0"], {8}), (["--recipe", "vanilla"], {8})])
+def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
+    """Synthetic SFT: every record once with the evaluation overview (K = 8) and, with gating on, once more
+    with a K drawn from the gating choices; without gating, once."""
+    model, processor = tiny
+    args = train.parse_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
+    records, _, root = train.synthetic_data(args, os.environ["PARAVT_CACHE"])
+    items, bad = train.sft_examples(args, records, processor, root, train.rollout_cfg(args, True), 0)
+    assert bad == 0 and len(items) == len(records) * len(ks)
+    assert {t.nframes for t in items} == ks and [t.record_id for t in items[::len(ks)]] == [r["id"] for r in records]
+
+
 def test_sampled_video_placeholder_is_left_out_of_the_update(tmp_path, monkeypatch):
     """Regression: a random policy samples <|video_pad|> now and then (1 in ~40 trajectories of the tiny
     model). `collate` took it for a video placeholder without frames and the update crashed
