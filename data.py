@@ -20,8 +20,9 @@ colour drifts slowly (sinusoid per channel) over a fixed seeded texture (never n
 near a glyph colour). A clue is a MARK window [s, s+8) (s integer, marks >= 4 s apart) during which a
 white 32x32 block fills the top-left quadrant. A coloured GLYPH (colour from PALETTE) is shown: for a
 "needle" clue small (the bottom half of the frame) and during the middle 4 s [s+2, s+6) (NEEDLE) only; for a
-"direct" clue big (the three quadrants around the mark) and for the whole window. Kinds: single_clue (mcq, glyph colour), multi_clue (mcq, which of two colours came
-first), direct (mcq, glyph visible in the overview), grounding (tvg, when is the mark shown).
+"direct" clue big (the three quadrants around the mark) and for the whole window. Kinds: single_clue
+(mcq, glyph colour), multi_clue (mcq, which of two colours came first), direct (mcq, glyph visible in
+the overview), grounding (tvg, when is the mark shown).
 What the overview can show: where the marks are (any overview frame inside a mark window shows the
 block, even at 32x32), and the colour of a direct glyph (a uniform overview of >= 8 frames over 64 s
 has a frame in every 8 s window). What it cannot: a needle's colour, unless an
@@ -293,7 +294,8 @@ def _make_one(rid: str, kind: str, rng: np.random.Generator, duration: float) ->
 
 
 def parse_mix(text: str | None) -> dict | None:
-    """Parse a task mix: "single_clue=2,direct=1" -> {"single_clue": 2.0, "direct": 1.0}; None or "" -> None (DEFAULT_MIX)."""
+    """Parse a task mix: "single_clue=2,direct=1" -> {"single_clue": 2.0, "direct": 1.0};
+    None or "" -> None (DEFAULT_MIX). Raises ValueError on a malformed text or an unknown kind."""
     if not text:
         return None
     try:

@@ -961,6 +961,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--video-root", default=None, help="folder the records' relative video paths start from")
     g.add_argument("--mmvu-subset", choices=("mc", "all"), default="mc", help="mmvu: 625 multiple-choice or all 1,000")
     g.add_argument("--limit", type=int, default=None, help="first N questions only")
+    g.add_argument("--synthetic-n", type=int, default=48,
+                   help="synthetic: questions in the held-out split (train.py --n-eval)")
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="checkpoint dir, hub id or 'tiny' (default tiny unless --predictions)")
     g.add_argument("--preset", choices=sorted(PRESETS), default="paravt",
@@ -969,7 +971,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="override the preset's mode (the tiny model defaults to interleaved, as train.py trains it)")
     g.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     g.add_argument("--batch-size", type=int, default=8, help="questions per rollout.run_agent call (one batched rollout)")
-    g.add_argument("--max-new-tokens", type=int, default=None, help="per assistant turn (default: RolloutConfig's)")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="per assistant turn (default: 128 on the tiny model, as train.py; else RolloutConfig's)")
     g.add_argument("--out", default=None, help="predictions JSONL (resumed if it exists; default runs/eval/<bench>-<preset>.jsonl)")
     g = p.add_argument_group("scoring")
     g.add_argument("--predictions", default=None, help="re-score this predictions JSONL (no model is run)")
@@ -991,7 +994,7 @@ def main(argv=None) -> dict:
     video_root = args.video_root or (os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
                                      if bench == "synthetic" else "")
     if bench == "synthetic":
-        records = synthetic_records(video_root)
+        records = synthetic_records(video_root, n=args.synthetic_n)
     else:
         records = load(bench, args.annotations, video_root=args.video_root, mmvu_subset=args.mmvu_subset)
     records = records[:args.limit] if args.limit else records
@@ -1004,7 +1007,7 @@ def main(argv=None) -> dict:
         model, processor = model_lib.load_model(name, device=args.device, tiny_corpus=rollout.prompt_corpus())
         tiny = hasattr(model.config, "tiny_model_config")      # the embedded default, fresh or trained
         overrides = {**(tiny_overrides() if tiny else {}),
-                     **({"max_new_tokens": args.max_new_tokens or 96} if tiny or args.max_new_tokens else {})}
+                     **({"max_new_tokens": args.max_new_tokens or 128} if tiny or args.max_new_tokens else {})}
         tool_mode = args.tool_mode or ("interleaved" if tiny else None)   # the mode `python train.py` trains
         run_batch = agent_runner(model, processor, video_root, args.preset, tool_mode=tool_mode, **overrides)
         tag = Path(str(name).rstrip("/")).name

@@ -80,7 +80,7 @@ def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
     (16 s videos, direct questions only: a big glyph the overview shows), 100 SFT steps, then greedy
     accuracy on 32 held-out questions. Four options: chance is 1/4; P(>= 16 of 32 right | chance) = 0.002."""
     run(["--stage", "sft", "--final-eval", "--run-dir", tmp_path, "--task-duration", "16", "--task-mix", "direct=1",
-         "--n-train", "64", "--n-eval", "32", "--sft-steps", "100", "--gating-choices", "4,8", "--direct-crop", "0",
+         "--n-train", "64", "--n-eval", "32", "--sft-steps", "100", "--gating-choices", "4,8",
          "--save-every", "100", "--seed", "0"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     losses = [r["loss"] for r in metrics(tmp_path) if r["stage"] == "sft"]
@@ -103,10 +103,10 @@ def test_stage_rl_alone(tmp_path):
     assert train.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
 
 
-@pytest.mark.parametrize("extra, ks", [([], {4, 8}), (["--gating", "0"], {8}), (["--recipe", "vanilla"], {8})])
+@pytest.mark.parametrize("extra, ks", [([], {8}), (["--sft-gated-overviews", "1"], {4, 8})])
 def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
-    """Synthetic SFT: every record once with the evaluation overview (K = 8) and, with gating on, once more
-    with a K drawn from the gating choices; without gating, once."""
+    """Synthetic SFT: every record once with the evaluation overview (K = 8) and, with --sft-gated-overviews,
+    once more with a K drawn from the gating choices."""
     model, processor = tiny
     args = train.parse_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
     records, _, root = train.synthetic_data(args, os.environ["PARAVT_CACHE"])

@@ -371,25 +371,3 @@ def test_to_additive_mask_batched():
     with pytest.raises(ValueError, match="to_additive_mask"):
         to_additive_mask(torch.ones(2, 3, 4, dtype=torch.bool))  # not square
 
-
-# -----------------------------------------------------------------------------
-# length-grouped SFT batches
-
-def test_length_grouped_batch_covers_each_epoch_once_with_little_padding():
-    import random
-    rng = random.Random(0)
-    lengths = [rng.choice([250, 400, 640]) + rng.randrange(20) for _ in range(256)]
-    per_epoch = 256 // 8
-    for epoch in range(2):
-        seen = [i for s in range(1, per_epoch + 1) for i in train.length_grouped_batch(lengths, 8, epoch * per_epoch + s, 0)]
-        assert sorted(seen) == list(range(256))                       # every item exactly once per epoch
-    grouped = sum(8 * max(lengths[i] for i in train.length_grouped_batch(lengths, 8, s, 0)) for s in range(1, 33))
-    shuffled = sum(8 * max(rng.sample(lengths, 8)) for _ in range(32))
-    assert grouped < 0.8 * shuffled                                   # padded tokens
-    assert train.length_grouped_batch(lengths, 8, 5, 0) == train.length_grouped_batch(lengths, 8, 5, 0)  # resumable
-    assert train.length_grouped_batch(lengths, 8, 1, 0) != train.length_grouped_batch(lengths, 8, 1 + per_epoch, 0)
-
-
-def test_length_grouped_batch_fewer_items_than_a_batch():
-    batch = train.length_grouped_batch([10, 20, 30], 8, 1, 0)
-    assert len(batch) == 8 and set(batch) == {0, 1, 2}
