@@ -612,3 +612,20 @@ def test_synthetic_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 4
     again = ev.main(argv)                       # resumes: nothing is re-run, nothing duplicated
     assert len(ev.read_predictions(out)) == 4 and again["n"] == 4
+
+
+def test_tiny_model_gets_train_py_turn_budget(tmp_path, monkeypatch):
+    """The tiny model's turns are evaluated with train.py's --max-new-tokens default (a turn with two
+    parallel calls needs ~100 tokens: 96 cut them), and --synthetic-n sets the held-out split's size."""
+    import train
+    seen = {}
+
+    def fake_runner(model, processor, video_root, preset, tool_mode=None, **overrides):
+        seen.update(overrides, tool_mode=tool_mode)
+        return lambda records: [{"id": r["id"], "response": "", "answer": None, "turns": 1, "calls": 0, "windows": [],
+                                 "tool_failures": 0, "latency": 0.0, "error": None} for r in records]
+
+    monkeypatch.setattr(ev, "agent_runner", fake_runner)
+    metrics = ev.main(["--synthetic-n", "6", "--video-root", str(tmp_path / "syn"), "--out", str(tmp_path / "p.jsonl")])
+    assert seen["max_new_tokens"] == train.parse_args([]).max_new_tokens == 128
+    assert seen["tool_mode"] == "interleaved" and metrics["n"] == 6
