@@ -31,6 +31,7 @@ frames: a quarter; 16 or more: always, which is ParaVT's tool necessity gap); a 
 A big glyph never looks like a small one, so whether the tool is needed can be read off the overview.
 """
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -308,10 +309,11 @@ def parse_mix(text: str | None) -> dict | None:
 
 def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: float = 64.0) -> list[dict]:
     """n synthetic prompt records (video paths relative to root, so video_root=root), videos cached in
-    <root>/videos/<id>.mp4. Deterministic in (n, seed, mix, duration): same ids, answers and video bytes.
-
-    A sidecar <id>.json holds the generation spec and byte size; a video is re-encoded only when the
-    sidecar is missing or differs (another mix or duration reuses an id with other content)."""
+    <root>/videos/<id>-<spec hash>.mp4. Deterministic in (n, seed, mix, duration): same ids, answers and
+    video bytes. Another n, mix or duration can give an id other content: the hash of the generation spec
+    in the file name keeps such videos apart, so runs with different splits can share a cache, even at the
+    same time. A sidecar <id>-<hash>.json holds the spec and byte size; a video is (re-)encoded when the
+    sidecar is missing or disagrees (a half-written or damaged cache entry)."""
     counts = _kind_counts(n, DEFAULT_MIX if mix is None else mix)
     kinds = np.random.default_rng([seed, n]).permutation([k for k in KINDS for _ in range(counts.get(k, 0))])
     records = []
@@ -319,10 +321,11 @@ def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: 
         rid = f"syn-{seed}-{i:05d}"
         rng = np.random.default_rng([seed, i])
         rec, marks = _make_one(rid, str(kind), rng, duration)
-        rec["video"] = f"videos/{rid}.mp4"
-        path, side = os.path.join(root, rec["video"]), os.path.join(root, f"videos/{rid}.json")
         spec = {"duration": duration, "marks": [[s, c, list(g), big] for s, c, g, big in marks],
                 "seed": [seed, i], "size": SIZE, "fps": FPS, "layout": [MARK_PX, GLYPH_PX, RENDER_VERSION]}
+        name = f"videos/{rid}-{hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:12]}"
+        rec["video"] = f"{name}.mp4"
+        path, side = os.path.join(root, rec["video"]), os.path.join(root, f"{name}.json")
         if not _cached(path, side, spec):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(side)  # video first, sidecar last: a sidecar always vouches for a whole video

@@ -224,11 +224,16 @@ def test_make_split_deterministic_and_cached(split, tmp_path):
 
 
 def test_make_split_cache_follows_content(tmp_path):
-    """Same id, other mix: the cached video must be re-encoded, not reused with the old marks."""
+    """Same id, other mix: the video is never reused with the old marks; both splits' videos live side by
+    side (another file name), so runs with different splits can share one cache at the same time."""
     a = data.make_split(str(tmp_path / "a"), 2, seed=3, mix={"direct": 1.0}, duration=24.0)
+    a_bytes = [(tmp_path / "a" / r["video"]).read_bytes() for r in a]
     b = data.make_split(str(tmp_path / "a"), 2, seed=3, mix={"multi_clue": 1.0}, duration=24.0)
     fresh = data.make_split(str(tmp_path / "b"), 2, seed=3, mix={"multi_clue": 1.0}, duration=24.0)
     assert [r["id"] for r in a] == [r["id"] for r in b] and b == fresh
+    assert all(ra["video"] != rb["video"] for ra, rb in zip(a, b))
+    for r, old in zip(a, a_bytes):
+        assert (tmp_path / "a" / r["video"]).read_bytes() == old          # the first split's videos are intact
     for r in b:
         assert (tmp_path / "a" / r["video"]).read_bytes() == (tmp_path / "b" / r["video"]).read_bytes()
 

@@ -220,7 +220,7 @@ def test_turn_limit_forces_answer_and_drops_last_calls(tiny, split, script):
 
 # ----------------------------------------------------------------------------- bad calls are observations
 
-OTHER = "videos/syn-0-00000.mp4"    # another record's video: a model-written video_path must not be used
+OTHER = "videos/syn-0-00000.mp4"    # a model-written video_path: it must not be used
 GOOD = call(2.0, 6.0)                # every case's turn is `first` + this good call
 CLIP = "Clip 2.0-6.0 s:"
 BAD_CALLS = [
@@ -271,7 +271,8 @@ def test_bad_calls_become_error_observations(bad_call_trajs, name, first, failur
 def test_subagent_mode_allows_short_windows_and_ignores_video_path(tiny, split, script):
     model, processor = tiny
     root, recs = split
-    body = "\n".join([call(10.0, 10.5), call(2.0, 6.0, video_path=OTHER), call(2.0, 6.0)])
+    other_video = recs[0]["video"]                     # another record's real video
+    body = "\n".join([call(10.0, 10.5), call(2.0, 6.0, video_path=other_video), call(2.0, 6.0)])
     script({(0, 0): [turn("x", body), ANSWER]})
     [t] = rollout.run_agent(model, processor, recs[1:2], root, config(tool_mode="subagent", max_new_tokens=200),
                             seed=SEED)
@@ -280,7 +281,7 @@ def test_subagent_mode_allows_short_windows_and_ignores_video_path(tiny, split, 
     assert [st.parent for st in subs] == [(0, 0), (0, 1), (0, 2)]
     torch.testing.assert_close(subs[1].videos[0][0], subs[2].videos[0][0], atol=0, rtol=0)
     own = video.crop(f"{root}/{recs[1]['video']}", 2.0, 6.0, level=None, fps=1.0, max_frames=16, max_pixels=64 * 64)
-    other = video.crop(f"{root}/{OTHER}", 2.0, 6.0, level=None, fps=1.0, max_frames=16, max_pixels=64 * 64)
+    other = video.crop(f"{root}/{other_video}", 2.0, 6.0, level=None, fps=1.0, max_frames=16, max_pixels=64 * 64)
     assert not torch.equal(own.frames, other.frames)   # so equal pixels above do say "own video"
 
 
