@@ -416,16 +416,10 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     if kind == "direct" and seen[0] is not None and not always_call and rng.random() >= direct_crop:
         return [turn(f"A big shape is visible in the overview near {_t(seen[0])} seconds: it is {colours[0]}.", answer)]
     half = duration / nframes / 2 + MARK_LEN - NEEDLE[0]
-    windows, where = [], []
-    for t in seen:
-        if t is None:
-            windows.append((0.0, duration))
-            where.append("missed")
-        else:
-            windows.append(_noisy_window(rng, max(0.0, t - half), min(duration, t + half), window_noise, duration))
-            where.append(f"near {_t(t)} seconds")
+    windows = [(0.0, duration) if t is None else
+               _noisy_window(rng, max(0.0, t - half), min(duration, t + half), window_noise, duration) for t in seen]
+    near = [f"near {_t(t)} seconds" for t in seen if t is not None]
     if kind == "multi_clue":
-        near = [w for w in where if w != "missed"]
         think = (f"I see marks {near[0]} and {near[1]} but the shapes are too small to read. I will crop both."
                  if len(near) == 2 else
                  f"I see one mark {near[0]}; the overview misses the other. The shapes are too small to read. "
@@ -433,11 +427,11 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
                  "I see no mark in the overview. I will crop the whole video twice.")
         final = (f"The first clip shows a {colours[0]} shape and the second a {colours[1]} shape, "
                  f"so the {colours[0]} shape came first.")
-    elif kind == "direct" and seen[0] is not None:
-        think = f"A big shape is visible in the overview near {_t(seen[0])} seconds. I will crop it to be sure."
+    elif kind == "direct" and near:
+        think = f"A big shape is visible in the overview {near[0]}. I will crop it to be sure."
         final = f"The clip shows a {colours[0]} shape."
     else:  # single_clue, or a direct glyph the overview missed
-        think = (f"I see a mark {where[0]} but the shape is too small to read. I will crop it." if seen[0] is not None
+        think = (f"I see a mark {near[0]} but the shape is too small to read. I will crop it." if near
                  else "I see no mark in the overview. I will crop the whole video.")
         final = f"The clip shows a {colours[0]} shape."
     tools = [{"role": "tool", "content": [{"type": "video", "video": record["video"], "video_start": a,

@@ -649,7 +649,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--gating", type=int, default=None,
                    help="nFrames gating on/off (default: on for paravt/combined on real data (--data) or with "
                         "--sft-gated-overviews)")
-    g.add_argument("--gating-choices", default="4,8,16,32,64")
+    g.add_argument("--gating-choices", default="4,8,16,32,64", help="overview frame counts K is drawn from")
     g.add_argument("--anchoring", choices=("sequence", "token", "none"), default=None,
                    help="exploration anchoring (default: sequence for paravt/combined, none for vanilla/vtgr)")
     g.add_argument("--released-scoring", action="store_true",
@@ -660,6 +660,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.group_size < 2:
         p.error("--group-size must be >= 2 (group advantages need a group)")
+    try:
+        args.gating_choices = [int(c) for c in args.gating_choices.split(",")]
+    except ValueError:
+        p.error(f"--gating-choices: expected comma-separated frame counts, got {args.gating_choices!r}")
     if args.gating is None:  # the synthetic SFT shows K = 8 overviews only, unless --sft-gated-overviews: gated
         # RL would then sample on overview sizes the tiny model never saw (measured: format 0.0-0.6 vs 0.94-1.0)
         args.gating = int(args.recipe in ("paravt", "combined") and (args.data is not None or args.sft_gated_overviews))
@@ -884,7 +888,6 @@ def main(rank: int, args) -> dict:
             optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng_torch"])
             random.setstate(state["rng_random"])
-        choices = [int(c) for c in args.gating_choices.split(",")]
         close_ids = [ids[t] for t in ("</think>", "</tool_call>", "</answer>") if ids.get(t) is not None]
         warned, rl_bad = set(), 0                     # record ids whose video failed (warn once each), failed samples
         video_id = model.config.video_token_id
@@ -897,7 +900,7 @@ def main(rank: int, args) -> dict:
             # ----- rollouts: each rank its own prompts, K gated per prompt (same K for its group)
             rng = random.Random(f"rl:{args.seed}:{step}:{rank}")
             recs = [train_recs[rng.randrange(len(train_recs))] for _ in range(args.prompts_per_step)]
-            ks = [rewards.gate_nframes(r["id"], step, choices, seed=args.seed) if args.gating else None for r in recs]
+            ks = [rewards.gate_nframes(r["id"], step, args.gating_choices, seed=args.seed) if args.gating else None for r in recs]
             model.eval()
             with full_weights(model):
                 trajs = rollout.run_agent(model, processor, recs, video_root, cfg,
@@ -913,8 +916,9 @@ def main(rank: int, args) -> dict:
                 keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in trajs])
             if args.dynamic_sampling:
                 keep &= ~zero_var.repeat_interleave(args.group_size)
-            rl_bad += sum(t.error is not None for t in trajs)
-            counters["bad_samples"] += sum(t.error is not None for t in trajs)
+            n_failed = sum(t.error is not None for t in trajs)
+            rl_bad += n_failed
+            counters["bad_samples"] += n_failed
             for t in trajs[::args.group_size]:
                 if t.error is not None and t.record_id not in warned:
                     warned.add(t.record_id)
@@ -987,7 +991,7 @@ def sft_examples(args, records, processor, video_root, cfg, rank) -> tuple[list,
         # --sft-gated-overviews once more with a K drawn from the gating choices (RL's gated overviews)
         rng = np.random.default_rng(args.seed)
         k_eval = cfg.overview_nframes or 8
-        choices = [int(c) for c in args.gating_choices.split(",")] if args.sft_gated_overviews else []
+        choices = args.gating_choices if args.sft_gated_overviews else []
         for r in records:
             for k in [k_eval] + ([int(rng.choice(choices))] if choices else []):
                 try:

@@ -424,3 +424,9 @@ def test_vtgr_recipe_is_video_o3_reward():
     want, _ = rewards.vtgr_reward(t.turns, t.text, "A", "mcq", "single_clue", t.windows, RECORD["clues"], 1)
     assert total == pytest.approx(want) and total > 2.0      # right answer, strict format, a good crop
     assert parts["anchor"] == pytest.approx(rewards.format_anchor(t.text))
+
+
+def test_gating_choices_parsed_once_and_checked():
+    assert train.parse_args(["--gating-choices", "4,16"]).gating_choices == [4, 16]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--gating-choices", "4,x"])
