@@ -21,8 +21,9 @@ near a glyph colour). A clue is a MARK window [s, s+8) (s integer, marks >= 4 s 
 white 32x32 block fills the top-left quadrant. A coloured GLYPH (colour from PALETTE) is shown: for a
 "needle" clue small (the bottom half of the frame) and during the middle 4 s [s+2, s+6) (NEEDLE) only; for a
 "direct" clue big (the three quadrants around the mark) and for the whole window. Kinds: single_clue
-(mcq, glyph colour), multi_clue (mcq, which of two colours came first), direct (mcq, glyph visible in
-the overview), grounding (tvg, when is the mark shown).
+(mcq, glyph colour), multi_clue (mcq, which of two named colours came first), direct (mcq, glyph visible
+in the overview), grounding (tvg, when is the mark shown). Every mcq lists the palette as its options,
+so a colour has one letter everywhere: what is learned is reading colours, not matching option texts.
 What the overview can show: where the marks are (any overview frame inside a mark window shows the
 block, even at 32x32), and the colour of a direct glyph (a uniform overview of >= 8 frames over 64 s
 has a frame in every 8 s window). What it cannot: a needle's colour, unless an
@@ -283,11 +284,9 @@ def _make_one(rid: str, kind: str, rng: np.random.Generator, duration: float) ->
     if kind in ("single_clue", "direct"):
         rec.update(question=SINGLE_Q, answer="ABCD"[names.index(colours[0])])
     elif kind == "multi_clue":
-        first, second = colours
-        c1, c2 = (first, second) if rng.random() < 0.5 else (second, first)
+        c1, c2 = colours if rng.random() < 0.5 else colours[::-1]      # named in either order
         rec.update(question=f"Which came first, the {c1} shape or the {c2} shape?",
-                   options=[f"the {c1} shape", f"the {c2} shape", "both at once", "neither"],
-                   answer="A" if c1 == first else "B")
+                   answer="ABCD"[names.index(colours[0])])
     else:  # grounding
         rec.update(task="tvg", question="When is the white mark shown?", options=None, answer=list(clues[0]))
     rec["meta"] = {"kind": kind, "colours": colours, "glyph_windows": [[float(a), float(b)] for a, b in glyphs]}
@@ -398,7 +397,10 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     (t - d/2 - 6, t + d/2 + 6), which it crops (+-window_noise, <= 1 s, on each end; for K = 8 over 64 s:
     [t - 10, t + 10]). A big (direct) glyph the overview shows is read off the overview, or cropped with
     probability `direct_crop` (both are right: RL then weighs them, VTGR pricing the crop 0.675 vs 0.75).
-    A mark no overview frame shows (K = 4 misses half of them) is searched by cropping the whole video."""
+    A mark no overview frame shows (K = 4 misses half of them) is searched by cropping the whole video.
+    Grounding is answered from the overview alone: the overview frame inside the mark [s, s+8) says
+    s in (f - 8, f], so the oracle answers [f - 4, f + 4] (expected IoU 0.62 against a uniform s);
+    the exact window would be an answer the model cannot see its way to."""
     kind, clues, colours = record["data_type"], record["clues"], record["meta"]["colours"]
     if kind not in KINDS:
         raise ValueError(f"{record['id']}: oracle trajectories exist for {KINDS} only, not {kind!r}")
@@ -409,9 +411,14 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     def turn(think: str, body: str) -> dict:
         return {"role": "assistant", "content": f"<think>\n{think}\n</think>\n{body}"}
 
-    if kind == "grounding":
-        s, e = record["answer"]
-        return [turn(f"The mark is visible from {_t(s)} to {_t(e)} seconds.", f"<answer>[{_t(s)}, {_t(e)}]</answer>")]
+    if kind == "grounding":   # the estimate the overview allows: the 8 s window centred on the frame showing it
+        s, e = clues[0]
+        f = next((f for _, f0, f1 in patches for f in (f0, f1) if s <= f < e), None)
+        if f is None:
+            return [turn("I see no mark in the overview; it could be anywhere.", f"<answer>[0.0, {_t(duration)}]</answer>")]
+        a, b = max(0.0, f - MARK_LEN / 2), min(duration, f + MARK_LEN / 2)
+        t = seen_at(clues[0], patches)
+        return [turn(f"The mark is visible in the overview near {_t(t)} seconds.", f"<answer>[{_t(a)}, {_t(b)}]</answer>")]
     seen = [seen_at(c, patches) for c in clues]
     if kind == "direct" and seen[0] is not None and not always_call and rng.random() >= direct_crop:
         return [turn(f"A big shape is visible in the overview near {_t(seen[0])} seconds: it is {colours[0]}.", answer)]

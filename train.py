@@ -494,6 +494,15 @@ def sft_loss(model, batch: dict, chunk_size: int, attn_mask_4d=None, compile: bo
     return -(lp * mask).sum() / max(1, n), n
 
 
+def sft_micro_batches(items: list, rows: int, model, pad_id: int):
+    """Collated micro-batches of `rows` trajectories, shortest first: rows of like length share a pad length,
+    so a batch of mixed lengths costs fewer padded tokens (measured: bench/sft_microbatch.py). Weighting
+    each micro-batch's token mean by its share of the batch's tokens gives the gradient of one forward."""
+    items = sorted(items, key=lambda t: len(t.token_ids))
+    for i in range(0, len(items), max(1, rows)):
+        yield rollout.collate(items[i:i + max(1, rows)], model, pad_id)
+
+
 def grpo_step_loss(model, batch: dict, old_lp, adv_tok, ref_lp, args) -> tuple[torch.Tensor, dict]:
     """GRPO loss of one micro-batch. old_lp None = on-policy single epoch: the old log-probs ARE the current
     ones (ratio 1), so they are taken detached from this forward instead of from an extra one."""
@@ -621,6 +630,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("SFT")
     g.add_argument("--sft-steps", type=int, default=800)
     g.add_argument("--sft-batch", type=int, default=8)
+    g.add_argument("--sft-micro-batch", type=int, default=2,
+                   help="rows per forward, grouped by length within the batch (same gradient, fewer pad tokens)")
     g.add_argument("--sft-lr", type=float, default=2e-3)
     g.add_argument("--tdam-ratio", type=float, default=0.1, help="fraction of SFT batches trained with TDAM masks")
     g = p.add_argument_group("RL")
@@ -853,11 +864,13 @@ def main(rank: int, args) -> dict:
                 g["lr"] = lr
             rng = random.Random(f"sft:{args.seed}:{step}:{rank}")   # string seeds: draws independent across steps
             items = [sft_items[rng.randrange(len(sft_items))] for _ in range(args.sft_batch)]
-            batch = rollout.collate(items, model, pad_id)
             tdam = rng.random() < args.tdam_ratio
-            mask4 = tdam_batch_mask(batch, ids, model.config.video_token_id) if tdam else None
-            loss, n_tok = sft_loss(model, batch, args.logprob_chunk, mask4, use_compile)
-            loss.backward()
+            loss, n_tok = torch.zeros(()), max(1, sum(sum(r == 1 for r in t.roles[1:]) for t in items))
+            for batch in sft_micro_batches(items, args.sft_micro_batch, model, pad_id):
+                mask4 = tdam_batch_mask(batch, ids, model.config.video_token_id) if tdam else None
+                micro, n = sft_loss(model, batch, args.logprob_chunk, mask4, use_compile)
+                (micro * (n / n_tok)).backward()   # token-weighted: the gradient of one batch-wide token mean
+                loss += micro.detach() * (n / n_tok)
             gn = optimizer_step(optimizer, step, loss.detach(), "sft", [t.record_id for t in items])
             row = all_mean({"loss": float(loss.detach()), "grad_norm": gn if gn is not None else float("nan"), "lr": lr,
                             "tokens_per_s": n_tok / (time.time() - t0), "step_time": time.time() - t0,

@@ -200,12 +200,12 @@ def test_make_split_records_are_valid_and_consistent(split):
             assert (g0, g1) == ((s, e) if r["data_type"] == "direct" else (s + data.NEEDLE[0], s + data.NEEDLE[1]))
         if len(clues) == 2:
             assert clues[1][0] >= clues[0][1] + 4                          # >= 4 s apart, time order
-        if r["data_type"] in ("single_clue", "direct"):
+        if r["data_type"] != "grounding":   # options: the palette; the answer: the (earlier) glyph's colour
             assert r["options"] == list(PALETTE) and r["answer"] == "ABCD"[list(PALETTE).index(m["colours"][0])]
-        elif r["data_type"] == "multi_clue":
-            assert r["options"][ord(r["answer"]) - 65] == f"the {m['colours'][0]} shape"  # earlier colour
-            assert {r["options"][0], r["options"][1]} == {f"the {c} shape" for c in m["colours"]}
-        else:
+        if r["data_type"] == "multi_clue":  # the question names both colours, in either order
+            assert r["question"] in [f"Which came first, the {a} shape or the {b} shape?"
+                                     for a, b in (m["colours"], m["colours"][::-1])]
+        if r["data_type"] == "grounding":
             assert r["task"] == "tvg" and r["answer"] == clues[0]
 
 
@@ -328,9 +328,12 @@ def test_oracle_turns_by_kind(split):
         kind = r["data_type"]
         msgs = data.oracle_turns(r, rng)
         answer = extract_answer(msgs[-1]["content"])
-        if kind == "grounding":
+        if kind == "grounding":   # no crop; the 8 s window centred on the overview frame inside the mark
             _check_oracle(r, msgs, 0)
-            assert extract_time_range(answer) == tuple(r["answer"]) and answer == f"[{r['answer'][0]:.1f}, {r['answer'][1]:.1f}]"
+            (s, e), (a, b) = r["answer"], extract_time_range(answer)
+            f = (a + b) / 2 if 0 < a and b < 64 else (b - 4 if a == 0 else a + 4)
+            assert b - a <= 8 and s <= f < e and f % 4 == 0 and (f / 4) % 2 == 1, (r["answer"], answer)
+            assert answer == f"[{a:.1f}, {b:.1f}]"
         else:
             assert answer == r["answer"]
             windows = _check_oracle(r, msgs, {"single_clue": 1, "multi_clue": 2, "direct": 0}[kind])
