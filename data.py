@@ -398,9 +398,9 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     [t - 10, t + 10]). A big (direct) glyph the overview shows is read off the overview, or cropped with
     probability `direct_crop` (both are right: RL then weighs them, VTGR pricing the crop 0.675 vs 0.75).
     A mark no overview frame shows (K = 4 misses half of them) is searched by cropping the whole video.
-    Grounding is answered from the overview alone: the overview frame inside the mark [s, s+8) says
-    s in (f - 8, f], so the oracle answers [f - 4, f + 4] (expected IoU 0.62 against a uniform s);
-    the exact window would be an answer the model cannot see its way to."""
+    Grounding is answered from the overview alone, with the 8 s window centred on the overview frames
+    that show the mark (K = 8: one frame f, s in (f - 8, f], answer [f - 4, f + 4], expected IoU 0.62
+    against a uniform s); the exact window would be an answer the model cannot see its way to."""
     kind, clues, colours = record["data_type"], record["clues"], record["meta"]["colours"]
     if kind not in KINDS:
         raise ValueError(f"{record['id']}: oracle trajectories exist for {KINDS} only, not {kind!r}")
@@ -411,12 +411,13 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     def turn(think: str, body: str) -> dict:
         return {"role": "assistant", "content": f"<think>\n{think}\n</think>\n{body}"}
 
-    if kind == "grounding":   # the estimate the overview allows: the 8 s window centred on the frame showing it
+    if kind == "grounding":   # the estimate the overview allows: 8 s centred on the frames that show the mark
         s, e = clues[0]
-        f = next((f for _, f0, f1 in patches for f in (f0, f1) if s <= f < e), None)
-        if f is None:
+        inside = [f for _, f0, f1 in patches for f in (f0, f1) if s <= f < e]
+        if not inside:
             return [turn("I see no mark in the overview; it could be anywhere.", f"<answer>[0.0, {_t(duration)}]</answer>")]
-        a, b = max(0.0, f - MARK_LEN / 2), min(duration, f + MARK_LEN / 2)
+        c = (min(inside) + max(inside)) / 2
+        a, b = max(0.0, c - MARK_LEN / 2), min(duration, c + MARK_LEN / 2)
         t = seen_at(clues[0], patches)
         return [turn(f"The mark is visible in the overview near {_t(t)} seconds.", f"<answer>[{_t(a)}, {_t(b)}]</answer>")]
     seen = [seen_at(c, patches) for c in clues]

@@ -339,6 +339,7 @@ def decode_turn(model, batch: KVBatch, rows: list[_Row], cfg: RolloutConfig, max
 
 
 def vision_ids(ids: dict) -> list[int]:
+    """Ids of the vision markers and placeholders in `ids` (special_token_ids): the tokens decoding never samples."""
     return [ids[t] for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>") if ids.get(t) is not None]
 
 

@@ -496,11 +496,26 @@ def sft_loss(model, batch: dict, chunk_size: int, attn_mask_4d=None, compile: bo
 
 def sft_micro_batches(items: list, rows: int, model, pad_id: int):
     """Collated micro-batches of `rows` trajectories, shortest first: rows of like length share a pad length,
-    so a batch of mixed lengths costs fewer padded tokens (measured: bench/sft_microbatch.py). Weighting
-    each micro-batch's token mean by its share of the batch's tokens gives the gradient of one forward."""
+    so a batch of mixed lengths costs fewer padded tokens (measured: bench/sft_microbatch.py)."""
     items = sorted(items, key=lambda t: len(t.token_ids))
     for i in range(0, len(items), max(1, rows)):
         yield rollout.collate(items[i:i + max(1, rows)], model, pad_id)
+
+
+def sft_backward(model, items: list, rows: int, pad_id: int, chunk_size: int, tdam_ids: dict | None = None,
+                 compile: bool = True) -> tuple[torch.Tensor, int]:
+    """Backward of the batch's SFT loss (token mean over all its policy tokens) through micro-batches of
+    `rows`: each micro-batch's token mean weighted by its share n_i / N of the tokens, so the gradients add
+    up to those of one forward over the whole batch. tdam_ids (special token ids): TDAM masks on.
+    Returns (the batch loss, detached; N)."""
+    n_tok = max(1, sum(sum(r == 1 for r in t.roles[1:]) for t in items))
+    parts = []
+    for batch in sft_micro_batches(items, rows, model, pad_id):
+        mask4 = tdam_batch_mask(batch, tdam_ids, model.config.video_token_id) if tdam_ids else None
+        micro, n = sft_loss(model, batch, chunk_size, mask4, compile)
+        (micro * (n / n_tok)).backward()
+        parts.append(micro.detach() * (n / n_tok))
+    return torch.stack(parts).sum(), n_tok
 
 
 def grpo_step_loss(model, batch: dict, old_lp, adv_tok, ref_lp, args) -> tuple[torch.Tensor, dict]:
@@ -628,7 +643,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="synthetic SFT: each record also with a K-frame overview, K drawn from --gating-choices")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
     g = p.add_argument_group("SFT")
-    g.add_argument("--sft-steps", type=int, default=800)
+    g.add_argument("--sft-steps", type=int, default=700)
     g.add_argument("--sft-batch", type=int, default=8)
     g.add_argument("--sft-micro-batch", type=int, default=2,
                    help="rows per forward, grouped by length within the batch (same gradient, fewer pad tokens)")
@@ -865,12 +880,8 @@ def main(rank: int, args) -> dict:
             rng = random.Random(f"sft:{args.seed}:{step}:{rank}")   # string seeds: draws independent across steps
             items = [sft_items[rng.randrange(len(sft_items))] for _ in range(args.sft_batch)]
             tdam = rng.random() < args.tdam_ratio
-            loss, n_tok = torch.zeros(()), max(1, sum(sum(r == 1 for r in t.roles[1:]) for t in items))
-            for batch in sft_micro_batches(items, args.sft_micro_batch, model, pad_id):
-                mask4 = tdam_batch_mask(batch, ids, model.config.video_token_id) if tdam else None
-                micro, n = sft_loss(model, batch, args.logprob_chunk, mask4, use_compile)
-                (micro * (n / n_tok)).backward()   # token-weighted: the gradient of one batch-wide token mean
-                loss += micro.detach() * (n / n_tok)
+            loss, n_tok = sft_backward(model, items, args.sft_micro_batch, pad_id, args.logprob_chunk,
+                                       ids if tdam else None, use_compile)
             gn = optimizer_step(optimizer, step, loss.detach(), "sft", [t.record_id for t in items])
             row = all_mean({"loss": float(loss.detach()), "grad_norm": gn if gn is not None else float("nan"), "lr": lr,
                             "tokens_per_s": n_tok / (time.time() - t0), "step_time": time.time() - t0,

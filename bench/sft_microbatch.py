@@ -48,10 +48,7 @@ def main():
 
     def step(batch, rows):
         """Gradient of the batch's token-mean SFT loss, over micro-batches of `rows` (rows = batch: one forward)."""
-        n_tok = sum(sum(r == 1 for r in t.roles[1:]) for t in batch)
-        for mb in train.sft_micro_batches(batch, rows, model, pad_id):
-            loss, n = train.sft_loss(model, mb, args.logprob_chunk, compile=False)
-            (loss * (n / n_tok)).backward()
+        train.sft_backward(model, batch, rows, pad_id, args.logprob_chunk, compile=False)
         grad = torch.cat([q.grad.flatten() for q in model.parameters() if q.grad is not None])
         model.zero_grad(set_to_none=True)
         return grad

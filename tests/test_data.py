@@ -371,6 +371,25 @@ def test_oracle_acts_on_what_a_k_frame_overview_shows(split, nframes):
                     assert a <= t <= b and min(b, g1) - max(a, g0) >= 1.0, (r["id"], nframes, (a, b), (g0, g1))
 
 
+@pytest.mark.parametrize("nframes, worst_iou", [(8, 1 / 3), (16, 1 / 3), (64, 0.75)])
+def test_grounding_oracle_answers_what_the_overview_shows(nframes, worst_iou):
+    """Grounding: no crop; an 8 s window centred on the overview frames inside the mark, so its IoU with
+    the truth is >= 1/3 when one frame (K = 8: spacing 8 s) shows it and near 1 for a dense overview;
+    a mark the overview misses (K = 4 only) gets the whole video."""
+    patches = data.overview_patch_times(64.0, nframes)
+    for s in range(0, 57):
+        r = {"id": "g", "video": "v.mp4", "data_type": "grounding", "task": "tvg", "clues": [[s, s + 8.0]],
+             "answer": [s, s + 8.0], "duration": 64.0, "meta": {"colours": [], "glyph_windows": []}}
+        msgs = data.oracle_turns(r, np.random.default_rng(0), nframes=nframes)
+        a, b = extract_time_range(extract_answer(msgs[0]["content"]))
+        iou = max(0.0, min(b, s + 8) - max(a, s)) / (max(b, s + 8) - min(a, s))
+        assert len(msgs) == 1 and 0 <= a < b <= 64 and iou >= worst_iou - 1e-9, (s, a, b, iou)
+    patches4 = data.overview_patch_times(64.0, 4)
+    missed = next(s for s in range(57) if data.seen_at([s, s + 8.0], patches4) is None)
+    r["clues"] = [[missed, missed + 8.0]]
+    assert extract_answer(data.oracle_turns(r, np.random.default_rng(0), nframes=4)[0]["content"]) == "[0.0, 64.0]"
+
+
 def test_oracle_windows_clamped_to_the_video():
     r = {"id": "x", "video": "v.mp4", "data_type": "single_clue", "clues": [[0.0, 8.0]], "duration": 8.0,
          "answer": "A", "meta": {"colours": ["red"], "glyph_windows": [[2.0, 6.0]]}}

@@ -430,3 +430,27 @@ def test_gating_choices_parsed_once_and_checked():
     assert train.parse_args(["--gating-choices", "4,16"]).gating_choices == [4, 16]
     with pytest.raises(SystemExit):
         train.parse_args(["--gating-choices", "4,x"])
+
+
+@pytest.mark.parametrize("tdam", [False, True])
+def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam):
+    """sft_backward over length-sorted micro-batches: the loss and gradients of one forward over the
+    whole batch (token mean), with fewer padded tokens; TDAM masks included."""
+    model, processor = tiny
+    trajs, _ = tdam_batch
+    items, pad_id = [trajs[1], trajs[0], trajs[1], trajs[0]], processor.tokenizer.pad_token_id
+    special = model_lib.special_token_ids(processor) if tdam else None
+
+    def grads(rows):
+        model.zero_grad(set_to_none=True)
+        loss, n = train.sft_backward(model, items, rows, pad_id, 1024, special, compile=False)
+        return float(loss), n, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    (l4, n4, g4), (l2, n2, g2), (l1, n1, g1) = grads(4), grads(2), grads(1)
+    model.zero_grad(set_to_none=True)
+    assert n4 == n2 == n1 == sum(sum(r == 1 for r in t.roles[1:]) for t in items)
+    assert abs(l2 - l4) < 1e-5 and abs(l1 - l4) < 1e-5 and g4.norm() > 0
+    assert float((g2 - g4).norm() / g4.norm()) < 1e-5 and float((g1 - g4).norm() / g4.norm()) < 1e-5
+    shapes = [b["input_ids"].shape for b in train.sft_micro_batches(items, 2, model, pad_id)]
+    short, long_ = sorted(len(t.token_ids) for t in trajs)
+    assert shapes == [(2, short), (2, long_)]            # like lengths together: the short pair pads to `short`
