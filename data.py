@@ -19,8 +19,8 @@ The synthetic task. A video of D seconds (default 64) at 2 fps, 64x64 RGB: a dim
 colour drifts slowly (sinusoid per channel) over a fixed seeded texture (never near white, never
 near a glyph colour). A clue is a MARK window [s, s+8) (s integer, marks >= 4 s apart) during which a
 white 32x32 block fills the top-left quadrant. A coloured GLYPH (colour from PALETTE) is shown: for a
-"needle" clue small (the bottom half of the frame) and during the middle 4 s [s+2, s+6) (NEEDLE) only; for a
-"direct" clue big (the three quadrants around the mark) and for the whole window. Kinds: single_clue
+"needle" clue in the three quadrants around the mark and during the middle 4 s [s+2, s+6) (NEEDLE) only;
+for a "direct" clue over the whole frame, mark included, for the whole window. Kinds: single_clue
 (mcq, glyph colour), multi_clue (mcq, which of two named colours came first), direct (mcq, glyph visible
 in the overview), grounding (tvg, when is the mark shown). Every mcq lists the palette as its options,
 so a colour has one letter everywhere: what is learned is reading colours, not matching option texts.
@@ -29,7 +29,11 @@ block, even at 32x32), and the colour of a direct glyph (a uniform overview of >
 has a frame in every 8 s window). What it cannot: a needle's colour, unless an
 overview frame happens to fall in the 4 s glyph slot (8 frames over 64 s: about half the time; 4
 frames: a quarter; 16 or more: always, which is ParaVT's tool necessity gap); a crop always shows it.
-A big glyph never looks like a small one, so whether the tool is needed can be read off the overview.
+A direct glyph (no white mark left) never looks like a needle (mark and glyph side by side), so whether
+the tool is needed can be read off the overview. A needle covers three of a frame's four visual tokens:
+with two (the bottom half, render version 5) reading colours out of crops came late and at a step that
+varied with the seed (held-out accuracy after 500 SFT steps, seeds 1 and 2: 0.48 and 0.45 with two tokens,
+0.76 and 0.70 with three).
 """
 import contextlib
 import hashlib
@@ -52,10 +56,10 @@ DEFAULT_MIX = {"single_clue": 0.5, "multi_clue": 0.2, "direct": 0.2, "grounding"
 FPS, SIZE = 2.0, 64              # synthetic videos: native frame rate, frame side (pixels)
 MARK_LEN, MARK_GAP = 8, 4        # mark window length and minimum gap between marks (seconds)
 NEEDLE = (2.0, 6.0)              # glyph slot of a needle clue, relative to the mark start (seconds)
-RENDER_VERSION = 5               # bump when render_frames changes: cached videos are then re-rendered
+RENDER_VERSION = 6               # bump when render_frames changes: cached videos are then re-rendered
 MARK_PX, GLYPH_PX = 32, 32       # white block (top-left quadrant, one Qwen3-VL visual token at 64x64: a
-                                 # token covers 32x32 pixels); small glyph = the bottom half (rows >= 32, two
-                                 # tokens), big glyph = the bottom half and the top-right quadrant (three)
+                                 # token covers 32x32 pixels); needle glyph = the bottom half (rows >= 32) and
+                                 # the top-right quadrant (three tokens), direct glyph = the whole frame (four)
 INSTRUCTIONS = {
     "mcq": "Answer with the option letter inside <answer></answer>.",
     "oe": "Answer briefly inside <answer></answer>.",
@@ -232,7 +236,7 @@ def format_question(record: dict) -> str:
 def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, float], bool]], seed: int
                   ) -> torch.Tensor:
     """(T, 3, 64, 64) uint8 frames at 2 fps, T = round(duration * 2).
-    marks: (start s, colour, glyph window, big glyph?)."""
+    marks: (start s, colour, glyph window, big (direct) glyph?)."""
     rng = np.random.default_rng(seed)
     t = np.arange(round(duration * FPS)) / FPS                                  # (T,) seconds
     base, amp = rng.uniform(60, 110, 3), rng.uniform(8, 20, 3)                 # per channel
@@ -244,9 +248,10 @@ def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, floa
     for s, colour, (g_start, g_end), big in marks:
         x[(t >= s) & (t < s + MARK_LEN), :, :MARK_PX, :MARK_PX] = 255
         on, rgb = (t >= g_start) & (t < g_end), np.array(PALETTE[colour], dtype=np.uint8)[:, None, None]
-        x[on, :, g0:, :] = rgb
+        x[on, :, g0:, :] = rgb                       # bottom half
+        x[on, :, :g0, MARK_PX:] = rgb                # and top-right quadrant
         if big:
-            x[on, :, :g0, MARK_PX:] = rgb
+            x[on, :, :MARK_PX, :MARK_PX] = rgb       # and over the mark: the whole frame
     return torch.from_numpy(x)
 
 

@@ -777,7 +777,9 @@ def rollout_cfg(args, tiny: bool, **over) -> rollout.RolloutConfig:
 
 
 def evaluate_split(model, processor, records, video_root, cfg) -> dict:
-    """Greedy agent on held-out records -> the summary fields of the default run."""
+    """Greedy agent on held-out records -> the summary fields of the default run. clue_score is the hybrid
+    clue score of the crops averaged over the questions whose evidence needs them (single and multi clue):
+    a direct question answered from the overview, or a grounding answer, has no crops to score."""
     greedy = rollout.RolloutConfig(**{**cfg.__dict__, "temperature": 0.0, "group_size": 1})
     trajs, comps = [], []
     for i in range(0, len(records), 8):
@@ -788,8 +790,10 @@ def evaluate_split(model, processor, records, video_root, cfg) -> dict:
             trajs.append(t)
             comps.append(score_trajectory(t, rec, "combined", "sequence", False)[1])
     m = rollout_metrics(trajs, comps)
-    return {"accuracy": m["accuracy"], "format_compliance": m["format_compliance"],
-            "tool_call_ratio": m["tool_call_ratio"], "clue_score": m["reward/clue"], "turns": m["turns"]}
+    clue = [c["clue"] for c, r in zip(comps, records) if rewards.infer_data_type(
+        r["task"], r.get("clues"), r.get("data_type")) in ("single_clue", "multi_clue")]
+    return {"accuracy": m["accuracy"], "format_compliance": m["format_compliance"], "tool_call_ratio": m["tool_call_ratio"],
+            "clue_score": sum(clue) / len(clue) if clue else 0.0, "turns": m["turns"]}
 
 
 def main(rank: int, args) -> dict:
@@ -1092,21 +1096,41 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
+def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
+    """Why a run must not start in run_dir, or None. Without --resume, a stage whose checkpoints (or, for
+    SFT, whose metrics.jsonl) are already there would append to another run's curves and leave its
+    checkpoints for a later --resume to pick up; nothing is deleted for the user."""
+    if resume or not os.path.isdir(run_dir):
+        return None
+    stages = ("sft", "rl") if stage == "all" else (stage,)
+    found = sorted(d for d in os.listdir(run_dir) if re.fullmatch(rf"ckpt-({'|'.join(stages)})-\d{{6}}", d))
+    if "sft" in stages and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        found.append("metrics.jsonl")
+    if not found:
+        return None
+    return (f"{run_dir} already holds a run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): pass --resume "
+            f"to continue it, or another --run-dir (or delete this one)")
+
+
 def launch(args) -> None:
     """The launcher: torchrun's environment, `--gpus N` processes spawned here, or one process.
-    A bad device request is a ValueError before any model, data or process is started."""
+    A bad device request, or a --run-dir holding another run, is a ValueError before anything starts."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)")
     if args.gpus is None:   # default: every visible CUDA device, or one CPU process
         args.gpus = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 1
+    spawn = "RANK" not in os.environ and (args.gpus or 1) > 1
+    if spawn and args.device != "cpu" and args.gpus > torch.cuda.device_count():
+        raise ValueError(f"--gpus {args.gpus} but only {torch.cuda.device_count()} CUDA devices are visible "
+                         f"(use --device cpu for a gloo run on CPU)")
+    first = os.environ.get("RANK", "0") == "0"       # under torchrun, rank 0 checks (before any rank writes)
+    if first and not args.plot and (why := stale_run(args.run_dir, args.stage, args.resume)):
+        raise ValueError(why)
     if args.plot:
         print(plot_run(args.plot))
     elif "RANK" in os.environ:                        # started by torchrun (multi-node, or habit)
         main(int(os.environ.get("LOCAL_RANK", 0)), args)
-    elif (args.gpus or 1) > 1:                        # python train.py --gpus 8
-        if args.device != "cpu" and args.gpus > torch.cuda.device_count():
-            raise ValueError(f"--gpus {args.gpus} but only {torch.cuda.device_count()} CUDA devices are visible "
-                             f"(use --device cpu for a gloo run on CPU)")
+    elif spawn:                                       # python train.py --gpus 8
         os.environ.setdefault("MASTER_ADDR", "localhost")
         os.environ.setdefault("MASTER_PORT", str(find_free_port()))
         torch.multiprocessing.spawn(main, args=(args,), nprocs=args.gpus)

@@ -50,6 +50,7 @@ took 10x longer (OpenMP oversubscription): hence --threads 1.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -124,13 +125,15 @@ def rl_command(args, variant: str, seed: int, ckpt: str, run_dir: str, passthrou
 def run_once(cmd: list[str], run_dir: str, env: dict) -> dict:
     """Run one train.py process, its output to run_dir/train.log. Returns {"cmd", "seconds", "summary"}
     where summary is the last stdout line parsed as JSON (train.py's --final-eval summary) or None.
-    A run whose run_dir/final.json holds the same command is not run again (an interrupted study resumes)."""
+    A run whose run_dir/final.json holds the same command is not run again (an interrupted study resumes);
+    any other run_dir (unfinished, or another command) is this study's own output and is started afresh."""
     done = os.path.join(run_dir, "final.json")
     if os.path.exists(done):
         prev = json.load(open(done))
         if prev.get("cmd") == cmd[1:]:          # the interpreter path may differ between machines
             print(f"reusing {run_dir} ({prev['seconds']:.0f} s when it ran)", flush=True)
             return prev
+    shutil.rmtree(run_dir, ignore_errors=True)  # train.py refuses a run dir holding another run
     os.makedirs(run_dir, exist_ok=True)
     print(f"running {run_dir} ...", flush=True)
     t0 = time.time()

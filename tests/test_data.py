@@ -30,12 +30,12 @@ def _mark_on(frame) -> bool:
     return level > 220
 
 
-def _glyph(frame, top: bool = False) -> str | None:
-    """Palette colour of the bottom-right quadrant (every glyph covers it; `top`: the top-right one, which
-    only a big glyph covers), or None when it shows the background."""
+def _glyph(frame, top: bool = False, left: bool = False) -> str | None:
+    """Palette colour of a quadrant: bottom-right, or top-right (`top`): every glyph covers both; or
+    top-left (`left`, the mark's), which only a big glyph covers. None when it shows anything else."""
     k = frame.shape[-1] / 64
-    y = 8 if top else 40
-    rgb = frame[:, round(y * k): round((y + 16) * k), round(40 * k): round(56 * k)].float().mean((1, 2)).numpy()
+    y, x = (8, 8) if left else (8 if top else 40, 40)
+    rgb = frame[:, round(y * k): round((y + 16) * k), round(x * k): round((x + 16) * k)].float().mean((1, 2)).numpy()
     dist = {name: np.abs(rgb - np.array(c)).max() for name, c in PALETTE.items()}
     name = min(dist, key=dist.get)
     return name if dist[name] < 40 else None
@@ -267,10 +267,11 @@ def test_videos_show_marks_and_glyphs_exactly_when_scheduled(split):
         for frame, t in zip(clip.frames, clip.times):
             want_mark = any(s <= t < e for s, e in r["clues"])
             want_glyph = [c for c, (g0, g1) in zip(r["meta"]["colours"], r["meta"]["glyph_windows"]) if g0 <= t < g1]
-            assert _mark_on(frame) == want_mark, (r["id"], t)
+            big = bool(want_glyph) and r["data_type"] == "direct"        # a big glyph also covers the mark
+            assert _mark_on(frame) == (want_mark and not big), (r["id"], t)
             assert _glyph(frame) == (want_glyph[0] if want_glyph else None), (r["id"], t)
-            big = want_glyph and r["data_type"] == "direct"              # a big glyph also fills the top right
-            assert _glyph(frame, top=True) == (want_glyph[0] if big else None), (r["id"], t)
+            assert _glyph(frame, top=True) == (want_glyph[0] if want_glyph else None), (r["id"], t)
+            assert _glyph(frame, left=True) == (want_glyph[0] if big else None), (r["id"], t)
 
 
 def test_crop_of_mark_window_shows_glyph_and_overview_shows_mark(split):
@@ -282,8 +283,9 @@ def test_crop_of_mark_window_shows_glyph_and_overview_shows_mark(split):
             assert colour in [_glyph(f) for f in clip.frames], (r["id"], s)
         ov = video.sample_overview(path, nframes=16, max_pixels=32 * 32)   # sparse, 32x32 overview
         assert ov.frames.shape[-2:] == (32, 32)
-        for frame, t in zip(ov.frames, ov.times):
-            assert _mark_on(frame) == any(s <= t < e for s, e in r["clues"]), (r["id"], t)
+        for frame, t in zip(ov.frames, ov.times):   # the mark, or a big glyph over it, shows its window
+            shown = _mark_on(frame) or _glyph(frame, left=True) is not None
+            assert shown == any(s <= t < e for s, e in r["clues"]), (r["id"], t)
 
 
 # ----------------------------------------------------------------------------- oracle trajectories

@@ -4,6 +4,7 @@ the reward of each recipe. The pure math at the top of train.py is tested in tes
 
 Run: /work/venv/bin/python -m pytest tests/test_train.py -q      (CPU, a few minutes)
 """
+import contextlib
 import json
 import math
 import os
@@ -234,6 +235,29 @@ def test_launcher_rejects_missing_devices(argv, monkeypatch):
     assert started == []
 
 
+def test_fresh_run_refuses_a_run_dir_holding_another_run(tmp_path, monkeypatch):
+    """Without --resume, a run dir with this stage's checkpoints (or an SFT metrics.jsonl) is refused before
+    anything starts: the new run would append to the old curves and leave old checkpoints for --resume."""
+    run = tmp_path / "run"
+    assert train.stale_run(str(run), "all", False) is None                 # no dir yet
+    (run / "ckpt-sft-000700").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"stage": "sft", "step": 1}\n')
+    assert "ckpt-sft-000700" in train.stale_run(str(run), "all", False)
+    assert "metrics.jsonl" in train.stale_run(str(run), "sft", False)
+    assert train.stale_run(str(run), "all", True) is None                  # --resume continues it
+    assert train.stale_run(str(run), "rl", False) is None                  # RL after this SFT: the usual two-step run
+    (run / "ckpt-rl-000002").mkdir()
+    assert "ckpt-rl-000002" in train.stale_run(str(run), "rl", False)
+    started = []
+    monkeypatch.setattr(train, "main", lambda *a, **k: started.append("main"))
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="already holds a run.*--resume"):
+        train.launch(train.parse_args(["--run-dir", str(run), "--device", "cpu"]))
+    assert started == []
+    train.launch(train.parse_args(["--run-dir", str(run), "--device", "cpu", "--resume"]))
+    assert started == ["main"]
+
+
 # -----------------------------------------------------------------------------
 # TDAM on real encoded trajectories
 
@@ -454,3 +478,21 @@ def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam):
     shapes = [b["input_ids"].shape for b in train.sft_micro_batches(items, 2, model, pad_id)]
     short, long_ = sorted(len(t.token_ids) for t in trajs)
     assert shapes == [(2, short), (2, long_)]            # like lengths together: the short pair pads to `short`
+
+
+def test_summary_clue_score_averages_the_questions_that_need_crops(monkeypatch):
+    """evaluate_split: clue_score over single/multi-clue questions only; a direct question answered from the
+    overview and a grounding answer (no crops to score) do not pull it down; accuracy is over all."""
+    kinds = ["single_clue", "multi_clue", "direct", "grounding"]
+    recs = [{"id": k, "task": "tvg" if k == "grounding" else "mcq", "clues": [[0.0, 8.0]], "data_type": k,
+             "answer": "A"} for k in kinds]
+    clue = {"single_clue": 0.6, "multi_clue": 0.4, "direct": 0.0, "grounding": 0.0}
+    traj = lambda r: SimpleNamespace(record_id=r["id"], error=None, text="", n_calls=int(clue[r["id"]] > 0),
+                                     n_tool_turns=int(clue[r["id"]] > 0), tool_failures=0, truncated=False,
+                                     hit_turn_limit=False, nframes=8)
+    monkeypatch.setattr(rollout, "run_agent", lambda model, proc, batch, root, cfg, seed: [traj(r) for r in batch])
+    monkeypatch.setattr(train, "score_trajectory", lambda t, r, *a: (0.0, {"acc": 1.0, "clue": clue[r["id"]]}))
+    monkeypatch.setattr(train, "full_weights", lambda model: contextlib.nullcontext())
+    out = train.evaluate_split(None, None, recs, "", rollout.RolloutConfig())
+    assert out["clue_score"] == pytest.approx(0.5) and out["accuracy"] == pytest.approx(1.0)
+    assert out["tool_call_ratio"] == pytest.approx(0.5)
