@@ -643,7 +643,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="synthetic SFT: each record also with a K-frame overview, K drawn from --gating-choices")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
     g = p.add_argument_group("SFT")
-    g.add_argument("--sft-steps", type=int, default=700)
+    g.add_argument("--sft-steps", type=int, default=600)
     g.add_argument("--sft-batch", type=int, default=8)
     g.add_argument("--sft-micro-batch", type=int, default=2,
                    help="rows per forward, grouped by length within the batch (same gradient, fewer pad tokens)")
@@ -669,7 +669,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--tool-mode", choices=("interleaved", "subagent"), default="interleaved")
     g.add_argument("--max-turns", type=int, default=3)
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=0.7, help="RL sampling temperature (ParaVT: 0.7)")
     g.add_argument("--overview-nframes", type=int, default=None,
                    help="overview frames when gating is off (default: 8 on the tiny model, 64 otherwise)")
     g.add_argument("--gating", type=int, default=None,
