@@ -508,9 +508,10 @@ def sft_backward(model, items: list, rows: int, pad_id: int, chunk_size: int, td
     `rows`: each micro-batch's token mean weighted by its share n_i / N of the tokens, so the gradients add
     up to those of one forward over the whole batch. tdam_ids (special token ids): TDAM masks on.
     Returns (the batch loss, detached; N)."""
-    n_tok = max(1, sum(sum(r == 1 for r in t.roles[1:]) for t in items))
+    batches = list(sft_micro_batches(items, rows, model, pad_id))
+    n_tok = max(1, sum(int((b["roles"][:, 1:] == 1).sum()) for b in batches))   # sft_loss's own token count
     parts = []
-    for batch in sft_micro_batches(items, rows, model, pad_id):
+    for batch in batches:
         mask4 = tdam_batch_mask(batch, tdam_ids, model.config.video_token_id) if tdam_ids else None
         micro, n = sft_loss(model, batch, chunk_size, mask4, compile)
         (micro * (n / n_tok)).backward()
