@@ -444,7 +444,7 @@ def load_charades_sta(path) -> list[dict]:
 
 
 def synthetic_records(video_root: str, n: int = 48, seed: int = 2000, duration: float = 64.0) -> list[dict]:
-    """The generated needle-in-a-long-video task (data.py); seed 2000 = train.py's held-out split."""
+    """The generated needle-in-a-long-video task (data.py); seed 2000 = the held-out split of train.py --seed 0."""
     import data
     return data.make_split(video_root, n, seed=seed, duration=duration)
 
@@ -963,6 +963,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--limit", type=int, default=None, help="first N questions only")
     g.add_argument("--synthetic-n", type=int, default=48,
                    help="synthetic: questions in the held-out split (train.py --n-eval)")
+    g.add_argument("--synthetic-seed", type=int, default=2000,
+                   help="synthetic: the split's seed; train.py draws 1000 + --seed for training and 2000 + --seed "
+                        "held out, so 3000 is a fresh split for a run of seed 0")
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="checkpoint dir, hub id or 'tiny' (default tiny unless --predictions)")
     g.add_argument("--preset", choices=sorted(PRESETS), default="paravt",
@@ -994,7 +997,7 @@ def main(argv=None) -> dict:
     video_root = args.video_root or (os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
                                      if bench == "synthetic" else "")
     if bench == "synthetic":
-        records = synthetic_records(video_root, n=args.synthetic_n)
+        records = synthetic_records(video_root, n=args.synthetic_n, seed=args.synthetic_seed)
     else:
         records = load(bench, args.annotations, video_root=args.video_root, mmvu_subset=args.mmvu_subset)
     records = records[:args.limit] if args.limit else records

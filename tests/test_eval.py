@@ -629,3 +629,21 @@ def test_tiny_model_gets_train_py_turn_budget(tmp_path, monkeypatch):
     metrics = ev.main(["--synthetic-n", "6", "--video-root", str(tmp_path / "syn"), "--out", str(tmp_path / "p.jsonl")])
     assert seen["max_new_tokens"] == train.parse_args([]).max_new_tokens == 128
     assert seen["tool_mode"] == "interleaved" and metrics["n"] == 6
+
+
+def test_synthetic_seed_picks_another_split(tmp_path, monkeypatch):
+    """--synthetic-seed evaluates a split no training run of seed 0 drew (ids carry the split's seed)."""
+    ran = []
+
+    def fake_runner(model, processor, video_root, preset, tool_mode=None, **overrides):
+        def run(records):
+            ran.extend(r["id"] for r in records)
+            return [{"id": r["id"], "response": "", "answer": None, "turns": 1, "calls": 0, "windows": [],
+                     "tool_failures": 0, "latency": 0.0, "error": None} for r in records]
+        return run
+
+    monkeypatch.setattr(ev, "agent_runner", fake_runner)
+    root = str(tmp_path / "syn")
+    ev.main(["--synthetic-n", "4", "--video-root", root, "--out", str(tmp_path / "a.jsonl")])
+    ev.main(["--synthetic-n", "4", "--synthetic-seed", "3000", "--video-root", root, "--out", str(tmp_path / "b.jsonl")])
+    assert ran == [f"syn-2000-{i:05d}" for i in range(4)] + [f"syn-3000-{i:05d}" for i in range(4)]
