@@ -976,7 +976,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--batch-size", type=int, default=8, help="questions per rollout.run_agent call (one batched rollout)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="per assistant turn (default: 128 on the tiny model, as train.py; else RolloutConfig's)")
-    g.add_argument("--out", default=None, help="predictions JSONL (resumed if it exists; default runs/eval/<bench>-<preset>.jsonl)")
+    g.add_argument("--out", default=None, help="predictions JSONL (resumed if it exists; default runs/eval/<bench>-<preset>-<model>.jsonl, "
+                        "the synthetic bench's name with its size and seed)")
     g = p.add_argument_group("scoring")
     g.add_argument("--predictions", default=None, help="re-score this predictions JSONL (no model is run)")
     g.add_argument("--extract", choices=sorted(EXTRACTORS) + sorted(TIME_EXTRACTORS), default=None,
@@ -1014,7 +1015,8 @@ def main(argv=None) -> dict:
         tool_mode = args.tool_mode or ("interleaved" if tiny else None)   # the mode `python train.py` trains
         run_batch = agent_runner(model, processor, video_root, args.preset, tool_mode=tool_mode, **overrides)
         tag = Path(str(name).rstrip("/")).name
-        out = args.out or Path("runs") / "eval" / f"{bench}-{args.preset}-{tag}.jsonl"
+        split = f"{bench}-n{args.synthetic_n}-seed{args.synthetic_seed}" if bench == "synthetic" else bench
+        out = args.out or Path("runs") / "eval" / f"{split}-{args.preset}-{tag}.jsonl"   # another split, another file
         rows = predict(records, run_batch, out, args.batch_size)
     metrics = score(bench, records, rows, extract=args.extract, random_fallback=args.random_fallback)
     print(format_report(metrics))

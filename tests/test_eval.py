@@ -647,3 +647,19 @@ def test_synthetic_seed_picks_another_split(tmp_path, monkeypatch):
     ev.main(["--synthetic-n", "4", "--video-root", root, "--out", str(tmp_path / "a.jsonl")])
     ev.main(["--synthetic-n", "4", "--synthetic-seed", "3000", "--video-root", root, "--out", str(tmp_path / "b.jsonl")])
     assert ran == [f"syn-2000-{i:05d}" for i in range(4)] + [f"syn-3000-{i:05d}" for i in range(4)]
+
+
+def test_synthetic_default_out_names_the_split(tmp_path, monkeypatch):
+    """The default predictions file of a synthetic split names its size and seed: split 4 and split 6 share
+    ids with different questions, so resuming one from the other's file would score stale answers."""
+    def fake_runner(model, processor, video_root, preset, tool_mode=None, **overrides):
+        return lambda records: [{"id": r["id"], "response": "", "answer": None, "turns": 1, "calls": 0, "windows": [],
+                                 "tool_failures": 0, "latency": 0.0, "error": None} for r in records]
+
+    monkeypatch.setattr(ev, "agent_runner", fake_runner)
+    monkeypatch.chdir(tmp_path)
+    for argv in (["--synthetic-n", "4"], ["--synthetic-n", "6"], ["--synthetic-n", "4", "--synthetic-seed", "3000"]):
+        assert ev.main([*argv, "--video-root", str(tmp_path / "syn")])["n"] == int(argv[1])
+    assert sorted(p.name for p in (tmp_path / "runs" / "eval").iterdir()) == [
+        "synthetic-n4-seed2000-paravt-tiny.jsonl", "synthetic-n4-seed3000-paravt-tiny.jsonl",
+        "synthetic-n6-seed2000-paravt-tiny.jsonl"]
