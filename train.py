@@ -497,9 +497,9 @@ def sft_loss(model, batch: dict, chunk_size: int, attn_mask_4d=None, compile: bo
 def sft_micro_batches(items: list, rows: int, model, pad_id: int):
     """Collated micro-batches of `rows` trajectories, shortest first: rows of like length share a pad length,
     so a batch of mixed lengths costs fewer padded tokens (measured: bench/sft_microbatch.py)."""
-    items = sorted(items, key=lambda t: len(t.token_ids))
-    for i in range(0, len(items), max(1, rows)):
-        yield rollout.collate(items[i:i + max(1, rows)], model, pad_id)
+    items, rows = sorted(items, key=lambda t: len(t.token_ids)), max(1, rows)
+    for i in range(0, len(items), rows):
+        yield rollout.collate(items[i:i + rows], model, pad_id)
 
 
 def sft_backward(model, items: list, rows: int, pad_id: int, chunk_size: int, tdam_ids: dict | None = None,
