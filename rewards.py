@@ -12,7 +12,9 @@ Sources
 Departures from the releases (each noted again where it happens)
   1. Rewards score the trajectory text as the model saw it (forced `<think>\n` prefix, tool
      responses); ParaVT scored generated tokens only. Pass that text instead for the released run.
-  2. Format checks and answer extraction ignore `<tool_response>` blocks: they are environment text.
+  2. Format checks and answer extraction read the policy's view of the text: `<tool_response>` blocks
+     and every user/system/tool message (the forced-answer request, whatever it says) are environment
+     text, never the policy's answer or format.
   3. `<grounding>` (Video-o3 syntax) counts as a tool-call block wherever `<tool_call>` does.
 
 Shapes: group_advantages (B,) -> (B,) with B = n_groups * group_size, groups contiguous;
@@ -33,6 +35,8 @@ DATA_TYPES = ("single_clue", "multi_clue", "direct", "free_form", "grounding")
 _BLOCKS = (("<tool_call>", "</tool_call>", "tool_call"), ("<grounding>", "</grounding>", "grounding"))
 _TAG_RE = re.compile(r"<(/?)(think|tool_call|grounding|answer)>")        # structural tags
 _MARKER_RE = re.compile(r"<\|im_start\|>[A-Za-z]{0,16}|<\|[A-Za-z_]{1,32}\|>")  # chat markers (+ role)
+_ENV_MSG_RE = re.compile(r"<\|im_start\|>(?:user|system|tool)\b.*?(?:<\|im_end\|>|\Z)", re.S)  # env messages
+ANCHOR_WEIGHT = 0.5   # lambda of ParaVT's exploration anchoring (docs/method.md §4.1)
 
 # ----------------------------------------------------------------------------- parsing
 
@@ -140,15 +144,23 @@ def _strip_block(text: str, name: str) -> str:
     return "".join(out)
 
 
+def policy_view(text: str) -> str:
+    """The text the policy wrote itself (departure 2): user, system and tool messages (tool responses, the
+    forced-answer request) and `<tool_response>` blocks removed. Environment text is never read as the
+    policy's answer or format, whatever it says (e.g. the forced-answer message names `<answer></answer>`)."""
+    return _strip_block(_ENV_MSG_RE.sub("", text), "tool_response")
+
+
 def extract_answer(text: str) -> str | None:
     """The answer, SPEC 4.1 order (ParaVT release): (1) the first `<answer>...</answer>` (innermost if
     nested); else (2) the text after the first `</think>` without tool blocks, later think blocks,
     chat markers and stray tags; else (3) the last non-empty line, outside tool blocks, that is not a tag
     line. None if none.
-    Tool responses are removed first (departure 2): a sub-agent's summary is not the policy's answer."""
+    Environment messages and tool responses are removed first (departure 2, `policy_view`): a
+    sub-agent's summary or the forced-answer request is not the policy's answer."""
     if not isinstance(text, str):
         return None
-    text = _strip_block(text, "tool_response")
+    text = policy_view(text)
     a = text.find("<answer>")
     b = text.find("</answer>", a + 8) if a >= 0 else -1
     if b >= 0:
@@ -289,16 +301,16 @@ class _Format:
     has_think: bool       # some <think> block (to its </think> or the end) holds >= 10 non-space chars
     think_closed: bool    # the first <think> is followed by a </think>
     never_closed: bool    # the last <think> has no </think> after it
-    has_body: bool        # the answer suffix's <answer> block holds non-space text
-    answer_open: bool     # <answer> in the answer suffix: the text after the last </think>
-    answer_close: bool    # ... followed by </answer>     (suffix: "" if never_closed, all if no </think>)
+    has_body: bool        # some <answer>...</answer> anywhere holds non-space text (the release's has_answer_body)
+    answer_open: bool     # <answer> in the answer suffix: the text after the last </think> (all if none)
+    answer_close: bool    # ... followed by </answer>
     has_tool: bool        # some call block parses to a JSON object with a name
     think_first: bool     # the first <think> comes before the first call block
     balanced: bool        # as many openers as closers of think, tool_call, grounding, answer
 
 
 def _format_parts(text: str) -> _Format:
-    t = _strip_block(text, "tool_response")                       # departure 2
+    t = policy_view(text)                                         # departure 2
     has_think, pos = False, 0
     while not has_think and (o := t.find("<think>", pos)) >= 0:   # any think with >= 10 non-space chars
         c = t.find("</think>", o + 7)
@@ -306,14 +318,14 @@ def _format_parts(text: str) -> _Format:
         pos = len(t) if c < 0 else c + 8
     first, last_open, last_close = t.find("<think>"), t.rfind("<think>"), t.rfind("</think>")
     never_closed = last_open > last_close                          # the last <think> has no </think>
-    suffix = "" if never_closed else t[last_close + 8:] if last_close >= 0 else t
+    suffix = t[last_close + 8:] if last_close >= 0 else t
     a = suffix.find("<answer>")
     b = suffix.find("</answer>", a + 8) if a >= 0 else -1
-    body = suffix[a + 8:b if b >= 0 else len(suffix)] if a >= 0 else ""
+    bodies = re.findall(r"<answer>(.*?)</answer>", t, re.S)     # release: a body anywhere in the completion
     tool_at = [p for p in (t.find("<tool_call>"), t.find("<grounding>")) if p >= 0]
     return _Format(
         has_think=has_think, think_closed=first >= 0 and t.find("</think>", first) >= 0,
-        never_closed=never_closed, has_body=bool(body.strip()), answer_open=a >= 0, answer_close=b >= 0,
+        never_closed=never_closed, has_body=any(x.strip() for x in bodies), answer_open=a >= 0, answer_close=b >= 0,
         has_tool=any(c.name is not None for c in iter_tool_calls(t)),
         think_first=first >= 0 and (not tool_at or first < min(tool_at)),
         balanced=all(t.count(f"<{n}>") == t.count(f"</{n}>") for n in ("think", "tool_call", "grounding", "answer")))
@@ -374,7 +386,7 @@ def _block_shape(text: str, strict: bool) -> list[str] | None:
 def format_compliant(text: str) -> bool:
     """The "format compliance" metric: tags flat and closed, >= 1 think block, every tool call parses,
     exactly one answer block. Tool responses are ignored; pass text with the forced prefix."""
-    t = _strip_block(text, "tool_response")
+    t = policy_view(text)
     names = _block_shape(t, strict=False)
     return (names is not None and "think" in names and names.count("answer") == 1
             and all(c.error is None for c in iter_tool_calls(t)))
@@ -383,7 +395,7 @@ def format_compliant(text: str) -> bool:
 def tool_reward(text: str, acc: float) -> float:
     """ParaVT R_tool in [0, 1]: 0 without a call that parses to an object with a name; else 0.1,
     0.3 if a <tool_response> is present, +0.5 if R_acc > 0; capped at 1."""
-    has_tool = any(c.name is not None for c in iter_tool_calls(_strip_block(text, "tool_response")))
+    has_tool = any(c.name is not None for c in iter_tool_calls(policy_view(text)))
     return _tool_score(has_tool, "<tool_response>" in text, acc)
 
 
@@ -526,6 +538,48 @@ def vtgr_reward(turns: list[str], text: str, target, task: str, data_type: str |
     clue = 0.0 if data_type not in ("single_clue", "multi_clue") else \
         hybrid_clue_score(windows, clues, multi_clue=data_type == "multi_clue")
     return acc + fmt + tool, {"acc": acc, "format": fmt, "tool": tool, "clue": clue}
+
+# ----------------------------------------------------------------------------- recipes
+
+RECIPES = ("combined", "paravt", "vtgr", "vanilla")
+
+
+def score_trajectory(traj, record: dict, recipe: str, anchoring: str = "sequence",
+                     released_scoring: bool = False) -> tuple[float, dict[str, float]]:
+    """Total reward and its components for one trajectory under a recipe (docs/method.md §4).
+
+      paravt    ParaVT R_acc + R_fmt (anchored) + R_tool (§4.1)
+      vtgr      Video-o3 VTGR: R_acc + strict R_fmt + hybrid-clue tool term with turn decay (§4.3)
+      combined  ParaVT's accuracy and anchored format terms, and the VTGR tool term wherever the record
+                has clue windows (ParaVT's R_tool elsewhere)
+      vanilla   the ParaVT terms without anchoring unless asked for (the ablation; the caller turns gating off)
+
+    `traj` needs text, policy_text, turns, windows, n_tool_turns (a rollout.Trajectory).
+    anchoring "sequence": lambda * anchor inside R_fmt (the release); "token": the anchor leaves the
+    sequence reward and the trainer adds it to the closing-tag tokens' advantage (components["anchor"]);
+    "none": no anchor. VTGR's strict format has no anchor term, so vtgr with "sequence" is refused.
+    released_scoring: score the sampled tokens only, as the ParaVT release did (departure 1)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
+    if recipe == "vtgr" and anchoring == "sequence":
+        raise ValueError("recipe vtgr has no sequence-level anchor (its strict format reward is all or nothing); "
+                         "use anchoring 'token' or 'none'")
+    text = traj.policy_text if released_scoring else traj.text
+    target, task = record["answer"], record["task"]
+    clues = record.get("clues") or []
+    data_type = infer_data_type(task, clues, record.get("data_type"))
+    if recipe == "vtgr":
+        total, parts = vtgr_reward(traj.turns, text, target, task, data_type, traj.windows, clues, traj.n_tool_turns)
+        parts["anchor"] = format_anchor(text)
+    else:
+        total, parts = paravt_reward(text, target, task, anchor_weight=ANCHOR_WEIGHT if anchoring == "sequence" else 0.0)
+        if recipe == "combined" and clues:   # the VTGR tool term wherever the record has clue windows
+            fmt_ok = grounding_format_reward(traj.turns) == 1.0
+            tool = vtgr_tool_term(data_type, traj.windows, clues, traj.n_tool_turns, parts["acc"] == 1.0, fmt_ok)
+            total += tool - parts["tool"]
+            parts["tool"] = tool
+    parts["clue"] = hybrid_clue_score(traj.windows, clues, multi_clue=data_type == "multi_clue") if clues else 0.0
+    return float(total), {k: float(v) for k, v in parts.items()}
 
 # ----------------------------------------------------------------------------- gating, advantages
 

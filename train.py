@@ -1,60 +1,72 @@
 """
-Training: SFT warm start (with TDAM) and GRPO for agentic long-video RL, one file that reads top to
-bottom: pure math, arguments, `main(rank, args)`, the launcher.
+Training: SFT warm start (with TDAM) and GRPO for agentic long-video RL. The file reads top to bottom:
 
-Algorithm. Per RL step each rank draws `--prompts-per-step` records, gates each overview to K frames
-(nFrames gating: K ~ Uniform{4..64}, the same K for a prompt's whole group), rolls out G samples per
-prompt with rollout.py (parallel crop_video calls, up to --max-turns tool rounds, KV cache reused across
-turns), scores every trajectory with rewards.py under the chosen recipe, turns rewards into group
-advantages A = (R - mean) / (std + eps), optionally adds the exploration-anchoring credit on the
-closing-tag tokens, and takes a PPO-clip step on the policy's own tokens only (token-mean).
+    1. the loss math       policy_mask, kl_penalty, grpo_loss, get_lr          (pure, importable alone)
+    2. fused kernels       token_logprobs: hidden (N, D) x lm_head (V, D) -> log p(target) (N,) in chunks,
+                           so the (N, V) logits (V = 151,936 for Qwen) never exist whole
+    3. TDAM                tdam_mask (L, L) bool, tdam_batch_mask (B, 1, L, L) additive
+    4. the SFT step        sft_examples, sft_backward, run_sft
+    5. the RL step         GRPOSettings, collect_groups (rollouts + rewards + dynamic sampling),
+                           policy_update (PPO-clip on the policy's own tokens), run_rl
+    6. main(rank, args)    model, data, run_sft, run_rl, the held-out evaluation (eval.py's runner)
+    7. plumbing            checkpoints (torch.distributed.checkpoint + a Hugging Face export), metrics,
+                           curves, the run-dir lock, distributed helpers, arguments, the launcher
 
-Recipes (--recipe): paravt = ParaVT R_acc + R_fmt(anchored) + R_tool, with gating (PARA-GRPO; on the
-synthetic default gating is off unless --sft-gated-overviews 1, because its SFT shows K = 8 overviews only);
-vtgr = Video-o3 R_acc + strict R_fmt + hybrid-clue tool term with turn decay; combined (default) =
-ParaVT's accuracy and anchored format terms, gating, and the VTGR tool term wherever a record has clue
-windows; vanilla = accuracy + format + tool reward, no gating, no anchoring (the ablation).
+Algorithm (docs/method.md §4-§6). Per RL step each rank draws `--prompts-per-step` records, gates each
+overview to K frames (nFrames gating: K ~ Uniform{4..64}, the same K for a prompt's whole group), rolls out G
+samples per prompt with rollout.py (parallel crop_video calls, up to --max-turns tool rounds, the KV cache reused
+across turns), scores every trajectory with rewards.score_trajectory under the chosen recipe, optionally folds a
+per-token k1 KL into the reward (ParaVT), turns rewards into group advantages A = (R - mean) / (std + eps), with
+dynamic sampling draws more prompts until the batch holds groups with signal, optionally adds the
+exploration-anchoring credit on the closing-tag tokens, and takes a PPO-clip step on the policy's own tokens
+(token-mean). Every log-prob that enters the loss is taken at the sampling temperature (logits / T).
 
-Departures from the papers' releases (each also noted where it happens):
+Recipes (--recipe): paravt = ParaVT R_acc + R_fmt(anchored) + R_tool with gating and k1 KL in the reward
+(PARA-GRPO); vtgr = Video-o3 R_acc + strict R_fmt + hybrid-clue tool term with turn decay; combined (default) =
+ParaVT's accuracy and anchored format terms, gating, and the VTGR tool term wherever a record has clue windows;
+vanilla = accuracy + format + tool reward, no gating, no anchoring (the ablation). Presets (--preset paravt |
+videoo3) set each paper's overview, limits, clip range, KL, temperature and learning rates (PRESETS below).
+
+Departures from the papers' releases (each also noted where it happens; docs/method.md lists them all):
  1. Rewards score the trajectory as the model saw it (forced "<think>\n" prefix and tool responses
-    included); ParaVT scored generated tokens only (--released-scoring restores that).
+    included); ParaVT scored generated tokens only (--released-scoring restores that). Environment
+    messages are never read as the policy's answer or format (rewards.policy_view).
  2. Token-level exploration anchoring is available (--anchoring token), as the ParaVT paper words it;
     the release adds the anchor to the sequence reward only (--anchoring sequence).
  3. nFrames gating really acts (the release's config replaced K by 64 frames).
  4. Sub-agent tokens can be trained with their caller's advantage (--train-subagents); ParaVT did not.
  5. Old log-probs are recomputed by a training forward (not taken from the sampler), so ratio == 1 on
     the first PPO epoch and clipping only acts from the second epoch (--ppo-epochs > 1) on.
+ 6. ParaVT's release has its format reward's answer body anywhere in the completion; we follow it
+    (rewards._format_parts), so an unclosed <think> followed by an answer scores 0.55, not 0.05.
+ 7. k1 KL is used only folded into the reward (ParaVT); as a loss term its expected gradient is zero
+    on-policy, so `--kl-estimator k1` without --kl-in-reward is refused.
 
 Run commands:
     python train.py                                   # the embedded default on CPU: tiny model, synthetic task
     python train.py --stage rl --rl-steps 2 --n-train 8 --group-size 2 --prompts-per-step 2   # CPU smoke
-    python train.py --model /ckpt/Qwen3-VL-8B-Instruct --data rl.jsonl --video-root /videos --stage rl
-    python train.py --gpus 8 --model /ckpt/Qwen3-VL-8B-Instruct --data rl.jsonl --video-root /videos \
-        --stage rl --group-size 8 --prompts-per-step 1 --lr 2e-6 --shaping --kl-coef 0.01 --grad-checkpointing
+    python train.py --model /ckpt/Qwen3-VL-8B-Instruct --preset paravt --data rl.jsonl --video-root /videos --stage rl
+    python train.py --gpus 8 --model /ckpt/Qwen3-VL-8B-Instruct --preset paravt --data rl.jsonl \
+        --video-root /videos --stage rl --prompts-per-step 1 --grad-checkpointing
     torchrun --nnodes 2 --nproc-per-node 8 ... train.py ...   # multi-node: torchrun's environment is used
-
-The top of this file holds the pure math the loop uses, importable on its own
-(`from train import grpo_loss`):
-
-    token_logprobs  hidden (N, D) x lm_head (V, D) -> log p(target) (N,), in token chunks, so the
-                    (N, V) logits never exist whole (vocab V = 151,936 for Qwen)
-    grpo_loss       PPO-clip surrogate + optional KL to a frozen reference, token-mean over policy tokens
-    kl_penalty      per-token k1 / k3 KL estimators
-    get_lr          linear warmup, then cosine decay to min_lr_ratio * lr
-    tdam_mask       Video-o3 Task-Decoupled Attention Masking (SFT), (L, L) bool, True = may attend
 """
 import argparse
 import contextlib
-import glob
-import hashlib
+import ctypes
+import dataclasses
+import fcntl
 import json
 import math
 import os
 import random
 import re
 import shutil
+import signal
 import socket
+import sys
+import threading
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -63,12 +75,129 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
+import eval as evaluation
 import model as model_lib
 import rewards
 import rollout
+import video
 
 # -----------------------------------------------------------------------------
-# Chunked log-probabilities: hidden states x lm_head -> log p(token), never the (N, V) matrix
+# 1. The loss math
+
+def policy_mask(roles: torch.Tensor) -> torch.Tensor:
+    """(B, L) roles -> (B, L-1) bool: True where the NEXT token is the policy's own (the positions whose
+    log-prob enters the loss: never the prompt, tool responses, frames, forced text or pads)."""
+    return roles[:, 1:] == rollout.POLICY
+
+# ----- GRPO loss, KL, learning-rate schedule
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """
+    Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (same shape as the inputs).
+
+        k1 = log pi_theta - log pi_ref                      unbiased, can be negative (ParaVT, in the reward)
+        k3 = exp(log pi_ref - log pi_theta) - (log pi_ref - log pi_theta) - 1
+                                                            unbiased, always >= 0 (DeepSeekMath's choice)
+    Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html
+    """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k3":
+        log_ratio = ref_logprobs - logprobs
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    raise ValueError(f"kl_penalty: estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
+              ref_logprobs: torch.Tensor | None = None, kl_estimator: str = "k3",
+              num_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """
+    PPO-clip surrogate with group advantages (GRPO, arXiv 2402.03300), token-mean as in DAPO (arXiv 2503.14476).
+
+        r_it  = exp(log pi_theta(o_it) - log pi_old(o_it))
+        l_it  = -min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it) + beta KL_it
+        loss  = sum_it m_it l_it / sum_it m_it                  (token-mean over the whole batch)
+
+    Shapes: logprobs, old_logprobs, ref_logprobs, mask (B, L); advantages (B,) broadcast over the
+    sequence, or (B, L) per token (token-level anchoring adds credit at closing-tag positions).
+    The mask m is 1 only on the policy's own sampled tokens: never the prompt, tool responses,
+    inserted video frames, forced text (a forced "<answer>"), or pads. Masked positions are cut out
+    before any arithmetic, so garbage there (inf, NaN) gets exactly zero gradient.
+    eps_low / eps_high = clip_low / clip_high (ParaVT 0.2 / 0.2, Video-o3 "clip higher" 0.2 / 0.3).
+    KL_it is `kl_penalty(logprobs, ref_logprobs, kl_estimator)` against a frozen reference, weighted by
+    beta = kl_coef (Video-o3: 0; ParaVT folds k1 into the reward upstream instead).
+    Temperature: every log-prob here (current, old, reference) is log_softmax(logits / T) at the rollout's
+    sampling temperature T (as verl and TRL do), so the policy optimised is the policy that sampled;
+    `forward_logprobs` applies it.
+    With one optimiser update per batch pi_old == pi_theta, so r = 1 and clipping does nothing: the
+    loss is -mean(A) over policy tokens and its gradient is the plain policy gradient.
+    num_tokens: the normaliser; default this call's sum(mask). With micro-batches (or ranks), pass
+    the policy-token count of the whole batch, so the summed gradients equal one big batch's.
+    Returns (loss, stats) with stats = clip_frac, kl, n_tokens, ratio_mean as Python numbers.
+    """
+    if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
+        raise ValueError(f"grpo_loss: logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
+                         f"and mask {tuple(mask.shape)} must all be (B, L)")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(f"grpo_loss: advantages {tuple(advantages.shape)} must be (B,) or (B, L) "
+                         f"for logprobs {tuple(logprobs.shape)}")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("grpo_loss: kl_coef != 0 needs ref_logprobs")
+    if ref_logprobs is not None and ref_logprobs.shape != logprobs.shape:
+        raise ValueError(f"grpo_loss: ref_logprobs {tuple(ref_logprobs.shape)} != logprobs {tuple(logprobs.shape)}")
+    mask = mask.bool()
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logprobs.dtype)  # (B, 1) or (B, L)
+    adv = torch.where(mask, adv, 0.0)                                                          # (B, L)
+    logprobs = torch.where(mask, logprobs, 0.0)            # cut masked positions out before any arithmetic
+    old_logprobs = torch.where(mask, old_logprobs.detach(), 0.0)
+
+    ratio = torch.exp(logprobs - old_logprobs)             # (B, L); exactly 1 where masked
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    kl = torch.zeros_like(logprobs)
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, torch.where(mask, ref_logprobs.detach(), 0.0), kl_estimator)  # 0 where masked
+        if kl_coef != 0.0:
+            per_token = per_token + kl_coef * kl
+
+    n_tokens = mask.sum()
+    normaliser = n_tokens.clamp(min=1) if num_tokens is None else num_tokens
+    # the normaliser: token-mean over all policy tokens of the batch (DAPO), not GRPO's per-sequence mean
+    loss = torch.where(mask, per_token, 0.0).sum() / normaliser
+
+    with torch.no_grad():
+        clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))
+        denom = n_tokens.clamp(min=1)
+        stats = {
+            "clip_frac": float((clipped & mask).sum() / denom),
+            "kl": float(kl.sum() / denom),
+            "n_tokens": int(n_tokens),
+            "ratio_mean": float(torch.where(mask, ratio, 0.0).sum() / denom),
+        }
+    return loss, stats
+
+
+def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
+    """
+    Linear warmup to lr over `warmup_steps`, then cosine decay to min_lr = min_lr_ratio * lr at `total_steps`.
+
+        step < warmup:  lr * (step + 1) / warmup
+        else:           min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2,  p = (step - warmup) / (total - warmup)
+    Steps past total_steps stay at min_lr (nanoGPT's get_lr, with the ratio instead of an absolute floor).
+    """
+    if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"get_lr: need total_steps >= 1 and 0 <= warmup_steps <= total_steps, "
+                         f"got total_steps={total_steps}, warmup_steps={warmup_steps}")
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    min_lr = min_lr_ratio * lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+
+# -----------------------------------------------------------------------------
+# 2. Fused kernels. Chunked log-probabilities: hidden states x lm_head -> log p(token), never the (N, V) matrix
 
 # `TOKEN_LOGPROBS_COMPILE=0` runs the chunk kernels eagerly everywhere (for debugging and pdb).
 # `TORCH_COMPILE_DISABLE=1` does the same for every torch.compile in the process.
@@ -217,112 +346,9 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     return _TokenLogprobs.apply(hidden, lm_head_weight, targets, chunk, compile).reshape(lead_shape)
 
 
-# -----------------------------------------------------------------------------
-# GRPO loss, KL, learning-rate schedule
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """
-    Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (same shape as the inputs).
-
-        k1 = log pi_theta - log pi_ref                      unbiased, can be negative (ParaVT, in the reward)
-        k3 = exp(log pi_ref - log pi_theta) - (log pi_ref - log pi_theta) - 1
-                                                            unbiased, always >= 0 (DeepSeekMath's choice)
-    Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html
-    """
-    if estimator == "k1":
-        return logprobs - ref_logprobs
-    if estimator == "k3":
-        log_ratio = ref_logprobs - logprobs
-        return torch.exp(log_ratio) - log_ratio - 1.0
-    raise ValueError(f"kl_penalty: estimator must be 'k1' or 'k3', got {estimator!r}")
-
-
-def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
-              ref_logprobs: torch.Tensor | None = None, kl_estimator: str = "k3",
-              num_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """
-    PPO-clip surrogate with group advantages (GRPO, arXiv 2402.03300), token-mean as in DAPO (arXiv 2503.14476).
-
-        r_it  = exp(log pi_theta(o_it) - log pi_old(o_it))
-        l_it  = -min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it) + beta KL_it
-        loss  = sum_it m_it l_it / sum_it m_it                  (token-mean over the whole batch)
-
-    Shapes: logprobs, old_logprobs, ref_logprobs, mask (B, L); advantages (B,) broadcast over the
-    sequence, or (B, L) per token (token-level anchoring adds credit at closing-tag positions).
-    The mask m is 1 only on the policy's own sampled tokens: never the prompt, tool responses,
-    inserted video frames, forced text (a forced "<answer>"), or pads. Masked positions are cut out
-    before any arithmetic, so garbage there (inf, NaN) gets exactly zero gradient.
-    eps_low / eps_high = clip_low / clip_high (ParaVT 0.2 / 0.2, Video-o3 "clip higher" 0.2 / 0.3).
-    KL_it is `kl_penalty(logprobs, ref_logprobs, kl_estimator)` against a frozen reference, weighted by
-    beta = kl_coef (Video-o3: 0; ParaVT folds k1 into the reward upstream instead).
-    With one optimiser update per batch pi_old == pi_theta, so r = 1 and clipping does nothing: the
-    loss is -mean(A) over policy tokens and its gradient is the plain policy gradient.
-    num_tokens: the normaliser; default this call's sum(mask). With micro-batches (or ranks), pass
-    the policy-token count of the whole batch, so the summed gradients equal one big batch's.
-    Returns (loss, stats) with stats = clip_frac, kl, n_tokens, ratio_mean as Python numbers.
-    """
-    if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
-        raise ValueError(f"grpo_loss: logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
-                         f"and mask {tuple(mask.shape)} must all be (B, L)")
-    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
-        raise ValueError(f"grpo_loss: advantages {tuple(advantages.shape)} must be (B,) or (B, L) "
-                         f"for logprobs {tuple(logprobs.shape)}")
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError("grpo_loss: kl_coef != 0 needs ref_logprobs")
-    if ref_logprobs is not None and ref_logprobs.shape != logprobs.shape:
-        raise ValueError(f"grpo_loss: ref_logprobs {tuple(ref_logprobs.shape)} != logprobs {tuple(logprobs.shape)}")
-    mask = mask.bool()
-    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logprobs.dtype)  # (B, 1) or (B, L)
-    adv = torch.where(mask, adv, 0.0)                                                          # (B, L)
-    logprobs = torch.where(mask, logprobs, 0.0)            # cut masked positions out before any arithmetic
-    old_logprobs = torch.where(mask, old_logprobs.detach(), 0.0)
-
-    ratio = torch.exp(logprobs - old_logprobs)             # (B, L); exactly 1 where masked
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
-    kl = torch.zeros_like(logprobs)
-    if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, torch.where(mask, ref_logprobs.detach(), 0.0), kl_estimator)  # 0 where masked
-        if kl_coef != 0.0:
-            per_token = per_token + kl_coef * kl
-
-    n_tokens = mask.sum()
-    normaliser = n_tokens.clamp(min=1) if num_tokens is None else num_tokens
-    # the normaliser: token-mean over all policy tokens of the batch (DAPO), not GRPO's per-sequence mean
-    loss = torch.where(mask, per_token, 0.0).sum() / normaliser
-
-    with torch.no_grad():
-        clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))
-        denom = n_tokens.clamp(min=1)
-        stats = {
-            "clip_frac": float((clipped & mask).sum() / denom),
-            "kl": float(kl.sum() / denom),
-            "n_tokens": int(n_tokens),
-            "ratio_mean": float(torch.where(mask, ratio, 0.0).sum() / denom),
-        }
-    return loss, stats
-
-
-def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
-    """
-    Linear warmup to lr over `warmup_steps`, then cosine decay to min_lr = min_lr_ratio * lr at `total_steps`.
-
-        step < warmup:  lr * (step + 1) / warmup
-        else:           min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2,  p = (step - warmup) / (total - warmup)
-    Steps past total_steps stay at min_lr (nanoGPT's get_lr, with the ratio instead of an absolute floor).
-    """
-    if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"get_lr: need total_steps >= 1 and 0 <= warmup_steps <= total_steps, "
-                         f"got total_steps={total_steps}, warmup_steps={warmup_steps}")
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    min_lr = min_lr_ratio * lr
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
 
 # -----------------------------------------------------------------------------
-# TDAM: Task-Decoupled Attention Masking (Video-o3 SFT)
+# 3. TDAM: Task-Decoupled Attention Masking (Video-o3 SFT)
 
 def _check_span(name: str, span: tuple[int, int], seq_len: int) -> tuple[int, int]:
     start, end = span
@@ -374,78 +400,6 @@ def to_additive_mask(bool_mask: torch.Tensor, dtype: torch.dtype = torch.float32
     return additive[None, None] if bool_mask.dim() == 2 else additive[:, None]
 
 
-# ----- parse_args / main / launcher: below -----
-
-
-# -----------------------------------------------------------------------------
-# rewards per recipe, and the per-step metrics
-
-def score_trajectory(traj, record: dict, recipe: str, anchoring: str, released_scoring: bool) -> tuple[float, dict]:
-    """Total reward and its components for one trajectory under a recipe (see module docstring).
-    anchoring == "token": the anchor term leaves the sequence reward and goes onto closing tags instead."""
-    text = traj.policy_text if released_scoring else traj.text
-    target, task = record["answer"], record["task"]
-    clues = record.get("clues") or []
-    data_type = rewards.infer_data_type(task, clues, record.get("data_type"))
-    anchor_w = 0.5 if anchoring == "sequence" else 0.0
-    if recipe == "vtgr":
-        total, parts = rewards.vtgr_reward(traj.turns, text, target, task, data_type, traj.windows, clues, traj.n_tool_turns)
-        parts["anchor"] = rewards.format_anchor(text)
-    else:
-        total, parts = rewards.paravt_reward(text, target, task, anchor_weight=anchor_w)
-        if recipe == "combined" and clues:   # the VTGR tool term wherever the record has clue windows
-            fmt_ok = rewards.grounding_format_reward(traj.turns) == 1.0
-            tool = rewards.vtgr_tool_term(data_type, traj.windows, clues, traj.n_tool_turns, parts["acc"] == 1.0, fmt_ok)
-            total += tool - parts["tool"]
-            parts["tool"] = tool
-    parts["clue"] = rewards.hybrid_clue_score(traj.windows, clues, multi_clue=data_type == "multi_clue") if clues else 0.0
-    return float(total), {k: float(v) for k, v in parts.items()}
-
-
-def rollout_metrics(trajs: list, comps: list[dict]) -> dict:
-    """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves)."""
-    ok = [t for t in trajs if t.error is None]
-    n = max(1, len(ok))
-    calls = sum(t.n_calls for t in ok)
-    tool_turns = sum(t.n_tool_turns for t in ok)
-    out = {f"reward/{k}": sum(c[k] for c in comps) / max(1, len(comps)) for k in (comps[0] if comps else {})}
-    out.update(accuracy=out.get("reward/acc", 0.0),
-               format_compliance=sum(rewards.format_compliant(t.text) for t in ok) / n,
-               tool_call_ratio=sum(t.n_calls > 0 for t in ok) / n,
-               calls_per_turn=calls / max(1, tool_turns), turns=tool_turns / n,
-               tool_failure_rate=sum(t.tool_failures for t in ok) / max(1, calls),
-               truncated=sum(t.truncated or t.hit_turn_limit for t in ok) / n,
-               mean_k=sum(t.nframes for t in ok) / n, bad_samples=len(trajs) - len(ok))
-    return out
-
-
-# -----------------------------------------------------------------------------
-# batches: whole trajectories -> log-probs of the policy tokens
-
-def forward_logprobs(model, batch: dict, chunk_size: int, attn_mask_4d=None, compile: bool = True) -> torch.Tensor:
-    """(B, L-1) log p(next token) at POLICY positions (0 elsewhere), through `token_logprobs`."""
-    device = next(model.parameters()).device
-    kw = {k: v.to(device) for k, v in batch.items() if k not in ("roles",)}
-    if "pixel_values_videos" in kw:
-        kw["pixel_values_videos"] = kw["pixel_values_videos"].to(next(model.parameters()).dtype)
-    if attn_mask_4d is not None:
-        kw["attention_mask"] = attn_mask_4d.to(device)
-    hidden = model.model(**kw, use_cache=False).last_hidden_state[:, :-1]            # (B, L-1, D)
-    targets = batch["input_ids"][:, 1:].to(device)
-    policy = (batch["roles"][:, 1:] == 1).to(device)
-    out = torch.zeros(targets.shape, device=device, dtype=torch.float32)
-    if hasattr(model.lm_head, "unshard"):     # FSDP: the weight is read below, not through lm_head's forward
-        model.lm_head.unshard()               # (its gradient is reduce-scattered with the norm's, in backward)
-    if policy.any():
-        out[policy] = token_logprobs(hidden[policy], model.lm_head.weight, targets[policy], chunk_size, compile)
-    return out
-
-
-def trainable(traj, video_id: int) -> bool:
-    """False when the policy sampled a <|video_pad|>: `collate` would take it for a video placeholder with no
-    frames, so the sample is scored (as text) but left out of the update."""
-    return not any(role == rollout.POLICY and tok == video_id for tok, role in zip(traj.token_ids, traj.roles))
-
 
 def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
     """(B, 1, L, L) additive mask: TDAM on each row (spans found from the tokens) plus padding."""
@@ -464,7 +418,7 @@ def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
         # the prompt ends at the forced "<think>" before the first policy token (the system prompt and the
         # Hermes tools block mention <think>, <answer> and <tool_call> themselves)
         roles = batch["roles"][i, :n].tolist()
-        first_policy = roles.index(1) if 1 in roles else n
+        first_policy = roles.index(rollout.POLICY) if rollout.POLICY in roles else n
         prompt_len = max([j for j in range(first_policy) if row[j] == ids["<think>"]], default=first_policy)
         span = lambda vs: (vs[0][0], vs[-1][1]) if vs else None   # a video's runs + the timestamps between them
         overview = [v for v in vids if v[1] <= prompt_len]
@@ -486,10 +440,149 @@ def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
     return to_additive_mask(torch.stack(masks)).squeeze(1)[:, None]
 
 
+# -----------------------------------------------------------------------------
+# Whole trajectories -> per-token log-probs of the policy's tokens
+
+def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float = 1.0, attn_mask_4d=None,
+                     compile: bool = True) -> torch.Tensor:
+    """(B, L-1) log p_T(next token) at POLICY positions (0 elsewhere), through `token_logprobs`.
+
+        log p_T(t | h) = log_softmax(h W^T / T)[t] = log_softmax((h / T) W^T)[t]
+
+    T is the sampling temperature (RL: the rollout's T, so the policy optimised is the policy that sampled;
+    SFT and evaluation: 1). Dividing the hidden states by T before the fused kernel is exact, and autograd
+    carries the 1/T into the gradient."""
+    device = next(model.parameters()).device
+    kw = {k: v.to(device) for k, v in batch.items() if k not in ("roles",)}
+    if "pixel_values_videos" in kw:
+        kw["pixel_values_videos"] = kw["pixel_values_videos"].to(next(model.parameters()).dtype)
+    if attn_mask_4d is not None:
+        kw["attention_mask"] = attn_mask_4d.to(device)
+    hidden = model.model(**kw, use_cache=False).last_hidden_state[:, :-1]            # (B, L-1, D)
+    targets = batch["input_ids"][:, 1:].to(device)
+    policy = policy_mask(batch["roles"]).to(device)
+    out = torch.zeros(targets.shape, device=device, dtype=torch.float32)
+    if hasattr(model.lm_head, "unshard"):     # FSDP: the weight is read below, not through lm_head's forward
+        model.lm_head.unshard()               # (its gradient is reduce-scattered with the norm's, in backward)
+    if policy.any():
+        h = hidden[policy] if temperature == 1.0 else hidden[policy] / temperature
+        out[policy] = token_logprobs(h, model.lm_head.weight, targets[policy], chunk_size, compile)
+    return out
+
+
+def trainable(traj, video_id: int) -> bool:
+    """False when the policy sampled a <|video_pad|>: `collate` would take it for a video placeholder with no
+    frames, so the sample is scored (as text) but left out of the update."""
+    return not any(role == rollout.POLICY and tok == video_id for tok, role in zip(traj.token_ids, traj.roles))
+
+
+# -----------------------------------------------------------------------------
+# 4. The SFT step
+
+def sft_pairs(path: str) -> tuple[list, list[str]]:
+    """(record, messages, where) of each trajectory record in a JSONL file, and the bad lines' reasons."""
+    pairs, errors = [], []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                pairs.append((r.get("prompt") or r, r["messages"], f"{path}:{n}"))
+            except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+                errors.append(f"{path}:{n}: not a trajectory record ({type(e).__name__}: {e})")
+    return pairs, errors
+
+
+def message_text(message: dict) -> str:
+    """An assistant message's text with its `tool_calls` field written as Hermes <tool_call> blocks."""
+    content = message.get("content")
+    text = content if isinstance(content, str) else "".join(
+        item.get("text", "") for item in content or [] if isinstance(item, dict))
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        text += f"\n<tool_call>\n{json.dumps({'name': fn.get('name'), 'arguments': arguments})}\n</tool_call>"
+    return text
+
+
+def bad_calls(messages: list[dict], duration: float | None, min_window: float) -> list[str]:
+    """Why the assistant turns of a recorded trajectory hold tool calls the environment would refuse (an unknown
+    tool, bad arguments, a window past the end of the video): training on them teaches such calls."""
+    problems = []
+    for k, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        text = message_text(m)
+        for c in rewards.parse_tool_calls(text):
+            if c.error is not None:
+                problems.append(f"turn {k}: {c.error}")
+            elif c.name != "crop_video":
+                problems.append(f"turn {k}: unknown tool {c.name!r}")
+            elif duration is not None:
+                try:
+                    video.check_window(c.arguments.get("start_time"), c.arguments.get("end_time"), duration, min_window)
+                except ValueError as e:
+                    problems.append(f"turn {k}: {e}")
+    return problems
+
+
+def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.RolloutConfig, *,
+                 sft_data: str | None, seed: int, gated_choices: list[int], always_call: bool = False,
+                 direct_crop: float = 0.0, keep_bad_calls: bool = False, max_bad_fraction: float = 0.2,
+                 log=print) -> tuple[list, int]:
+    """(encoded SFT trajectories, number skipped). From `sft_data` (trajectory records, docs/data.md), or the
+    synthetic task's oracle: each record with the evaluation overview, and once more with a K drawn from
+    `gated_choices` when given. Bad records and trajectories whose tool calls the environment would refuse
+    are reported (file:line, reason) and skipped (`keep_bad_calls` keeps the latter); more than
+    `max_bad_fraction` bad stops the run."""
+    errors, pairs = [], []
+    if sft_data:
+        found, errors = sft_pairs(sft_data)
+        pairs = [(rec, msgs, where, None) for rec, msgs, where in found]
+    else:
+        rng = np.random.default_rng(seed)
+        k_eval = cfg.overview_nframes or 8
+        for r in records:
+            for k in [k_eval] + ([int(rng.choice(gated_choices))] if gated_choices else []):
+                try:
+                    msgs = data.oracle_turns(r, rng, always_call=always_call, nframes=k, direct_crop=direct_crop)
+                    pairs.append((r, msgs, r["id"], k))
+                except (ValueError, KeyError) as e:
+                    errors.append(f"{r.get('id')}: no oracle trajectory ({e}); pass --sft-data for real data")
+    items, n_bad_calls = [], 0
+    for rec, msgs, where, k in pairs:        # k: the overview's frame count (None: the rollout's own rule)
+        try:
+            item = rollout.encode_messages(processor, rec, msgs, video_root, cfg, nframes=k)
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            errors.append(f"{where}: {e}")
+            continue
+        why = bad_calls(msgs, rec.get("duration") or video.probe(data.resolve_video(video_root, rec["video"])).duration,
+                        cfg.min_window)
+        if why and not keep_bad_calls:
+            errors.append(f"{where}: tool calls the environment would refuse ({'; '.join(why[:3])}); "
+                          f"skipped (--keep-bad-calls trains on them)")
+            n_bad_calls += 1
+            continue
+        items.append(item)
+    for e in errors[:5]:
+        log(f"skipped SFT record: {e}")
+    if len(errors) > 5:
+        log(f"... {len(errors) - 5} more SFT records skipped")
+    if not items or len(errors) > max_bad_fraction * (len(items) + len(errors)):
+        raise ValueError(f"{len(errors)} of {len(items) + len(errors)} SFT records are bad; first: {errors[:3]}")
+    return items, len(errors)
+
+
 def sft_loss(model, batch: dict, chunk_size: int, attn_mask_4d=None, compile: bool = True) -> tuple[torch.Tensor, int]:
     """Cross-entropy on assistant (POLICY) tokens only, token mean."""
-    lp = forward_logprobs(model, batch, chunk_size, attn_mask_4d, compile)
-    mask = (batch["roles"][:, 1:] == 1).to(lp.device)
+    lp = forward_logprobs(model, batch, chunk_size, 1.0, attn_mask_4d, compile)
+    mask = policy_mask(batch["roles"]).to(lp.device)
     n = int(mask.sum())
     return -(lp * mask).sum() / max(1, n), n
 
@@ -509,7 +602,7 @@ def sft_backward(model, items: list, rows: int, pad_id: int, chunk_size: int, td
     up to those of one forward over the whole batch. tdam_ids (special token ids): TDAM masks on.
     Returns (the batch loss, detached; N)."""
     batches = list(sft_micro_batches(items, rows, model, pad_id))
-    n_tok = max(1, sum(int((b["roles"][:, 1:] == 1).sum()) for b in batches))   # sft_loss's own token count
+    n_tok = max(1, sum(int(policy_mask(b["roles"]).sum()) for b in batches))   # sft_loss's own token count
     parts = []
     for batch in batches:
         mask4 = tdam_batch_mask(batch, tdam_ids, model.config.video_token_id) if tdam_ids else None
@@ -519,54 +612,538 @@ def sft_backward(model, items: list, rows: int, pad_id: int, chunk_size: int, td
     return torch.stack(parts).sum(), n_tok
 
 
-def grpo_step_loss(model, batch: dict, old_lp, adv_tok, ref_lp, args) -> tuple[torch.Tensor, dict]:
-    """GRPO loss of one micro-batch. old_lp None = on-policy single epoch: the old log-probs ARE the current
-    ones (ratio 1), so they are taken detached from this forward instead of from an extra one."""
-    lp = forward_logprobs(model, batch, args.logprob_chunk, compile=bool(args.compile))
-    mask = (batch["roles"][:, 1:] == 1).to(lp.device)
-    old_lp = lp.detach() if old_lp is None else old_lp
-    return grpo_loss(lp, old_lp, adv_tok.to(lp.device), mask, clip_low=args.clip_low, clip_high=args.clip_high,
-                     kl_coef=args.kl_coef, ref_logprobs=ref_lp, kl_estimator=args.kl_estimator)
+@dataclasses.dataclass
+class SFTSettings:
+    steps: int = 600
+    batch: int = 8
+    micro_batch: int = 2
+    lr: float = 2e-3
+    tdam_ratio: float = 0.1
+    logprob_chunk: int = 1024
+    compile: bool = False
+
+
+def run_sft(run: "Run", model, items: list, optimizer, s: SFTSettings, pad_id: int, ids: dict,
+            start: int = 0) -> None:
+    """SFT steps start+1 .. s.steps: a batch drawn per step (per rank), TDAM on a fraction of batches, AdamW
+    with warmup + cosine, a checkpoint every run.save_every steps and at the end."""
+    model.train()
+    for step in tqdm(range(start + 1, s.steps + 1), desc="sft", disable=run.rank != 0, initial=start, total=s.steps):
+        t0 = time.time()
+        lr = set_lr(optimizer, get_lr(step - 1, s.steps, s.lr, warmup_steps=min(10, s.steps // 10)))
+        rng = random.Random(f"sft:{run.seed}:{step}:{run.rank}")   # string seeds: draws independent across steps
+        batch = [items[rng.randrange(len(items))] for _ in range(s.batch)]
+        tdam = rng.random() < s.tdam_ratio
+        loss, n_tok = sft_backward(model, batch, s.micro_batch, pad_id, s.logprob_chunk, ids if tdam else None,
+                                   s.compile)
+        gn = run.optimizer_step(model, optimizer, loss.detach(), "sft", step, [t.record_id for t in batch])
+        row = all_mean({"loss": float(loss), "grad_norm": gn, "lr": lr, "tokens_per_s": n_tok / (time.time() - t0),
+                        "step_time": time.time() - t0, "tdam": float(tdam)}, run.world)
+        run.log("sft", step, row)
+        if run.rank == 0 and (step % 25 == 0 or step == s.steps):
+            tqdm.write(f"sft {step}/{s.steps} | loss {row['loss']:.4f} | lr {lr:.2e} | {row['step_time']:.2f}s")
+        if step % run.save_every == 0 or step == s.steps:
+            run.save("sft", step, model, optimizer)
+    model.eval()
 
 
 # -----------------------------------------------------------------------------
-# checkpoints (atomic: written to a temp dir, then renamed)
+# 5. The RL step
 
-def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra: dict, state_dict=None) -> str:
+@dataclasses.dataclass
+class GRPOSettings:
+    """The knobs of one PARA-GRPO / VTGR step (flags of the same names; docs/method.md §5)."""
+    recipe: str = "combined"
+    anchoring: str = "sequence"          # sequence | token | none
+    released_scoring: bool = False
+    group_size: int = 8
+    prompts_per_step: int = 4
+    gating: bool = False
+    gating_choices: tuple = (4, 8, 16, 32, 64)
+    dynamic_sampling: bool = False
+    max_draws: int = 4                   # dynamic sampling: rollout rounds per step at most
+    shaping: bool = False
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False           # ParaVT: R -= kl_coef * sum_t k1_t before the advantages
+    mask_truncated: bool = True
+    train_subagents: bool = False
+    ppo_epochs: int = 1
+    micro_batch: int = 8
+    clip_low: float = 0.2
+    clip_high: float = 0.3
+    temperature: float = 0.7             # the rollout's T; every log-prob in the loss uses it too
+    logprob_chunk: int = 1024
+    compile: bool = False
+
+
+@dataclasses.dataclass
+class Groups:
+    """What a step's rollouts leave for the update and the log."""
+    trajs: list                          # every sampled trajectory of the step (all draws)
+    comps: list                          # their reward components
+    rewards: torch.Tensor                # (n,) total rewards, KL folded in when asked
+    items: list                          # (trajectory, advantage, components) kept for the update
+    draws: int                           # rollout rounds it took
+    zero_var_frac: float                 # of the groups drawn
+
+
+def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> list[float]:
+    """sum_t k1_t = sum_t (log pi(o_t) - log pi_ref(o_t)) over each trajectory's policy tokens, at temperature T
+    (0 for a trajectory that cannot be collated): ParaVT's per-token KL folded into the reward (verl's
+    use_kl_in_reward), R_i <- R_i - beta sum_t k1_t, before the group advantages."""
+    out = [0.0] * len(trajs)
+    ok = [i for i, t in enumerate(trajs) if t.error is None and t.token_ids and trainable(t, model.config.video_token_id)]
+    for j in range(0, len(ok), s.micro_batch):
+        idx = ok[j:j + s.micro_batch]
+        b = rollout.collate([trajs[i] for i in idx], model, pad_id)
+        with torch.no_grad():
+            lp = forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile)
+            ref = forward_logprobs(ref_model, b, s.logprob_chunk, s.temperature, compile=s.compile)
+        k1 = (kl_penalty(lp, ref, "k1") * policy_mask(b["roles"]).to(lp.device)).sum(1)
+        for i, v in zip(idx, k1.tolist()):
+            out[i] = v
+    return out
+
+
+def collect_groups(run: "Run", model, ref_model, processor, records: list, video_root: str,
+                   cfg: rollout.RolloutConfig, s: GRPOSettings, step: int, pad_id: int) -> Groups:
+    """Roll out and score groups for one step. Without dynamic sampling: one draw of s.prompts_per_step prompts.
+    With it (DAPO, arXiv 2503.14476): groups whose rewards are all equal carry no signal and are dropped, and
+    more prompts are drawn until the batch holds s.prompts_per_step groups with signal or s.max_draws rounds
+    were rolled out. The caller holds the full weights (one all-gather for every draw of the step)."""
+    G, video_id = s.group_size, model.config.video_token_id
+    trajs, comps, R, items, n_groups, n_zero = [], [], [], [], 0, 0
+    draws = 0
+    while draws < (s.max_draws if s.dynamic_sampling else 1):
+        rng = random.Random(f"rl:{run.seed}:{step}:{run.rank}" + (f":{draws}" if draws else ""))
+        recs = [records[rng.randrange(len(records))] for _ in range(s.prompts_per_step)]
+        ks = [rewards.gate_nframes(r["id"], step, s.gating_choices, seed=run.seed) if s.gating else None for r in recs]
+        out = rollout.run_agent(model, processor, recs, video_root, cfg,
+                                seed=run.seed * 1_000_003 + step * 101 + run.rank + draws * 7_919, nframes=ks)
+        draws += 1
+        scored = [rewards.score_trajectory(t, recs[i // G], s.recipe, s.anchoring, s.released_scoring)
+                  for i, t in enumerate(out)]
+        r = torch.tensor([x for x, _ in scored])
+        zero = rewards.zero_variance_groups(r, G)        # on the task reward, before any KL term
+        if s.kl_in_reward and s.kl_coef:
+            r = r - s.kl_coef * torch.tensor(sequence_kl(model, ref_model, out, s, pad_id))
+        adv = rewards.group_advantages(r, G, shaping=s.shaping)
+        keep = torch.tensor([t.error is None and t.token_ids != [] and trainable(t, video_id) for t in out])
+        if s.mask_truncated:
+            keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in out])
+        for g in range(len(recs)):
+            n_zero += bool(zero[g])
+            if s.dynamic_sampling and (zero[g] or n_groups >= s.prompts_per_step):
+                continue
+            n_groups += 1
+            items += [(out[i], float(adv[i]), scored[i][1]) for i in range(g * G, (g + 1) * G) if keep[i]]
+        trajs += out
+        comps += [c for _, c in scored]
+        R.append(r)
+        if not s.dynamic_sampling or n_groups >= s.prompts_per_step:
+            break
+    if s.train_subagents:
+        items += [(sub, a, c) for t, a, c in list(items) for sub in t.subagents if trainable(sub, video_id)]
+    return Groups(trajs, comps, torch.cat(R), items, draws, n_zero / max(1, len(trajs) // G))
+
+
+def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad_id: int, close_ids: list[int],
+                  world: int, filler=None, step_fn=None) -> tuple[float | None, dict]:
+    """GRPO update on the kept trajectories: s.ppo_epochs passes of micro-batches, token-mean over the policy
+    tokens of ALL ranks (each rank normalises by N_global / world, and FSDP averages the ranks' gradients).
+    With several epochs the old log-probs are recomputed first by a no-grad forward (with one, they equal the
+    current ones). A rank with nothing to learn still runs zero-weight passes on `filler` (any trajectory it
+    sampled), so every rank joins the same collectives; the step is skipped only when no rank has a token.
+    `step_fn(loss)` clips, checks and applies the gradients (Run.optimizer_step). Returns (grad norm, stats)."""
+    chunks = [items[i:i + s.micro_batch] for i in range(0, len(items), s.micro_batch)]
+    batches = [rollout.collate([t for t, _, _ in c], model, pad_id) for c in chunks]
+    advs = []
+    for c, b in zip(chunks, batches):
+        a = torch.tensor([x for _, x, _ in c])[:, None].expand(-1, b["input_ids"].shape[1] - 1).clone()
+        if s.anchoring == "token":       # anchor credit on the closing-tag tokens only (docs/method.md §4.1)
+            tags = rewards.anchor_token_mask(b["input_ids"][:, 1:], close_ids)
+            a += rewards.ANCHOR_WEIGHT * torch.tensor([cm["anchor"] for _, _, cm in c])[:, None] * tags
+        advs.append(a)
+    n_local = sum(int(policy_mask(b["roles"]).sum()) for b in batches)
+    n_global = all_sum(n_local) if world > 1 else n_local
+    if n_global == 0:                                   # no rank has a token to learn from: skip, all together
+        return None, {"clip_frac": 0.0, "kl": 0.0, "loss": 0.0}
+    use_ref = ref_model is not None and s.kl_coef > 0 and not s.kl_in_reward
+    with torch.no_grad(), full_weights(model):
+        old = [forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile)
+               if s.ppo_epochs > 1 else None for b in batches]
+        ref = [forward_logprobs(ref_model, b, s.logprob_chunk, s.temperature, compile=s.compile)
+               if use_ref else None for b in batches]
+    norm = n_global / world                             # FSDP averages over ranks: sum_all / N_global overall
+    n_pad = (all_max(len(batches)) if world > 1 else len(batches)) - len(batches)
+    if n_pad and not batches:                           # nothing kept here: zero-weight passes on a filler row
+        fb = rollout.collate([filler], model, pad_id)
+        fill = (fb, None, torch.zeros(1, fb["input_ids"].shape[1] - 1), None)
+    else:
+        fill = (batches[-1], old[-1], advs[-1], ref[-1]) if batches else None
+    gn, stats = None, {"clip_frac": 0.0, "kl": 0.0}
+
+    def loss_of(b, o, a, r):
+        lp = forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile)
+        return grpo_loss(lp, lp.detach() if o is None else o, a.to(lp.device), policy_mask(b["roles"]).to(lp.device),
+                         clip_low=s.clip_low, clip_high=s.clip_high, kl_coef=0.0 if s.kl_in_reward else s.kl_coef,
+                         ref_logprobs=r, kl_estimator=s.kl_estimator, num_tokens=norm)
+
+    for epoch in range(s.ppo_epochs):
+        total = torch.zeros(())
+        for b, o, a, r in zip(batches, old, advs, ref):
+            loss, st = loss_of(b, o, a, r)
+            loss.backward()
+            total = total + loss.detach().cpu()
+            for k in stats:
+                stats[k] += float(st.get(k, 0.0)) * st["n_tokens"] / max(1, n_local) / s.ppo_epochs
+        for _ in range(n_pad):                          # zero-weight passes: no gradient, matching collectives
+            (loss_of(*fill)[0] * 0.0).backward()
+        total = all_sum_float(float(total)) / world if world > 1 else float(total)
+        gn = step_fn(torch.tensor(total))
+        stats["loss"] = total                           # the last epoch's token-mean loss, all ranks
+    return gn, stats
+
+
+def rollout_metrics(trajs: list, comps: list[dict]) -> dict:
+    """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves)."""
+    ok = [t for t in trajs if t.error is None]
+    n = max(1, len(ok))
+    calls = sum(t.n_calls for t in ok)
+    tool_turns = sum(t.n_tool_turns for t in ok)
+    out = {f"reward/{k}": sum(c[k] for c in comps) / max(1, len(comps)) for k in (comps[0] if comps else {})}
+    out.update(accuracy=out.get("reward/acc", 0.0),
+               format_compliance=sum(rewards.format_compliant(t.text) for t in ok) / n,
+               tool_call_ratio=sum(t.n_calls > 0 for t in ok) / n,
+               calls_per_turn=calls / max(1, tool_turns), turns=tool_turns / n,
+               tool_failure_rate=sum(t.tool_failures for t in ok) / max(1, calls),
+               truncated=sum(t.truncated or t.hit_turn_limit for t in ok) / n,
+               mean_k=sum(t.nframes for t in ok) / n, bad_samples=len(trajs) - len(ok))
+    return out
+
+
+def run_rl(run: "Run", model, ref_model, processor, optimizer, records: list, video_root: str,
+           cfg: rollout.RolloutConfig, s: GRPOSettings, steps: int, lr: float, warmup_steps: int, pad_id: int,
+           close_ids: list[int], start: int = 0, eval_every: int = 0, evaluate=None) -> None:
+    """RL steps start+1 .. steps: collect_groups, policy_update, one metrics row per step, checkpoints, and the
+    held-out evaluation every `eval_every` steps (`evaluate(model, name) -> metrics`)."""
+    failed = 0
+    for step in tqdm(range(start + 1, steps + 1), desc="rl", disable=run.rank != 0, initial=start, total=steps):
+        t0 = time.time()
+        step_lr = set_lr(optimizer, get_lr(step - 1, steps, lr, warmup_steps))
+        model.eval()
+        with full_weights(model):
+            g = collect_groups(run, model, ref_model, processor, records, video_root, cfg, s, step, pad_id)
+        failed += sum(t.error is not None for t in g.trajs)
+        run.counters["bad_samples"] += sum(t.error is not None for t in g.trajs)
+        for t in g.trajs[::s.group_size]:
+            run.warn_sample(t, step)
+        if failed > run.max_bad_fraction * (step - start) * len(g.trajs) and step - start > 5:
+            raise RuntimeError(f"more than {run.max_bad_fraction:.0%} of samples failed by step {step}: "
+                               f"see the skipped-sample messages above")
+        model.train()
+        filler = next((t for t in g.trajs if t.error is None and t.token_ids and trainable(t, model.config.video_token_id)),
+                      None)
+        gn, stats = policy_update(model, ref_model, optimizer, g.items, s, pad_id, close_ids, run.world, filler,
+                                  lambda loss: run.optimizer_step(model, optimizer, loss, "rl", step,
+                                                                  [t.record_id for t, _, _ in g.items]))
+        m = rollout_metrics(g.trajs, g.comps)
+        m.update(reward=float(g.rewards.mean()), zero_var_frac=g.zero_var_frac, kept=len(g.items), draws=g.draws,
+                 grad_norm=float("nan") if gn is None else gn, lr=step_lr, step_time=time.time() - t0,
+                 tokens_per_s=sum(len(t.token_ids) for t in g.trajs) / (time.time() - t0), **stats)
+        m = all_mean(m, run.world)
+        run.log("rl", step, m)
+        if run.rank == 0:
+            tqdm.write(f"rl {step}/{steps} | R {m['reward']:.3f} | acc {m['accuracy']:.2f} | "
+                       f"fmt {m['format_compliance']:.2f} | tool {m['tool_call_ratio']:.2f} | "
+                       f"turns {m['turns']:.2f} | K {m['mean_k']:.1f} | zero-var {m['zero_var_frac']:.2f} | "
+                       f"draws {m['draws']:.0f} | clip {m['clip_frac']:.3f} | kl {m['kl']:.4f} | {m['step_time']:.1f}s")
+        saved = step % run.save_every == 0 or step == steps
+        if saved:
+            run.save("rl", step, model, optimizer)
+        if eval_every and step % eval_every == 0 and evaluate is not None:
+            result = evaluate(model, f"rl-{step:06d}")
+            run.log("eval", step, result)
+            if run.is_best(result):
+                if not saved:
+                    run.save("rl", step, model, optimizer)
+                run.mark_best("rl", step, result)
+    model.eval()
+
+
+# -----------------------------------------------------------------------------
+# 6. main
+
+def main(rank: int, args) -> dict:
+    """One rank of a run: model and data, SFT, RL, the held-out evaluation; returns the summary."""
+    t_start = time.time()
+    rank, world, device = setup_distributed(rank, args.gpus, args.device, args.threads)
+    torch.manual_seed(args.seed + rank)
+    random.seed(args.seed + rank)
+    run = Run(args.run_dir, rank, world, args.seed, args.save_every, args.keep_last, args.strict,
+              args.max_bad_fraction, args.report_to)
+    print0(rank, json.dumps({"settings": vars(args), "world": world, "device": str(device)}))
+    ckpt = latest_checkpoint(args.run_dir) if args.resume else None
+    model, processor = model_lib.load_model(ckpt or args.model, device=device, seed=args.seed,
+                                            tiny_corpus=rollout.prompt_corpus())
+    ids, pad_id = model_lib.special_token_ids(processor), processor.tokenizer.pad_token_id
+    run.processor = processor
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    if world > 1:
+        shard_model(model)
+    train_recs, held, video_root, held_note = load_data(args, rank)
+    run.static["held_out"] = held_note
+    cfg = rollout_config(args)
+    state = run.resume(ckpt, model) if ckpt else None
+    stage0, step0 = (state["stage"], state["step"]) if state else (None, 0)
+    evaluate = lambda m, name: evaluate_held_out(m, processor, held, video_root, cfg, run, name)
+    summary = {}
+    if args.stage == "all" and not state:
+        summary["before"] = evaluate(model, "before")
+    if args.stage in ("all", "sft") and stage0 != "rl":
+        items, n_bad = sft_examples(train_recs, processor, video_root, cfg, sft_data=args.sft_data, seed=args.seed,
+                                    gated_choices=args.gating_choices if args.sft_gated_overviews else [],
+                                    always_call=args.always_call, direct_crop=args.direct_crop,
+                                    keep_bad_calls=args.keep_bad_calls, max_bad_fraction=args.max_bad_fraction,
+                                    log=lambda m: print0(rank, m))
+        run.counters["bad_samples"] += 0 if state else n_bad          # a resumed run counted them before
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
+        run.load_optimizer(ckpt, model, optimizer, state, "sft")
+        run_sft(run, model, items, optimizer, sft_settings(args), pad_id, ids, start=step0 if stage0 == "sft" else 0)
+        if args.stage == "all":
+            summary["sft"] = evaluate(model, "sft")
+    if args.stage in ("all", "rl"):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        run.load_optimizer(ckpt, model, optimizer, state, "rl")
+        ref_model = reference_model(args, device) if args.kl_coef > 0 else None
+        close_ids = [ids[t] for t in ("</think>", "</tool_call>", "</answer>") if ids.get(t) is not None]
+        run_rl(run, model, ref_model, processor, optimizer, train_recs, video_root, cfg, grpo_settings(args),
+               args.rl_steps, args.lr, args.warmup_steps, pad_id, close_ids, start=step0 if stage0 == "rl" else 0,
+               eval_every=args.eval_every, evaluate=evaluate)
+    if args.stage == "all" or args.final_eval:
+        summary["after"] = evaluate(model, "final")
+        summary["seconds"] = round(time.time() - t_start, 1)
+        if rank == 0:
+            print_summary(summary, plot_run(args.run_dir))
+    if world > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+def evaluate_held_out(model, processor, records: list, video_root: str, cfg: rollout.RolloutConfig, run: "Run",
+                      name: str) -> dict:
+    """The greedy agent on the held-out records through eval.py's runner (official-style scores plus format
+    compliance, tool-call ratio, clue score, turns); predictions in RUN_DIR/eval/<name>.jsonl."""
+    greedy = dataclasses.replace(cfg, temperature=0.0, group_size=1)
+    out = os.path.join(run.run_dir, "eval", f"{name}.rank{run.rank}.jsonl")
+    if os.path.exists(out):                            # new weights: never resume another evaluation's answers
+        os.remove(out)
+    with full_weights(model):
+        m = evaluation.evaluate(model, processor, records, video_root, greedy, bench="records", out_path=out,
+                                batch_size=8, seed=0, quiet=run.rank != 0)
+    keys = ("accuracy", "miou", "r_acc", "format_compliance", "tool_call_ratio", "clue_score", "turns")
+    row = {k: float(m[k]) for k in keys if isinstance(m.get(k), (int, float))}
+    print0(run.rank, f"eval {name}: " + json.dumps(row))
+    return row
+
+
+def print_summary(summary: dict, png: str | None) -> None:
+    cols = [s for s in ("before", "sft", "after") if s in summary]
+    print(f"{'':18s}" + "".join(f"{ {'sft': 'SFT', 'after': 'final'}.get(s, s):>10s}" for s in cols))
+    for k in summary["after"]:
+        print(f"{k:18s}" + "".join(f"{summary[s].get(k, float('nan')):10.3f}" for s in cols))
+    print(f"curves: {png}")
+    print(json.dumps(summary))
+
+
+# -----------------------------------------------------------------------------
+# 7. Plumbing: the run (metrics, checkpoints), data, settings, distributed helpers, arguments, launcher
+
+STAGE_ORDER = {"sft": 0, "rl": 1}
+
+
+class Run:
+    """A run directory as the loops see it: metrics rows, counters kept across resumes, atomic checkpoints
+    (torch.distributed.checkpoint for model + optimizer, resumable on any number of ranks, and a Hugging Face
+    export of the weights beside it), --keep-last pruning, the best-by-eval checkpoint, skip-and-count."""
+
+    def __init__(self, run_dir: str, rank: int, world: int, seed: int, save_every: int, keep_last: int,
+                 strict: bool, max_bad_fraction: float, report_to: str = "none"):
+        self.run_dir, self.rank, self.world, self.seed = run_dir, rank, world, seed
+        self.save_every, self.keep_last, self.strict = save_every, keep_last, strict
+        self.max_bad_fraction = max_bad_fraction
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.counters = {"skipped_steps": 0, "bad_samples": 0}
+        self.static, self.best, self.warned, self.processor = {}, None, set(), None
+        self.tracker = make_tracker(report_to, run_dir) if rank == 0 else None
+        os.makedirs(run_dir, exist_ok=True)
+
+    def log(self, stage: str, step: int, row: dict) -> None:
+        """One JSON line per step, flushed at once (a killed run loses at most the step in flight)."""
+        if self.rank != 0:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"stage": stage, "step": step, **row, **self.counters, **self.static}) + "\n")
+        if self.tracker is not None:
+            self.tracker(stage, step, row)
+
+    def optimizer_step(self, model, optimizer, loss: torch.Tensor, stage: str, step: int, sample_ids: list) -> float:
+        """Clip to norm 1 and step; a non-finite loss or gradient skips the step (counted), or raises with --strict.
+        Returns the gradient norm (nan when skipped)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            msg = f"non-finite loss/grad at {stage} step {step} (samples {sample_ids[:8]})"
+            if self.strict:
+                raise FloatingPointError(msg)
+            print0(self.rank, "skipped:", msg)
+            self.counters["skipped_steps"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            return float("nan")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)                      # .item() sync, once per step
+
+    def warn_sample(self, traj, step: int) -> None:
+        if traj.error is not None and traj.record_id not in self.warned:
+            self.warned.add(traj.record_id)
+            tqdm.write(f"skipped sample {traj.record_id} (rl step {step}, rank {self.rank}): {traj.error}")
+
+    def save(self, stage: str, step: int, model, optimizer) -> str:
+        path = save_checkpoint(self.run_dir, step, model, self.processor, optimizer,
+                               {"stage": stage, "counters": self.counters}, rank=self.rank, world=self.world)
+        if self.rank == 0 and self.keep_last > 0:
+            prune_checkpoints(self.run_dir, self.keep_last)
+        return path
+
+    def resume(self, ckpt: str, model) -> dict:
+        """The trainer state of `ckpt` (the weights were loaded from its export); metrics after it are dropped."""
+        state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=True)   # tensors and plain data only
+        self.counters.update(state.get("counters", {}))
+        torch.set_rng_state(state["rng_torch"])
+        random.setstate(state["rng_random"])
+        if self.rank == 0:
+            truncate_metrics(self.metrics_path, state["stage"], state["step"])
+        print0(self.rank, f"resumed from {ckpt} ({state['stage']} step {state['step']})")
+        return state
+
+    def load_optimizer(self, ckpt: str | None, model, optimizer, state: dict | None, stage: str) -> None:
+        """AdamW's moments from the checkpoint's distributed state, when it was saved in this stage."""
+        if ckpt and state and state["stage"] == stage:
+            load_train_state(ckpt, model, optimizer)
+
+    def is_best(self, result: dict) -> bool:
+        score = result.get("r_acc", result.get("accuracy"))
+        return score is not None and (self.best is None or score > self.best[1])
+
+    def mark_best(self, stage: str, step: int, result: dict) -> None:
+        self.best = (f"ckpt-{stage}-{step:06d}", result.get("r_acc", result.get("accuracy")))
+        if self.rank == 0:
+            atomic_write_json(os.path.join(self.run_dir, "best.json"), {"checkpoint": self.best[0], "eval": result})
+
+
+def make_tracker(report_to: str, run_dir: str):
+    """--report-to: metrics also go to TensorBoard or Weights & Biases (imported only when asked for)."""
+    if report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        return lambda stage, step, row: [writer.add_scalar(f"{stage}/{k}", v, step) for k, v in row.items()
+                                         if isinstance(v, (int, float))] and writer.flush()
+    if report_to == "wandb":
+        import wandb
+        wandb.init(dir=run_dir, config={"run_dir": run_dir})
+        return lambda stage, step, row: wandb.log({f"{stage}/{k}": v for k, v in row.items()
+                                                   if isinstance(v, (int, float))})
+    return None
+
+
+def atomic_write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra: dict, rank: int = 0,
+                    world: int = 1) -> str:
+    """RUN_DIR/ckpt-<stage>-<step>: `train_state/` (torch.distributed.checkpoint: model and optimizer, each rank
+    its shard, loadable on any number of ranks), the Hugging Face export (model.safetensors + config + processor,
+    gathered on rank 0) and `trainer.pt` (step, counters, RNG: tensors and plain data, no pickled code).
+    Atomic: everything goes to `.tmp`, and one rename makes it visible; trainer.pt is written last."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
     final = os.path.join(run_dir, f"ckpt-{extra['stage']}-{step:06d}")   # SFT step 2 and RL step 2 are two models
     tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    if state_dict is None:
-        model_lib.save_model(model, processor, tmp)
-    else:
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        processor.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None, "step": step,
-                "rng_torch": torch.get_rng_state(), "rng_random": random.getstate(), **extra},
-               os.path.join(tmp, "trainer.pt"))
-    shutil.rmtree(final + ".old", ignore_errors=True)
-    if os.path.exists(final):                # saving a step again: move the old one aside whole, never half-delete it
-        os.replace(final, final + ".old")
-    os.replace(tmp, final)                   # the only moment a checkpoint becomes visible
-    shutil.rmtree(final + ".old", ignore_errors=True)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier(world)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "train_state"))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+        if world > 1 else None
+    if rank == 0:
+        if full is None:
+            model_lib.save_model(model, processor, tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+            processor.save_pretrained(tmp)
+        torch.save({"step": step, "rng_torch": torch.get_rng_state(), "rng_random": random.getstate(),
+                    **{k: v for k, v in extra.items()}}, os.path.join(tmp, "trainer.pt"))
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        if os.path.exists(final):                # saving a step again: move the old one aside whole
+            os.replace(final, final + ".old")
+        os.replace(tmp, final)                   # the only moment a checkpoint becomes visible
+        shutil.rmtree(final + ".old", ignore_errors=True)
+    barrier(world)
     return final
 
 
-def latest_checkpoint(run_dir: str) -> str | None:
-    """Newest complete checkpoint, RL after SFT, then by step (a half-written `.tmp` dir is never picked up)."""
+def load_train_state(ckpt: str, model, optimizer) -> None:
+    """Model and optimizer from a checkpoint's `train_state/`, resharded to this run's ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    path = os.path.join(ckpt, "train_state")
+    if not os.path.isdir(path):
+        raise ValueError(f"{ckpt} has no train_state/ (written by an older train.py): resume needs it for AdamW's state")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    # partial: a parameter that never had a gradient has no AdamW state in the file and keeps fresh zeros
+    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def checkpoints(run_dir: str) -> list[tuple[int, int, str]]:
+    """(stage order, step, name) of the complete checkpoints (a `.tmp` dir or one without trainer.pt is not)."""
     if not os.path.isdir(run_dir):
-        return None
-    order = {"sft": 0, "rl": 1}
-    done = [(order[m[1]], int(m[2]), d) for d in os.listdir(run_dir) if (m := re.fullmatch(r"ckpt-(sft|rl)-(\d{6})", d))
-            and os.path.exists(os.path.join(run_dir, d, "trainer.pt"))]
-    return os.path.join(run_dir, max(done)[2]) if done else None
+        return []
+    return sorted((STAGE_ORDER[m[1]], int(m[2]), d) for d in os.listdir(run_dir)
+                  if (m := re.fullmatch(r"ckpt-(sft|rl)-(\d{6})", d)) and os.path.exists(os.path.join(run_dir, d, "trainer.pt")))
 
 
-def append_metrics(path: str, row: dict) -> None:
-    """One JSON line per step, flushed at once (a killed run loses at most the step in flight)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+def latest_checkpoint(run_dir: str) -> str | None:
+    """Newest complete checkpoint, RL after SFT, then by step."""
+    done = checkpoints(run_dir)
+    return os.path.join(run_dir, done[-1][2]) if done else None
+
+
+def prune_checkpoints(run_dir: str, keep_last: int) -> list[str]:
+    """Delete all but the newest `keep_last` checkpoints of each stage; the last SFT checkpoint (the RL start and
+    reference) and the best-by-eval one (best.json) are always kept. Returns the deleted names."""
+    best = None
+    if os.path.exists(os.path.join(run_dir, "best.json")):
+        best = json.load(open(os.path.join(run_dir, "best.json"))).get("checkpoint")
+    done = checkpoints(run_dir)
+    deleted = []
+    for order in STAGE_ORDER.values():
+        stage = [d for o, _, d in done if o == order]
+        for d in stage[:-keep_last] if keep_last else []:
+            if d != best:
+                shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+                deleted.append(d)
+    return deleted
 
 
 def truncate_metrics(path: str, stage: str, step: int) -> None:
@@ -574,7 +1151,7 @@ def truncate_metrics(path: str, stage: str, step: int) -> None:
     if not os.path.exists(path):
         return
     rows = [json.loads(l) for l in open(path) if l.strip()]
-    order = {"sft": 0, "rl": 1}
+    order = {**STAGE_ORDER, "eval": STAGE_ORDER["rl"]}
     keep = [r for r in rows if (order.get(r.get("stage"), 0), r.get("step", 0)) <= (order[stage], step)]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -582,18 +1159,37 @@ def truncate_metrics(path: str, stage: str, step: int) -> None:
     os.replace(tmp, path)
 
 
-def plot_run(run_dir: str) -> str:
-    """Reward, format compliance and tool-call ratio against RL step (ParaVT's training curves) -> PNG."""
+def plot_run(run_dir: str) -> str | None:
+    """RUN_DIR/curves.png from metrics.jsonl: the SFT loss, then reward, format compliance and tool-call ratio
+    against RL step (ParaVT's training curves): faint raw points, a moving average, ratios on a fixed [0, 1]
+    axis, held-out evaluations as markers. None when the run logged no step (e.g. --rl-steps 0)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    rows = [json.loads(l) for l in open(path) if l.strip()] if os.path.exists(path) else []
+    if not any(r.get("stage") in ("sft", "rl") for r in rows):
+        return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
-    rows = [r for r in rows if r.get("stage") == "rl"]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    for ax, key in zip(axes, ("reward", "format_compliance", "tool_call_ratio")):
-        ax.plot([r["step"] for r in rows], [r.get(key, float("nan")) for r in rows])
-        ax.set_title(key)
-        ax.set_xlabel("RL step")
+    panels = [("sft", "loss", None), ("rl", "reward", None), ("rl", "format_compliance", (0, 1.02)),
+              ("rl", "tool_call_ratio", (0, 1.02))]
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.2))
+    for ax, (stage, key, ylim) in zip(axes, panels):
+        pts = [(r["step"], r[key]) for r in rows if r.get("stage") == stage and isinstance(r.get(key), (int, float))]
+        if pts:
+            x, y = np.array(pts, dtype=float).T
+            w = max(1, len(y) // 10)
+            smooth = np.convolve(y, np.ones(w) / w, mode="valid")
+            ax.plot(x, y, ".", alpha=0.25, color="C0")
+            ax.plot(x[w - 1:], smooth, color="C0", label=f"mean of {w}")
+        evals = [(r["step"], r[key]) for r in rows if r.get("stage") == "eval" and isinstance(r.get(key), (int, float))]
+        if evals:
+            ax.plot(*zip(*evals), "D", color="C3", label="held-out")
+        if ylim:
+            ax.set_ylim(*ylim)
+        ax.set_title(f"{stage}: {key}")
+        ax.set_xlabel(f"{stage.upper()} step")
+        if pts or evals:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     out = os.path.join(run_dir, "curves.png")
     fig.savefig(out, dpi=100)
@@ -601,142 +1197,185 @@ def plot_run(run_dir: str) -> str:
     return out
 
 
-# -----------------------------------------------------------------------------
-# arguments
+# ----- data and settings
 
-# The embedded default (`python train.py` with no arguments): sizes chosen for a 2-core CPU
-# (frame sizes and prompt settings of the tiny model: rollout.TINY_ROLLOUT).
-TINY_TASK = dict(n_train=256, n_eval=48, duration=64.0)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("run")
-    g.add_argument("--stage", choices=("all", "sft", "rl"), default="all",
-                   help="all = the default pipeline: SFT warm start, then RL, then held-out evaluation")
-    g.add_argument("--run-dir", default="runs/default", help="checkpoints, metrics.jsonl, curves.png")
-    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --run-dir")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--strict", action="store_true", help="raise on a non-finite loss/grad instead of skipping the step")
-    g.add_argument("--plot", metavar="RUN_DIR", default=None, help="only draw RUN_DIR/curves.png from its metrics.jsonl")
-    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
-    g = p.add_argument_group("hardware")
-    g.add_argument("--gpus", type=int, default=None, help="processes on this node (default: visible CUDA devices, or 1)")
-    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    g.add_argument("--threads", type=int, default=0,
-                   help="CPU threads per process (0 = torch's default; 1 is far faster on a busy or shared CPU)")
-    g.add_argument("--compile", type=int, default=None, help="torch.compile the log-prob kernels (default: 1 on CUDA, 0 on CPU)")
-    g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward (large models)")
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a Qwen3-VL / Qwen2.5-VL checkpoint dir")
-    g.add_argument("--data", default=None, help="RL prompt records JSONL (SPEC 9); default: the synthetic task")
-    g.add_argument("--sft-data", default=None, help="SFT trajectory records JSONL; default: synthetic oracle trajectories")
-    g.add_argument("--video-root", default=None, help="folder the records' video paths are relative to")
-    g.add_argument("--eval-data", default=None, help="held-out prompt records for evaluation (default: synthetic split)")
-    g.add_argument("--max-bad-fraction", type=float, default=0.2, help="stop if more than this fraction of samples is bad")
-    g.add_argument("--n-train", type=int, default=TINY_TASK["n_train"], help="synthetic task: training prompts")
-    g.add_argument("--n-eval", type=int, default=TINY_TASK["n_eval"], help="synthetic task: held-out prompts")
-    g.add_argument("--task-duration", type=float, default=TINY_TASK["duration"], help="synthetic task: video seconds")
-    g.add_argument("--task-mix", default=None, help="synthetic task: kind=weight,... (default: data.DEFAULT_MIX)")
-    g.add_argument("--direct-crop", type=float, default=0.0,
-                   help="synthetic SFT: chance the oracle crops a direct clue it could read off the overview")
-    g.add_argument("--sft-gated-overviews", type=int, default=0,
-                   help="synthetic SFT: each record also with a K-frame overview, K drawn from --gating-choices")
-    g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
-    g = p.add_argument_group("SFT")
-    g.add_argument("--sft-steps", type=int, default=600)
-    g.add_argument("--sft-batch", type=int, default=8)
-    g.add_argument("--sft-micro-batch", type=int, default=2,
-                   help="rows per forward, grouped by length within the batch (same gradient, fewer pad tokens)")
-    g.add_argument("--sft-lr", type=float, default=2e-3)
-    g.add_argument("--tdam-ratio", type=float, default=0.1, help="fraction of SFT batches trained with TDAM masks")
-    g = p.add_argument_group("RL")
-    g.add_argument("--rl-steps", type=int, default=20)
-    g.add_argument("--recipe", choices=("combined", "paravt", "vtgr", "vanilla"), default="combined")
-    g.add_argument("--group-size", type=int, default=8)
-    g.add_argument("--prompts-per-step", type=int, default=4)
-    g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--warmup-steps", type=int, default=0)
-    g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer passes per batch (old log-probs recomputed first)")
-    g.add_argument("--micro-batch", type=int, default=8)
-    g.add_argument("--clip-low", type=float, default=0.2)
-    g.add_argument("--clip-high", type=float, default=0.3)
-    g.add_argument("--kl-coef", type=float, default=0.0, help="KL to a frozen reference (0 = off, no reference kept)")
-    g.add_argument("--kl-estimator", choices=("k1", "k3"), default="k3")
-    g.add_argument("--shaping", action="store_true", help="ParaVT reward shaping clip(10 (R - 0.2), +-20)")
-    g.add_argument("--dynamic-sampling", action="store_true", help="drop zero-variance groups from the update")
-    g.add_argument("--mask-truncated", type=int, default=1, help="exclude trajectories cut by a limit from the loss")
-    g.add_argument("--train-subagents", action="store_true", help="train sub-agent tokens with their caller's advantage")
-    g.add_argument("--tool-mode", choices=("interleaved", "subagent"), default="interleaved")
-    g.add_argument("--max-turns", type=int, default=3)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.7, help="RL sampling temperature (ParaVT: 0.7)")
-    g.add_argument("--overview-nframes", type=int, default=None,
-                   help="overview frames when gating is off (default: 8 on the tiny model, 64 otherwise)")
-    g.add_argument("--gating", type=int, default=None,
-                   help="nFrames gating on/off (default: on for paravt/combined on real data (--data) or with "
-                        "--sft-gated-overviews)")
-    g.add_argument("--gating-choices", default="4,8,16,32,64", help="overview frame counts K is drawn from")
-    g.add_argument("--anchoring", choices=("sequence", "token", "none"), default=None,
-                   help="exploration anchoring (default: sequence for paravt/combined, none for vanilla/vtgr)")
-    g.add_argument("--released-scoring", action="store_true",
-                   help="score generated tokens only, as the ParaVT release did (forced prefix/tool responses unseen)")
-    g.add_argument("--final-eval", action="store_true", help="held-out evaluation at the end (always on for --stage all)")
-    g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N RL steps (0 = only at the end)")
-    g.add_argument("--logprob-chunk", type=int, default=1024)
-    args = p.parse_args(argv)
-    if args.group_size < 2:
-        p.error("--group-size must be >= 2 (group advantages need a group)")
-    try:
-        args.gating_choices = [int(c) for c in args.gating_choices.split(",")]
-    except ValueError:
-        p.error(f"--gating-choices: expected comma-separated frame counts, got {args.gating_choices!r}")
-    if args.gating is None:  # the synthetic SFT shows K = 8 overviews only, unless --sft-gated-overviews: gated
-        # RL would then sample on overview sizes the tiny model never saw (measured: format 0.0-0.6 vs 0.94-1.0)
-        args.gating = int(args.recipe in ("paravt", "combined") and (args.data is not None or args.sft_gated_overviews))
-    if args.anchoring is None:
-        args.anchoring = "sequence" if args.recipe in ("paravt", "combined") else "none"
-    return args
+def synthetic_data(seed: int, n_train: int, n_eval: int, duration: float, mix: str | None,
+                   cache: str) -> tuple[list, list, str]:
+    """The synthetic needle task: a training split (seed 1000 + s) and a held-out one (2000 + s), disjoint."""
+    root = os.path.join(cache, "synthetic")
+    mix = data.parse_mix(mix)
+    train = data.make_split(root, n_train, seed=1000 + seed, mix=mix, duration=duration)
+    held = data.make_split(root, n_eval, seed=2000 + seed, mix=mix, duration=duration)
+    return train, held, root
 
 
-# -----------------------------------------------------------------------------
-# the run
+def split_held_out(records: list, n: int, seed: int) -> tuple[list, list]:
+    """(train, held-out): `n` records drawn with `seed` are held out, and training never draws them."""
+    if len(records) < 2:
+        raise ValueError(f"--data has {len(records)} usable record(s): nothing to hold out; pass --eval-data")
+    n = max(1, min(n, len(records) // 5 or 1))
+    order = list(range(len(records)))
+    random.Random(f"held-out:{seed}").shuffle(order)
+    held = set(order[:n])
+    return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]
+
+
+def load_data(args, rank: int) -> tuple[list, list, str, str]:
+    """(training records, held-out records, video root, where the held-out set came from)."""
+    if not args.data:
+        train, held, root = synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
+                                           os.environ.get("PARAVT_CACHE", "cache"))
+        return train, held, root, "synthetic"
+    train, errors = data.load_records(args.data, args.video_root, args.max_bad_fraction)
+    for e in errors[:5]:
+        print0(rank, f"skipped record: {e}")
+    if args.eval_data:
+        return train, data.load_records(args.eval_data, args.video_root)[0], args.video_root, args.eval_data
+    train, held = split_held_out(train, args.held_out, args.seed)
+    note = f"split: {len(held)} of --data's records (seed {args.seed}), never drawn for training"
+    print0(rank, f"held-out set: {note}")
+    return train, held, args.video_root, note
+
+
+# Each paper's recipe (docs/method.md §5, §7): rollout fields and training flags. The embedded tiny model uses
+# TINY_DEFAULTS instead; a real checkpoint without --preset gets paravt's.
+PRESETS = {
+    "paravt": dict(tool_mode="subagent", overview_nframes=64, max_turns=3, max_calls_per_turn=5,
+                   max_new_tokens=2048, recipe="paravt", group_size=8, prompts_per_step=7, lr=2e-6, sft_lr=1e-5,
+                   clip_low=0.2, clip_high=0.2, kl_coef=0.01, kl_estimator="k1", kl_in_reward=1, temperature=0.7,
+                   shaping=1, gating=1, dynamic_sampling=0, mask_truncated=0),
+    "videoo3": dict(tool_mode="interleaved", overview_nframes=0, overview_fps=2.0, overview_max_frames=768,
+                    max_turns=6, max_calls_per_turn=5, max_new_tokens=2048, recipe="vtgr", group_size=16,
+                    prompts_per_step=32, lr=1e-6, sft_lr=1e-5, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
+                    kl_estimator="k3", kl_in_reward=0, temperature=1.0, shaping=0, gating=0, dynamic_sampling=1,
+                    mask_truncated=1, anchoring="none"),
+}
+TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
+                     max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="combined", group_size=8,
+                     prompts_per_step=4, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
+                     kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
+                     mask_truncated=1)
+
+
+def rollout_config(args) -> rollout.RolloutConfig:
+    extra = dict(rollout.TINY_ROLLOUT) if args.tiny else {}
+    if args.overview_nframes is not None:
+        extra["overview_nframes"] = args.overview_nframes or None     # 0: the fps rule (Video-o3)
+    return rollout.RolloutConfig(**{**dict(tool_mode=args.tool_mode, max_turns=args.max_turns,
+                                           max_calls_per_turn=args.max_calls_per_turn,
+                                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                           group_size=args.group_size, overview_fps=args.overview_fps,
+                                           overview_max_frames=args.overview_max_frames), **extra})
+
+
+def sft_settings(args) -> SFTSettings:
+    return SFTSettings(steps=args.sft_steps, batch=args.sft_batch, micro_batch=args.sft_micro_batch, lr=args.sft_lr,
+                       tdam_ratio=args.tdam_ratio, logprob_chunk=args.logprob_chunk, compile=bool(args.compile))
+
+
+def grpo_settings(args) -> GRPOSettings:
+    names = {f.name for f in dataclasses.fields(GRPOSettings)}
+    return GRPOSettings(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def reference_model(args, device):
+    """The frozen reference for KL: the policy as RL began (the last SFT checkpoint of this run, else --model)."""
+    sft = [d for o, _, d in checkpoints(args.run_dir) if o == STAGE_ORDER["sft"]]
+    src = os.path.join(args.run_dir, sft[-1]) if sft and args.stage == "all" else args.model
+    ref, _ = model_lib.load_model(src, device=device, seed=args.seed, tiny_corpus=rollout.prompt_corpus())
+    return ref.requires_grad_(False).eval()
+
+
+def set_lr(optimizer, lr: float) -> float:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    return lr
+
+
+# ----- distributed
 
 def print0(rank: int, *a, **k) -> None:
     if rank == 0:
-        print(*a, **k, flush=True)
+        tqdm.write(" ".join(str(x) for x in a), **k)
 
 
-def setup_distributed(rank: int, args) -> tuple[int, int, torch.device]:
+def die_with_parent() -> None:
+    """A spawned rank dies with its launcher: the kernel sends SIGKILL when the parent goes (Linux prctl
+    PR_SET_PDEATHSIG), and a watchdog thread checks the parent's pid elsewhere. Orphaned ranks would train on,
+    alongside a --resume started meanwhile."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(1.0)
+    threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:                           # the parent died before the signal was armed
+        os._exit(1)
+
+
+def setup_distributed(rank: int, gpus: int | None, device: str, threads: int) -> tuple[int, int, torch.device]:
     """(rank, world_size, device). One process: no process group. Several: nccl on CUDA, gloo on CPU."""
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    world = int(os.environ.get("WORLD_SIZE", args.gpus or 1))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    world = int(os.environ.get("WORLD_SIZE", gpus or 1))
     if world > 1:
+        if "RANK" not in os.environ:                     # spawned by this launcher (not torchrun)
+            die_with_parent()
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world))
         if use_cuda:
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=int(os.environ["RANK"]), world_size=world)
         rank = dist.get_rank()
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
-    return rank, world, device
+    if threads or (world > 1 and not use_cuda):          # CPU ranks split the cores
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+    return rank, world, torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
 
 
-def all_min(value: int) -> int:
-    """The smallest of an integer across ranks."""
-    t = torch.tensor([value])
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t)
+def shard_model(model) -> None:
+    """FSDP2: each decoder layer its own unit, the final norm with the lm_head (token_logprobs reads
+    lm_head.weight directly), and the root (the vision tower and embeddings), which every forward enters."""
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.model.language_model.layers:
+        fully_shard(layer)
+    fully_shard([model.model.language_model.norm, model.lm_head])
+    fully_shard(model.model)
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def _all_reduce(values: list[float], op) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def all_sum(value: int) -> int:
+    return int(_all_reduce([value], dist.ReduceOp.SUM)[0])
+
+
+def all_sum_float(value: float) -> float:
+    return _all_reduce([value], dist.ReduceOp.SUM)[0]
+
+
+def all_max(value: int) -> int:
+    return int(_all_reduce([value], dist.ReduceOp.MAX)[0])
 
 
 def all_mean(values: dict, world: int) -> dict:
     """Average scalar metrics across ranks (each rank rolled out its own prompts)."""
     if world == 1:
-        return values
+        return {k: float(v) for k, v in values.items()}
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return {k: float(v) / world for k, v in zip(keys, t)}
+    return {k: v / world for k, v in zip(keys, _all_reduce([float(values[k]) for k in keys], dist.ReduceOp.SUM))}
 
 
 @contextlib.contextmanager
@@ -760,341 +1399,31 @@ def full_weights(model):
             m.reshard()
 
 
-def synthetic_data(args, cache: str) -> tuple[list, list, str]:
-    root = os.path.join(cache, "synthetic")
-    mix = data.parse_mix(args.task_mix)
-    train = data.make_split(root, args.n_train, seed=1000 + args.seed, mix=mix, duration=args.task_duration)
-    held = data.make_split(root, args.n_eval, seed=2000 + args.seed, mix=mix, duration=args.task_duration)
-    return train, held, root
+# ----- the run directory: one run at a time
 
+class RunLock:
+    """An exclusive fcntl lock on RUN_DIR/.lock for the life of the launcher: a second run on the same directory
+    is refused with the holder's pid. The kernel drops the lock when the holder dies, even by SIGKILL."""
 
-def rollout_cfg(args, tiny: bool, **over) -> rollout.RolloutConfig:
-    extra = dict(rollout.TINY_ROLLOUT) if tiny else {"overview_nframes": 64}
-    if args.overview_nframes:
-        extra["overview_nframes"] = args.overview_nframes
-    return rollout.RolloutConfig(**{**dict(tool_mode=args.tool_mode, max_turns=args.max_turns,
-                                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                           group_size=args.group_size), **extra, **over})
-
-
-def evaluate_split(model, processor, records, video_root, cfg) -> dict:
-    """Greedy agent on held-out records -> the summary fields of the default run. clue_score is the hybrid
-    clue score of the crops averaged over the questions whose evidence needs them (single and multi clue):
-    a direct question answered from the overview, or a grounding answer, has no crops to score."""
-    greedy = rollout.RolloutConfig(**{**cfg.__dict__, "temperature": 0.0, "group_size": 1})
-    trajs, comps = [], []
-    for i in range(0, len(records), 8):
-        batch = records[i:i + 8]
-        with full_weights(model):
-            out = rollout.run_agent(model, processor, batch, video_root, greedy, seed=0)
-        for rec, t in zip(batch, out):
-            trajs.append(t)
-            comps.append(score_trajectory(t, rec, "combined", "sequence", False)[1])
-    m = rollout_metrics(trajs, comps)
-    clue = [c["clue"] for c, r in zip(comps, records) if rewards.infer_data_type(
-        r["task"], r.get("clues"), r.get("data_type")) in ("single_clue", "multi_clue")]
-    return {"accuracy": m["accuracy"], "format_compliance": m["format_compliance"], "tool_call_ratio": m["tool_call_ratio"],
-            "clue_score": sum(clue) / len(clue) if clue else 0.0, "turns": m["turns"]}
-
-
-def main(rank: int, args) -> dict:
-    t_start = time.time()
-    # ----- compute init
-    rank, world, device = setup_distributed(rank, args)
-    if args.threads or (world > 1 and device.type == "cpu"):     # CPU ranks split the cores
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
-    torch.manual_seed(args.seed + rank)
-    random.seed(args.seed + rank)
-    use_compile = bool(args.compile if args.compile is not None else device.type == "cuda")
-    args.compile = int(use_compile)                  # resolved once: the loss functions read it
-    os.makedirs(args.run_dir, exist_ok=True)
-    metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
-    print0(rank, json.dumps({"args": vars(args), "world": world, "device": str(device)}))
-
-    # ----- model (from the newest checkpoint when resuming)
-    ckpt = latest_checkpoint(args.run_dir) if args.resume else None
-    state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=True) if ckpt else None  # no pickle code
-    model, processor = model_lib.load_model(ckpt or args.model, device=device, seed=args.seed,
-                                            tiny_corpus=rollout.prompt_corpus())
-    tiny = hasattr(model.config, "tiny_model_config")     # the embedded default, fresh or from a checkpoint
-    ids = model_lib.special_token_ids(processor)
-    pad_id = processor.tokenizer.pad_token_id
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable()
-    if world > 1:
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.model.language_model.layers:
-            fully_shard(layer)
-        fully_shard([model.model.language_model.norm, model.lm_head])  # token_logprobs reads lm_head.weight directly
-        fully_shard(model.model)                      # the root: every forward (rollout, training) enters here
-
-    # ----- data
-    cache = os.environ.get("PARAVT_CACHE", "cache")
-    if args.data:
-        train_recs, errors = data.load_records(args.data, args.video_root, args.max_bad_fraction)
-        held = data.load_records(args.eval_data, args.video_root)[0] if args.eval_data else train_recs[:32]
-        video_root = args.video_root
-        for e in errors[:5]:
-            print0(rank, f"skipped record: {e}")
-    else:
-        train_recs, held, video_root = synthetic_data(args, cache)
-    by_id = {r["id"]: r for r in train_recs}
-    cfg = rollout_cfg(args, tiny)
-    run_stages = ["sft", "rl"] if args.stage == "all" else [args.stage]
-    stage0, step0 = (state["stage"], state["step"]) if state else (run_stages[0], 0)
-    if state and rank == 0:
-        truncate_metrics(metrics_path, stage0, step0)
-        print0(rank, f"resumed from {ckpt} ({stage0} step {step0})")
-    summary = {}
-    if args.stage == "all" and not state:
-        summary["before"] = evaluate_split(model, processor, held, video_root, cfg)
-        print0(rank, "before:", json.dumps(summary["before"]))
-    counters = {"skipped_steps": 0, "bad_samples": 0, **(state.get("counters", {}) if state else {})}  # kept across resumes
-
-    def optimizer_step(optimizer, step, loss, stage, sample_ids) -> float | None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
-            msg = f"non-finite loss/grad at {stage} step {step} (samples {sample_ids[:8]})"
-            if args.strict:
-                raise FloatingPointError(msg)
-            print0(rank, "skipped:", msg)
-            counters["skipped_steps"] += 1
-            optimizer.zero_grad(set_to_none=True)
-            return None
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)                      # .item() sync, once per step
-
-    # ----- SFT warm start
-    if "sft" in run_stages and not (state and stage0 == "rl"):
-        sft_items, sft_bad = sft_examples(args, train_recs, processor, video_root, cfg, rank)
-        counters["bad_samples"] += 0 if state else sft_bad    # a resumed run counted them before
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
-        start = step0 if state and stage0 == "sft" else 0
-        if state and stage0 == "sft" and state["optimizer"]:
-            optimizer.load_state_dict(state["optimizer"])
-            torch.set_rng_state(state["rng_torch"])
-            random.setstate(state["rng_random"])
-        model.train()
-        for step in tqdm(range(start + 1, args.sft_steps + 1), desc="sft", disable=rank != 0, initial=start,
-                         total=args.sft_steps):
-            t0 = time.time()
-            lr = get_lr(step - 1, args.sft_steps, args.sft_lr, warmup_steps=min(10, args.sft_steps // 10))
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            rng = random.Random(f"sft:{args.seed}:{step}:{rank}")   # string seeds: draws independent across steps
-            items = [sft_items[rng.randrange(len(sft_items))] for _ in range(args.sft_batch)]
-            tdam = rng.random() < args.tdam_ratio
-            loss, n_tok = sft_backward(model, items, args.sft_micro_batch, pad_id, args.logprob_chunk,
-                                       ids if tdam else None, use_compile)
-            gn = optimizer_step(optimizer, step, loss.detach(), "sft", [t.record_id for t in items])
-            row = all_mean({"loss": float(loss.detach()), "grad_norm": gn if gn is not None else float("nan"), "lr": lr,
-                            "tokens_per_s": n_tok / (time.time() - t0), "step_time": time.time() - t0,
-                            "tdam": float(tdam)}, world)
-            if rank == 0:
-                append_metrics(metrics_path, {"stage": "sft", "step": step, **row, **counters})
-                if step % 25 == 0 or step == args.sft_steps:
-                    tqdm.write(f"sft {step}/{args.sft_steps} | loss {row['loss']:.4f} | lr {lr:.2e} | "
-                               f"{row['step_time']:.2f}s")
-            if step % args.save_every == 0 or step == args.sft_steps:
-                save0(rank, world, args.run_dir, step, model, processor, optimizer, {"stage": "sft", "counters": counters})
-        model.eval()
-        if args.stage == "all":
-            summary["sft"] = evaluate_split(model, processor, held, video_root, cfg)
-            print0(rank, "after SFT:", json.dumps(summary["sft"]))
-
-    # ----- RL (PARA-GRPO / VTGR / combined / vanilla)
-    if "rl" in run_stages:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        ref_model = None
-        if args.kl_coef > 0:    # the frozen reference = the policy as RL began: the SFT result, else --model
-            sft_ckpts = sorted(glob.glob(os.path.join(args.run_dir, "ckpt-sft-*[0-9]")))
-            src = sft_ckpts[-1] if "sft" in run_stages and sft_ckpts else args.model
-            ref_model, _ = model_lib.load_model(src, device=device, seed=args.seed, tiny_corpus=rollout.prompt_corpus())
-            ref_model.requires_grad_(False)
-        start = step0 if state and stage0 == "rl" else 0
-        if state and stage0 == "rl" and state["optimizer"]:
-            optimizer.load_state_dict(state["optimizer"])
-            torch.set_rng_state(state["rng_torch"])
-            random.setstate(state["rng_random"])
-        close_ids = [ids[t] for t in ("</think>", "</tool_call>", "</answer>") if ids.get(t) is not None]
-        warned, rl_bad = set(), 0                     # record ids whose video failed (warn once each), failed samples
-        video_id = model.config.video_token_id
-        for step in tqdm(range(start + 1, args.rl_steps + 1), desc="rl", disable=rank != 0, initial=start,
-                         total=args.rl_steps):
-            t0 = time.time()
-            lr = get_lr(step - 1, args.rl_steps, args.lr, args.warmup_steps)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            # ----- rollouts: each rank its own prompts, K gated per prompt (same K for its group)
-            rng = random.Random(f"rl:{args.seed}:{step}:{rank}")
-            recs = [train_recs[rng.randrange(len(train_recs))] for _ in range(args.prompts_per_step)]
-            ks = [rewards.gate_nframes(r["id"], step, args.gating_choices, seed=args.seed) if args.gating else None for r in recs]
-            model.eval()
-            with full_weights(model):
-                trajs = rollout.run_agent(model, processor, recs, video_root, cfg,
-                                          seed=args.seed * 1_000_003 + step * 101 + rank, nframes=ks)
-            # ----- rewards and advantages
-            scored = [score_trajectory(t, recs[i // args.group_size], args.recipe, args.anchoring, args.released_scoring)
-                      for i, t in enumerate(trajs)]
-            R = torch.tensor([s for s, _ in scored])
-            adv = rewards.group_advantages(R, args.group_size, shaping=args.shaping)
-            zero_var = rewards.zero_variance_groups(R, args.group_size)
-            keep = torch.tensor([t.error is None and t.token_ids != [] and trainable(t, video_id) for t in trajs])
-            if args.mask_truncated:
-                keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in trajs])
-            if args.dynamic_sampling:
-                keep &= ~zero_var.repeat_interleave(args.group_size)
-            n_failed = sum(t.error is not None for t in trajs)
-            rl_bad += n_failed
-            counters["bad_samples"] += n_failed
-            for t in trajs[::args.group_size]:
-                if t.error is not None and t.record_id not in warned:
-                    warned.add(t.record_id)
-                    print(f"skipped sample {t.record_id} (rl step {step}, rank {rank}): {t.error}", flush=True)
-            if rl_bad > args.max_bad_fraction * (step - start) * len(trajs) and step - start > 5:   # this run's RL samples
-                raise RuntimeError(f"more than {args.max_bad_fraction:.0%} of samples failed by step {step}: "
-                                   f"see the skipped-sample messages above")
-            items = [(t, float(adv[i]), comps) for i, (t, (_, comps)) in enumerate(zip(trajs, scored)) if keep[i]]
-            if args.train_subagents:
-                items += [(s, a, c) for t, a, c in list(items) for s in t.subagents if trainable(s, video_id)]
-            stats = {"clip_frac": 0.0, "kl": 0.0, "loss": 0.0}   # no kept sample: no update this step
-            gn = None
-            model.train()
-            if (len(items) if world == 1 else all_min(len(items))) > 0:   # FSDP: every rank updates, or none
-                gn, stats = policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, step, rank,
-                                          optimizer_step)
-            # ----- log
-            m = rollout_metrics(trajs, [c for _, c in scored])
-            m.update(reward=float(R.mean()), zero_var_frac=float(zero_var.float().mean()), kept=len(items),
-                     grad_norm=gn if gn is not None else float("nan"), lr=lr, step_time=time.time() - t0,
-                     tokens_per_s=sum(len(t.token_ids) for t in trajs) / (time.time() - t0), **stats)
-            m = all_mean(m, world)
-            if rank == 0:
-                append_metrics(metrics_path, {"stage": "rl", "step": step, **m, **counters})
-                tqdm.write(f"rl {step}/{args.rl_steps} | R {m['reward']:.3f} | acc {m['accuracy']:.2f} | "
-                           f"fmt {m['format_compliance']:.2f} | tool {m['tool_call_ratio']:.2f} | "
-                           f"turns {m['turns']:.2f} | K {m['mean_k']:.1f} | zero-var {m['zero_var_frac']:.2f} | "
-                           f"clip {m['clip_frac']:.3f} | kl {m['kl']:.4f} | {m['step_time']:.1f}s")
-            if args.eval_every and step % args.eval_every == 0:   # every rank (FSDP gathers), rank 0 prints
-                print0(rank, "eval:", json.dumps(evaluate_split(model, processor, held, video_root, cfg)))
-            if step % args.save_every == 0 or step == args.rl_steps:
-                save0(rank, world, args.run_dir, step, model, processor, optimizer, {"stage": "rl", "counters": counters})
-        model.eval()
-    # ----- summary
-    if args.stage == "all" or args.final_eval:
-        summary["after"] = evaluate_split(model, processor, held, video_root, cfg)
-        summary["seconds"] = round(time.time() - t_start, 1)
-        if rank == 0:
-            png = plot_run(args.run_dir) if "rl" in run_stages else None
-            cols = [s for s in ("before", "sft", "after") if s in summary]
-            print(f"{'':18s}" + "".join(f"{ {'sft': 'SFT', 'after': 'final'}.get(s, s):>10s}" for s in cols))
-            for k in summary["after"]:
-                print(f"{k:18s}" + "".join(f"{summary[s][k]:10.3f}" for s in cols))
-            print(f"curves: {png}")
-            print(json.dumps(summary))
-    if os.environ.get("PARAVT_DUMP_PARAMS"):         # tests: a digest of each full weight as this rank sees it
-        digests = {n: hashlib.sha256((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-                                     .numpy().tobytes()).hexdigest() for n, p in model.named_parameters()}
-        with open(f"{os.environ['PARAVT_DUMP_PARAMS']}.rank{rank}.json", "w") as f:
-            json.dump(digests, f)
-    if world > 1:
-        dist.destroy_process_group()
-    return summary
-
-
-def sft_examples(args, records, processor, video_root, cfg, rank) -> tuple[list, int]:
-    """(encoded SFT trajectories, number skipped): bad records are skipped and counted, never fatal unless most are bad."""
-    errors, pairs = [], []
-    if args.sft_data:                    # trajectory records: {"id", "video", "prompt" | prompt fields, "messages"}
-        with open(args.sft_data) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    r = json.loads(line)
-                    pairs.append((r.get("prompt") or r, r["messages"], f"{args.sft_data}:{n}", None))
-                except (json.JSONDecodeError, KeyError, AttributeError) as e:
-                    errors.append(f"{args.sft_data}:{n}: not a trajectory record ({type(e).__name__}: {e})")
-    else:  # oracle trajectories of the synthetic task: each record with the evaluation overview, and with
-        # --sft-gated-overviews once more with a K drawn from the gating choices (RL's gated overviews)
-        rng = np.random.default_rng(args.seed)
-        k_eval = cfg.overview_nframes or 8
-        choices = args.gating_choices if args.sft_gated_overviews else []
-        for r in records:
-            for k in [k_eval] + ([int(rng.choice(choices))] if choices else []):
-                try:
-                    msgs = data.oracle_turns(r, rng, always_call=args.always_call, nframes=k,
-                                             direct_crop=args.direct_crop)
-                    pairs.append((r, msgs, r["id"], k))
-                except (ValueError, KeyError) as e:
-                    errors.append(f"{r.get('id')}: no oracle trajectory ({e}); pass --sft-data for real data")
-    items = []
-    for rec, msgs, where, k in pairs:        # k: the overview's frame count (None: the rollout's own rule)
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, ".lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            items.append(rollout.encode_messages(processor, rec, msgs, video_root, cfg, nframes=k))
-        except (ValueError, KeyError, OSError) as e:
-            errors.append(f"{where}: {e}")
-    for e in errors[:5]:
-        print0(rank, f"skipped SFT record: {e}")
-    if not items or len(errors) > args.max_bad_fraction * (len(items) + len(errors)):
-        raise ValueError(f"{len(errors)} of {len(items) + len(errors)} SFT records are bad; first: {errors[:3]}")
-    return items, len(errors)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise ValueError(f"{run_dir} is in use by another run (pid {holder}); wait for it, stop it, or use "
+                             f"another --run-dir") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
 
-
-def policy_update(model, ref_model, optimizer, items, args, pad_id, close_ids, step, rank, optimizer_step):
-    """GRPO update on the kept trajectories: ppo_epochs passes of micro-batches; with several epochs the old
-    log-probs are recomputed first by a no-grad forward (with one, they equal the current ones)."""
-    chunks = [items[i:i + args.micro_batch] for i in range(0, len(items), args.micro_batch)]
-    batches = [rollout.collate([t for t, _, _ in c], model, pad_id) for c in chunks]
-    advs = []
-    for c, b in zip(chunks, batches):
-        a = torch.tensor([x for _, x, _ in c])[:, None].expand(-1, b["input_ids"].shape[1] - 1).clone()
-        if args.anchoring == "token":       # anchor credit on the closing-tag tokens only (SPEC 4.1)
-            tags = rewards.anchor_token_mask(b["input_ids"][:, 1:], close_ids)
-            a += 0.5 * torch.tensor([cm["anchor"] for _, _, cm in c])[:, None] * tags
-        advs.append(a)
-    with torch.no_grad(), full_weights(model):
-        old = [forward_logprobs(model, b, args.logprob_chunk, compile=bool(args.compile)) if args.ppo_epochs > 1
-               else None for b in batches]
-        ref = [forward_logprobs(ref_model, b, args.logprob_chunk, compile=bool(args.compile)) if ref_model is not None else None for b in batches]
-    n_total = sum(int((b["roles"][:, 1:] == 1).sum()) for b in batches)
-    # FSDP: every rank must run as many forward/backward passes (each all-gathers and reduce-scatters)
-    pad = -all_min(-len(batches)) - len(batches) if dist.is_initialized() else 0
-    gn, stats_sum = None, {"clip_frac": 0.0, "kl": 0.0}
-    for epoch in range(args.ppo_epochs):
-        total = torch.zeros(())
-        for b, o, a, r in zip(batches, old, advs, ref):
-            loss, st = grpo_step_loss(model, b, o, a, r, args)
-            n = int((b["roles"][:, 1:] == 1).sum())
-            (loss * n / max(1, n_total)).backward()     # token-mean over the whole batch, across micro-batches
-            total = total + loss.detach() * n / max(1, n_total)
-            for k in stats_sum:
-                stats_sum[k] += float(st.get(k, 0.0)) * n / max(1, n_total) / args.ppo_epochs
-        for _ in range(pad):                           # zero-weight passes: no gradient, matching collectives
-            (grpo_step_loss(model, batches[-1], old[-1], advs[-1], ref[-1], args)[0] * 0.0).backward()
-        gn = optimizer_step(optimizer, step, total, "rl", [t.record_id for t, _, _ in items])
-        stats_sum["loss"] = float(total)             # the last epoch's token-mean loss
-    return gn, stats_sum
-
-
-def save0(rank, world, run_dir, step, model, processor, optimizer, extra) -> None:
-    """Checkpoint from rank 0 (FSDP: the full state dict gathered first, on every rank)."""
-    state_dict = None
-    if world > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        save_checkpoint(run_dir, step, model, processor, optimizer if world == 1 else None,
-                        {**extra, "step": step}, state_dict)
-    if world > 1:
-        dist.barrier()
-
-
-def find_free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
 def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
@@ -1113,9 +1442,174 @@ def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
             f"to continue it, or another --run-dir (or delete this one)")
 
 
+def find_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+# ----- arguments: parsed, checked and resolved once
+
+# The embedded default (`python train.py` with no arguments): sizes chosen for a 2-core CPU
+# (frame sizes and prompt settings of the tiny model: rollout.TINY_ROLLOUT).
+TINY_TASK = dict(n_train=256, n_eval=48, duration=64.0)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Flags -> the run's effective settings: every default that depends on another flag (the preset, the
+    model, the recipe, the device) is settled here, and combinations that cannot work are refused."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("run")
+    g.add_argument("--stage", choices=("all", "sft", "rl"), default="all",
+                   help="all = the default pipeline: SFT warm start, then RL, then held-out evaluation")
+    g.add_argument("--run-dir", default="runs/default", help="checkpoints, metrics.jsonl, curves.png")
+    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --run-dir")
+    g.add_argument("--seed", type=int, default=0, help="seeds the model init, the data draws and the sampling")
+    g.add_argument("--strict", action="store_true", help="raise on a non-finite loss/grad instead of skipping the step")
+    g.add_argument("--plot", metavar="RUN_DIR", default=None, help="only draw RUN_DIR/curves.png from its metrics.jsonl")
+    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--keep-last", type=int, default=3,
+                   help="keep the newest N checkpoints of each stage (0 = all); the last SFT one and the best "
+                        "by evaluation are always kept")
+    g.add_argument("--report-to", choices=("none", "tensorboard", "wandb"), default="none",
+                   help="also send the metrics there (metrics.jsonl and curves.png are always written)")
+    g.add_argument("--debug", action="store_true", help="show the traceback of a bad-input error")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--gpus", type=int, default=None, help="processes on this node (default: visible CUDA devices, or 1)")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto = cuda when visible")
+    g.add_argument("--threads", type=int, default=0,
+                   help="CPU threads per process (0 = torch's default; 1 is far faster on a busy or shared CPU)")
+    g.add_argument("--compile", type=int, default=None, help="torch.compile the log-prob kernels (default: 1 on CUDA, 0 on CPU)")
+    g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward (large models)")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a Qwen3-VL / Qwen2.5-VL checkpoint dir")
+    g.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a paper's recipe (overview, limits, clip, KL, temperature, learning rates); default: "
+                        "paravt for a real checkpoint, the tiny settings for the embedded model")
+    g.add_argument("--data", default=None, help="RL prompt records JSONL (docs/data.md); default: the synthetic task")
+    g.add_argument("--sft-data", default=None, help="SFT trajectory records JSONL (docs/data.md); needs --data")
+    g.add_argument("--video-root", default=None, help="folder the records' video paths are relative to (needs --data)")
+    g.add_argument("--eval-data", default=None, help="held-out prompt records (default: --held-out records split off --data)")
+    g.add_argument("--held-out", type=int, default=32,
+                   help="with --data and no --eval-data: records held out of training for evaluation (at most 20%%)")
+    g.add_argument("--max-bad-fraction", type=float, default=0.2, help="stop if more than this fraction of samples is bad")
+    g.add_argument("--keep-bad-calls", action="store_true",
+                   help="train on SFT trajectories whose tool calls the environment would refuse (default: skip them)")
+    g.add_argument("--n-train", type=int, default=TINY_TASK["n_train"], help="synthetic task: training prompts")
+    g.add_argument("--n-eval", type=int, default=TINY_TASK["n_eval"], help="synthetic task: held-out prompts")
+    g.add_argument("--task-duration", type=float, default=TINY_TASK["duration"], help="synthetic task: video seconds")
+    g.add_argument("--task-mix", default=None, help="synthetic task: kind=weight,... (default: data.DEFAULT_MIX)")
+    g.add_argument("--direct-crop", type=float, default=0.0,
+                   help="synthetic SFT: chance the oracle crops a direct clue it could read off the overview")
+    g.add_argument("--sft-gated-overviews", type=int, default=0,
+                   help="synthetic SFT: each record also with a K-frame overview, K drawn from --gating-choices")
+    g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
+    g = p.add_argument_group("SFT")
+    g.add_argument("--sft-steps", type=int, default=600, help="SFT optimizer steps")
+    g.add_argument("--sft-batch", type=int, default=8, help="trajectories per SFT step (per rank)")
+    g.add_argument("--sft-micro-batch", type=int, default=2,
+                   help="rows per forward, grouped by length within the batch (same gradient, fewer pad tokens)")
+    g.add_argument("--sft-lr", type=float, default=None, help="SFT peak learning rate (tiny: 2e-3; presets: 1e-5)")
+    g.add_argument("--tdam-ratio", type=float, default=0.1, help="fraction of SFT batches trained with TDAM masks")
+    g = p.add_argument_group("RL (defaults: the preset's, or the tiny model's)")
+    g.add_argument("--rl-steps", type=int, default=20, help="RL optimizer steps")
+    g.add_argument("--recipe", choices=rewards.RECIPES, default=None, help="reward recipe (see the module docstring)")
+    g.add_argument("--group-size", type=int, default=None, help="G: samples per prompt (>= 2)")
+    g.add_argument("--prompts-per-step", type=int, default=None, help="groups per step and rank")
+    g.add_argument("--lr", type=float, default=None, help="RL peak learning rate")
+    g.add_argument("--warmup-steps", type=int, default=0, help="RL linear warmup steps")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer passes per batch (old log-probs recomputed first)")
+    g.add_argument("--micro-batch", type=int, default=8, help="trajectories per training forward")
+    g.add_argument("--clip-low", type=float, default=None, help="PPO clip eps_low")
+    g.add_argument("--clip-high", type=float, default=None, help="PPO clip eps_high (Video-o3's clip higher: 0.3)")
+    g.add_argument("--kl-coef", type=float, default=None, help="beta of the KL to the frozen reference (0 = off)")
+    g.add_argument("--kl-estimator", choices=("k1", "k3"), default=None, help="per-token KL estimator")
+    g.add_argument("--kl-in-reward", type=int, default=None,
+                   help="1: fold beta * sum_t k1 into the reward (ParaVT); 0: a KL loss term (k3)")
+    g.add_argument("--shaping", type=int, default=None, help="1: ParaVT reward shaping clip(10 (R - 0.2), +-20)")
+    g.add_argument("--dynamic-sampling", type=int, default=None,
+                   help="1: drop zero-variance groups and draw more prompts until the batch is full (DAPO)")
+    g.add_argument("--max-draws", type=int, default=4, help="dynamic sampling: rollout rounds per step at most")
+    g.add_argument("--mask-truncated", type=int, default=None, help="1: exclude trajectories cut by a limit from the loss")
+    g.add_argument("--train-subagents", action="store_true", help="train sub-agent tokens with their caller's advantage")
+    g.add_argument("--tool-mode", choices=("interleaved", "subagent"), default=None,
+                   help="crops interleaved into the context (Video-o3) or summarised by sub-agents (ParaVT)")
+    g.add_argument("--max-turns", type=int, default=None, help="tool rounds before the forced answer")
+    g.add_argument("--max-calls-per-turn", type=int, default=None, help="parallel calls executed per turn")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per assistant turn")
+    g.add_argument("--temperature", type=float, default=None, help="RL sampling temperature (ParaVT: 0.7)")
+    g.add_argument("--overview-nframes", type=int, default=None,
+                   help="overview frames when gating is off (0 = the fps rule; default: the preset's, 8 on the tiny model)")
+    g.add_argument("--overview-fps", type=float, default=None, help="overview fps when no frame count is set")
+    g.add_argument("--overview-max-frames", type=int, default=None, help="overview frame cap of the fps rule")
+    g.add_argument("--gating", type=int, default=None,
+                   help="nFrames gating on/off (default: on for paravt/combined on real data (--data) or with "
+                        "--sft-gated-overviews)")
+    g.add_argument("--gating-choices", default="4,8,16,32,64", help="overview frame counts K is drawn from")
+    g.add_argument("--anchoring", choices=("sequence", "token", "none"), default=None,
+                   help="exploration anchoring (default: sequence for paravt/combined, none for vanilla/vtgr)")
+    g.add_argument("--released-scoring", action="store_true",
+                   help="score generated tokens only, as the ParaVT release did (forced prefix/tool responses unseen)")
+    g.add_argument("--final-eval", action="store_true", help="held-out evaluation at the end (always on for --stage all)")
+    g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N RL steps (0 = only at the end)")
+    g.add_argument("--logprob-chunk", type=int, default=1024, help="token rows per chunk of the fused log-prob kernel")
+    args = p.parse_args(argv)
+    try:
+        resolve(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def is_tiny(name_or_path: str) -> bool:
+    """The embedded tiny model, fresh ('tiny', 'tiny-qwen') or trained (its config.json says so)."""
+    if name_or_path in ("tiny", "tiny-qwen"):
+        return True
+    config = os.path.join(name_or_path, "config.json")
+    return os.path.isfile(config) and "tiny_model_config" in json.load(open(config))
+
+
+def resolve(args) -> None:
+    """Fill every None default from the preset (or the tiny settings), then refuse what cannot work."""
+    args.tiny = is_tiny(args.model)
+    if args.preset is None and not args.tiny:
+        args.preset = "paravt"                           # a real checkpoint never inherits the tiny settings
+    base = PRESETS[args.preset] if args.preset else TINY_DEFAULTS
+    for k, v in base.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    try:
+        args.gating_choices = [int(c) for c in args.gating_choices.split(",")]
+    except ValueError:
+        raise ValueError(f"--gating-choices: expected comma-separated frame counts, got {args.gating_choices!r}") from None
+    if args.gating is None:  # the synthetic SFT shows K = 8 overviews only, unless --sft-gated-overviews: gated
+        # RL would then sample on overview sizes the tiny model never saw (measured: format 0.0-0.6 vs 0.94-1.0)
+        args.gating = int(args.recipe in ("paravt", "combined") and (args.data is not None or args.sft_gated_overviews))
+    if args.anchoring is None:
+        args.anchoring = "sequence" if args.recipe in ("paravt", "combined") else "none"
+    if args.compile is None:
+        args.compile = int(args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()))
+    for flag in ("kl_in_reward", "shaping", "dynamic_sampling", "mask_truncated", "gating"):
+        setattr(args, flag, bool(getattr(args, flag)))
+    if args.group_size < 2:
+        raise ValueError("--group-size must be >= 2 (group advantages need a group)")
+    if args.recipe == "vtgr" and args.anchoring == "sequence":
+        raise ValueError("--recipe vtgr --anchoring sequence: VTGR's strict format reward has no anchor term to "
+                         "weight; use --anchoring token (credit on the closing tags) or --anchoring none")
+    if args.kl_coef and args.kl_estimator == "k1" and not args.kl_in_reward:
+        raise ValueError("--kl-estimator k1 as a loss term has zero expected gradient on-policy (it regularises "
+                         "nothing); use --kl-in-reward 1 (ParaVT) or --kl-estimator k3")
+    if args.video_root and not (args.data or args.eval_data):
+        raise ValueError("--video-root without --data: the synthetic task renders its own videos and ignores it; "
+                         "pass --data RECORDS.jsonl with it")
+    if args.sft_data and not args.data:
+        raise ValueError("--sft-data without --data: RL and the held-out evaluation would run on the synthetic task, "
+                         "not on the records the trajectories belong to; pass --data too")
+
+
 def launch(args) -> None:
     """The launcher: torchrun's environment, `--gpus N` processes spawned here, or one process.
-    A bad device request, or a --run-dir holding another run, is a ValueError before anything starts."""
+    A bad device request, a --run-dir holding another run, or one in use is a ValueError before anything starts."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)")
     if args.gpus is None:   # default: every visible CUDA device, or one CPU process
@@ -1124,20 +1618,38 @@ def launch(args) -> None:
     if spawn and args.device != "cpu" and args.gpus > torch.cuda.device_count():
         raise ValueError(f"--gpus {args.gpus} but only {torch.cuda.device_count()} CUDA devices are visible "
                          f"(use --device cpu for a gloo run on CPU)")
-    first = os.environ.get("RANK", "0") == "0"       # under torchrun, rank 0 checks (before any rank writes)
-    if first and not args.plot and (why := stale_run(args.run_dir, args.stage, args.resume)):
-        raise ValueError(why)
     if args.plot:
         print(plot_run(args.plot))
-    elif "RANK" in os.environ:                        # started by torchrun (multi-node, or habit)
-        main(int(os.environ.get("LOCAL_RANK", 0)), args)
-    elif spawn:                                       # python train.py --gpus 8
-        os.environ.setdefault("MASTER_ADDR", "localhost")
-        os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-        torch.multiprocessing.spawn(main, args=(args,), nprocs=args.gpus)
-    else:                                             # one GPU or CPU: no process group
-        main(0, args)
+        return
+    first = os.environ.get("RANK", "0") == "0"       # under torchrun, rank 0 checks (before any rank writes)
+    if first and (why := stale_run(args.run_dir, args.stage, args.resume)):
+        raise ValueError(why)
+    lock = RunLock(args.run_dir) if first else None
+    try:
+        if "RANK" in os.environ:                      # started by torchrun (multi-node, or habit)
+            main(int(os.environ.get("LOCAL_RANK", 0)), args)
+        elif spawn:                                   # python train.py --gpus 8
+            os.environ.setdefault("MASTER_ADDR", "localhost")
+            os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+            torch.multiprocessing.spawn(main, args=(args,), nprocs=args.gpus)
+        else:                                         # one GPU or CPU: no process group
+            main(0, args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def cli(argv=None) -> None:
+    """`python train.py ...`: a bad input is one line saying what and where (exit 2); --debug shows the traceback."""
+    args = parse_args(argv)
+    try:
+        launch(args)
+    except (ValueError, FileNotFoundError, data.RecordError) as e:
+        if args.debug:
+            raise
+        print(f"train.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    launch(parse_args())
+    cli()

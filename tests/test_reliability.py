@@ -46,7 +46,7 @@ def nan_on_first_call(fn):
 
 STAGES = [  # (stage flags, the loss function made to return NaN once)
     (["--stage", "sft", "--sft-batch", "2", "--n-train", "4"], "sft_loss"),
-    (["--stage", "rl", "--mask-truncated", "0", "--prompts-per-step", "1"], "grpo_step_loss"),
+    (["--stage", "rl", "--mask-truncated", "0", "--prompts-per-step", "1"], "grpo_loss"),
 ]
 
 
@@ -210,6 +210,8 @@ def test_trainer_state_is_loaded_with_weights_only():
 
 
 def test_checkpoint_is_safetensors_and_plain_tensors(tiny, tmp_path):
+    """The weights as safetensors, the trainer state as plain tensors (weights_only), and AdamW's moments in the
+    torch.distributed.checkpoint folder, restored exactly into a fresh optimizer."""
     model, processor = tiny
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)      # lr 0: the shared model stays as it is
     model.lm_head.weight.sum().backward()
@@ -218,11 +220,18 @@ def test_checkpoint_is_safetensors_and_plain_tensors(tiny, tmp_path):
     path = train.save_checkpoint(str(tmp_path), 3, model, processor, optimizer,
                                  {"stage": "rl", "counters": {"skipped_steps": 1, "bad_samples": 2}})
     files = sorted(os.listdir(path))
-    assert "model.safetensors" in files
+    assert "model.safetensors" in files and "train_state" in files
     assert not [f for f in files if f.endswith((".bin", ".pkl", ".pickle", ".pth"))], files
     assert [f for f in files if f.endswith(".pt")] == ["trainer.pt"]
     state = torch.load(os.path.join(path, "trainer.pt"), weights_only=True)   # raises on any pickled object
     assert (state["stage"], state["step"], state["counters"]["bad_samples"]) == ("rl", 3, 2)
-    assert state["optimizer"]["state"] and isinstance(state["rng_torch"], torch.Tensor)
+    assert isinstance(state["rng_torch"], torch.Tensor)
     saved = load_file(os.path.join(path, "model.safetensors"))
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.0)
+    train.load_train_state(path, model, fresh)
+    want, got = optimizer.state_dict()["state"], fresh.state_dict()["state"]
+    assert want and set(want) <= set(got)                          # (params without a gradient: fresh zeros)
+    assert all(not got[k]["exp_avg"].any() for k in set(got) - set(want))
+    assert all(torch.equal(want[k]["exp_avg"], got[k]["exp_avg"]) and torch.equal(want[k]["exp_avg_sq"], got[k]["exp_avg_sq"])
+               for k in want)

@@ -110,8 +110,10 @@ def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
     once more with a K drawn from the gating choices."""
     model, processor = tiny
     args = train.parse_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
-    records, _, root = train.synthetic_data(args, os.environ["PARAVT_CACHE"])
-    items, bad = train.sft_examples(args, records, processor, root, train.rollout_cfg(args, True), 0)
+    records, _, root = train.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
+                                            os.environ["PARAVT_CACHE"])
+    items, bad = train.sft_examples(records, processor, root, train.rollout_config(args), sft_data=None, seed=args.seed,
+                                    gated_choices=args.gating_choices if args.sft_gated_overviews else [])
     assert bad == 0 and len(items) == len(records) * len(ks)
     assert {t.nframes for t in items} == ks and [t.record_id for t in items[::len(ks)]] == [r["id"] for r in records]
 
@@ -148,14 +150,14 @@ def varied_reward(traj, record, recipe, anchoring, released_scoring):
     return total + (sum(traj.token_ids) % 7) / 7.0, parts
 
 
-SCORE = train.score_trajectory
+SCORE = rewards.score_trajectory
 
 
 def test_resume_is_exact(tmp_path, monkeypatch):
     """Stopped after step 2 and resumed to step 4 == 4 steps in one go, bit for bit (CPU, fixed seeds).
     The stop is an exception in the rollout of step 3 (after checkpoint 2), not `--rl-steps 2`: the
     cosine schedule depends on --rl-steps, so a 2-step run is a different run."""
-    monkeypatch.setattr(train, "score_trajectory", varied_reward)
+    monkeypatch.setattr(rewards, "score_trajectory", varied_reward)
     argv = lambda d: smoke_argv(d, "--stage", "rl", "--rl-steps", "4", "--save-every", "1", "--mask-truncated", "0",
                                 "--prompts-per-step", "1")
     run(argv(tmp_path / "straight"))
@@ -309,7 +311,7 @@ def tdam_batch(tiny, tmp_path_factory):
     model, processor = tiny
     root = str(tmp_path_factory.mktemp("tdam"))
     recs = [r for r in data.make_split(root, 8, seed=5) if r["data_type"] == "single_clue"][:2]
-    cfg = train.rollout_cfg(train.parse_args([]), tiny=True)
+    cfg = train.rollout_config(train.parse_args([]))
     oracle = data.oracle_turns(recs[0], np.random.default_rng(0))
     assert any(m["role"] == "tool" for m in oracle)            # the oracle crops
     trajs = [rollout.encode_messages(processor, recs[0], oracle, root, cfg),
@@ -399,7 +401,7 @@ NO_CLUES = {**RECORD, "clues": None, "data_type": None}
 def test_combined_uses_vtgr_tool_term_when_clues_exist():
     t = hand_trajectory()
     assert rewards.grounding_format_reward(t.turns) == 1.0   # strict format holds, so the VTGR term is live
-    total, parts = train.score_trajectory(t, RECORD, "combined", "sequence", False)
+    total, parts = rewards.score_trajectory(t, RECORD, "combined", "sequence", False)
     vtgr_tool = rewards.vtgr_tool_term("single_clue", t.windows, RECORD["clues"], 1, True, True)
     paravt_total, paravt_parts = rewards.paravt_reward(t.text, "A", "mcq", anchor_weight=0.5)
     assert vtgr_tool != paravt_parts["tool"]                 # the two tool terms differ here
@@ -407,7 +409,7 @@ def test_combined_uses_vtgr_tool_term_when_clues_exist():
     assert total == pytest.approx(paravt_total - paravt_parts["tool"] + vtgr_tool)
     assert parts["clue"] == pytest.approx(rewards.hybrid_clue_score(t.windows, RECORD["clues"]))
     # without clue windows, combined is ParaVT's reward unchanged
-    total, parts = train.score_trajectory(t, NO_CLUES, "combined", "sequence", False)
+    total, parts = rewards.score_trajectory(t, NO_CLUES, "combined", "sequence", False)
     assert total == pytest.approx(paravt_total) and parts["tool"] == paravt_parts["tool"]
 
 
@@ -419,9 +421,9 @@ def test_anchor_by_recipe_and_anchoring(turns, windows, why):
     t = hand_trajectory(turns, windows)
     anchor = rewards.format_anchor(t.text)
     assert anchor != 0, why
-    seq, parts = train.score_trajectory(t, RECORD, "paravt", "sequence", False)
-    tok, tok_parts = train.score_trajectory(t, RECORD, "paravt", "token", False)
-    vanilla, _ = train.score_trajectory(t, RECORD, "vanilla", "none", False)
+    seq, parts = rewards.score_trajectory(t, RECORD, "paravt", "sequence", False)
+    tok, tok_parts = rewards.score_trajectory(t, RECORD, "paravt", "token", False)
+    vanilla, _ = rewards.score_trajectory(t, RECORD, "vanilla", "none", False)
     acc = rewards.accuracy_reward(t.text, "A", "mcq")
     plain = acc + rewards.format_reward(t.text, anchor_weight=0.0) + rewards.tool_reward(t.text, acc)
     assert vanilla == pytest.approx(plain)                   # vanilla: no anchor at all
@@ -435,8 +437,8 @@ def test_anchor_by_recipe_and_anchoring(turns, windows, why):
 def test_released_scoring_scores_policy_text():
     """The release scored generated tokens only: no forced "<think>\\n", no tool responses."""
     t = hand_trajectory()
-    ours, _ = train.score_trajectory(t, RECORD, "paravt", "sequence", False)
-    released, _ = train.score_trajectory(t, RECORD, "paravt", "sequence", True)
+    ours, _ = rewards.score_trajectory(t, RECORD, "paravt", "sequence", False)
+    released, _ = rewards.score_trajectory(t, RECORD, "paravt", "sequence", True)
     assert released == pytest.approx(rewards.paravt_reward(t.policy_text, "A", "mcq", anchor_weight=0.5)[0])
     assert ours == pytest.approx(rewards.paravt_reward(t.text, "A", "mcq", anchor_weight=0.5)[0])
     assert released < ours                                   # the forced prefix and the tool response go unseen
@@ -444,7 +446,7 @@ def test_released_scoring_scores_policy_text():
 
 def test_vtgr_recipe_is_video_o3_reward():
     t = hand_trajectory()
-    total, parts = train.score_trajectory(t, RECORD, "vtgr", "none", False)
+    total, parts = rewards.score_trajectory(t, RECORD, "vtgr", "none", False)
     want, _ = rewards.vtgr_reward(t.turns, t.text, "A", "mcq", "single_clue", t.windows, RECORD["clues"], 1)
     assert total == pytest.approx(want) and total > 2.0      # right answer, strict format, a good crop
     assert parts["anchor"] == pytest.approx(rewards.format_anchor(t.text))
@@ -478,21 +480,3 @@ def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam):
     shapes = [b["input_ids"].shape for b in train.sft_micro_batches(items, 2, model, pad_id)]
     short, long_ = sorted(len(t.token_ids) for t in trajs)
     assert shapes == [(2, short), (2, long_)]            # like lengths together: the short pair pads to `short`
-
-
-def test_summary_clue_score_averages_the_questions_that_need_crops(monkeypatch):
-    """evaluate_split: clue_score over single/multi-clue questions only; a direct question answered from the
-    overview and a grounding answer (no crops to score) do not pull it down; accuracy is over all."""
-    kinds = ["single_clue", "multi_clue", "direct", "grounding"]
-    recs = [{"id": k, "task": "tvg" if k == "grounding" else "mcq", "clues": [[0.0, 8.0]], "data_type": k,
-             "answer": "A"} for k in kinds]
-    clue = {"single_clue": 0.6, "multi_clue": 0.4, "direct": 0.0, "grounding": 0.0}
-    traj = lambda r: SimpleNamespace(record_id=r["id"], error=None, text="", n_calls=int(clue[r["id"]] > 0),
-                                     n_tool_turns=int(clue[r["id"]] > 0), tool_failures=0, truncated=False,
-                                     hit_turn_limit=False, nframes=8)
-    monkeypatch.setattr(rollout, "run_agent", lambda model, proc, batch, root, cfg, seed: [traj(r) for r in batch])
-    monkeypatch.setattr(train, "score_trajectory", lambda t, r, *a: (0.0, {"acc": 1.0, "clue": clue[r["id"]]}))
-    monkeypatch.setattr(train, "full_weights", lambda model: contextlib.nullcontext())
-    out = train.evaluate_split(None, None, recs, "", rollout.RolloutConfig())
-    assert out["clue_score"] == pytest.approx(0.5) and out["accuracy"] == pytest.approx(1.0)
-    assert out["tool_call_ratio"] == pytest.approx(0.5)
