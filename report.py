@@ -52,8 +52,8 @@ MAX_OVERVIEW_THUMBS = 32            # a K = 64 overview shows every other frame
 DEFAULT_K = 16                      # overview frames shown when the row does not record K
 CROP_THUMBS = 4                     # frames shown per crop window
 REWARD_KEYS = ("acc", "format", "anchor", "tool", "clue", "turn_decay")
-REWARD_NAMES = {"acc": "accuracy R_acc", "format": "format R_fmt", "anchor": "anchor", "tool": "tool term R_tool",
-                "clue": "hybrid clue score", "turn_decay": "turn decay"}
+REWARD_NAMES = {"acc": "R_acc", "format": "R_fmt", "anchor": "anchor", "tool": "R_tool", "clue": "clue score",
+                "turn_decay": "turn decay"}
 
 
 # ----------------------------------------------------------------------------- reading rows
@@ -108,6 +108,15 @@ def _trajectory_text(row: dict) -> str:
     return "".join(t for _, t in segs) if segs else str(row.get("response") or "")
 
 
+def data_type(record: dict) -> str | None:
+    """The record's data_type, inferred from its task and clues when absent (rewards.infer_data_type);
+    None for a value rewards.py does not know."""
+    try:
+        return rewards.infer_data_type(record.get("task"), _pairs(record.get("clues")), record.get("data_type"))
+    except ValueError:
+        return None
+
+
 def reward_components(record: dict, row: dict) -> dict[str, tuple[float | None, str]]:
     """{component: (value, "logged" | "recomputed" | why it is missing)} for REWARD_KEYS (+ any extra logged key)."""
     logged = row.get("rewards") if isinstance(row.get("rewards"), dict) else {}
@@ -126,7 +135,7 @@ def reward_components(record: dict, row: dict) -> dict[str, tuple[float | None, 
     out.setdefault("anchor", (rewards.format_anchor(text), "recomputed"))
     if acc is not None:
         out.setdefault("tool", (rewards.tool_reward(text, acc), "recomputed"))
-    clues, dtype = _pairs(record.get("clues")), record.get("data_type")
+    clues, dtype = _pairs(record.get("clues")), data_type(record)
     if clues:
         out.setdefault("clue", (rewards.hybrid_clue_score(_pairs(row.get("windows")), clues,
                                                           multi_clue=dtype == "multi_clue"), "recomputed"))
@@ -213,21 +222,21 @@ def _ticks(duration: float) -> list[float]:
     return [i * step for i in range(int(duration // step) + 1)]
 
 
-def timeline_svg(duration: float, clues: list, windows: list, turns: list[int | None], width: int = 960) -> str:
+def timeline_svg(duration: float, clues: list, windows: list, turns: list[int | None], width: int = 640) -> str:
     """SVG of [0, duration]: a lane of clue windows (also shaded behind every lane), then one lane per crop,
     lanes grouped by turn (a turn's parallel calls stacked). Rects carry data-start / data-end / data-turn."""
-    left, lane, gap = 70, 14, 3
+    left, lane, gap, top0 = 52, 14, 3, 4
     x = lambda t: left + (width - left - 10) * min(max(t, 0.0), duration) / duration
     order = sorted(range(len(windows)), key=lambda i: (turns[i] is None, turns[i] or 0, i))
-    height = 22 + (lane + gap) * (1 + len(windows)) + 18
+    height = top0 + (lane + gap) * (1 + len(windows)) + 18
     out = [f'<svg class="timeline" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img">']
-    top = 22 + lane + gap
+    top = top0 + lane + gap
     for s, e in clues:   # clue bands behind the crop lanes: over- and under-cropping visible at a glance
         out.append(f'<rect class="clueband" x="{x(s):.1f}" y="{top}" width="{max(x(e) - x(s), 1):.1f}" '
                    f'height="{(lane + gap) * len(windows)}"/>')
-    out.append(f'<text class="lbl" x="4" y="{22 + lane - 3}">clues</text>')
+    out.append(f'<text class="lbl" x="4" y="{top0 + lane - 3}">clues</text>')
     for s, e in clues:
-        out.append(f'<rect class="clue" data-start="{s!r}" data-end="{e!r}" x="{x(s):.1f}" y="22" '
+        out.append(f'<rect class="clue" data-start="{s!r}" data-end="{e!r}" x="{x(s):.1f}" y="{top0}" '
                    f'width="{max(x(e) - x(s), 1):.1f}" height="{lane}"><title>clue [{s:g}, {e:g}] s</title></rect>')
     prev = object()
     for lane_i, i in enumerate(order):
@@ -278,16 +287,18 @@ def _question_html(record: dict, row: dict, video_root: str | None, anchor: str)
     verdict = "error" if flags["error"] else "wrong" if flags["wrong"] else "right"
     h = [f'<section class="{classes}" id="{anchor}" data-id="{html.escape(str(record["id"]))}">',
          f'<h2><span class="verdict v-{verdict}">{verdict}</span> {html.escape(str(record["id"]))} '
-         f'<small>{html.escape(str(record.get("task")))} · {html.escape(str(record.get("data_type")))} · '
+         f'<small>{html.escape(str(record.get("task")))} · {html.escape(str(data_type(record) or record.get("data_type")))} · '
          f'{duration:.1f} s · K = {k if k is not None else "not recorded"}</small></h2>',
          f'<p class="question">{html.escape(str(record.get("question", "")))}</p>']
     if record.get("options"):
-        h.append('<ol class="options" type="A">' + "".join(f"<li>{html.escape(str(o))}</li>" for o in record["options"]) + "</ol>")
+        h.append('<p class="options">' + " · ".join(f"{chr(65 + i)}. {html.escape(str(o))}"
+                                                     for i, o in enumerate(record["options"])) + "</p>")
     h.append(f'<p class="answers">gold <b>{html.escape(str(record.get("answer")))}</b> · predicted '
              f'<b>{html.escape(str(pred))}</b> · turns {_fmt(row.get("turns"))} · calls {_fmt(row.get("calls"))} '
              f'· tool failures {_fmt(row.get("tool_failures"))}'
              + (f' · <span class="err">error: {html.escape(str(row["error"]))}</span>' if row.get("error") else "") + "</p>")
     h += [_note(n) for n in notes]
+    h.append('<div class="cols"><div class="pics">')
     # overview strip
     if path is not None:
         n = k if k is not None else DEFAULT_K
@@ -319,14 +330,6 @@ def _question_html(record: dict, row: dict, video_root: str | None, anchor: str)
             cells.append(f'<div class="cropbox" style="border-color:{colour}"><div class="ch" '
                          f'style="background:{colour}">{head}</div>{body}</div>')
         h.append('<h3>crops</h3><div class="crops">' + "".join(cells) + "</div>")
-    # turns
-    segs, how = _segments(row)
-    h.append(f'<h3>trajectory <small>(roles {html.escape(how)}; <span class="legend env">environment</span> '
-             f'<span class="legend policy">policy</span>)</small></h3><div class="traj">')
-    for role, text in segs:
-        text = re.sub(r"(?:<\|video_pad\|>){2,}", lambda m: f"<|video_pad|>×{len(m.group(0)) // 13}", text)
-        h.append(f'<pre class="seg {role}" data-role="{role}">{html.escape(text)}</pre>')
-    h.append("</div>")
     # rewards
     comps = reward_components(record, row)
     h.append('<h3>rewards</h3><table class="rewards"><tr>' +
@@ -334,9 +337,15 @@ def _question_html(record: dict, row: dict, video_root: str | None, anchor: str)
              "".join(f'<td title="{html.escape(src)}" class="{"rec" if src == "recomputed" else "log" if src == "logged" else "na"}">'
                      f"{_fmt(v)}</td>" for c, (v, src) in comps.items()) +
              f"<td>{k if k is not None else '–'}</td></tr></table>")
-    if any(src == "recomputed" for _, src in comps.values()):
-        h.append(_note("italic: recomputed from the trajectory with rewards.py (ParaVT format, anchor and "
-                       "R_tool; Video-o3 clue score and turn decay); upright: logged by the run"))
+    # turns
+    segs, how = _segments(row)
+    h.append('</div><div class="turns">')
+    h.append(f'<h3>trajectory <small>(roles {html.escape(how)}; <span class="legend env">environment</span> '
+             f'<span class="legend policy">policy</span>)</small></h3><div class="traj">')
+    for role, text in segs:
+        text = re.sub(r"(?:<\|video_pad\|>){2,}", lambda m: f"<|video_pad|>×{len(m.group(0)) // 13}", text)
+        h.append(f'<pre class="seg {role}" data-role="{role}">{html.escape(text)}</pre>')
+    h.append("</div></div></div>")
     h.append("</section>")
     return "\n".join(h)
 
@@ -362,13 +371,16 @@ th{background:#f0f0f0;font-weight:600}
 .summary{display:flex;gap:24px;flex-wrap:wrap;align-items:flex-start}
 .verdict{font-size:12px;padding:1px 6px;border-radius:3px;color:#fff}
 .v-right{background:#2ca02c}.v-wrong{background:#d62728}.v-error{background:#555}
-.question{margin:4px 0} .options{margin:2px 0;padding-left:24px;columns:2;max-width:600px} .answers{margin:4px 0}
+.question{margin:4px 0} .options{margin:2px 0;color:#333} .answers{margin:4px 0}
+.cols{display:grid;grid-template-columns:minmax(0,1fr) minmax(0,1fr);gap:18px}
 .err{color:#b00} .note{color:#8a5a00;background:#fff7e0;padding:2px 6px;margin:4px 0}
 .strip{display:flex;gap:3px;overflow-x:auto;padding-bottom:4px}
 figure{margin:0;text-align:center} figure img{height:56px;display:block;image-rendering:pixelated}
 figcaption{font-size:10px;color:#555}
 .crops{display:flex;gap:8px;flex-wrap:wrap}
-.cropbox{border:2px solid;border-radius:4px;padding:0 4px 4px;display:flex;gap:3px;flex-wrap:wrap;max-width:300px}
+.cropbox{border:2px solid;border-radius:4px;padding:0 4px 4px;display:flex;gap:3px;flex-wrap:wrap;width:212px}
+.cf img{height:44px}
+.key{font-size:12px;color:#555;margin:6px 0 0}
 .ch{width:100%;color:#fff;font-size:11px;padding:1px 4px;margin:0 -4px 2px}
 svg.timeline{max-width:100%;height:auto;background:#fff}
 .clue{fill:#2ca02c} .clueband{fill:#2ca02c;opacity:.13} .axis{stroke:#888}
@@ -378,7 +390,7 @@ pre.seg{white-space:pre-wrap;word-break:break-word;margin:0;padding:3px 6px;font
 pre.env{background:#eef2f7;color:#456;border-left:3px solid #8aa;font-style:italic}
 pre.policy{background:#fff;color:#111;border-left:3px solid #1f77b4}
 .legend{padding:0 4px} .legend.env{background:#eef2f7;color:#456;font-style:italic}
-.legend.policy{border-left:3px solid #1f77b4}
+.legend.policy{border-left:3px solid #1f77b4;background:#fff}
 td.rec{font-style:italic} td.na{color:#999}
 """
 
@@ -421,6 +433,10 @@ def _summary_html(pairs: list[tuple[dict, dict]], metrics: dict | None, shown: i
     if unmatched:
         extra.append(f"{unmatched} prediction row(s) match no record and are left out")
     h += [_note(x) for x in extra]
+    h.append('<p class="key">rewards in <i>italics</i> are recomputed from the trajectory with rewards.py (ParaVT '
+             'R_fmt, anchor and R_tool; Video-o3 hybrid clue score and turn decay); upright ones were logged by the '
+             'run. Timeline: green = ground-truth clue windows (shaded behind the crop lanes), one lane per crop, '
+             'coloured by turn.</p>')
     return "\n".join(h)
 
 

@@ -335,3 +335,22 @@ def test_report_of_a_scripted_rollout(tiny, tmp_path, monkeypatch):
     assert [t for *_, t in page.sections[0]["crops"]] == ["1"]
     assert "fail" in page.sections[0]["classes"] and remote_resources(text, page) == []
     assert rows[0]["nframes"] + 2 <= page.sections[0]["imgs"] <= rows[0]["nframes"] + 4   # K + one crop's frames
+
+
+REAL = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "real_videos")
+
+
+@pytest.mark.skipif(not os.path.isdir(REAL), reason="needs ../shared/real_videos")
+def test_real_videos_of_other_codecs(tmp_path):
+    """AV1 in Matroska, 10-bit H.264, H.265: thumbnails for the overview and each crop, data_type inferred."""
+    names = ["av1_video.mkv", "h264_10bits.mp4", "h265_video.mp4"]
+    records = [{"id": n, "video": n, "question": "What is shown?", "answer": "A", "task": "mcq", "options": ["x", "y"],
+                "clues": [[0.2, 0.6]]} for n in names]
+    rows = [{"id": n, "response": "<think>\nlook\n</think>\n<answer>B</answer>", "turns": 2, "calls": 1,
+             "windows": [[0.1, 0.9]], "tool_failures": 0, "nframes": 4} for n in names]
+    text = open(report.write_report(str(tmp_path), records, rows, video_root=REAL), encoding="utf-8").read()
+    page = Page(text)
+    assert [s["id"] for s in page.sections] == names
+    assert all(4 + 2 <= s["imgs"] <= 4 + 4 for s in page.sections), [s["imgs"] for s in page.sections]
+    assert all("wrong" in s["classes"] for s in page.sections) and 'class="note">video not shown' not in text
+    assert text.count("mcq · single_clue") == 3
