@@ -74,19 +74,20 @@ def _pairs(x) -> list[tuple[float, float]]:
 def window_turns(row: dict) -> list[int | None]:
     """Turn number (1-based) of each of row["windows"], read off row["calls_by_turn"]; None where unknown.
 
-    Same count of windows in both: positional (calls_by_turn may hold the windows before clamping to
-    the video). Otherwise each window is matched, in order, to the next equal window of calls_by_turn."""
+    Each window is matched, in order, to the next equal window of calls_by_turn (which may also hold
+    calls that failed). If some window finds no match but both lists are as long, they are paired by
+    position instead (calls_by_turn may hold the windows as called, before clamping to the video)."""
     windows, by_turn = _pairs(row.get("windows")), row.get("calls_by_turn")
     if not isinstance(by_turn, list):
         return [None] * len(windows)
     flat = [(t + 1, w) for t, calls in enumerate(by_turn) for w in _pairs(calls)]
-    if len(flat) == len(windows):
-        return [t for t, _ in flat]
     out, j = [], 0
     for w in windows:
         k = next((k for k in range(j, len(flat)) if all(abs(a - b) < 1e-6 for a, b in zip(flat[k][1], w))), None)
         out.append(None if k is None else flat[k][0])
         j = j if k is None else k + 1
+    if None in out and len(flat) == len(windows):
+        return [t for t, _ in flat]
     return out
 
 

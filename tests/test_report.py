@@ -354,3 +354,14 @@ def test_real_videos_of_other_codecs(tmp_path):
     assert all(4 + 2 <= s["imgs"] <= 4 + 4 for s in page.sections), [s["imgs"] for s in page.sections]
     assert all("wrong" in s["classes"] for s in page.sections) and 'class="note">video not shown' not in text
     assert text.count("mcq · single_clue") == 3
+
+
+@pytest.mark.parametrize("windows, by_turn, expected", [
+    ([[1, 2], [3, 4], [5, 6]], [[[1, 2], [3, 4]], [[5, 6]], []], [1, 1, 2]),     # parallel calls, then one
+    ([[3, 4]], [[[70, 80], [3, 4]], []], [1]),                                  # a failed call is skipped
+    ([[0, 4]], [[[-2, 4]]], [1]),                                               # clamped window: by position
+    ([[1, 2], [9, 9.5]], [[[1, 2]], [[50, 60], [70, 80]]], [1, None]),          # no match, counts differ
+    ([[1, 2]], None, [None]),                                                   # not recorded
+])
+def test_window_turns(windows, by_turn, expected):
+    assert report.window_turns({"windows": windows, "calls_by_turn": by_turn}) == expected
