@@ -66,7 +66,7 @@ import socket
 import sys
 import threading
 import time
-import traceback
+import warnings
 
 import numpy as np
 import torch
@@ -1080,7 +1080,9 @@ def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra:
         os.makedirs(tmp)
     barrier(world)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "train_state"))
+    with warnings.catch_warnings():             # one process, no process group: DCP says so, rightly
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "train_state"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
         if world > 1 else None
     if rank == 0:
@@ -1111,7 +1113,9 @@ def load_train_state(ckpt: str, model, optimizer) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     # partial: a parameter that never had a gradient has no AdamW state in the file and keeps fresh zeros
-    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
