@@ -1345,6 +1345,11 @@ def shard_model(model) -> None:
     """FSDP2: each decoder layer its own unit, the final norm with the lm_head (token_logprobs reads
     lm_head.weight directly), and the root (the vision tower and embeddings), which every forward enters."""
     from torch.distributed.fsdp import fully_shard
+    # The root returns the visual features beside the hidden states (video_outputs.pooler_output: per-video
+    # torch.split views); FSDP2 warns that an in-place op on such a view would skip its hook. Nothing here
+    # touches them (the loss reads last_hidden_state, not a view); tests/test_rl_correctness.py checks the
+    # 2-rank gradients against one process's.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPQwen3VLModel\) returned a view tensor")
     for layer in model.model.language_model.layers:
         fully_shard(layer)
     fully_shard([model.model.language_model.norm, model.lm_head])

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -211,6 +212,39 @@ def test_fsdp_two_cpu_processes(tmp_path, cache):
     unchanged = [n for n, p in init.named_parameters() if ranks[0][n] == model_lib_digest(p.detach())]
     assert not unchanged, f"FSDP training left these untouched (their gradients never arrived): {unchanged}"
     assert [r["step"] for r in metrics(tmp_path) if r["stage"] == "rl"] == [1, 2]
+
+
+def test_fsdp_kill_and_resume_equals_an_uninterrupted_run(tmp_path, cache):
+    """--gpus 2 on gloo: SIGKILL the launcher after a checkpoint (its ranks die with it), resume from the
+    distributed checkpoint (model and AdamW state), and the weights at the end equal an uninterrupted run's.
+    The 2-rank checkpoint also loads into one process (resharded)."""
+    env = {**os.environ, "PARAVT_CACHE": cache, "OMP_NUM_THREADS": "1"}
+    argv = lambda d: [sys.executable, "train.py", *smoke_argv(d, "--stage", "sft", "--sft-steps", "4", "--sft-batch", "2",
+                                                             "--save-every", "2", "--keep-last", "0"),
+                      "--gpus", "2", "--device", "cpu"]
+    proc = subprocess.run(argv(tmp_path / "straight"), cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launcher = subprocess.Popen(argv(tmp_path / "killed"), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while train.latest_checkpoint(str(tmp_path / "killed")) is None and launcher.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    launcher.kill()
+    launcher.wait()
+    assert train.latest_checkpoint(str(tmp_path / "killed")).endswith("ckpt-sft-000002")
+    time.sleep(3)                                          # the ranks die with the launcher: nothing more is written
+    assert train.latest_checkpoint(str(tmp_path / "killed")).endswith("ckpt-sft-000002")
+    proc = subprocess.run(argv(tmp_path / "killed") + ["--resume"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = weights(tmp_path / "straight" / "ckpt-sft-000004"), weights(tmp_path / "killed" / "ckpt-sft-000004")
+    assert not [k for k in a if not torch.equal(a[k], b[k])]
+    moved = weights(tmp_path / "straight" / "ckpt-sft-000002")
+    assert [k for k in a if not torch.equal(a[k], moved[k])], "steps 3-4 changed nothing"
+    model, _ = model_lib.load_model(str(tmp_path / "straight" / "ckpt-sft-000002"), device="cpu")
+    opt = torch.optim.AdamW(model.parameters())
+    train.load_train_state(str(tmp_path / "straight" / "ckpt-sft-000002"), model, opt)
+    assert sum(int(s["exp_avg"].abs().sum() > 0) for s in opt.state.values()) > len(opt.state) // 2
 
 
 def model_lib_digest(t: torch.Tensor) -> str:
