@@ -204,7 +204,7 @@ def load_records(path: str, video_root: str | None = None, max_bad_fraction: flo
     return records, errors
 
 
-def _atomic_write(path: str, data: bytes) -> None:
+def atomic_write(path: str, data: bytes) -> None:
     """Write to a temp file in the same folder, then os.replace: readers never see a partial file."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -220,7 +220,7 @@ def _atomic_write(path: str, data: bytes) -> None:
 
 def write_records(path: str, records: list[dict]) -> None:
     """Write records as JSONL, atomically (temp file + os.replace)."""
-    _atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+    atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
 
 
 def format_question(record: dict) -> str:
@@ -347,7 +347,7 @@ def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: 
                 if os.path.exists(tmp):
                     os.unlink(tmp)
                 raise
-            _atomic_write(side, json.dumps({"spec": spec, "bytes": os.path.getsize(path)}).encode())
+            atomic_write(side, json.dumps({"spec": spec, "bytes": os.path.getsize(path)}).encode())
         records.append(rec)
     return records
 
