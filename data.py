@@ -1,8 +1,8 @@
 """
 Data records (JSONL) and the synthetic "needle in a long video" task.
 
-Prompt record (SPEC 9), one JSON object per line, as `load_records` yields it:
-  id: str; video: str (relative to video_root, must stay inside it); question: str;
+Prompt record (docs/method.md §9), one JSON object per line, as `load_records` yields it:
+  id: str; video: str (relative to video_root, no `..`; links inside the root are followed); question: str;
   options: [str] | None (letters A, B, ... implied by order); answer: "B" (mcq) | str (oe) | [s, e] (tvg);
   task: "mcq" | "oe" | "tvg"; clues: [[s, e], ...] | None (evidence windows, seconds);
   data_type: single_clue | multi_clue | direct | free_form | grounding (inferred when absent: tvg ->
@@ -11,7 +11,7 @@ Prompt record (SPEC 9), one JSON object per line, as `load_records` yields it:
 SFT record (`write_sft_records`): {"id", "video", "prompt": <prompt record>, "messages": [...]} where
   messages are the Hugging Face chat messages AFTER the prompt (the system prompt and the user turn
   with the overview are built by the rollout code from "prompt"): assistant contents are strings in
-  the CONTRACT text format (forced "<think>\n" prefix included, no <|im_end|>: the chat template adds
+  the text format of docs/method.md §2 (forced "<think>\n" prefix included, no <|im_end|>: the chat template adds
   it) and each tool result is {"role": "tool", "content": [{"type": "video", "video": path,
   "video_start": s, "video_end": e}]}, one per call, which the rollout turns into real clips.
 
@@ -75,14 +75,18 @@ class RecordError(ValueError):
 # ----------------------------------------------------------------------------- records I/O
 
 def resolve_video(video_root: str, rel: str) -> str:
-    """Real path of a record's video; refuses any path (../, absolute, symlink) that lands outside video_root."""
+    """Path of a record's video under video_root. The path is checked AS WRITTEN in the record: relative,
+    with no `..` component, so it names something inside the root. Symlinks inside the root are then
+    followed like any path (datasets are usually laid out as links; that layout is the user's own), so
+    no realpath is compared. Only records choose paths: a tool call always crops its record's video."""
     if not isinstance(rel, str) or not rel:
         raise ValueError(f"video path must be a non-empty string, got {rel!r}")
-    root = os.path.realpath(video_root)
-    path = os.path.realpath(os.path.join(root, rel))  # an absolute rel replaces root here, then is checked
-    if os.path.commonpath([root, path]) != root:
-        raise ValueError(f"video path {rel!r} resolves to {path}, outside the video root {root}")
-    return path
+    if os.path.isabs(rel) or rel[:1] in "/\\" or re.match(r"[A-Za-z]:", rel):
+        raise ValueError(f"video path {rel!r} is absolute; write it relative to the video root {video_root}")
+    if ".." in re.split(r"[/\\]", rel):
+        raise ValueError(f"video path {rel!r} has a '..' component: a record's path must not lead outside "
+                         f"the video root {video_root}")
+    return os.path.normpath(os.path.join(video_root, rel))
 
 
 def _pair(x, what: str) -> list[float]:
@@ -200,7 +204,7 @@ def load_records(path: str, video_root: str | None = None, max_bad_fraction: flo
     return records, errors
 
 
-def _atomic_write(path: str, data: bytes) -> None:
+def atomic_write(path: str, data: bytes) -> None:
     """Write to a temp file in the same folder, then os.replace: readers never see a partial file."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -216,7 +220,7 @@ def _atomic_write(path: str, data: bytes) -> None:
 
 def write_records(path: str, records: list[dict]) -> None:
     """Write records as JSONL, atomically (temp file + os.replace)."""
-    _atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+    atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
 
 
 def format_question(record: dict) -> str:
@@ -343,7 +347,7 @@ def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: 
                 if os.path.exists(tmp):
                     os.unlink(tmp)
                 raise
-            _atomic_write(side, json.dumps({"spec": spec, "bytes": os.path.getsize(path)}).encode())
+            atomic_write(side, json.dumps({"spec": spec, "bytes": os.path.getsize(path)}).encode())
         records.append(rec)
     return records
 
@@ -394,7 +398,7 @@ def seen_at(clue: list[float], patches: list[tuple[float, float, float]]) -> flo
 
 def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = False,
                  window_noise: float = 1.0, nframes: int = 8, direct_crop: float = 0.0) -> list[dict]:
-    """The SFT target after the prompt: assistant strings (CONTRACT format) and one tool message per call.
+    """The SFT target after the prompt: assistant strings (docs/method.md §2 format) and one tool message per call.
 
     The oracle acts only on what a K-frame overview shows (`nframes` = the overview the rollout uses).
     A mark is seen in a temporal patch printed as "<t seconds>" whose two frames lie at t +- d/2

@@ -43,21 +43,38 @@ def _glyph(frame, top: bool = False, left: bool = False) -> str | None:
 
 # ----------------------------------------------------------------------------- resolve_video
 
-def test_resolve_video_refuses_escapes(tmp_path):
+def test_resolve_video_refuses_escapes_as_written(tmp_path):
     root, outside = tmp_path / "root", tmp_path / "outside.mp4"
     (root / "videos").mkdir(parents=True)
     (root / "videos" / "a.mp4").write_bytes(b"x")
     outside.write_bytes(b"x")
-    os.symlink(outside, root / "link.mp4")
-    for rel in ["../outside.mp4",            # parent escape
-                str(outside),                # absolute path outside the root
-                "link.mp4",                  # symlink inside the root pointing outside
-                "videos/../../outside.mp4"]:  # escape hidden after a real folder
-        with pytest.raises(ValueError, match="outside the video root"):
+    for rel, reason in [("../outside.mp4", "'..' component"),               # parent escape
+                        ("videos/../../outside.mp4", "'..' component"),     # escape hidden after a real folder
+                        ("videos/../a.mp4", "'..' component"),              # even one that comes back in
+                        (str(outside), "absolute"),                         # absolute path outside the root
+                        (str(root / "videos" / "a.mp4"), "absolute")]:      # absolute, even inside
+        with pytest.raises(ValueError, match=reason):
             data.resolve_video(str(root), rel)
-    real = os.path.realpath(root / "videos" / "a.mp4")
-    assert data.resolve_video(str(root), "videos/a.mp4") == real
-    assert data.resolve_video(str(root), str(root / "videos" / "a.mp4")) == real  # absolute but inside
+    assert data.resolve_video(str(root), "videos/a.mp4") == str(root / "videos" / "a.mp4")
+
+
+def test_symlinked_dataset_layout_is_followed(tmp_path):
+    """A video root made of links (a file link, a folder link, both pointing outside the root) is the
+    user's layout: train and eval read through it, via validate_record / load_records and resolve_video."""
+    store, root = tmp_path / "store", tmp_path / "root"
+    (store / "clips").mkdir(parents=True)
+    (store / "clips" / "b.mp4").write_bytes(b"x")
+    (store / "a.mp4").write_bytes(b"x")
+    root.mkdir()
+    os.symlink(store / "a.mp4", root / "a.mp4")
+    os.symlink(store / "clips", root / "clips")
+    assert os.path.realpath(data.resolve_video(str(root), "clips/b.mp4")) == str((store / "clips" / "b.mp4").resolve())
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(_good(id="a")) + "\n" + json.dumps(_good(id="b", video="clips/b.mp4")) + "\n"
+                    + json.dumps(_good(id="c", video="../store/a.mp4")) + "\n", encoding="utf-8")
+    records, errors = data.load_records(str(path), str(root))
+    assert [r["id"] for r in records] == ["a", "b"]
+    assert len(errors) == 1 and errors[0].startswith(f"{path}:3:") and "'..' component" in errors[0]
 
 
 # ----------------------------------------------------------------------------- validate_record / load_records
