@@ -296,6 +296,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="answer parser (default: the benchmark's official one)")
     g.add_argument("--random-fallback", type=int, default=None, metavar="SEED",
                    help="draw a seeded random letter for unparsed answers (as LongVideoBench/MMMU do); off by default")
+    p.add_argument("--report", metavar="DIR", default=None,
+                   help="also write DIR/index.html: each question's overview, crops on a timeline, turns and rewards")
     p.add_argument("--debug", action="store_true", help="show the traceback of a bad input instead of one line")
     args = p.parse_args(argv)
     if args.predictions and args.model:
@@ -355,6 +357,11 @@ def run(args: argparse.Namespace) -> dict:
         ids = {r["id"] for r in records}
         rows = [r for r in read_predictions(out) if str(r["id"]) in ids]
     print(format_report(metrics))
+    if args.report:
+        import report
+        page = report.write_report(args.report, records, rows, metrics=metrics, video_root=video_root,
+                                   title=f"{bench} ({args.preset})")
+        say(f"trajectory report: {page}")
     reasons = error_reasons(rows)
     if reasons:
         print(f"{sum(bool(r.get('error')) for r in rows)} row(s) ended in an error; the commonest reasons:", file=sys.stderr)

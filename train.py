@@ -933,16 +933,20 @@ def main(rank: int, args) -> dict:
 
 
 def evaluate_held_out(model, processor, records: list, video_root: str, cfg: rollout.RolloutConfig, run: "Run",
-                      name: str) -> dict:
+                      name: str, report_questions: int = 8) -> dict:
     """The greedy agent on the held-out records through eval.py's runner (official-style scores plus format
-    compliance, tool-call ratio, clue score, turns); predictions in RUN_DIR/eval/<name>.jsonl."""
-    greedy = dataclasses.replace(cfg, temperature=0.0, group_size=1)
+    compliance, tool-call ratio, clue score, turns); predictions in RUN_DIR/eval/<name>.jsonl and a trajectory
+    report of the first `report_questions` questions in RUN_DIR/report/<name>/index.html (rank 0)."""
     out = os.path.join(run.run_dir, "eval", f"{name}.rank{run.rank}.jsonl")
     if os.path.exists(out):                            # new weights: never resume another evaluation's answers
         os.remove(out)
     with full_weights(model):
-        m = evaluation.evaluate(model, processor, records, video_root, greedy, bench="records", out_path=out,
-                                batch_size=8, seed=0, quiet=run.rank != 0)
+        m = evaluation.evaluate(model, processor, records, video_root, cfg, bench="records", out_path=out, batch_size=8)
+    if run.rank == 0 and report_questions:
+        import report
+        rows = evaluation.read_predictions(out)
+        report.write_report(os.path.join(run.run_dir, "report", name), records, rows, metrics=m, video_root=video_root,
+                            title=f"held-out evaluation: {name}", max_questions=report_questions)
     keys = ("accuracy", "miou", "r_acc", "format_compliance", "tool_call_ratio", "clue_score", "turns")
     row = {k: float(m[k]) for k in keys if isinstance(m.get(k), (int, float))}
     print0(run.rank, f"eval {name}: " + json.dumps(row))
@@ -954,6 +958,7 @@ def print_summary(summary: dict, png: str | None) -> None:
     print(f"{'':18s}" + "".join(f"{ {'sft': 'SFT', 'after': 'final'}.get(s, s):>10s}" for s in cols))
     for k in summary["after"]:
         print(f"{k:18s}" + "".join(f"{summary[s].get(k, float('nan')):10.3f}" for s in cols))
+    print("(accuracy and miou in %, official-style scoring; r_acc is the reward's 0-1 accuracy, grounding IoU included)")
     print(f"curves: {png}")
     print(json.dumps(summary))
 
