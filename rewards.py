@@ -152,7 +152,7 @@ def policy_view(text: str) -> str:
 
 
 def extract_answer(text: str) -> str | None:
-    """The answer, SPEC 4.1 order (ParaVT release): (1) the first `<answer>...</answer>` (innermost if
+    """The answer, docs/method.md §4.1 order (ParaVT release): (1) the first `<answer>...</answer>` (innermost if
     nested); else (2) the text after the first `</think>` without tool blocks, later think blocks,
     chat markers and stray tags; else (3) the last non-empty line, outside tool blocks, that is not a tag
     line. None if none.
@@ -274,7 +274,7 @@ def _window(target) -> tuple[float, float]:
 
 
 def score_answer(answer: str | None, target, task: str) -> float:
-    """R_acc of an extracted answer (ParaVT, SPEC 4.1), in [0, 1]. None scores 0.
+    """R_acc of an extracted answer (ParaVT, docs/method.md §4.1), in [0, 1]. None scores 0.
     mcq: letter equality; oe: token F1; tvg: IoU of the first window in the answer with the target."""
     if task == "mcq":
         gold = extract_letter(str(target), 26)
@@ -345,7 +345,7 @@ def format_anchor(text: str) -> float:
 
 
 def format_reward(text: str, anchor_weight: float = 0.5) -> float:
-    """ParaVT R_fmt, answer-suffix recipe with Exploration Anchoring (SPEC 4.1), in [-0.3 anchor_weight, 1]:
+    """ParaVT R_fmt, answer-suffix recipe with Exploration Anchoring (docs/method.md §4.1), in [-0.3 anchor_weight, 1]:
       0.2 [has_think] + [has_answer_body] (0.3 [<answer>] + 0.2 [</answer>]) + anchor_weight * anchor
       + 0.3 [has_think and has_tool and the first <think> precedes the first tool call]
       + 0.1 [score so far > 0 and think, tool_call, grounding, answer tags balanced]
@@ -405,7 +405,7 @@ def _tool_score(has_tool: bool, has_response: bool, acc: float) -> float:
 
 def paravt_reward(text: str, target, task: str, anchor_weight: float = 0.5,
                   w_fmt: float = 1.0) -> tuple[float, dict[str, float]]:
-    """ParaVT R = R_acc + w_fmt R_fmt + R_tool (SPEC 4.1), in [-0.3 anchor_weight w_fmt, 1.8 + w_fmt].
+    """ParaVT R = R_acc + w_fmt R_fmt + R_tool (docs/method.md §4.1), in [-0.3 anchor_weight w_fmt, 1.8 + w_fmt].
     Degenerate output (>= 5 `<|im_start|>` in fewer than 300 characters) scores 0 overall.
     For token-level anchoring pass anchor_weight=0 and use components["anchor"] on the closing tags."""
     if text.count("<|im_start|>") >= 5 and len(text) < 300:
@@ -431,7 +431,7 @@ def merge_windows(windows) -> list[tuple[float, float]]:
 
 
 def clue_terms(pred_windows, gt_windows) -> dict[str, float] | None:
-    """Overlap terms of the Hybrid Clue Score (Video-o3, SPEC 4.3); None when P or G is empty.
+    """Overlap terms of the Hybrid Clue Score (Video-o3, docs/method.md §4.3); None when P or G is empty.
     P, G = merged crop and clue windows; I = |P ∩ G|; IoU = I / (|P| + |G| - I); IoP = I / |P|;
     IoG = I / |G|; DIoU = IoU - d^2 / C^2, d = distance between the centres of the hulls of P and G,
     C = length of the hull of both (DIoU = IoU when C = 0). DIoU lies in (-1, 1]."""
@@ -450,7 +450,7 @@ def clue_terms(pred_windows, gt_windows) -> dict[str, float] | None:
 
 
 def hybrid_clue_score(pred_windows, gt_windows, multi_clue: bool = False) -> float:
-    """Video-o3 Hybrid Clue Score in [0, 1] (SPEC 4.3), terms from clue_terms; 0 if P or G is empty.
+    """Video-o3 Hybrid Clue Score in [0, 1] (docs/method.md §4.3), terms from clue_terms; 0 if P or G is empty.
       single clue: H  = (IoU + IoP + IoG + (DIoU + 1) / 2) / 4
       multi clue:  H' = (2 IoU + IoP + IoG) / 4"""
     t = clue_terms(pred_windows, gt_windows)
@@ -470,7 +470,7 @@ def turn_decay(n_tool_turns: int, delta: float = 0.05) -> float:
 
 
 def infer_data_type(task: str, clues, data_type: str | None = None) -> str:
-    """data_type of a record (SPEC 9): given as is, else tvg -> grounding, one clue -> single_clue,
+    """data_type of a record (docs/method.md §9): given as is, else tvg -> grounding, one clue -> single_clue,
     several -> multi_clue, none -> free_form."""
     if data_type is not None:
         if data_type not in DATA_TYPES:
@@ -482,11 +482,11 @@ def infer_data_type(task: str, clues, data_type: str | None = None) -> str:
 
 
 def vtgr_tool_term(data_type: str, windows, clues, n_tool_turns: int, correct: bool, format_ok: bool) -> float:
-    """Video-o3 R_tool (SPEC 4.3), in [0, 1]; 0 unless the answer is right and R_fmt = 1.
+    """Video-o3 R_tool (docs/method.md §4.3), in [0, 1]; 0 unless the answer is right and R_fmt = 1.
       single_clue: turn_decay(n) (H + 1) / 2 if n > 0 else 0   multi_clue: (H' + 1) / 2 (no decay)
       direct: max(0, 0.75 (1 - 0.1 n))   free_form: 0.5   grounding: 0 (no tool term)
     n counts tool *turns*; H uses *all* crop windows (with parallel calls the two differ).
-    The max(0, .) on `direct` only acts beyond 10 turns. As SPEC 4.3 states, only single_clue asks
+    The max(0, .) on `direct` only acts beyond 10 turns. As docs/method.md §4.3 states, only single_clue asks
     n > 0: a right multi_clue answer with no crop still gets (0 + 1) / 2."""
     if data_type not in DATA_TYPES:
         raise ValueError(f"data_type must be one of {DATA_TYPES}, got {data_type!r}")
@@ -502,7 +502,7 @@ def vtgr_tool_term(data_type: str, windows, clues, n_tool_turns: int, correct: b
 
 
 def grounding_format_reward(turns: list[str]) -> float:
-    """Video-o3 strict per-turn R_fmt in [0, 1] (SPEC 4.3). Each non-final turn must be exactly
+    """Video-o3 strict per-turn R_fmt in [0, 1] (docs/method.md §4.3). Each non-final turn must be exactly
     `<think>...</think>` then one or more call blocks (`<tool_call>` or `<grounding>`; more than one
     = our parallel calls), the final turn `<think>...</think><answer>...</answer>`; only whitespace and
     chat markers between blocks. Any mismatch -> 0, else max(0, 1 - e / K) with K = len(turns),
@@ -528,7 +528,7 @@ def _last_answer(text: str) -> str | None:
 
 def vtgr_reward(turns: list[str], text: str, target, task: str, data_type: str | None,
                 windows, clues, n_tool_turns: int) -> tuple[float, dict[str, float]]:
-    """Video-o3 VTGR R = R_acc + R_fmt + R_tool (SPEC 4.3), in [0, 3]; grounding: IoU + R_fmt.
+    """Video-o3 VTGR R = R_acc + R_fmt + R_tool (docs/method.md §4.3), in [0, 3]; grounding: IoU + R_fmt.
     R_acc scores the last `<answer>` of the final turn (of `text` when `turns` is empty).
     R_tool needs a right answer (R_acc = 1: letter match, exact oe match) and R_fmt = 1."""
     data_type = infer_data_type(task, clues, data_type)
@@ -627,7 +627,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, 
 
     rewards: (B,), groups contiguous. Returns (B,) float, same order. std is the unbiased (sample) std,
     so group_size >= 2. A group of identical rewards gets exactly 0 (never NaN).
-    shaping=True: ParaVT's R <- clip(10 (R - 0.2), -20, 20) first (SPEC 5).
+    shaping=True: ParaVT's R <- clip(10 (R - 0.2), -20, 20) first (docs/method.md §5).
     """
     assert group_size >= 2, f"group_size must be >= 2 for an unbiased std, got {group_size}"
     r = _groups(rewards.float() if not rewards.is_floating_point() else rewards, group_size)

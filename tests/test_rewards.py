@@ -2,7 +2,7 @@
 
     python -m pytest tests/test_rewards.py -q
 
-Expected values are worked by hand from the formulas in SPEC 4 (each case says how).
+Expected values are worked by hand from the formulas in docs/method.md §4 (each case says how).
 """
 import math
 import random
@@ -16,7 +16,7 @@ from rewards import (accuracy_reward, anchor_token_mask, call_window, clue_terms
                      parse_tool_calls, paravt_reward, temporal_iou, tool_reward, turn_decay, vtgr_reward,
                      vtgr_tool_term, zero_variance_groups)
 
-# ---- building blocks of trajectory texts (CONTRACT chat format) ---------------------------------
+# ---- building blocks of trajectory texts (docs/method.md §2) ---------------------------------
 THINK = "<think>\nI should look closer at the clock on the wall.\n</think>\n"
 CALL = '<tool_call>\n{"name": "crop_video", "arguments": {"start_time": 12.0, "end_time": 20.0}}\n</tool_call>'
 CALL2 = '<tool_call>\n{"name": "crop_video", "arguments": {"start_time": 30, "end_time": 35, "resolution": "fine"}}\n</tool_call>'
@@ -273,9 +273,9 @@ def test_merge_windows(windows, expected):
 
 
 def test_hybrid_clue_score_spec_worked_example():
-    """SPEC 4.3 example, P = [0,10],[5,15] -> [0,15]; G = [0,5],[10,20]. By the formula: I = 10,
+    """docs/method.md §4.3 example, P = [0,10],[5,15] -> [0,15]; G = [0,5],[10,20]. By the formula: I = 10,
     |P| = 15, |G| = 15, IoU = 10/20, IoP = IoG = 10/15; hulls [0,15], [0,20]: d = 2.5, C = 20.
-    (SPEC's text writes IoU = 10/15 and IoG = 1, which hold for G = [0,5],[10,15] - next test.)"""
+    (the method's first draft writes IoU = 10/15 and IoG = 1, which hold for G = [0,5],[10,15] - next test.)"""
     t = clue_terms([(0, 10), (5, 15)], [(0, 5), (10, 20)])
     assert t == pytest.approx({"iou": 10 / 20, "iop": 10 / 15, "iog": 10 / 15, "diou": 10 / 20 - 2.5 ** 2 / 20 ** 2})
     h = (10 / 20 + 10 / 15 + 10 / 15 + (10 / 20 - 6.25 / 400 + 1) / 2) / 4
