@@ -22,8 +22,15 @@ Crop budgets follow Video-o3 (arXiv 2601.23224), ported to Qwen3-VL: clip at 2 f
 coarse/medium/fine = 1024/2048/3072 visual tokens, per-frame tokens = min(quota // (T // 2), 768).
 ParaVT (arXiv 2605.20342) sub-agent crops use fps=1, max_frames=16, max_pixels=224*224, level=None.
 """
+import hashlib
+import itertools
 import math
 import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -38,6 +45,7 @@ CLIP_FPS = 2.0                   # Video-o3 samples crops at 2 fps
 CLIP_MAX_FRAMES = 128            # default crop cap: keeps >= 16 tokens per frame pair at the coarse quota
 OPEN_TIMEOUT_S = 10.0            # av.open timeout (matters for network-backed paths), so nothing hangs
 TIME_TOL = 1e-6                  # seconds; times closer than this count as equal (window edges, ties)
+SEEK_COST_FRAMES = 12            # a seek (demuxer seek + decoder flush and refill) costs about this many decoded frames
 
 # Hermes-style schema of the tool the agent calls (rendered into the system prompt's <tools> block).
 CROP_VIDEO_TOOL = {"type": "function", "function": {
@@ -197,6 +205,7 @@ def _frames(container, vs, path: str, seek_time: float = 0.0, count: list | None
     try:
         for frame in container.decode(vs):
             count[0] += 1
+            _check_deadline(path)
             if frame.pts is None:  # no timestamp (rare containers): one nominal frame after the previous
                 t = (prev_t or 0.0) + 1 / float(vs.average_rate or 25)
             else:
@@ -249,6 +258,134 @@ def _pick(frames, targets: np.ndarray, max_pixels: int | None, factor: int) -> l
     return chosen
 
 
+_LOCAL = threading.local()        # .deadline: time.monotonic() past which this thread's decode gives up (DecodePool)
+
+
+def _check_deadline(path: str) -> None:
+    deadline = getattr(_LOCAL, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise VideoError(path, f"decoding timed out after {_LOCAL.timeout:g} s")
+
+
+def file_key(path) -> tuple:
+    """(real path, size, mtime_ns): one version of a file. Caches key on it, so an edited file is a new entry."""
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns
+
+
+_KEYFRAMES: OrderedDict = OrderedDict()   # (file_key, stream) -> keyframe times; bounded, shared by threads
+_KEYFRAMES_LOCK = threading.Lock()
+
+
+def keyframe_times(path, stream: int | None = None) -> np.ndarray:
+    """Sorted times (s, from the stream start) of the stream's keyframes, learned once per file version.
+
+    From the demuxer's index when it lists every sample (mp4/mov: free), else from one demux pass over the
+    packets (no decoding; Matroska cues list only a few keyframes). mp4 index times are decode times (dts),
+    shifted by the first packet's pts - dts (the B-frame delay) to presentation times. They only steer the
+    seek-or-decode choice, never which frame is returned (see `_pick_sparse`)."""
+    key = (file_key(path), stream)
+    with _KEYFRAMES_LOCK:
+        if key in _KEYFRAMES:
+            _KEYFRAMES.move_to_end(key)
+            return _KEYFRAMES[key]
+    container, vs = _open(path, stream)
+    with container:
+        start, tb = vs.start_time or 0, vs.time_base
+        entries = vs.index_entries
+        if len(entries) >= 0.5 * (vs.frames or float("inf")):
+            first = next((p for p in container.demux(vs) if p.pts is not None and p.dts is not None), None)
+            shift = 0 if first is None else first.pts - first.dts  # B-frame reorder delay: dts -> pts
+            pts = [e.timestamp + shift for e in entries if e.is_keyframe and not e.is_discard]
+        else:
+            pts = [p.pts for p in container.demux(vs) if p.is_keyframe and p.pts is not None and not p.is_discard]
+    times = np.sort(np.array([float((p - start) * tb) for p in pts], dtype=np.float64))  # (n_keyframes,)
+    with _KEYFRAMES_LOCK:
+        _KEYFRAMES[key] = times
+        while len(_KEYFRAMES) > 4096:
+            _KEYFRAMES.popitem(last=False)
+    return times
+
+
+def _pick_sparse(container, vs, path: str, targets: np.ndarray, keyframes: np.ndarray, fps: float,
+                 max_pixels: int | None, factor: int, count: list, lo: float = -math.inf, hi: float = math.inf):
+    """`_pick` (the nearest-frame rule over the frames with lo <= time <= hi) that seeks over long gaps.
+
+    Frames are decoded in runs. The first run starts at the stream start, as `_pick` does. Once a run has
+    served a target, if the last keyframe at or before the next target lies more than SEEK_COST_FRAMES past
+    the last decoded frame, the run ends and the next starts with a seek to the target (the demuxer lands on
+    the keyframe before). A run after a seek is trusted from its first keyframe t0 on (leading frames of an
+    open GOP are dropped), and only if t0 <= max(target, lo) + TIME_TOL: then no frame before t0 is the
+    nearest, and the frames from t0 on are all the stream's frames, so every choice equals the sequential
+    one. Otherwise it seeks one keyframe earlier (2 more tries, then from the start). Returns None (the caller then decodes sequentially) where the
+    rule's premise fails: a frame without a timestamp, times not increasing, or a run with no frame in [lo, hi]."""
+    start_pts, tb = vs.start_time or 0, vs.time_base
+    gap = SEEK_COST_FRAMES / fps
+
+    def last_key(tau: float) -> int:  # index of the last keyframe at or before tau, -1 if none
+        return int(np.searchsorted(keyframes, max(tau, lo) + TIME_TOL, side="right")) - 1
+
+    def timed(frames):  # (time or None, frame), counting each decoded frame
+        for frame in frames:
+            count[0] += 1
+            _check_deadline(path)
+            yield (None if frame.pts is None else float((frame.pts - start_pts) * tb)), frame
+
+    chosen, j, first_run = [], 0, True
+    while j < len(targets):  # one run per pass; each run serves at least one target
+        tau, kf, j0 = max(targets[j], lo), last_key(targets[j]), j
+        run, head = None, None
+        for attempt in range(4):
+            from_start = attempt == 3 or kf < 0 or keyframes[kf] <= gap
+            if not (first_run and from_start):  # a fresh container is at the stream start already
+                # the demuxer lands on the keyframe at or before the time asked: the target itself first
+                to = 0.0 if from_start else tau if attempt == 0 else keyframes[kf]
+                container.seek(start_pts + int(to / tb), stream=vs, backward=True)
+            first_run, run = False, timed(container.decode(vs))
+            for t, frame in run:
+                if t is None:
+                    return None
+                if from_start or (frame.key_frame and t <= tau + TIME_TOL):
+                    head = (t, frame)
+                    break
+                if t > tau + TIME_TOL:
+                    break  # landed after the target: try the keyframe before
+                # else a leading frame of an open GOP (shown before its keyframe): skip it
+            if head is not None:
+                break
+            kf -= 1
+        if head is None:
+            return None
+        cur, ended = None, True
+        for t, frame in itertools.chain([head], run):
+            if t is None:
+                return None
+            if t < lo - TIME_TOL:
+                continue
+            if t > hi + TIME_TOL:
+                break
+            if cur is not None:
+                if t <= cur[0]:
+                    return None
+                while j < len(targets) and targets[j] <= (cur[0] + t) / 2 + TIME_TOL:
+                    if cur[2] is None:  # convert a frame once, and only when a target picks it
+                        cur[2] = _to_tensor(cur[1], max_pixels, factor)
+                    chosen.append((cur[0], cur[2]))
+                    j += 1
+                if j == len(targets):
+                    return chosen
+            cur = [t, frame, None]
+            if j > j0 and (k := last_key(targets[j])) >= 0 and keyframes[k] > t + gap:
+                ended = False  # the next target's keyframe is far ahead: seek there
+                break
+        if ended:  # the stream (or the window) ended: the remaining targets get its last frame
+            if cur is None:
+                return None
+            x = cur[2] if cur[2] is not None else _to_tensor(cur[1], max_pixels, factor)
+            return chosen + [(cur[0], x)] * (len(targets) - j)
+    return chosen
+
+
 def _clip(path: str, chosen: list, targets: np.ndarray, fps: float, n_out: int, decoded: int) -> Clip:
     """Check the frames reach the targets (else the file is truncated), stack them, repeat the last to n_out."""
     if not chosen:
@@ -283,29 +420,58 @@ def probe(path, stream: int | None = None) -> VideoInfo:
                          vs.codec_context.height)
 
 
+METHODS = ("auto", "seek", "sequential")
+
+
+def _seeks(method: str, n_targets: int, span_frames: float) -> bool:
+    """Whether to use `_pick_sparse`: always for "seek", never for "sequential"; for "auto" when the targets
+    are sparse enough that a seek could pay (more than 2 * SEEK_COST_FRAMES frames apart on average)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    return method == "seek" or method == "auto" and span_frames > 2 * SEEK_COST_FRAMES * n_targets
+
+
 def sample_overview(path, fps: float = 2.0, max_frames: int = 768, nframes: int | None = None,
-                    max_pixels: int | None = None, stream: int | None = None, factor: int = 32) -> Clip:
+                    max_pixels: int | None = None, stream: int | None = None, factor: int = 32,
+                    method: str = "auto", cache: "FrameCache | None" = None) -> Clip:
     """Uniform overview of the whole video: exactly nframes=K frames, or min(max_frames, round(duration * fps))
-    made even. Targets are bin centres (`uniform_targets`), at most one per real frame; each gets its nearest frame."""
+    made even. Targets are bin centres (`uniform_targets`), at most one per real frame; each gets its nearest frame.
+
+    method: "sequential" decodes from the start until the last target is served; "seek" seeks to the keyframe
+    before far-apart targets (`_pick_sparse`, same frames); "auto" seeks when the targets are sparse.
+    cache: a `FrameCache` to read the overview from and store it in (the returned tensors are shared: do
+    not modify them in place)."""
     path = str(path)
     if nframes is not None and (nframes < 2 or nframes % 2):
         raise ValueError(f"nframes must be an even number >= 2, got {nframes}")
     if nframes is None and not (fps > 0 and max_frames >= 2):
         raise ValueError(f"need fps > 0 and max_frames >= 2, got fps={fps}, max_frames={max_frames}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if cache is not None:
+        return cache.overview(path, fps=fps, max_frames=max_frames, nframes=nframes, max_pixels=max_pixels,
+                              stream=stream, factor=factor, method=method)
     info = probe(path, stream)
     n_out = nframes if nframes is not None else even_count(max(1, round(info.duration * fps)), max_frames)
     targets = uniform_targets(0.0, info.duration, min(n_out, info.num_frames))
-    count = [0]
-    container, vs = _open(path, stream)
-    with container:
-        chosen = _pick(_frames(container, vs, path, 0.0, count), targets, max_pixels, factor)
+    count, chosen = [0], None
+    if _seeks(method, len(targets), info.num_frames):
+        keys = keyframe_times(path, stream)
+        container, vs = _open(path, stream)
+        with container:
+            chosen = _pick_sparse(container, vs, path, targets, keys, info.fps, max_pixels, factor, count)
+    if chosen is None:
+        container, vs = _open(path, stream)
+        with container:
+            chosen = _pick(_frames(container, vs, path, 0.0, count), targets, max_pixels, factor)
     return _clip(path, chosen, targets, info.fps, n_out, count[0])
 
 
 def crop(path, start: float, end: float, level: str | None = "medium", fps: float | None = None,
          max_frames: int | None = None, max_pixels: int | None = None, min_length: float = 0.0,
-         stream: int | None = None, tokens_per_pixel_area: int = 32 * 32) -> Clip:
-    """Frames of [start, end] only: seek to the keyframe before start, decode until the window is covered.
+         stream: int | None = None, tokens_per_pixel_area: int = 32 * 32, method: str = "auto") -> Clip:
+    """Frames of [start, end] only: seek to the keyframe before start, decode until the window is covered
+    (or, when the targets are sparse, seek between them as `sample_overview` does; same frames).
 
     Frame count and pixel budget come from `crop_budget`; explicit fps / max_frames / max_pixels override it.
     Only frames with start <= time <= end are used; a window holding no frame gets the frame nearest its centre.
@@ -322,7 +488,14 @@ def crop(path, start: float, end: float, level: str | None = "medium", fps: floa
     max_pixels = max_pixels or budget
     n_real = max(1, round((end - start) * info.fps))  # about how many real frames the window holds
     targets = uniform_targets(start, end, min(n_out, n_real))
-    count, edge = [0], {}
+    count, edge, chosen = [0], {}, None
+    if _seeks(method, len(targets), (end - start) * info.fps):
+        keys = keyframe_times(path, stream)
+        container, vs = _open(path, stream)
+        with container:
+            chosen = _pick_sparse(container, vs, path, targets, keys, info.fps, max_pixels, factor, count, start, end)
+        if chosen is not None:
+            return _clip(path, chosen, targets, info.fps, n_out, count[0])
     container, vs = _open(path, stream)
     with container:
         chosen = _pick(_window(_frames(container, vs, path, start, count), start, end, edge), targets,
@@ -339,10 +512,10 @@ NUM_DIGITS, BASE = 8, 4                  # frame index written as 8 base-4 digit
 LEVELS = (40, 98, 156, 214)              # grey level of each digit; 58 apart survives H.264 easily
 
 
-def synthetic_frames(num_frames: int, height: int, width: int, seed: int = 0) -> torch.Tensor:
-    """(T, 3, H, W) uint8 frames: the top half holds 8 flat grey cells giving the frame index in base 4,
-    the bottom half seeded blocky colour noise. Proportional layout, so the code survives resizing."""
-    assert num_frames <= BASE ** NUM_DIGITS, f"at most {BASE ** NUM_DIGITS} frames, got {num_frames}"
+def synthetic_frames(num_frames: int, height: int, width: int, seed: int = 0, first: int = 0) -> torch.Tensor:
+    """(T, 3, H, W) uint8 frames: the top half holds 8 flat grey cells giving the frame index (first, first + 1,
+    ...) in base 4, the bottom half seeded blocky colour noise. Proportional layout, so the code survives resizing."""
+    assert first + num_frames <= BASE ** NUM_DIGITS, f"at most {BASE ** NUM_DIGITS} frames, got {first + num_frames}"
     assert height >= 16 and width >= 8 * NUM_DIGITS, f"frames must be >= 16x{8 * NUM_DIGITS}, got {height}x{width}"
     g = torch.Generator().manual_seed(seed)
     top = height // 2
@@ -351,7 +524,7 @@ def synthetic_frames(num_frames: int, height: int, width: int, seed: int = 0) ->
     noise = noise.repeat_interleave(8, dim=2).repeat_interleave(8, dim=3)[:, :, : height - top, :width]
     frames = torch.empty(num_frames, 3, height, width, dtype=torch.uint8)
     frames[:, :, top:] = noise
-    idx = torch.arange(num_frames)
+    idx = torch.arange(first, first + num_frames)
     for k in range(NUM_DIGITS):  # most significant digit first, left to right
         digit = idx // BASE ** (NUM_DIGITS - 1 - k) % BASE
         x0, x1 = k * width // NUM_DIGITS, (k + 1) * width // NUM_DIGITS
@@ -373,30 +546,38 @@ def read_frame_index(frame: torch.Tensor) -> int:
     return index
 
 
-def write_video(path, frames: torch.Tensor, fps: float, codec: str = "libx264", crf: int = 18,
-                gop: int | None = None, container_format: str | None = None, faststart: bool = False) -> None:
-    """Encode (T, 3, H, W) uint8 RGB frames to a file (or a file-like object, mp4 by default) as yuv420p.
+def write_video(path, frames, fps: float, codec: str = "libx264", crf: int = 18,
+                gop: int | None = None, container_format: str | None = None, faststart: bool = False,
+                encoder_options: dict | None = None) -> None:
+    """Encode (T, 3, H, W) uint8 RGB frames (a tensor, or an iterable of such chunks for long videos) to a
+    file (or a file-like object, mp4 by default) as yuv420p.
 
     gop sets the keyframe interval (frames), so tests can check that a crop seeks instead of decoding from 0;
-    faststart puts the mp4 index before the data (then a cut file still opens, and reads as truncated).
+    faststart puts the mp4 index before the data (then a cut file still opens, and reads as truncated);
+    encoder_options are added to the encoder's (e.g. {"bframes": "3"} with libx264's "x264-params").
     """
-    assert frames.dtype == torch.uint8 and frames.ndim == 4 and frames.shape[1] == 3, "need (T, 3, H, W) uint8"
-    assert frames.shape[2] % 2 == 0 and frames.shape[3] % 2 == 0, f"yuv420p needs even sizes, got {tuple(frames.shape)}"
+    chunks = [frames] if isinstance(frames, torch.Tensor) else frames
     if container_format is None and not isinstance(path, (str, os.PathLike)):
         container_format = "mp4"
     rate = Fraction(fps).limit_denominator(1001)
     options = {"movflags": "faststart"} if faststart else {}
     with av.open(path, mode="w", format=container_format, options=options) as out:
-        vs = out.add_stream(codec, rate=rate)
-        vs.width, vs.height, vs.pix_fmt = frames.shape[3], frames.shape[2], "yuv420p"
-        if codec in ("libx264", "libx265"):
-            # ultrafast + one thread: fast and byte-for-byte reproducible (frame threads reorder work)
-            vs.options = {"crf": str(crf), "preset": "ultrafast", "threads": "1"}
-        if gop is not None:
-            vs.codec_context.gop_size = gop
-        for i, x in enumerate(frames.permute(0, 2, 3, 1).numpy()):  # (H, W, 3) each
-            # convert to yuv420p ourselves: PyAV's implicit conversion inside encode() is not deterministic
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(x), format="rgb24").reformat(format="yuv420p")
-            frame.pts, frame.time_base = i, 1 / rate
-            out.mux(vs.encode(frame))
+        vs, i = None, 0
+        for frames in chunks:
+            assert frames.dtype == torch.uint8 and frames.ndim == 4 and frames.shape[1] == 3, "need (T, 3, H, W) uint8"
+            assert frames.shape[2] % 2 == 0 and frames.shape[3] % 2 == 0, f"yuv420p needs even sizes, got {tuple(frames.shape)}"
+            if vs is None:
+                vs = out.add_stream(codec, rate=rate)
+                vs.width, vs.height, vs.pix_fmt = frames.shape[3], frames.shape[2], "yuv420p"
+                if codec in ("libx264", "libx265"):
+                    # ultrafast + one thread: fast and byte-for-byte reproducible (frame threads reorder work)
+                    vs.options = {"crf": str(crf), "preset": "ultrafast", "threads": "1", **(encoder_options or {})}
+                if gop is not None:
+                    vs.codec_context.gop_size = gop
+            for x in frames.permute(0, 2, 3, 1).numpy():  # (H, W, 3) each
+                # convert to yuv420p ourselves: PyAV's implicit conversion inside encode() is not deterministic
+                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(x), format="rgb24").reformat(format="yuv420p")
+                frame.pts, frame.time_base = i, 1 / rate
+                out.mux(vs.encode(frame))
+                i += 1
         out.mux(vs.encode(None))  # flush the encoder
