@@ -22,15 +22,18 @@ Crop budgets follow Video-o3 (arXiv 2601.23224), ported to Qwen3-VL: clip at 2 f
 coarse/medium/fine = 1024/2048/3072 visual tokens, per-frame tokens = min(quota // (T // 2), 768).
 ParaVT (arXiv 2605.20342) sub-agent crops use fps=1, max_frames=16, max_pixels=224*224, level=None.
 """
+import contextlib
 import hashlib
 import itertools
 import math
 import os
+import pickle
 import tempfile
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -504,6 +507,256 @@ def crop(path, start: float, end: float, level: str | None = "medium", fps: floa
             t, frame = min(edge.values(), key=lambda f: abs(f[0] - (start + end) / 2))
             chosen = [(t, _to_tensor(frame, max_pixels, factor))]
     return _clip(path, chosen, targets, info.fps, n_out, count[0])
+
+
+# ----------------------------------------------------------------------------- cache and pool
+
+class FrameCache:
+    """Decoded overviews, reused: RL draws the same prompts again in later epochs, with K from a few values.
+
+    A bounded in-memory LRU (max_bytes of frame data) keyed by (real path, size, mtime_ns, stream, frame rule
+    (K, or fps and max_frames), max_pixels, factor), optionally backed by disk_dir: one torch.save file per
+    entry, written atomically (temporary file + os.replace), oldest-used files deleted past disk_max_bytes.
+    Thread-safe; a key being decoded by one thread is waited for, not decoded twice. Hits return the cached
+    tensors themselves (one copy per overview, whoever asks): never modify them in place.
+    `stats()`: hits (memory), disk_hits, misses, hit_rate, decode_seconds (spent on misses), seconds_saved
+    (the decode time of each hit's entry, summed), entries, bytes."""
+
+    def __init__(self, max_bytes: int = 2 << 30, disk_dir: str | None = None, disk_max_bytes: int = 20 << 30):
+        self.max_bytes, self.disk_dir, self.disk_max_bytes = max_bytes, disk_dir, disk_max_bytes
+        if disk_dir:
+            os.makedirs(disk_dir, exist_ok=True)
+        self._mem: OrderedDict = OrderedDict()   # key -> (Clip, decode seconds)
+        self._bytes, self._pending = 0, {}       # key -> threading.Event while one thread decodes it
+        self._lock = threading.Lock()
+        self._stats = dict(hits=0, disk_hits=0, misses=0, decode_seconds=0.0, seconds_saved=0.0)
+
+    @staticmethod
+    def key(path, fps: float = 2.0, max_frames: int = 768, nframes: int | None = None,
+            max_pixels: int | None = None, stream: int | None = None, factor: int = 32) -> tuple:
+        rule = ("K", nframes) if nframes is not None else ("fps", float(fps), max_frames)
+        return (*file_key(path), stream, rule, max_pixels, factor)
+
+    def stats(self, reset: bool = False) -> dict:
+        with self._lock:
+            out = dict(self._stats, entries=len(self._mem), bytes=self._bytes)
+            if reset:
+                self._stats = dict.fromkeys(self._stats, 0) | dict(decode_seconds=0.0, seconds_saved=0.0)
+        asked = out["hits"] + out["disk_hits"] + out["misses"]
+        return out | dict(hit_rate=(out["hits"] + out["disk_hits"]) / asked if asked else 0.0)
+
+    def overview(self, path, fps: float = 2.0, max_frames: int = 768, nframes: int | None = None,
+                 max_pixels: int | None = None, stream: int | None = None, factor: int = 32,
+                 method: str = "auto") -> Clip:
+        """`sample_overview` through the cache (a hit's Clip has decoded=0)."""
+        path = str(path)
+        try:
+            key = self.key(path, fps, max_frames, nframes, max_pixels, stream, factor)
+        except OSError:  # missing or unreadable: let sample_overview name the problem
+            return sample_overview(path, fps, max_frames, nframes, max_pixels, stream, factor, method)
+        while True:
+            with self._lock:
+                clip = self._lookup(key, path)
+                if clip is not None:
+                    return clip
+                event = self._pending.get(key)
+                if event is None:
+                    self._pending[key] = threading.Event()
+                    break
+            while not event.wait(0.05):  # another thread decodes it: wait (within this thread's deadline)
+                _check_deadline(path)
+        try:
+            clip = self._load(key, path)
+            if clip is None:
+                t0 = time.perf_counter()
+                clip = sample_overview(path, fps, max_frames, nframes, max_pixels, stream, factor, method)
+                seconds = time.perf_counter() - t0
+                with self._lock:
+                    self._stats["misses"] += 1
+                    self._stats["decode_seconds"] += seconds
+                self._store(key, clip, seconds)
+            return clip
+        finally:
+            with self._lock:
+                self._pending.pop(key).set()
+
+    def _lookup(self, key: tuple, path: str) -> Clip | None:  # under the lock
+        if key not in self._mem:
+            return None
+        self._mem.move_to_end(key)
+        clip, seconds = self._mem[key]
+        self._stats["hits"] += 1
+        self._stats["seconds_saved"] += seconds
+        return Clip(clip.frames, clip.times, path, 0)
+
+    def _put_mem(self, key: tuple, clip: Clip, seconds: float) -> None:
+        size = clip.frames.numel()
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._mem:
+                return
+            self._mem[key], self._bytes = (clip, seconds), self._bytes + size
+            while self._bytes > self.max_bytes:
+                old, _ = self._mem.popitem(last=False)[1]
+                self._bytes -= old.frames.numel()
+
+    def _file(self, key: tuple) -> str:
+        return os.path.join(self.disk_dir, hashlib.sha1(repr(key).encode()).hexdigest() + ".pt")
+
+    def _load(self, key: tuple, path: str) -> Clip | None:
+        """The disk copy of key, or None; an unreadable or foreign file is deleted and counts as absent."""
+        if not self.disk_dir or not os.path.exists(file := self._file(key)):
+            return None
+        try:
+            d = torch.load(file, weights_only=True)
+            ok = isinstance(d, dict) and d.get("key") == repr(key)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):  # torn or foreign file
+            ok = False
+        if not ok:  # a cache miss, not an error: drop the file, decode again
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(file)
+            return None
+        os.utime(file)  # most recently used
+        clip = Clip(d["frames"], d["times"].numpy(), path, 0)
+        with self._lock:
+            self._stats["disk_hits"] += 1
+            self._stats["seconds_saved"] += d["seconds"]
+        self._put_mem(key, clip, d["seconds"])
+        return clip
+
+    def _store(self, key: tuple, clip: Clip, seconds: float) -> None:
+        self._put_mem(key, clip, seconds)
+        if not self.disk_dir:
+            return
+        fd, tmp = tempfile.mkstemp(dir=self.disk_dir, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save({"key": repr(key), "frames": clip.frames, "times": torch.from_numpy(clip.times),
+                            "seconds": seconds}, f)
+            os.replace(tmp, self._file(key))
+        except BaseException:
+            os.remove(tmp)
+            raise
+        files = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(self.disk_dir)
+                       if e.name.endswith(".pt"))
+        total = sum(s for _, s, _ in files)
+        for _, size, file in files:  # oldest-used first, until under the cap
+            if total <= self.disk_max_bytes:
+                break
+            with contextlib.suppress(FileNotFoundError):  # another process deleted it first
+                os.remove(file)
+            total -= size
+
+
+class DecodePool:
+    """Overviews and crops decoded in worker threads (PyAV releases the GIL while decoding), so decoding
+    overlaps the model and other decodes. Every task has a deadline of `timeout` seconds from its start,
+    checked between decoded frames; `result` also gives up on a task that runs past it (stuck inside FFmpeg:
+    the thread cannot be killed, it is abandoned) or waits in a queue that made no progress for that long.
+    Errors come back from `result` as VideoError naming the file, never a hang.
+
+        pool = DecodePool(workers=2, timeout=120, cache=FrameCache())
+        futs = [pool.submit_overview(p, nframes=64, max_pixels=...) for p in paths]
+        clips = [pool.result(f) for f in futs]          # raises VideoError(path, ...) on a bad video
+        pool.prefetch_overviews([(p, dict(nframes=64, max_pixels=...)) for p in next_paths])
+
+    `stats(reset)`: tasks, errors, timeouts, decode_seconds (worker seconds), wait_seconds (caller seconds
+    blocked in `result`)."""
+
+    GRACE_S = 5.0   # extra seconds `result` allows past a task's own deadline before giving up on it
+
+    def __init__(self, workers: int = 2, timeout: float = 120.0, cache: FrameCache | None = None):
+        if workers < 1 or not timeout > 0:
+            raise ValueError(f"need workers >= 1 and timeout > 0, got workers={workers}, timeout={timeout}")
+        self.workers, self.timeout, self.cache = workers, timeout, cache
+        self._ex = ThreadPoolExecutor(workers, thread_name_prefix="decode")
+        self._lock = threading.Lock()
+        self._progress = time.monotonic()  # last time a task started or ended
+        self._stats = dict(tasks=0, errors=0, timeouts=0, decode_seconds=0.0, wait_seconds=0.0)
+
+    def _submit(self, path, fn, *args, **kwargs) -> Future:
+        started = []
+
+        def work():
+            t0 = time.monotonic()
+            started.append(t0)
+            self._progress = t0
+            _LOCAL.deadline, _LOCAL.timeout = t0 + self.timeout, self.timeout
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                with self._lock:
+                    self._stats["errors"] += 1
+                raise
+            finally:
+                _LOCAL.deadline = None
+                self._progress = time.monotonic()
+                with self._lock:
+                    self._stats["decode_seconds"] += self._progress - t0
+
+        with self._lock:
+            self._stats["tasks"] += 1
+        future = self._ex.submit(work)
+        future.path, future.started = str(path), started
+        return future
+
+    def submit_overview(self, path, **kwargs) -> Future:
+        """`sample_overview(path, **kwargs)` in a worker, through the pool's cache if it has one."""
+        return self._submit(path, sample_overview, path, **kwargs, cache=self.cache)
+
+    def submit_crop(self, path, start, end, **kwargs) -> Future:
+        """`crop(path, start, end, **kwargs)` in a worker."""
+        return self._submit(path, crop, path, start, end, **kwargs)
+
+    def prefetch_overviews(self, jobs: list[tuple[str, dict]]) -> list[Future]:
+        """Decode (path, sample_overview kwargs) jobs into the cache in the background (e.g. the next
+        step's prompts while this step trains). Errors stay in the returned futures, unraised."""
+        if self.cache is None:
+            raise ValueError("prefetch_overviews needs a DecodePool with a cache")
+        return [self.submit_overview(path, **kwargs) for path, kwargs in jobs]
+
+    def result(self, future: Future) -> Clip:
+        """The task's Clip; raises its VideoError/ValueError, or VideoError(path, ...) on a timeout, a stalled
+        queue or any other failure."""
+        t0 = time.monotonic()
+        try:
+            while True:
+                try:
+                    return future.result(timeout=0.05)
+                except FuturesTimeout:
+                    pass
+                now, limit = time.monotonic(), self.timeout + self.GRACE_S
+                if future.started and now - future.started[0] > limit:
+                    with self._lock:
+                        self._stats["timeouts"] += 1
+                    raise VideoError(future.path, f"decoding timed out after {self.timeout:g} s (worker abandoned)")
+                if not future.started and now - self._progress > limit:
+                    raise VideoError(future.path, f"decode pool stalled: no worker free for {limit:g} s")
+        except (VideoError, ValueError):
+            raise
+        except Exception as e:  # anything else a worker raised (OSError, av errors): name the file
+            raise VideoError(future.path, f"{type(e).__name__}: {e}") from e
+        finally:
+            with self._lock:
+                self._stats["wait_seconds"] += time.monotonic() - t0
+
+    def stats(self, reset: bool = False) -> dict:
+        with self._lock:
+            out = dict(self._stats)
+            if reset:
+                self._stats = dict(tasks=0, errors=0, timeouts=0, decode_seconds=0.0, wait_seconds=0.0)
+        return out
+
+    def close(self) -> None:
+        """Stop taking tasks; queued ones are cancelled, running ones finish (or hang) on their own."""
+        self._ex.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 # ----------------------------------------------------------------------------- synthetic video
