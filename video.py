@@ -7,7 +7,7 @@ Conventions (every function here):
   to 8-bit RGB by FFmpeg (`to_ndarray(format="rgb24")`).
 - times are float64 numpy arrays (T,) holding each frame's real presentation time in seconds,
   pts * time_base, counted from the video stream's start_time. They are absolute in the original
-  video, for the overview and for every crop, so the model can name windows it has seen (SPEC 3).
+  video, for the overview and for every crop, so the model can name windows it has seen (docs/method.md §3).
 - T is always even: Qwen-VL's temporal patch is 2 frames. When a video has fewer real frames than
   asked for, the last frame is repeated (with its time) to reach the count.
 - stream=None means the FIRST video stream in container order, stream=k the k-th video stream
@@ -17,7 +17,14 @@ Conventions (every function here):
 
 Sampling: a target time list is made (uniform bin centres over the video or the window) and each
 target gets the decoded frame nearest to it (`sample_frame_indices` is the pure form of that rule;
-decoding applies it on the fly so only chosen frames are converted to RGB).
+decoding applies it on the fly so only chosen frames are converted to RGB). Sparse targets (a K = 8
+overview of an hour) seek: `_pick_sparse` jumps to the keyframe before a far target instead of decoding
+the gap, and keeps exactly the sequential rule's frames (method="sequential" is the plain decode). The
+keyframe list of a file is learned once (`keyframe_times`), as decord / torchcodec index a file.
+
+Reuse and overlap: `FrameCache` keeps decoded overviews (memory LRU, optional disk copy) keyed by the
+file version and the sampling rule; `DecodePool` decodes overviews and crops in threads with a deadline
+per task, so a bad or stuck video is an error naming the file, never a hang.
 Crop budgets follow Video-o3 (arXiv 2601.23224), ported to Qwen3-VL: clip at 2 fps, level quotas
 coarse/medium/fine = 1024/2048/3072 visual tokens, per-frame tokens = min(quota // (T // 2), 768).
 ParaVT (arXiv 2605.20342) sub-agent crops use fps=1, max_frames=16, max_pixels=224*224, level=None.
@@ -43,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 LEVEL_TOKENS = {"coarse": 1024, "medium": 2048, "fine": 3072}  # visual-token quota per clip (Qwen3-VL)
-MAX_TOKENS_PER_FRAME = 768       # per temporal patch of 2 frames, SPEC 3
+MAX_TOKENS_PER_FRAME = 768       # per temporal patch of 2 frames, docs/method.md §3
 CLIP_FPS = 2.0                   # Video-o3 samples crops at 2 fps
 CLIP_MAX_FRAMES = 128            # default crop cap: keeps >= 16 tokens per frame pair at the coarse quota
 OPEN_TIMEOUT_S = 10.0            # av.open timeout (matters for network-backed paths), so nothing hangs
@@ -91,7 +98,7 @@ class Clip:
 # ----------------------------------------------------------------------------- pure helpers
 
 def check_window(start, end, duration: float, min_length: float = 0.0) -> tuple[float, float]:
-    """Validate a crop window as the released tools do (SPEC 2); errors read as observations for the model."""
+    """Validate a crop window as the released tools do (docs/method.md §2); errors read as observations for the model."""
     try:
         start, end = float(start), float(end)
     except (TypeError, ValueError):
@@ -138,7 +145,7 @@ def crop_budget(window: float, level: str | None, fps: float = CLIP_FPS, max_fra
                 tokens_per_pixel_area: int = 32 * 32) -> tuple[int, int | None]:
     """(n_frames, per-frame max pixels) for a window: n = even(window * fps) <= max_frames,
     tokens = min(LEVEL_TOKENS[level] // (n // 2), 768) (at least 1), pixels = tokens * tokens_per_pixel_area.
-    level=None gives no pixel budget. Source: Video-o3 (arXiv 2601.23224), SPEC 3."""
+    level=None gives no pixel budget. Source: Video-o3 (arXiv 2601.23224), docs/method.md §3."""
     n = even_count(max(1, round(window * fps)), max_frames)
     if level is None:
         return n, None
