@@ -323,12 +323,12 @@ def qwen_tokenizer(cache_dir: str | None = None):
             text = f.read()
     if text is None:
         text = _build_qwen_backend(parse_bpe_ranks(data, name)).to_str()
-        if path:
-            os.makedirs(cache_dir, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)                     # atomic: parallel test workers never read half a file
+    if path and not os.path.exists(path):
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)                         # atomic: parallel test workers never read half a file
     _QWEN_TOKENIZER_JSON[sha] = text
     backend = Tokenizer.from_str(text)
     specials = [c for c, special in QWEN_ADDED_TOKENS if special]
