@@ -405,16 +405,16 @@ def grpo_token_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets:
     """
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("grpo_token_loss: kl_coef != 0 needs ref_logprobs")
-    h, t, mask, rows = _policy_rows("grpo_token_loss", hidden, targets, mask, old=old_logprobs,
-                                    adv=advantages, ref=ref_logprobs)
+    h, t, mask, rows = _policy_rows("grpo_token_loss", hidden, targets, mask, old_logprobs=old_logprobs,
+                                    advantages=advantages, ref_logprobs=ref_logprobs)
     n_tokens = h.shape[0]
     normaliser = max(n_tokens, 1) if num_tokens is None else num_tokens
     sums = {"clip": 0.0, "kl": 0.0, "ratio": 0.0}
 
     def chunk_loss(logp: torch.Tensor, sl: slice) -> torch.Tensor:
-        old = logp.detach() if rows["old"] is None else rows["old"][sl]
-        ref = None if rows["ref"] is None else rows["ref"][sl]
-        per_token, ratio, kl, clipped = grpo_token_terms(logp, old, rows["adv"][sl], clip_low, clip_high,
+        old = logp.detach() if rows["old_logprobs"] is None else rows["old_logprobs"][sl]
+        ref = None if rows["ref_logprobs"] is None else rows["ref_logprobs"][sl]
+        per_token, ratio, kl, clipped = grpo_token_terms(logp, old, rows["advantages"][sl], clip_low, clip_high,
                                                          kl_coef, ref, kl_estimator)
         with torch.no_grad():   # summed on the device; one host sync at the end
             for key, x in (("clip", clipped), ("kl", kl), ("ratio", ratio)):
