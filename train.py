@@ -332,8 +332,8 @@ def token_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     over the logits, then grad_h for the chunk (GEMM 2) and grad_W accumulated in fp32 (GEMM 3).
     The backward only scales the stored grad_h and grad_W by the upstream gradient: 3 GEMMs of
     N x D x V in all, as the naive path, where `token_logprobs` needs 4 (it recomputes the logits).
-    Nothing of the forward is saved but the two gradients, not even W (so FSDP may free the unsharded
-    lm_head weight after the forward); backward through one result twice is refused.
+    Nothing of the forward is saved but the two gradients, not even W (so on this path FSDP may free the
+    unsharded lm_head weight after the forward); backward through one result twice is refused.
     Chunk size: by default Liger's rule (`_auto_chunk`: the (C, V) buffer about the size of the hidden
     states, 128 rows for N = 4096, D = 4096, V = 151,936), and when the whole (N, V) logits are no bigger
     than that smallest buffer, the plain path (log_softmax over all logits, ordinary autograd). An
