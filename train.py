@@ -127,14 +127,16 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     eps_low / eps_high = clip_low / clip_high (ParaVT 0.2 / 0.2, Video-o3 "clip higher" 0.2 / 0.3).
     KL_it is `kl_penalty(logprobs, ref_logprobs, kl_estimator)` against a frozen reference, weighted by
     beta = kl_coef (Video-o3: 0; ParaVT folds k1 into the reward upstream instead).
-    Temperature: every log-prob here (current, old, reference) is log_softmax(logits / T) at the rollout's
-    sampling temperature T (as verl and TRL do), so the policy optimised is the policy that sampled;
-    `forward_logprobs` applies it.
     With one optimiser update per batch pi_old == pi_theta, so r = 1 and clipping does nothing: the
     loss is -mean(A) over policy tokens and its gradient is the plain policy gradient.
     num_tokens: the normaliser; default this call's sum(mask). With micro-batches (or ranks), pass
     the policy-token count of the whole batch, so the summed gradients equal one big batch's.
+    Temperature: the rollouts sample from softmax(logits / T) (T = --temperature, 0.7 in ParaVT's
+    recipe), so logprobs, old_logprobs and ref_logprobs must all be log-probs of that same tempered
+    distribution (`token_logprobs` / `token_loss` with temperature=T), as verl and TRL compute them;
+    at T = 1 the ratio and the KL would be those of a policy other than the one that sampled.
     Returns (loss, stats) with stats = clip_frac, kl, n_tokens, ratio_mean as Python numbers.
+    The same loss without the (B, L, V) logits, from hidden states: `grpo_token_loss`.
     """
     if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
         raise ValueError(f"grpo_loss: logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
@@ -152,21 +154,16 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     logprobs = torch.where(mask, logprobs, 0.0)            # cut masked positions out before any arithmetic
     old_logprobs = torch.where(mask, old_logprobs.detach(), 0.0)
 
-    ratio = torch.exp(logprobs - old_logprobs)             # (B, L); exactly 1 where masked
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
-    kl = torch.zeros_like(logprobs)
-    if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, torch.where(mask, ref_logprobs.detach(), 0.0), kl_estimator)  # 0 where masked
-        if kl_coef != 0.0:
-            per_token = per_token + kl_coef * kl
-
+    ref = None if ref_logprobs is None else torch.where(mask, ref_logprobs.detach(), 0.0)    # 0 where masked
+    # ratio: (B, L), exactly 1 where masked; kl: 0 where masked
+    per_token, ratio, kl, clipped = grpo_token_terms(logprobs, old_logprobs, adv, clip_low, clip_high,
+                                                     kl_coef, ref, kl_estimator)
     n_tokens = mask.sum()
     normaliser = n_tokens.clamp(min=1) if num_tokens is None else num_tokens
     # the normaliser: token-mean over all policy tokens of the batch (DAPO), not GRPO's per-sequence mean
     loss = torch.where(mask, per_token, 0.0).sum() / normaliser
 
     with torch.no_grad():
-        clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))
         denom = n_tokens.clamp(min=1)
         stats = {
             "clip_frac": float((clipped & mask).sum() / denom),
@@ -175,6 +172,30 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
             "ratio_mean": float(torch.where(mask, ratio, 0.0).sum() / denom),
         }
     return loss, stats
+
+
+def grpo_token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, clip_low: float,
+                     clip_high: float, kl_coef: float = 0.0, ref_logprobs: torch.Tensor | None = None,
+                     kl_estimator: str = "k3") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """
+    GRPO's per-token terms, elementwise (any shape; the inputs hold policy tokens only, or zeros elsewhere):
+
+        r   = exp(log pi_theta - log pi_old)
+        l   = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta KL       (KL = 0 without a reference)
+
+    Returns (l, r, KL, clipped), clipped = the tokens whose gradient the clip cuts off. Shared by
+    `grpo_loss` (on log-prob tensors) and `grpo_token_loss` (chunk by chunk inside `token_loss`).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    kl = torch.zeros_like(logprobs)
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
+        if kl_coef != 0.0:
+            per_token = per_token + kl_coef * kl
+    with torch.no_grad():
+        clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))
+    return per_token, ratio, kl, clipped
 
 
 def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
@@ -195,13 +216,13 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-
 # -----------------------------------------------------------------------------
-# 2. Fused kernels. Chunked log-probabilities: hidden states x lm_head -> log p(token), never the (N, V) matrix
+# 2. Fused kernels. # Chunked log-probabilities: hidden states x lm_head -> log p(token), never the (N, V) matrix
 
-# `TOKEN_LOGPROBS_COMPILE=0` runs the chunk kernels eagerly everywhere (for debugging and pdb).
-# `TORCH_COMPILE_DISABLE=1` does the same for every torch.compile in the process.
+# `TOKEN_LOGPROBS_COMPILE=0` runs the chunk kernels of token_logprobs and token_loss eagerly everywhere
+# (for debugging and pdb). `TORCH_COMPILE_DISABLE=1` does the same for every torch.compile in the process.
 _compiled_kernels: dict = {}
+_MIN_CHUNK_LOGITS = 1 << 23   # token_loss's smallest (C, V) buffer, in elements (32 MB fp32); below it, no chunks
 
 
 def _kernel(fn, use_compile: bool):
@@ -213,20 +234,23 @@ def _kernel(fn, use_compile: bool):
     return _compiled_kernels[fn]
 
 
-def _chunk_logprobs(logits, targets):
-    """One chunk forward: logits (C, V) -> log p(target) (C,) and logsumexp (C,), both fp32."""
+def _chunk_logprobs(logits, targets, temperature: float = 1.0):
+    """One chunk forward: logits (C, V) -> log p(target) (C,) and logsumexp (C,) of logits / T, both fp32."""
     logits = logits.float()                                       # the upcast fuses into the reductions
+    if temperature != 1.0:                                        # (T = 1 skips it: bit-for-bit the plain model)
+        logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)                         # (C,)
     target_logit = logits.gather(1, targets[:, None]).squeeze(1)  # (C,)
     return target_logit - lse, lse
 
 
-def _chunk_grad_logits_(logits, targets, lse, grad_out):
-    """One chunk backward, in place: logits (C, V) <- g * (onehot(t) - softmax) = d loss / d logits."""
-    probs = torch.exp(logits.float() - lse[:, None])              # softmax from the saved logsumexp, fp32
+def _chunk_grad_logits_(logits, targets, lse, grad_out, temperature: float = 1.0):
+    """One chunk backward, in place: logits (C, V) <- (g / T) (onehot(t) - softmax(logits / T)) = d loss / d logits."""
+    z = logits.float() if temperature == 1.0 else logits.float() / temperature
+    probs = torch.exp(z - lse[:, None])                           # softmax from the saved logsumexp, fp32
     vocab = torch.arange(logits.shape[1], device=logits.device)
     onehot = (targets[:, None] == vocab[None, :]).float()
-    logits.copy_(grad_out[:, None] * (onehot - probs))            # compiled: one fused kernel, no new (C, V) buffer
+    logits.copy_((grad_out / temperature)[:, None] * (onehot - probs))  # compiled: one fused kernel, no new (C, V)
 
 
 def _chunk(x: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
@@ -238,11 +262,32 @@ def _chunk(x: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
     return torch.cat([part, part.new_zeros((pad, *part.shape[1:]))])
 
 
+def _check_head(name: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    """Shapes, dtypes and target ids of a (hidden, lm_head weight, targets) triple, with a clear message."""
+    vocab, dim = weight.shape
+    if hidden.shape[-1] != dim:
+        raise ValueError(f"{name}: hidden has size {hidden.shape[-1]} in its last dim, "
+                         f"lm_head_weight is {tuple(weight.shape)}; expected (V, {hidden.shape[-1]})")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"{name}: hidden is {hidden.dtype} but lm_head_weight is {weight.dtype}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"{name}: targets shape {tuple(targets.shape)} != hidden shape "
+                         f"{tuple(hidden.shape)} without its last dim")
+    if targets.numel() and bool(((targets < 0) | (targets >= vocab)).any()):  # one host sync; else garbage reads
+        raise ValueError(f"{name}: targets must lie in [0, {vocab}), got min {int(targets.min())} "
+                         f"max {int(targets.max())} (mask pads with a valid id, not -100)")
+
+
+def _check_temperature(name: str, temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"{name}: temperature must be > 0, got {temperature}")
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """Chunked log p(target) with a hand-written backward; see `token_logprobs`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, use_compile):
+    def forward(ctx, hidden, weight, targets, chunk, temperature, use_compile):
         n = hidden.shape[0]
         forward_kernel = _kernel(_chunk_logprobs, use_compile)
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
@@ -250,12 +295,12 @@ class _TokenLogprobs(torch.autograd.Function):
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             logits = _chunk(hidden, start, chunk) @ weight.T                   # (C, V), GEMM in the input dtype
-            lp, ls = forward_kernel(logits, _chunk(targets, start, chunk))
+            lp, ls = forward_kernel(logits, _chunk(targets, start, chunk), temperature)
             logprobs[start:stop] = lp[:stop - start]
             lse[start:stop] = ls[:stop - start]
             del logits  # free this chunk's buffer before the next GEMM allocates one
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk, ctx.use_compile = chunk, use_compile
+        ctx.chunk, ctx.temperature, ctx.use_compile = chunk, temperature, use_compile
         return logprobs
 
     @staticmethod
@@ -276,7 +321,7 @@ class _TokenLogprobs(torch.autograd.Function):
             # padded rows carry g = 0, so their rows of grad_logits are exactly zero
             grad_logits = h @ weight.T                                         # (C, V)
             backward_kernel(grad_logits, _chunk(targets, start, chunk), _chunk(lse, start, chunk),
-                            _chunk(grad_out, start, chunk))
+                            _chunk(grad_out, start, chunk), ctx.temperature)
             if need_hidden:
                 grad_hidden[start:stop] = (grad_logits @ weight)[:stop - start]  # (C, V) @ (V, D)
             if need_weight:
@@ -287,24 +332,27 @@ class _TokenLogprobs(torch.autograd.Function):
             del grad_logits  # free this chunk's buffer before the next GEMM allocates one
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
-                   chunk_size: int = 1024, compile: bool = True) -> torch.Tensor:
+                   chunk_size: int = 1024, compile: bool = True, temperature: float = 1.0) -> torch.Tensor:
     """
-    log p(target) for each token from final hidden states, without materialising the logits.
+    log p(target) for each token from final hidden states, at temperature T, without materialising the logits.
 
-        logp_i = h_i . W[t_i] - logsumexp_v(h_i . W[v])
-        d logp_i / d logits_i = onehot(t_i) - softmax(logits_i)
-        grad_h_i = g_i (onehot(t_i) - p_i) W          grad_W = sum_i g_i (onehot(t_i) - p_i)^T h_i
+        z_i = h_i W^T / T                              (T = temperature; T = 1 is the plain model)
+        logp_i = z_i[t_i] - logsumexp_v(z_i[v])
+        d logp_i / d (h_i W^T) = (onehot(t_i) - softmax(z_i)) / T
+        grad_h_i = (g_i / T) (onehot(t_i) - p_i) W      grad_W = sum_i (g_i / T) (onehot(t_i) - p_i)^T h_i
 
     Shapes: hidden (..., D), lm_head_weight (V, D), targets (...) int64 in [0, V) -> (...) float32.
     Forward walks the tokens in chunks of C = chunk_size rows: a chunk's (C, V) logits come from one
     GEMM, are reduced in fp32 to the target logit and the logsumexp, and dropped; only lse (N,) is
     saved. Backward recomputes each chunk's logits with the same GEMM, overwrites them in place with
-    grad_logits = g (onehot - exp(logits - lse)), then grad_hidden chunk = grad_logits @ W and
+    grad_logits = (g / T) (onehot - exp(logits / T - lse)), then grad_hidden chunk = grad_logits @ W and
     grad_W += grad_logits^T h_chunk (an fp32 accumulator, cast to W's dtype at the end).
+    Temperature: the RL loop samples from softmax(logits / T); the log-probs that enter its loss (old,
+    reference and current) must be those of the same distribution, so they pass the sampling T here.
 
     Memory: O(C V) working memory instead of O(N V). With Qwen's vocab V = 151,936 the naive path
     at N = 8192 tokens holds 5 GB of fp32 logits, and autograd keeps two to three such (N, V)
@@ -312,7 +360,9 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     The price is one extra GEMM (the logits recomputed in backward): 4 GEMMs of N x D x V instead
     of 3. bench/logprob_bench.py, fp32 on a 2-core CPU, N = 4096, D = 4096: 0.63 GB of working
     memory (beyond the returned gradients) against 4.57 GB naive and 2.32 GB for a row-by-row
-    log_softmax over full logits, at 1.35x the latter's time.
+    log_softmax over full logits, at 1.35x the latter's time. A loss that is a sum of per-token
+    terms should use `token_loss` instead (3 GEMMs, gradients formed in the forward); this function
+    is for the no-grad uses (old and reference log-probs, evaluation) and for losses that are not.
     bf16/fp16 inputs: the GEMMs run in the input dtype (fp32 accumulation inside the GEMM), the
     softmax math in fp32, and grad_W sums the chunks in fp32.
 
@@ -325,26 +375,225 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     Source: the fused "linear + cross-entropy" of Liger-Kernel (arXiv 2410.10989), here returning
     per-token log-probs (GRPO needs those, not one summed loss), hence the recompute in backward.
     """
-    vocab, dim = lm_head_weight.shape
-    if hidden.shape[-1] != dim:
-        raise ValueError(f"token_logprobs: hidden has size {hidden.shape[-1]} in its last dim, "
-                         f"lm_head_weight is {tuple(lm_head_weight.shape)}; expected (V, {hidden.shape[-1]})")
-    if hidden.dtype != lm_head_weight.dtype:
-        raise ValueError(f"token_logprobs: hidden is {hidden.dtype} but lm_head_weight is {lm_head_weight.dtype}")
-    if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"token_logprobs: targets shape {tuple(targets.shape)} != hidden shape "
-                         f"{tuple(hidden.shape)} without its last dim")
+    _check_head("token_logprobs", hidden, lm_head_weight, targets)
+    _check_temperature("token_logprobs", temperature)
     if chunk_size < 1:
         raise ValueError(f"token_logprobs: chunk_size must be >= 1, got {chunk_size}")
-    lead_shape = targets.shape
+    lead_shape, dim = targets.shape, lm_head_weight.shape[1]
     hidden, targets = hidden.reshape(-1, dim), targets.reshape(-1).long()  # (N, D), (N,)
     n = targets.shape[0]
-    if bool(((targets < 0) | (targets >= vocab)).any()):  # one host sync; a bad id would otherwise read garbage
-        raise ValueError(f"token_logprobs: targets must lie in [0, {vocab}), got min {int(targets.min())} "
-                         f"max {int(targets.max())} (mask pads with a valid id, not -100)")
     chunk = min(chunk_size, 1 << max(n - 1, 0).bit_length())  # a few fixed shapes, so dynamic=False stays cheap
-    return _TokenLogprobs.apply(hidden, lm_head_weight, targets, chunk, compile).reshape(lead_shape)
+    return _TokenLogprobs.apply(hidden, lm_head_weight, targets, chunk, float(temperature),
+                                compile).reshape(lead_shape)
 
+
+def _auto_chunk(n: int, dim: int, vocab: int) -> int:
+    """
+    Liger-Kernel's chunk size (arXiv 2410.10989, fused linear cross-entropy): C = next_pow2(ceil(N / ceil(V / D))),
+    so the (C, V) logits buffer is about the size of the (N, D) hidden states; here at least
+    _MIN_CHUNK_LOGITS / V rows (a tiny D would otherwise give chunks of one row and a Python loop of N).
+    """
+    chunk = -(-n // -(-vocab // dim))                              # ceil(N / ceil(V / D))
+    chunk = max(chunk, -(-_MIN_CHUNK_LOGITS // vocab), 1)
+    return 1 << (chunk - 1).bit_length()                           # the next power of two
+
+
+class _TokenLoss(torch.autograd.Function):
+    """sum_i loss over chunks with the gradients formed in the forward; see `token_loss`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, loss_fn, chunk, temperature, use_compile, need_hidden, need_weight):
+        n, (vocab, dim) = hidden.shape[0], weight.shape
+        forward_kernel = _kernel(_chunk_logprobs, use_compile)
+        grad_kernel = _kernel(_chunk_grad_logits_, use_compile)
+        buf = hidden.new_empty((chunk, vocab))                          # (C, V): the one logits buffer, reused
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None                     # (N, D)
+        grad_weight = torch.zeros((vocab, dim), dtype=torch.float32, device=weight.device) if need_weight else None
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            rows = stop - start
+            h, t = _chunk(hidden, start, chunk), _chunk(targets, start, chunk)               # (C, D), (C,)
+            torch.mm(h, weight.T, out=buf)                                                   # GEMM 1: logits
+            logp, lse = forward_kernel(buf, t, temperature)                                  # (C,), (C,) fp32
+            with torch.enable_grad():           # autograd on the small (rows,) tensor only: d loss / d logp
+                lp = logp[:rows].detach().requires_grad_()
+                loss = loss_fn(lp, slice(start, stop))
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ValueError(f"token_loss: loss_fn must return a scalar tensor, got {loss!r:.80}")
+                g = None
+                if (need_hidden or need_weight) and loss.requires_grad:
+                    g = torch.autograd.grad(loss, lp, allow_unused=True)[0]                  # (rows,)
+            total += loss.detach().float()
+            if not (need_hidden or need_weight):
+                continue
+            g_pad = torch.zeros(chunk, dtype=torch.float32, device=hidden.device)            # padded rows: g = 0
+            if g is not None:
+                g_pad[:rows] = g
+            grad_kernel(buf, t, lse, g_pad, temperature)       # buf <- (g / T)(onehot - softmax(logits / T))
+            if need_hidden:
+                torch.mm(buf[:rows], weight, out=grad_hidden[start:stop])                    # GEMM 2: (C, V) @ (V, D)
+            if need_weight:
+                if buf.dtype == torch.float32:
+                    grad_weight.addmm_(buf.T, h)                                             # GEMM 3, in place
+                else:
+                    grad_weight += buf.T @ h                   # bf16 GEMM, summed over chunks in fp32
+        del buf
+        if need_weight and grad_weight.dtype != weight.dtype:
+            grad_weight = grad_weight.to(weight.dtype)
+        ctx.grads = (grad_hidden, grad_weight)                 # nothing else is kept: not h, not W, not logits
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.grads is None:
+            raise RuntimeError("token_loss: backward through the same loss twice; its gradients were formed in "
+                               "the forward and handed over by the first backward (call token_loss again)")
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None        # handed over to autograd, which owns (and may accumulate into) them now
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                grad.mul_(grad_out)                            # d total / d loss = upstream gradient, in place
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def token_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss_fn,
+               chunk_size: int | None = None, temperature: float = 1.0, compile: bool = True) -> torch.Tensor:
+    """
+    A loss that is a sum of per-token terms of log p(target), with the gradients formed in the forward.
+
+        logp_i = log_softmax(h_i W^T / T)[t_i]                              (T = temperature)
+        loss   = sum over chunks c of loss_fn(logp_c, rows_c)               (a scalar, fp32)
+        g_i    = d loss / d logp_i                                          (autograd on the (C,) tensor)
+        grad_logits_i = (g_i / T) (onehot(t_i) - softmax(h_i W^T / T))
+        grad_h_i = grad_logits_i W          grad_W = sum_i grad_logits_i^T h_i
+
+    Shapes: hidden (N, D), weight (V, D), targets (N,) int64 in [0, V) -> scalar float32.
+    loss_fn(logp (n,) float32, rows: slice) -> scalar tensor: the loss of one chunk of rows, where
+    `rows` is the Python slice of those rows in the flattened batch, so loss_fn can index per-token
+    tensors (old and reference log-probs, advantages, mask); every other tensor it reads is a
+    constant (no gradient reaches it). Each token's term must depend on its own log-prob only (GRPO's
+    clipped ratio, a KL to a reference, cross-entropy): that is what lets the gradient be known as
+    soon as the chunk's log-probs are.
+
+    Per chunk of C rows, in the forward: the (C, V) logits by one GEMM into a reused buffer, the
+    log-sum-exp and log-probs, g by autograd on the small (C,) tensor, grad_logits written in place
+    over the logits, then grad_h for the chunk (GEMM 2) and grad_W accumulated in fp32 (GEMM 3).
+    The backward only scales the stored grad_h and grad_W by the upstream gradient: 3 GEMMs of
+    N x D x V in all, as the naive path, where `token_logprobs` needs 4 (it recomputes the logits).
+    Nothing of the forward is saved but the two gradients, not even W (so on this path FSDP may free the
+    unsharded lm_head weight after the forward); backward through one result twice is refused.
+    Chunk size: by default Liger's rule (`_auto_chunk`: the (C, V) buffer about the size of the hidden
+    states, 128 rows for N = 4096, D = 4096, V = 151,936), and when the whole (N, V) logits are no bigger
+    than that smallest buffer, the plain path (log_softmax over all logits, ordinary autograd). An
+    explicit chunk_size always takes the fused path (shrunk to the next power of two >= N when N is
+    smaller). The softmax math of a chunk runs under torch.compile(dynamic=False) on the padded (C, V)
+    shape as in `token_logprobs` (env TOKEN_LOGPROBS_COMPILE=0 or compile=False: eager); the GEMMs are
+    library calls. bf16: GEMMs in bf16, softmax math in fp32, grad_W summed in fp32, cast to W's dtype.
+    Measured (bench/logprob_bench.py, the GRPO loss, fp32, 2-core CPU): see docs/benchmarks.md.
+    Sources: Liger-Kernel's fused linear losses (arXiv 2410.10989) and Cut Cross-Entropy (arXiv
+    2411.09009) form the gradient inside the forward the same way; here the per-token loss is any
+    function of log p, so one kernel serves GRPO and SFT.
+    """
+    _check_head("token_loss", hidden, weight, targets)
+    _check_temperature("token_loss", temperature)
+    if hidden.dim() != 2:
+        raise ValueError(f"token_loss: hidden must be (N, D), got {tuple(hidden.shape)}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"token_loss: chunk_size must be >= 1 or None, got {chunk_size}")
+    (n, dim), vocab = hidden.shape, weight.shape[0]
+    targets = targets.long()
+    if chunk_size is None and n * vocab <= _MIN_CHUNK_LOGITS:     # small logits: plain autograd, no chunks
+        logits = (hidden @ weight.T).float() / temperature
+        logp = F.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
+        return loss_fn(logp, slice(0, n)).float()
+    chunk = _auto_chunk(n, dim, vocab) if chunk_size is None else chunk_size
+    chunk = min(chunk, 1 << max(n - 1, 0).bit_length())          # N < C: the next power of two >= N
+    grad_on = torch.is_grad_enabled()
+    return _TokenLoss.apply(hidden, weight, targets, loss_fn, chunk, float(temperature), compile,
+                            grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+
+
+def _policy_rows(name: str, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, **per_token):
+    """Policy rows of (B, L, D) hidden / (B, L) targets and of each (B, L) or (B,) per-token tensor, flattened."""
+    if hidden.dim() != 3 or targets.shape != hidden.shape[:2] or mask.shape != targets.shape:
+        raise ValueError(f"{name}: hidden {tuple(hidden.shape)} must be (B, L, D), targets {tuple(targets.shape)} "
+                         f"and mask {tuple(mask.shape)} (B, L)")
+    mask = mask.to(hidden.device).bool()
+    rows = {}
+    for key, x in per_token.items():
+        if x is None:
+            rows[key] = None
+            continue
+        if x.shape not in (mask.shape, mask.shape[:1]):
+            raise ValueError(f"{name}: {key} {tuple(x.shape)} must be (B, L) or (B,) for mask {tuple(mask.shape)}")
+        x = x.to(hidden.device).detach()
+        rows[key] = (x[:, None].expand(mask.shape) if x.dim() == 1 else x)[mask].float()   # (N,)
+    return hidden[mask], targets.to(hidden.device)[mask], mask, rows
+
+
+def grpo_token_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
+                    old_logprobs: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor, *,
+                    clip_low: float, clip_high: float, kl_coef: float = 0.0, ref_logprobs: torch.Tensor | None = None,
+                    kl_estimator: str = "k3", num_tokens: float | torch.Tensor | None = None,
+                    temperature: float = 1.0, chunk_size: int | None = None,
+                    compile: bool = True) -> tuple[torch.Tensor, dict]:
+    """
+    `grpo_loss` computed from hidden states through `token_loss`: the same PPO-clip surrogate, KL term and
+    token-mean normaliser, without the (B, L, V) logits and with 3 GEMMs of N x D x V.
+
+        logp_it = log_softmax(h_it W^T / T)[o_it]        over the policy tokens (mask m_it = 1) only
+        loss    = sum_it m_it l_it(logp_it) / num_tokens   with l_it of `grpo_token_terms`
+
+    Shapes: hidden (B, L, D) (the final hidden states predicting targets), lm_head_weight (V, D),
+    targets, mask (B, L); old_logprobs, ref_logprobs (B, L) at the same temperature T; advantages (B,)
+    or (B, L). old_logprobs None: the single on-policy epoch, ratio = exp(logp - logp.detach()) = 1
+    with the gradient of logp. Only the masked rows are gathered (N = sum(mask) of them) and run
+    through the kernel, so garbage at masked positions never enters. num_tokens: as in `grpo_loss`
+    (default sum(mask), at least 1). Returns (loss, stats) with grpo_loss's stats.
+    """
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("grpo_token_loss: kl_coef != 0 needs ref_logprobs")
+    h, t, mask, rows = _policy_rows("grpo_token_loss", hidden, targets, mask, old_logprobs=old_logprobs,
+                                    advantages=advantages, ref_logprobs=ref_logprobs)
+    n_tokens = h.shape[0]
+    normaliser = max(n_tokens, 1) if num_tokens is None else num_tokens
+    sums = {"clip": 0.0, "kl": 0.0, "ratio": 0.0}
+
+    def chunk_loss(logp: torch.Tensor, sl: slice) -> torch.Tensor:
+        old = logp.detach() if rows["old_logprobs"] is None else rows["old_logprobs"][sl]
+        ref = None if rows["ref_logprobs"] is None else rows["ref_logprobs"][sl]
+        per_token, ratio, kl, clipped = grpo_token_terms(logp, old, rows["advantages"][sl], clip_low, clip_high,
+                                                         kl_coef, ref, kl_estimator)
+        with torch.no_grad():   # summed on the device; one host sync at the end
+            for key, x in (("clip", clipped), ("kl", kl), ("ratio", ratio)):
+                sums[key] = sums[key] + x.float().sum()
+        return per_token.sum() / normaliser
+
+    loss = token_loss(h, lm_head_weight, t, chunk_loss, chunk_size, temperature, compile)
+    denom = max(n_tokens, 1)
+    stats = {"clip_frac": float(sums["clip"]) / denom, "kl": float(sums["kl"]) / denom,
+             "n_tokens": n_tokens, "ratio_mean": float(sums["ratio"]) / denom}
+    return loss, stats
+
+
+def sft_token_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                   num_tokens: float | torch.Tensor | None = None, temperature: float = 1.0,
+                   chunk_size: int | None = None, compile: bool = True) -> tuple[torch.Tensor, int]:
+    """
+    Cross-entropy on the masked (assistant) tokens through `token_loss`, token mean:
+
+        loss = -sum_it m_it log_softmax(h_it W^T / T)[t_it] / num_tokens        (num_tokens default sum(m))
+
+    Shapes: hidden (B, L, D), lm_head_weight (V, D), targets, mask (B, L). With micro-batches pass the
+    whole batch's token count as num_tokens so the gradients add up. Returns (loss, n_tokens of this call).
+    """
+    h, t, mask, _ = _policy_rows("sft_token_loss", hidden, targets, mask)
+    n_tokens = h.shape[0]
+    normaliser = max(n_tokens, 1) if num_tokens is None else num_tokens
+    loss = token_loss(h, lm_head_weight, t, lambda logp, sl: -logp.sum() / normaliser, chunk_size,
+                      temperature, compile)
+    return loss, n_tokens
 
 
 # -----------------------------------------------------------------------------
@@ -443,15 +692,10 @@ def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
 # -----------------------------------------------------------------------------
 # Whole trajectories -> per-token log-probs of the policy's tokens
 
-def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float = 1.0, attn_mask_4d=None,
-                     compile: bool = True) -> torch.Tensor:
-    """(B, L-1) log p_T(next token) at POLICY positions (0 elsewhere), through `token_logprobs`.
-
-        log p_T(t | h) = log_softmax(h W^T / T)[t] = log_softmax((h / T) W^T)[t]
-
-    T is the sampling temperature (RL: the rollout's T, so the policy optimised is the policy that sampled;
-    SFT and evaluation: 1). Dividing the hidden states by T before the fused kernel is exact, and autograd
-    carries the 1/T into the gradient."""
+def forward_hidden(model, batch: dict, attn_mask_4d=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden (B, L-1, D), targets (B, L-1), policy mask (B, L-1)): the final hidden states that predict each
+    next token, for the fused kernels. FSDP: the lm_head unit is gathered here, since the kernels read
+    lm_head.weight directly (its gradient is reduce-scattered with the final norm's, in backward)."""
     device = next(model.parameters()).device
     kw = {k: v.to(device) for k, v in batch.items() if k not in ("roles",)}
     if "pixel_values_videos" in kw:
@@ -459,14 +703,21 @@ def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float = 1
     if attn_mask_4d is not None:
         kw["attention_mask"] = attn_mask_4d.to(device)
     hidden = model.model(**kw, use_cache=False).last_hidden_state[:, :-1]            # (B, L-1, D)
-    targets = batch["input_ids"][:, 1:].to(device)
-    policy = policy_mask(batch["roles"]).to(device)
-    out = torch.zeros(targets.shape, device=device, dtype=torch.float32)
-    if hasattr(model.lm_head, "unshard"):     # FSDP: the weight is read below, not through lm_head's forward
-        model.lm_head.unshard()               # (its gradient is reduce-scattered with the norm's, in backward)
+    if hasattr(model.lm_head, "unshard"):
+        model.lm_head.unshard()
+    return hidden, batch["input_ids"][:, 1:].to(device), policy_mask(batch["roles"]).to(device)
+
+
+def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float = 1.0, attn_mask_4d=None,
+                     compile: bool = True) -> torch.Tensor:
+    """(B, L-1) log p_T(next token) at POLICY positions (0 elsewhere), through `token_logprobs`: the no-grad
+    uses (old and reference log-probs, the KL folded into the reward). T is the sampling temperature (RL: the
+    rollout's T, so the policy optimised is the policy that sampled; SFT and evaluation: 1)."""
+    hidden, targets, policy = forward_hidden(model, batch, attn_mask_4d)
+    out = torch.zeros(targets.shape, device=hidden.device, dtype=torch.float32)
     if policy.any():
-        h = hidden[policy] if temperature == 1.0 else hidden[policy] / temperature
-        out[policy] = token_logprobs(h, model.lm_head.weight, targets[policy], chunk_size, compile)
+        out[policy] = token_logprobs(hidden[policy], model.lm_head.weight, targets[policy], chunk_size, compile,
+                                     temperature=temperature)
     return out
 
 
@@ -579,12 +830,11 @@ def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.R
     return items, len(errors)
 
 
-def sft_loss(model, batch: dict, chunk_size: int, attn_mask_4d=None, compile: bool = True) -> tuple[torch.Tensor, int]:
-    """Cross-entropy on assistant (POLICY) tokens only, token mean."""
-    lp = forward_logprobs(model, batch, chunk_size, 1.0, attn_mask_4d, compile)
-    mask = policy_mask(batch["roles"]).to(lp.device)
-    n = int(mask.sum())
-    return -(lp * mask).sum() / max(1, n), n
+def sft_loss(model, batch: dict, chunk_size: int | None = None, attn_mask_4d=None,
+             compile: bool = True) -> tuple[torch.Tensor, int]:
+    """Cross-entropy on assistant (POLICY) tokens only, token mean, through the fused `sft_token_loss`."""
+    hidden, targets, mask = forward_hidden(model, batch, attn_mask_4d)
+    return sft_token_loss(hidden, model.lm_head.weight, targets, mask, chunk_size=chunk_size, compile=compile)
 
 
 def sft_micro_batches(items: list, rows: int, model, pad_id: int):
@@ -606,7 +856,7 @@ def sft_backward(model, items: list, rows: int, pad_id: int, chunk_size: int, td
     parts = []
     for batch in batches:
         mask4 = tdam_batch_mask(batch, tdam_ids, model.config.video_token_id) if tdam_ids else None
-        micro, n = sft_loss(model, batch, chunk_size, mask4, compile)
+        micro, n = sft_loss(model, batch, None, mask4, compile)
         (micro * (n / n_tok)).backward()
         parts.append(micro.detach() * (n / n_tok))
     return torch.stack(parts).sum(), n_tok
@@ -784,11 +1034,12 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
         fill = (batches[-1], old[-1], advs[-1], ref[-1]) if batches else None
     gn, stats = None, {"clip_frac": 0.0, "kl": 0.0}
 
-    def loss_of(b, o, a, r):
-        lp = forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile)
-        return grpo_loss(lp, lp.detach() if o is None else o, a.to(lp.device), policy_mask(b["roles"]).to(lp.device),
-                         clip_low=s.clip_low, clip_high=s.clip_high, kl_coef=0.0 if s.kl_in_reward else s.kl_coef,
-                         ref_logprobs=r, kl_estimator=s.kl_estimator, num_tokens=norm)
+    def loss_of(b, o, a, r):                         # the fused loss: gradients formed in its forward
+        hidden, targets, mask = forward_hidden(model, b)
+        return grpo_token_loss(hidden, model.lm_head.weight, targets, o, a, mask, clip_low=s.clip_low,
+                               clip_high=s.clip_high, kl_coef=0.0 if s.kl_in_reward else s.kl_coef, ref_logprobs=r,
+                               kl_estimator=s.kl_estimator, num_tokens=norm, temperature=s.temperature,
+                               compile=s.compile)
 
     for epoch in range(s.ppo_epochs):
         total = torch.zeros(())

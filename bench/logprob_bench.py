@@ -1,14 +1,19 @@
 """
-Benchmark: per-token log p(target) from hidden states x lm_head, forward + backward, three ways.
+Benchmark: the GRPO loss from hidden states x lm_head, forward + backward, four ways.
 
-    naive    log_softmax(h @ W^T).gather(t): the full (N, V) logits, and ~3 (N, V) tensors in backward
-    rowwise  full logits, then log_softmax one sequence (row of the batch) at a time, as TRL's
-             selective_log_softmax does for bf16 (N tokens as `--rows` sequences of N / rows)
-    ours     train.token_logprobs: token chunks, (chunk, V) logits at a time, recomputed in backward
+    naive     log_softmax(h @ W^T).gather(t), then grpo_loss: the full (N, V) logits, ~3 (N, V) tensors in backward
+    rowwise   full logits, then log_softmax one sequence (row of the batch) at a time, as TRL's
+              selective_log_softmax does for bf16 (N tokens as `--rows` sequences of N / rows), then grpo_loss
+    logprobs  train.token_logprobs (token chunks, logits recomputed in backward: 4 GEMMs), then grpo_loss
+    fused     train.grpo_token_loss: train.token_loss, the gradients formed in the forward (3 GEMMs)
 
-    python bench/logprob_bench.py                                  # N 8192, D 4096, V 151,936, fp32, CPU
+    python bench/logprob_bench.py                                  # N 4096, D 4096, V 151,936, fp32, CPU
+    python bench/logprob_bench.py --n 512 --vocab 32000 --repeats 1            # a quick, smaller run
     python bench/logprob_bench.py --device cuda --dtype bfloat16   # on a GPU
 
+The same loss for all: PPO-clip (eps 0.2 / 0.3) with per-sequence advantages and a k3 KL (beta 0.01)
+to a reference, token-mean over all N tokens, at temperature 0.7 (the RL sampling temperature);
+old and reference log-probs are fixed random values near log(1 / V).
 Each method runs in its own subprocess, so one method's memory never counts against another's.
 Peak extra memory = the highest peak of a timed pass minus what was resident before: VmHWM - VmRSS
 from /proc/self/status (CPU; the high-water mark is reset through /proc/self/clear_refs before
@@ -16,16 +21,17 @@ each pass), or max_memory_allocated - memory_allocated (CUDA). It includes the g
 method must return; "working" memory is that peak minus those gradients. Time is the median of
 --repeats forward+backward passes (wall clock; process CPU seconds beside it, steadier when other
 jobs share the machine) after a warm-up of two passes over one chunk of tokens; the
-first pass minus the second (first_call_extra_s) is ours' torch.compile time, reported apart as
-compile_s. The sum of logp and the norms of grad h and grad W are compared across methods.
+first pass minus the second (first_call_extra_s) is the torch.compile time of the chunked methods, reported
+apart. The loss and the norms of grad h and grad W are compared across methods.
 On CPU, N is halved until the naive method's estimated footprint fits in --mem-fraction of
 MemAvailable (printed when it happens).
-Targets: ours peak extra memory <= 1/8 of naive and <= 1/2 of rowwise; time no worse than rowwise.
+Targets (issue 18): fused peak extra memory <= 1/8 of naive, time <= 0.9x naive.
 The last line of output is one JSON object.
 """
 import argparse
 import gc
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -36,25 +42,43 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `import train`
-from train import token_logprobs  # noqa: E402
+import train  # noqa: E402
 
-METHODS = ("naive", "rowwise", "ours")
+METHODS = ("naive", "rowwise", "logprobs", "fused")
+TEMPERATURE = 0.7
+GRPO = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.01, kl_estimator="k3")
 GB = 1024 ** 3
 
 
-def naive(hidden, weight, targets, rows, chunk_size, use_compile):
-    return F.log_softmax((hidden @ weight.T).float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
+def grpo(logp, problem):
+    """The GRPO loss on (N,) log-probs, the batch as (rows, N / rows)."""
+    old, adv, ref, mask = problem
+    return train.grpo_loss(logp.view(mask.shape), old, adv, mask, ref_logprobs=ref, **GRPO)[0]
 
 
-def rowwise(hidden, weight, targets, rows, chunk_size, use_compile):
+def naive(hidden, weight, targets, problem, chunk_size, use_compile):
+    logits = (hidden @ weight.T).float() / TEMPERATURE
+    return grpo(F.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1), problem)
+
+
+def rowwise(hidden, weight, targets, problem, chunk_size, use_compile):
+    rows = problem[-1].shape[0]
     logits = (hidden @ weight.T).view(rows, -1, weight.shape[0])   # (rows, N / rows, V), all of it
-    per_row = [F.log_softmax(row.float(), dim=-1).gather(1, t[:, None]).squeeze(1)
+    per_row = [F.log_softmax(row.float() / TEMPERATURE, dim=-1).gather(1, t[:, None]).squeeze(1)
                for row, t in zip(logits, targets.view(rows, -1))]
-    return torch.cat(per_row)
+    return grpo(torch.cat(per_row), problem)
 
 
-def ours(hidden, weight, targets, rows, chunk_size, use_compile):
-    return token_logprobs(hidden, weight, targets, chunk_size=chunk_size, compile=use_compile)
+def logprobs(hidden, weight, targets, problem, chunk_size, use_compile):
+    return grpo(train.token_logprobs(hidden, weight, targets, chunk_size=chunk_size, compile=use_compile,
+                                     temperature=TEMPERATURE), problem)
+
+
+def fused(hidden, weight, targets, problem, chunk_size, use_compile):
+    old, adv, ref, mask = problem
+    return train.grpo_token_loss(hidden.view(*mask.shape, -1), weight, targets.view(mask.shape), old, adv, mask,
+                                 ref_logprobs=ref, temperature=TEMPERATURE, chunk_size=chunk_size,
+                                 compile=use_compile, **GRPO)[0]
 
 
 def proc_status_kb(field: str) -> int:
@@ -67,21 +91,33 @@ def proc_status_kb(field: str) -> int:
 def worker(args) -> dict:
     """Run one method in this process; return its timings and peak extra memory."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    fn = {"naive": naive, "rowwise": rowwise, "ours": ours}[args.worker]
+    fn = {"naive": naive, "rowwise": rowwise, "logprobs": logprobs, "fused": fused}[args.worker]
+    chunk_size = args.fused_chunk if args.worker == "fused" else args.chunk_size
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(args.n, args.d, generator=gen, device=device, dtype=dtype)
     weight = (torch.randn(args.vocab, args.d, generator=gen, device=device, dtype=dtype)
               * args.d ** -0.5).requires_grad_()                                 # logits of std ~1
     targets = torch.randint(0, args.vocab, (args.n,), generator=gen, device=device)
-    grad_out = torch.randn(args.n, generator=gen, device=device)
+    near = -math.log(args.vocab) - 0.5                                           # ~ log p of a random target
+    old = near + 0.5 * torch.randn(args.n, generator=gen, device=device)         # ratios spread around 1
+    ref = old + 0.1 * torch.randn(args.n, generator=gen, device=device)
+    adv = torch.randn(args.rows, generator=gen, device=device)                   # one advantage per sequence
     cuda = device.type == "cuda"
     checksums = []
+
+    def problem(n: int):
+        """old, adv, ref, mask for the first n tokens: --rows sequences for the full N, one for a warm-up."""
+        rows = args.rows if n == args.n else 1
+        seq_adv = adv if n == args.n else adv[:1]
+        return old[:n].view(rows, -1), seq_adv, ref[:n].view(rows, -1), torch.ones(rows, n // rows, dtype=torch.bool,
+                                                                                    device=device)
 
     def resident() -> int:
         return torch.cuda.memory_allocated() if cuda else proc_status_kb("VmRSS") * 1024
 
     def fwd_bwd(n: int) -> tuple[float, float, int]:
         """One forward + backward over n tokens: (wall seconds, CPU seconds, peak bytes)."""
+        prob = problem(n)
         gc.collect()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -90,20 +126,19 @@ def worker(args) -> dict:
                 f.write("5")
         t0, cpu0 = time.perf_counter(), time.process_time()
         h = hidden[:n].detach().requires_grad_()                                 # a leaf of n tokens
-        out = fn(h, weight, targets[:n], args.rows if n == args.n else 1, args.chunk_size, not args.no_compile)
-        out.backward(grad_out[:n])
+        loss = fn(h, weight, targets[:n], prob, chunk_size, not args.no_compile)
+        loss.backward()
         if cuda:
             torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         peak = torch.cuda.max_memory_allocated() if cuda else proc_status_kb("VmHWM") * 1024
         if n == args.n and not checksums:  # to cross-check the methods; after the peak is read (fp64 copies)
-            checksums.extend([float(out.double().sum()), float(h.grad.double().norm()),
-                              float(weight.grad.double().norm())])
-        del h, out
+            checksums.extend([float(loss), float(h.grad.double().norm()), float(weight.grad.double().norm())])
+        del h, loss
         weight.grad = None                                                       # free the (V, D) gradient
         return wall, cpu, peak
 
-    n_warm = min(args.n, args.chunk_size)
+    n_warm = min(args.n, chunk_size or args.n)
     first, second = fwd_bwd(n_warm)[0], fwd_bwd(n_warm)[0]                      # the first pays the compile
     gc.collect()
     before = resident()
@@ -140,32 +175,41 @@ def fit_n(args) -> tuple[int, str]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=8192, help="tokens (N)")
+    p.add_argument("--n", type=int, default=4096, help="tokens (N)")
     p.add_argument("--d", type=int, default=4096, help="hidden size (D); Qwen3-VL-8B: 4096")
     p.add_argument("--vocab", type=int, default=151_936, help="vocabulary (V); Qwen: 151,936")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of h and W")
-    p.add_argument("--chunk-size", type=int, default=1024, help="tokens per chunk for ours")
-    p.add_argument("--rows", type=int, default=8, help="sequences the N tokens form, for rowwise")
+    p.add_argument("--chunk-size", type=int, default=1024, help="tokens per chunk for logprobs")
+    p.add_argument("--fused-chunk", type=int, default=0,
+                   help="tokens per chunk for fused; 0 = token_loss's own choice (Liger's rule) for this N, D, V")
+    p.add_argument("--rows", type=int, default=8, help="sequences the N tokens form (rowwise, the advantages)")
     p.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per method")
     p.add_argument("--mem-fraction", type=float, default=0.6, help="share of free memory the naive run may use")
-    p.add_argument("--no-compile", action="store_true", help="run ours without torch.compile")
+    p.add_argument("--no-compile", action="store_true", help="run the chunked methods without torch.compile")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)  # internal: run one method
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
         return
+    methods = args.methods.split(",")
+    if "naive" not in methods or any(m not in METHODS for m in methods):
+        raise SystemExit(f"logprob_bench.py: --methods must name naive and any of {METHODS}, got {args.methods!r}")
 
     n, note = fit_n(args)
     if note:
         print(note)
-    print(f"device {args.device}  dtype {args.dtype}  N {n}  D {args.d}  V {args.vocab}  "
-          f"chunk {args.chunk_size}  rows {args.rows}  repeats {args.repeats}", flush=True)
+    # the fused chunk, fixed for the warm-up and the timed passes alike (one compiled shape)
+    fused_chunk = args.fused_chunk or train._auto_chunk(n, args.d, args.vocab)
+    print(f"device {args.device}  dtype {args.dtype}  N {n}  D {args.d}  V {args.vocab}  chunk {args.chunk_size}  "
+          f"fused chunk {fused_chunk}  rows {args.rows}  repeats {args.repeats}  T {TEMPERATURE}", flush=True)
     results = {}
-    for method in METHODS:
+    for method in methods:
         cmd = [sys.executable, __file__, "--worker", method, "--n", str(n), "--d", str(args.d),
                "--vocab", str(args.vocab), "--device", args.device, "--dtype", args.dtype,
-               "--chunk-size", str(args.chunk_size), "--rows", str(args.rows), "--repeats", str(args.repeats)]
+               "--chunk-size", str(args.chunk_size), "--fused-chunk", str(fused_chunk), "--rows", str(args.rows),
+               "--repeats", str(args.repeats)]
         cmd += ["--no-compile"] if args.no_compile else []
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -175,33 +219,29 @@ def main():
         print(f"{method:8s} time {r['time_s']:8.2f} s  cpu {r['cpu_s']:8.1f} s  peak extra {r['peak_extra_gb']:7.2f} GB  "
               f"working {r['working_gb']:7.2f} GB  first call +{r['first_call_extra_s']:5.1f} s", flush=True)
 
-    o, nv, rw = results["ours"], results["naive"], results["rowwise"]
-    # sum of logp, norms of grad h and grad W against the naive method's: all must agree
-    agree = max(abs(a - b) / max(1.0, abs(b)) for r in (o, rw) for a, b in zip(r["checksums"], nv["checksums"]))
+    nv = results["naive"]
+    # the loss and the norms of grad h and grad W against the naive method's: all must agree
+    agree = max([abs(a - b) / max(1.0, abs(b)) for m in methods for a, b in zip(results[m]["checksums"], nv["checksums"])])
     if agree > 1e-3:
         raise SystemExit(f"logprob_bench.py: the methods disagree (relative checksum difference {agree:.2e})")
-    ratios = {
-        "mem_ours_over_naive": o["peak_extra_gb"] / nv["peak_extra_gb"],
-        "mem_ours_over_rowwise": o["peak_extra_gb"] / rw["peak_extra_gb"],
-        "working_ours_over_naive": o["working_gb"] / nv["working_gb"],
-        "working_ours_over_rowwise": o["working_gb"] / rw["working_gb"],
-        "time_ours_over_rowwise": o["time_s"] / rw["time_s"],
-        "time_ours_over_naive": o["time_s"] / nv["time_s"],
-        "cpu_ours_over_rowwise": o["cpu_s"] / rw["cpu_s"],        # CPU seconds: steadier on a shared machine
-    }
-    targets = {
-        "mem_le_1/8_naive": ratios["mem_ours_over_naive"] <= 1 / 8,
-        "mem_le_1/2_rowwise": ratios["mem_ours_over_rowwise"] <= 1 / 2,
-        "working_le_1/8_naive": ratios["working_ours_over_naive"] <= 1 / 8,
-        "working_le_1/2_rowwise": ratios["working_ours_over_rowwise"] <= 1 / 2,
-        "time_le_rowwise": ratios["time_ours_over_rowwise"] <= 1.0,
-    }
+    ratios = {}
+    for m in methods[1:] if methods[0] == "naive" else [m for m in methods if m != "naive"]:
+        r = results[m]
+        ratios[f"mem_{m}_over_naive"] = r["peak_extra_gb"] / nv["peak_extra_gb"]
+        ratios[f"working_{m}_over_naive"] = r["working_gb"] / nv["working_gb"]
+        ratios[f"time_{m}_over_naive"] = r["time_s"] / nv["time_s"]
+        ratios[f"cpu_{m}_over_naive"] = r["cpu_s"] / nv["cpu_s"]      # CPU seconds: steadier on a shared machine
+    targets = {}
+    if "fused" in results:
+        targets = {"fused_mem_le_1/8_naive": ratios["mem_fused_over_naive"] <= 1 / 8,
+                   "fused_working_le_1/8_naive": ratios["working_fused_over_naive"] <= 1 / 8,
+                   "fused_time_le_0.9_naive": ratios["time_fused_over_naive"] <= 0.9}
     print("\n".join(f"{k:28s} {v:.3f}" for k, v in ratios.items()))
     print(json.dumps({"device": args.device, "dtype": args.dtype, "n_requested": args.n, "n": n, "d": args.d,
-                      "vocab": args.vocab, "chunk_size": args.chunk_size, "rows": args.rows,
-                      "repeats": args.repeats, "note": note, "checksum_rel_diff": agree,
-                      "compile_s": o["first_call_extra_s"], "results": results, "ratios": ratios,
-                      "targets_met": targets}))
+                      "vocab": args.vocab, "chunk_size": args.chunk_size, "fused_chunk": fused_chunk,
+                      "rows": args.rows, "temperature": TEMPERATURE, "repeats": args.repeats, "note": note,
+                      "checksum_rel_diff": agree, "compile_s": {m: results[m]["first_call_extra_s"] for m in methods},
+                      "results": results, "ratios": ratios, "targets_met": targets}))
 
 
 if __name__ == "__main__":
