@@ -225,7 +225,8 @@ def encode_prompt(processor, record: dict, video_root: str, cfg: RolloutConfig, 
 # -----------------------------------------------------------------------------
 # the KV cache: one copy of each prompt, a preallocated suffix per row, cascade attention
 
-GROW = 1024                          # the suffix store grows by at least this many tokens (or by half) at a time
+GROW = 256                           # the suffix store grows by at least this many tokens (or by half) at a time
+SCORES_BUDGET = 2 ** 24              # attention scores computed per block of queries (elements), to bound memory
 STATS = {"decode_steps": 0, "host_syncs": 0}   # counted by decode_turn: the bench reports syncs per step
 
 
@@ -263,11 +264,18 @@ class KVStore:
 
 def _attend(q, k, v, valid, scale):
     """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d) where valid (n, 1|h, m, c); returns
-    (out (n, h, m, d), lse (n, h, m, 1)): the log-sum-exp lets two partial attentions be merged exactly."""
-    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    s = s.masked_fill(~valid, float("-inf"))
-    lse = torch.logsumexp(s, -1, keepdim=True)
-    return torch.matmul(torch.exp(s - lse).to(v.dtype), v), lse
+    (out (n, h, m, d), lse (n, h, m, 1)): the log-sum-exp lets two partial attentions be merged exactly.
+    Queries go in blocks so the fp32 scores never exceed SCORES_BUDGET elements."""
+    n, h, m, _ = q.shape
+    block = max(1, SCORES_BUDGET // max(1, n * h * k.shape[2]))
+    outs, lses = [], []
+    for a in range(0, m, block):
+        s = torch.matmul(q[:, :, a:a + block], k.transpose(-1, -2)).float() * scale
+        s = s.masked_fill(~valid[:, :, a:a + block], float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        outs.append(torch.matmul(torch.exp(s - lse).to(v.dtype), v))
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
 def _merge(o1, lse1, o2, lse2):
@@ -345,7 +353,8 @@ class GroupKV:
         if self.mode == "prefix":                          # a prompt's own causal attention
             rows = self.idx.rows
             K, V = self.prefix.k[layer].index_select(0, rows), self.prefix.v[layer].index_select(0, rows)
-            out, _ = _attend(qg, K, V, torch.arange(K.shape[2], device=q.device) <= qpos, scale)
+            valid = torch.arange(K.shape[2], device=q.device) <= qpos                 # (n, 1, g*l, c)
+            out = torch.nn.functional.scaled_dot_product_attention(qg, K, V, attn_mask=valid, scale=scale)
         else:
             idx, P = self.idx, Pk.shape[0]
             # 1. the prompt part: rows of a prompt batched as queries against its ONE K/V (no copy)
@@ -636,9 +645,8 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
         # its K/V stored once), then fork G rows that share it
         kv = GroupKV(model, [p for p in range(len(prompts)) for _ in range(G)], device)
         prefix = encode_chunk(processor, THINK_PREFIX)
-        P = list(range(len(prompts)))
-        kv.extend(model, P, [p[4] for p in prompts], pad_id, prefix=True)
-        kv.extend(model, P, [prefix] * len(prompts), pad_id, prefix=True)
+        kv.extend(model, list(range(len(prompts))), [Chunk(torch.cat([c.ids, prefix.ids]), torch.cat([c.mm_types, prefix.mm_types]),
+                                                           c.pixels, c.grid) for *_, c, _ in prompts], pad_id, prefix=True)
         kv.fork()
         for i, rec, path, duration, c, n in prompts:
             for s in range(G):
