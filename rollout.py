@@ -805,12 +805,20 @@ def forward_hidden(model, batch: dict) -> torch.Tensor:
     index = kw.pop("video_index", None)
     if index is None or "pixel_values_videos" not in kw:
         return model.model(**kw, use_cache=False).last_hidden_state
-    pixels, grid = kw.pop("pixel_values_videos"), kw.pop("video_grid_thw")
-    feats = model.model.get_video_features(pixels, grid, return_dict=True)
     order = index.tolist()
-    feats.pooler_output = tuple(feats.pooler_output[j] for j in order)
-    feats.deepstack_features = [tuple(layer[j] for j in order) for layer in feats.deepstack_features]
-    return model.model(**kw, mm_encoder_outputs={"video": feats}, use_cache=False).last_hidden_state
+    inner = model.model.get_video_features
+
+    def shared(pixel_values_videos, video_grid_thw=None, **k):     # runs inside model.model's forward (FSDP hooks)
+        feats = inner(pixel_values_videos, video_grid_thw, **k)
+        feats.pooler_output = tuple(feats.pooler_output[j] for j in order)
+        feats.deepstack_features = [tuple(layer[j] for j in order) for layer in feats.deepstack_features]
+        return feats
+
+    model.model.get_video_features = shared
+    try:
+        return model.model(**kw, use_cache=False).last_hidden_state
+    finally:
+        del model.model.get_video_features
 
 
 # -----------------------------------------------------------------------------
