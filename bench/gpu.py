@@ -230,7 +230,7 @@ def main() -> None:
     args.frame_pixels = 64 * 64 if small else None
     args.rollout_frames = 4 if small else 64
     args.prompts, args.group = (2, 2) if small else (8, 8)
-    args.new_tokens = 16 if small else 512
+    args.new_tokens = 64 if small else 512     # the scripted tool turn is ~40 tokens
     args.train_rows = 4 if small else 16
     args.loss_tokens = 512 if small else 16384
     torch.manual_seed(0)
