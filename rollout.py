@@ -8,18 +8,30 @@ overview video + the question) followed by turns; every token carries a role:
     ENV    prompt, the forced "<think>\n" prefix, tool responses, inserted frames, forced-answer text
     POLICY the model's own sampled tokens (the only ones training ever updates)
 
-How nothing is computed twice (the released code re-templates and re-encodes every frame each turn):
-- The prompt of each record (the long overview video) is prefilled ONCE, then its cache is repeated
-  for the G samples of the GRPO group: the vision tower sees each overview once.
-- Each turn only the new chunk (tool responses, new clips, the next "<think>\n") is prefilled on
-  top of the cache. M-RoPE positions of a chunk are computed for the chunk alone and shifted by the
+How nothing is computed or stored twice (the released code re-templates and re-encodes every frame each
+turn; a plain KV cache copies the prompt G times):
+- The prompt of each record (the long overview video + the forced "<think>\n") is prefilled ONCE and
+  its K/V stored ONCE (GroupKV.prefix); the G samples of the GRPO group share it. Each row owns only its
+  suffix (its turns, tool responses, clips) in a preallocated per-row store (GroupKV.suffix, gpt-fast
+  style: written in place at each row's own index, grown by large steps, never concatenated per token).
+- Attention over [prompt ; own suffix] is cascade attention (`cascade_attention`, registered with
+  transformers' AttentionInterface and used only while the engine runs): the rows of a prompt are
+  batched as queries against the one prompt K/V, each row attends to its own suffix causally, and the
+  two partial softmaxes are merged by their log-sum-exp. No copy of the prompt cache is ever made.
+- Each turn only the new chunk (tool responses, new clips, the next "<think>\n") is prefilled on top of
+  the row's suffix. M-RoPE positions of a chunk are computed for the chunk alone and shifted by the
   row's next position (Qwen-VL positions restart from max+1 after every text or vision span), so a
   continued turn gives the same logits as a full recompute (tests/test_rollout.py checks it).
-- Rows live in one batched cache with a 2-D attention mask; chunks of different lengths are right-
-  padded and the pads are masked, so holes in the middle of a row are harmless. Rows that finish a
-  turn are split off the decoding batch (they stop costing compute) and merged back for the next turn.
+- Decoding is one batched forward per step for the rows still writing, and one (B, V) sampling op on the
+  logits' device (`sample_tokens`: temperature, top-p, Gumbel-max with counter-hashed noise, so a row's
+  draws depend on its seed and draw index only). One host sync per step (the tokens, for the stop
+  check); rows that finish simply stop being fed, their cache stays where it is.
+- Training (`forward_hidden`) runs the vision tower once per distinct overview, not once per sample.
 
-Shapes: cache tensors (B, kv_heads, L, head_dim); mask (B, L); positions (3, B, L) for (t, h, w).
+Shapes: prompt K/V per layer (P, kv_heads, Lp, head_dim); suffix K/V per layer (B, kv_heads, C, head_dim)
+with C the store's capacity; group (B,) row -> prompt; positions (3, B, L) for (t, h, w); logits (B, V).
+Departure: the prompt part of cascade attention computes scores in fp32 blocks (SCORES_BUDGET) in plain
+PyTorch, where a GPU deployment would use a fused kernel that returns the LSE (FlexAttention, FlashInfer).
 """
 import json
 import time
