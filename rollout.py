@@ -268,6 +268,10 @@ class KVStore:
             self.v[layer] = torch.nn.functional.pad(self.v[layer], pad)
         if layer == 0:
             self.capacity = self.reserved
+        if k.shape[2] == 1:                                # decode: one token per row
+            self.k[layer][rows, :, start] = k[:, :, 0]
+            self.v[layer][rows, :, start] = v[:, :, 0]
+            return
         pos = start[:, None] + torch.arange(k.shape[2], device=k.device)                   # (n, l)
         r = rows[:, None].expand_as(pos)
         self.k[layer][r, :, pos] = k.transpose(1, 2)       # advanced indices first: (n, l, kv_heads, head_dim)
@@ -305,6 +309,8 @@ class _Index:
     slot_s: torch.Tensor                 # (n,) the row's rank among this forward's rows of that prompt
     slots: int                           # max rows of one prompt in this forward
     host: list[int]
+    one_per_prompt: bool = False         # row i is prompt i's only row here: queries need no slotting
+    all_rows: bool = False               # the rows are 0 .. B-1 in order: the suffix store is read as is
 
 
 class GroupKV:
@@ -344,8 +350,10 @@ class GroupKV:
             t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
             if len(self._indices) > 256:
                 self._indices.clear()
-            self._indices[key] = _Index(t(rows), t([r if prefix else self.group_host[r] for r in rows]), t(ranks),
-                                        max(seen.values()), list(rows))
+            prompts = [r if prefix else self.group_host[r] for r in rows]
+            self._indices[key] = _Index(t(rows), t(prompts), t(ranks), max(seen.values()), list(rows),
+                                        prompts == list(range(len(self.prompt_pos))),
+                                        list(rows) == list(range(len(self.group_host))))
         return self._indices[key]
 
     # -- the two hooks the model calls
@@ -357,32 +365,62 @@ class GroupKV:
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q (n, heads, l, d) of this forward's rows -> (n, l, heads, d)."""
         n, H, l, d = q.shape
-        Pk = self.prefix.k[layer]
-        Hkv = Pk.shape[1]
+        Hkv = self.prefix.k[layer].shape[1]
         g = H // Hkv                                       # query heads per KV head (GQA)
         qg = q.reshape(n, Hkv, g * l, d)
-        qpos = (self.start[:, None] + torch.arange(l, device=q.device)).repeat(1, g)[:, None, :, None]  # (n,1,g*l,1)
+        masks = self._masks                                # the same for every layer: built at the first
+        if "q" not in masks:
+            qpos = (self.start[:, None] + torch.arange(l, device=q.device)).repeat(1, g)[:, None, :, None]  # (n,1,g*l,1)
+            masks["q"] = torch.arange(self.span, device=q.device) <= qpos                  # causal, own store
+            if self.mode == "suffix":
+                plen = self.prefix_len[:, None]
+                masks["p"] = (torch.arange(self.prefix_span, device=q.device) < plen)[:, None, None, :]
         if self.mode == "prefix":                          # a prompt's own causal attention
             rows = self.idx.rows
-            K, V = self.prefix.k[layer].index_select(0, rows), self.prefix.v[layer].index_select(0, rows)
-            valid = torch.arange(K.shape[2], device=q.device) <= qpos                 # (n, 1, g*l, c)
-            out = torch.nn.functional.scaled_dot_product_attention(qg, K, V, attn_mask=valid, scale=scale)
+            K = self.prefix.k[layer][:, :, :self.span].index_select(0, rows)
+            V = self.prefix.v[layer][:, :, :self.span].index_select(0, rows)
+            out = torch.nn.functional.scaled_dot_product_attention(qg, K, V, attn_mask=masks["q"], scale=scale)
         else:
-            idx, P = self.idx, Pk.shape[0]
-            # 1. the prompt part: rows of a prompt batched as queries against its ONE K/V (no copy)
-            Q = qg.new_zeros(P, idx.slots, Hkv, g * l, d)
-            Q[idx.slot_p, idx.slot_s] = qg
-            Q = Q.permute(0, 2, 1, 3, 4).reshape(P, Hkv, idx.slots * g * l, d)
-            valid = (torch.arange(Pk.shape[2], device=q.device) < self.prefix_len[:, None])[:, None, None, :]
-            o1, l1 = _attend(Q, Pk, self.prefix.v[layer], valid, scale)
-            unslot = lambda t: t.reshape(P, Hkv, idx.slots, g * l, -1).permute(0, 2, 1, 3, 4)[idx.slot_p, idx.slot_s]
-            o1, l1 = unslot(o1), unslot(l1)
-            # 2. the row's own suffix, causal in the row's own positions
-            K, V = self.suffix.k[layer], self.suffix.v[layer]
-            if len(idx.host) != K.shape[0] or idx.host != list(range(K.shape[0])):
+            idx = self.idx
+            Pk, Pv = self.prefix.k[layer][:, :, :self.prefix_span], self.prefix.v[layer][:, :, :self.prefix_span]
+            P = Pk.shape[0]
+            K, V = self.suffix.k[layer][:, :, :self.span], self.suffix.v[layer][:, :, :self.span]
+            if not idx.all_rows:
                 K, V = K.index_select(0, idx.rows), V.index_select(0, idx.rows)
-            o2, l2 = _attend(qg, K, V, torch.arange(K.shape[2], device=q.device) <= qpos, scale)
-            out = _merge(o1, l1, o2, l2)
+            gl, S = g * l, idx.slots
+
+            def to_slots(t):                               # (n, Hkv, gl, x) -> (P, Hkv, S * gl, x)
+                if idx.one_per_prompt:
+                    return t
+                z = t.new_zeros(P, S, Hkv, gl, t.shape[-1])
+                z[idx.slot_p, idx.slot_s] = t
+                return z.permute(0, 2, 1, 3, 4).reshape(P, Hkv, S * gl, t.shape[-1])
+
+            def from_slots(t):                             # (P, Hkv, S * gl, x) -> (n, Hkv, gl, x)
+                if idx.one_per_prompt:
+                    return t
+                return t.reshape(P, Hkv, S, gl, -1).permute(0, 2, 1, 3, 4)[idx.slot_p, idx.slot_s]
+
+            if l == 1:
+                # decode: the scores of both parts are small, so one softmax over [prompt ; suffix] scores
+                # (the same cascade: the prompt's K/V is read once per prompt, never copied)
+                if "j" not in masks:
+                    pm = masks["p"] if idx.one_per_prompt else masks["p"][idx.slot_p]
+                    masks["j"] = torch.cat([pm.expand(n, 1, gl, -1), masks["q"].expand(n, 1, gl, -1)], -1)
+                qs = qg * scale
+                s = torch.cat([from_slots(torch.matmul(to_slots(qs), Pk.transpose(-1, -2))),
+                               torch.matmul(qs, K.transpose(-1, -2))], -1).float()
+                if "nj" not in masks:
+                    masks["nj"] = ~masks["j"]
+                p = torch.softmax(s.masked_fill_(masks["nj"], float("-inf")), -1).to(V.dtype)
+                Lp = Pk.shape[2]
+                out = from_slots(torch.matmul(to_slots(p[..., :Lp]), Pv)) + torch.matmul(p[..., Lp:], V)
+            else:
+                # a chunk: the prompt part (rows of a prompt batched as queries against its ONE K/V) and
+                # the own-suffix part in query blocks, merged by their log-sum-exp
+                o1, l1 = _attend(to_slots(qg), Pk, Pv, masks["p"], scale)
+                o2, l2 = _attend(qg, K, V, masks["q"], scale)
+                out = _merge(from_slots(o1), from_slots(l1), o2, l2)
         return out.reshape(n, H, l, d).transpose(1, 2)
 
     # -- feeding tokens
@@ -393,7 +431,10 @@ class GroupKV:
         after each row's token `last[i]` (default: the last column)."""
         store = self.prefix if mode == "prefix" else self.suffix
         l = ids.shape[1]
-        store.reserve(max(store.length[r] for r in idx.host) + l)
+        self.span = max(store.length[r] for r in idx.host) + l    # keys any row of this forward can see
+        self.prefix_span = max(self.prefix.length)
+        self._masks = {}
+        store.reserve(self.span)
         self.mode, self.idx = mode, idx
         if start is None:
             start = torch.tensor([store.length[r] for r in idx.host], device=self.device)
@@ -454,11 +495,17 @@ class GroupKV:
 
     def step(self, model, idx: _Index, tokens: torch.Tensor) -> None:
         """Decode: feed tokens (n,) (on the device; no host sync) to rows idx; updates their last logits."""
-        pos = self.next_pos[idx.rows].view(1, -1, 1).expand(3, -1, 1)
-        self.last_logits[idx.rows] = self._forward(model, "suffix", idx, tokens[:, None], pos,
-                                                   start=self.suffix_len[idx.rows])
-        self.next_pos[idx.rows] += 1
-        self.suffix_len[idx.rows] += 1
+        if idx.all_rows:                                   # every row: views, no gathers
+            pos = self.next_pos.view(1, -1, 1).expand(3, -1, 1)
+            self.last_logits = self._forward(model, "suffix", idx, tokens[:, None], pos, start=self.suffix_len)
+            self.next_pos += 1
+            self.suffix_len += 1
+        else:
+            pos = self.next_pos[idx.rows].view(1, -1, 1).expand(3, -1, 1)
+            self.last_logits[idx.rows] = self._forward(model, "suffix", idx, tokens[:, None], pos,
+                                                       start=self.suffix_len[idx.rows])
+            self.next_pos[idx.rows] += 1
+            self.suffix_len[idx.rows] += 1
         for r in idx.host:
             self.suffix.length[r] += 1
             self.next_pos_host[r] += 1
@@ -519,7 +566,7 @@ def decode_turn(model, kv: GroupKV, rows: list[_Row], kv_rows: list[int], cfg: R
     idx = kv.index([kv_rows[i] for i in active])
     recorded = []                                         # (active rows, (n,) log-probs on the device) per step
     for step in range(max_new_tokens):
-        logits = kv.last_logits[idx.rows]                                            # (n, V)
+        logits = kv.last_logits if idx.all_rows else kv.last_logits[idx.rows]       # (n, V)
         masked = logits.index_fill(1, ban, float("-inf")) if ban is not None else logits
         tok = sample_tokens(masked, seeds[sel], draws[sel] + step, cfg.temperature, cfg.top_p)
         recorded.append((active, torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]))

@@ -105,8 +105,15 @@ class Counter:
             finally:
                 self.in_decode = False
 
-        rollout.GroupKV.extend, rollout.decode_turn = counted_extend, counted_decode
-        return lambda: (setattr(rollout.GroupKV, "extend", extend), setattr(rollout, "decode_turn", decode_turn))
+        step = rollout.GroupKV.step
+
+        def counted_step(batch, model, idx, tokens):
+            self.decode_tokens += len(idx.host)
+            return step(batch, model, idx, tokens)
+
+        rollout.GroupKV.extend, rollout.GroupKV.step, rollout.decode_turn = counted_extend, counted_step, counted_decode
+        return lambda: (setattr(rollout.GroupKV, "extend", extend), setattr(rollout.GroupKV, "step", step),
+                        setattr(rollout, "decode_turn", decode_turn))
 
 
 # ----------------------------------------------------------------------------- 1. multi-turn
