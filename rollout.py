@@ -362,7 +362,7 @@ class GroupKV:
         store.write(layer_idx, self.idx.rows, self.start, k, v)
         return k, v
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, scale: float, key=None, value=None, module=None) -> torch.Tensor:
         """q (n, heads, l, d) of this forward's rows -> (n, l, heads, d)."""
         n, H, l, d = q.shape
         Hkv = self.prefix.k[layer].shape[1]
@@ -375,6 +375,8 @@ class GroupKV:
             if self.mode == "suffix":
                 plen = self.prefix_len[:, None]
                 masks["p"] = (torch.arange(self.prefix_span, device=q.device) < plen)[:, None, None, :]
+        if self.mode == "prefix" and self.fresh:          # whole prompts from position 0: plain causal SDPA
+            return sdpa_attention_forward(module, q, key, value, None, scaling=scale, is_causal=True)[0]
         if self.mode == "prefix":                          # a prompt's own causal attention
             rows = self.idx.rows
             K = self.prefix.k[layer][:, :, :self.span].index_select(0, rows)
@@ -434,6 +436,7 @@ class GroupKV:
         self.span = max(store.length[r] for r in idx.host) + l    # keys any row of this forward can see
         self.prefix_span = max(self.prefix.length)
         self._masks = {}
+        self.fresh = all(store.length[r] == 0 for r in idx.host)    # right-padded, so causal alone is exact
         store.reserve(self.span)
         self.mode, self.idx = mode, idx
         if start is None:
@@ -518,7 +521,7 @@ def cascade_attention(module, query, key, value, attention_mask, scaling=None, d
     cache = kwargs.pop("rollout_cache", None)
     if cache is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    return cache.attend(module.layer_idx, query, scaling), None
+    return cache.attend(module.layer_idx, query, scaling, key, value, module), None
 
 
 AttentionInterface.register("paravt_cascade", cascade_attention)
