@@ -8,25 +8,38 @@ overview video + the question) followed by turns; every token carries a role:
     ENV    prompt, the forced "<think>\n" prefix, tool responses, inserted frames, forced-answer text
     POLICY the model's own sampled tokens (the only ones training ever updates)
 
-How nothing is computed twice (the released code re-templates and re-encodes every frame each turn):
-- The prompt of each record (the long overview video) is prefilled ONCE, then its cache is repeated
-  for the G samples of the GRPO group: the vision tower sees each overview once.
-- Each turn only the new chunk (tool responses, new clips, the next "<think>\n") is prefilled on
-  top of the cache. M-RoPE positions of a chunk are computed for the chunk alone and shifted by the
+How nothing is computed or stored twice (the released code re-templates and re-encodes every frame each
+turn; a plain KV cache copies the prompt G times):
+- The prompt of each record (the long overview video + the forced "<think>\n") is prefilled ONCE and
+  its K/V stored ONCE (GroupKV.prefix); the G samples of the GRPO group share it. Each row owns only its
+  suffix (its turns, tool responses, clips) in a preallocated per-row store (GroupKV.suffix, gpt-fast
+  style: written in place at each row's own index, grown by large steps, never concatenated per token).
+- Attention over [prompt ; own suffix] is cascade attention (`cascade_attention`, registered with
+  transformers' AttentionInterface and used only while the engine runs): the rows of a prompt are
+  batched as queries against the one prompt K/V, each row attends to its own suffix causally, and the
+  two partial softmaxes are merged by their log-sum-exp. No copy of the prompt cache is ever made.
+- Each turn only the new chunk (tool responses, new clips, the next "<think>\n") is prefilled on top of
+  the row's suffix. M-RoPE positions of a chunk are computed for the chunk alone and shifted by the
   row's next position (Qwen-VL positions restart from max+1 after every text or vision span), so a
   continued turn gives the same logits as a full recompute (tests/test_rollout.py checks it).
-- Rows live in one batched cache with a 2-D attention mask; chunks of different lengths are right-
-  padded and the pads are masked, so holes in the middle of a row are harmless. Rows that finish a
-  turn are split off the decoding batch (they stop costing compute) and merged back for the next turn.
+- Decoding is one batched forward per step for the rows still writing, and one (B, V) sampling op on the
+  logits' device (`sample_tokens`: temperature, top-p, Gumbel-max with counter-hashed noise, so a row's
+  draws depend on its seed and draw index only). One host sync per step (the tokens, for the stop
+  check); rows that finish simply stop being fed, their cache stays where it is.
+- Training (`forward_hidden`) runs the vision tower once per distinct overview, not once per sample.
 
-Shapes: cache tensors (B, kv_heads, L, head_dim); mask (B, L); positions (3, B, L) for (t, h, w).
+Shapes: prompt K/V per layer (P, kv_heads, Lp, head_dim); suffix K/V per layer (B, kv_heads, C, head_dim)
+with C the store's capacity; group (B,) row -> prompt; positions (3, B, L) for (t, h, w); logits (B, V).
+Departure: the prompt part of cascade attention computes scores in fp32 blocks (SCORES_BUDGET) in plain
+PyTorch, where a GPU deployment would use a fused kernel that returns the LSE (FlexAttention, FlashInfer).
 """
 import json
 import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import video
 from data import INSTRUCTIONS, format_question, resolve_video
@@ -102,19 +115,49 @@ class Trajectory:
 
 
 # -----------------------------------------------------------------------------
-# sampling
+# sampling: one (B, V) operation per step, on the logits' device
 
-def sample_next_token(logits: torch.Tensor, generator: torch.Generator | None, temperature: float,
-                      top_p: float) -> int:
-    """One token from (V,) logits: greedy when temperature == 0, else temperature + nucleus (top-p)."""
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (the "hash32" finaliser: xor-shift, multiply by 0x45d9f3b, twice) on int64
+    tensors holding values < 2^32; the constant is < 2^27, so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, V) uniforms in (0, 1) from a counter-based hash of (row seed, draw index, token id), computed
+    on the seeds' device: row b's numbers depend on (seeds[b], counters[b]) only, never on which other
+    rows share the batch, and no torch.Generator is involved (a CPU generator cannot drive CUDA draws)."""
+    s = seeds.long()
+    key = _mix32(_mix32(_mix32(s & _M32) ^ ((s >> 32) & _M32)) ^ (counters.long() & _M32))      # (B,)
+    tok = _mix32((torch.arange(vocab, device=seeds.device) * 0x9E3779B1 + 0x7F4A7C15) & _M32)   # (V,)
+    x = _mix32(_mix32(key[:, None] ^ tok[None]) ^ key[:, None])                                 # (B, V)
+    return ((x >> 8).float() + 0.5) / 2.0 ** 24
+
+
+def sample_tokens(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, temperature: float,
+                  top_p: float) -> torch.Tensor:
+    """(B,) tokens from (B, V) logits, all rows in one operation on the logits' device. Greedy when
+    temperature == 0; else softmax(logits / T) restricted to the nucleus (the smallest set of top
+    tokens whose mass reaches top_p; the top token always stays), drawn by Gumbel-max:
+        token = argmax_v (logits_v / T + g_v),  g_v = -log(-log u_v),  u = uniform_noise(seed, counter)
+    which is an exact draw from that distribution (Gumbel 1954; the trick of Maddison et al. 2014)."""
     if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return logits.argmax(-1)
+    scores = logits.float() / temperature
     if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p      # always keeps the top token
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+        sorted_s, order = scores.sort(-1, descending=True)
+        p = torch.softmax(sorted_s, -1)
+        drop = p.cumsum(-1) - p >= top_p                   # mass before this token already reaches top_p
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_s.masked_fill(drop, float("-inf")))
+    u = uniform_noise(seeds.to(logits.device), counters.to(logits.device), logits.shape[-1])
+    return (scores - torch.log(-torch.log(u))).argmax(-1)
 
 
 def row_seed(seed: int, record_index: int, sample: int) -> int:
@@ -192,84 +235,296 @@ def encode_prompt(processor, record: dict, video_root: str, cfg: RolloutConfig, 
 
 
 # -----------------------------------------------------------------------------
-# the batched KV cache
+# the KV cache: one copy of each prompt, a preallocated suffix per row, cascade attention
 
-class KVBatch:
-    """Rows sharing one DynamicCache. `mask` (B, L) marks real tokens; `next_pos` (B,) is each row's
-    next M-RoPE position; `last_logits` (B, V) the logits after each row's last cached token."""
+GROW = 256                           # the suffix store grows by at least this many tokens (or by half) at a time
+SCORES_BUDGET = 2 ** 24              # attention scores computed per block of queries (elements), to bound memory
+STATS = {"decode_steps": 0, "host_syncs": 0}   # counted by decode_turn: the bench reports syncs per step
 
-    def __init__(self, cache, mask, next_pos, last_logits):
-        self.cache, self.mask, self.next_pos, self.last_logits = cache, mask, next_pos, last_logits
 
-    @staticmethod
-    def empty(model, batch_size: int, device) -> "KVBatch":
+class KVStore:
+    """Preallocated K/V for N sequences (gpt-fast style): per layer a (N, kv_heads, capacity, head_dim)
+    buffer written in place at each row's own index `length[n]`; allocated at the first write (dtype and
+    heads from the model's keys) and grown by large steps, never concatenated per token."""
+
+    def __init__(self, n: int, device):
+        self.k, self.v = [], []
+        self.length = [0] * n                              # host mirror: capacity checks cost no sync
+        self.capacity, self.reserved, self.device = 0, 0, device
+
+    def reserve(self, need: int) -> None:
+        if need > self.capacity:
+            self.reserved = max(need, self.capacity + max(GROW, self.capacity // 2))
+
+    def write(self, layer: int, rows: torch.Tensor, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (n, kv_heads, l, head_dim) at positions start[i] .. start[i] + l - 1 of rows[i]."""
+        if layer == len(self.k):
+            shape = (len(self.length), k.shape[1], self.reserved, k.shape[3])
+            self.k.append(k.new_zeros(shape))
+            self.v.append(v.new_zeros(shape))
+        elif self.k[layer].shape[2] < self.reserved:       # grow (rare): one copy per large step
+            pad = [0, 0, 0, self.reserved - self.k[layer].shape[2]]
+            self.k[layer] = torch.nn.functional.pad(self.k[layer], pad)
+            self.v[layer] = torch.nn.functional.pad(self.v[layer], pad)
+        if layer == 0:
+            self.capacity = self.reserved
+        if k.shape[2] == 1:                                # decode: one token per row
+            self.k[layer][rows, :, start] = k[:, :, 0]
+            self.v[layer][rows, :, start] = v[:, :, 0]
+            return
+        pos = start[:, None] + torch.arange(k.shape[2], device=k.device)                   # (n, l)
+        r = rows[:, None].expand_as(pos)
+        self.k[layer][r, :, pos] = k.transpose(1, 2)       # advanced indices first: (n, l, kv_heads, head_dim)
+        self.v[layer][r, :, pos] = v.transpose(1, 2)
+
+
+def _attend(q, k, v, valid, scale):
+    """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d) where valid (n, 1|h, m, c); returns
+    (out (n, h, m, d), lse (n, h, m, 1)): the log-sum-exp lets two partial attentions be merged exactly.
+    Queries go in blocks so the fp32 scores never exceed SCORES_BUDGET elements."""
+    n, h, m, _ = q.shape
+    block = max(1, SCORES_BUDGET // max(1, n * h * k.shape[2]))
+    outs, lses = [], []
+    for a in range(0, m, block):
+        s = torch.matmul(q[:, :, a:a + block], k.transpose(-1, -2)).float() * scale
+        s = s.masked_fill(~valid[:, :, a:a + block], float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        outs.append(torch.matmul(torch.exp(s - lse).to(v.dtype), v))
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _merge(o1, lse1, o2, lse2):
+    """Cascade merge: softmax over [A; B] = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    return ((w1 * o1.float() + w2 * o2.float()) / (w1 + w2)).to(o1.dtype)
+
+
+@dataclass
+class _Index:
+    """Device index tensors of the rows in one forward, built once per set of rows (host -> device)."""
+    rows: torch.Tensor                   # (n,) rows of the store written
+    slot_p: torch.Tensor                 # (n,) the row's prompt
+    slot_s: torch.Tensor                 # (n,) the row's rank among this forward's rows of that prompt
+    slots: int                           # max rows of one prompt in this forward
+    host: list[int]
+    one_per_prompt: bool = False         # row i is prompt i's only row here: queries need no slotting
+    all_rows: bool = False               # the rows are 0 .. B-1 in order: the suffix store is read as is
+
+
+class GroupKV:
+    """The rollout's cache: P prompts (each prefilled ONCE, its K/V stored ONCE in `prefix`) and B rows
+    (the G samples of each prompt: `group[b]` is row b's prompt), each owning only its suffix (its
+    turns, tool responses, clips) in `suffix`. A row attends to [its prompt ; its own suffix] by cascade
+    attention: the rows of a prompt are batched as queries against the one prompt K/V, then each row
+    against its own suffix, the two merged by log-sum-exp. Rows that finish simply stop being fed: no
+    cache is copied, selected or merged. Passed to the model as its `cache` (it has the `update` the
+    attention layers call) and as the `rollout_cache` keyword that `cascade_attention` reads.
+    `next_pos` (B,) each row's next M-RoPE position; `last_logits` (B, V) after each row's last token."""
+
+    def __init__(self, model, group: list[int], device):
+        P, B = max(group) + 1, len(group)
         V = model.get_output_embeddings().weight.shape[0]
-        return KVBatch(DynamicCache(config=model.config), torch.zeros(batch_size, 0, dtype=torch.long, device=device),
-                       torch.zeros(batch_size, dtype=torch.long, device=device),
-                       torch.zeros(batch_size, V, device=device))
+        self.prefix, self.suffix = KVStore(P, device), KVStore(B, device)
+        self.group = torch.tensor(group, device=device)
+        self.group_host = list(group)
+        self.prompt_pos = [0] * P
+        self.prompt_logits = torch.zeros(P, V, device=device)
+        self.next_pos_host = [0] * B
+        self.last_logits = torch.zeros(B, V, device=device)
+        self.device, self.mode, self.idx, self.start = device, None, None, None
+        self._indices = {}
 
     def __len__(self):
-        return self.mask.shape[0]
+        return len(self.group_host)
 
-    def select(self, idx: list[int]) -> "KVBatch":
-        index = torch.tensor(idx, dtype=torch.long, device=self.mask.device)
-        cache = DynamicCache()
-        for layer in self.cache.layers:
-            cache.update(layer.keys.index_select(0, index), layer.values.index_select(0, index), len(cache.layers))
-        return KVBatch(cache, self.mask[index], self.next_pos[index], self.last_logits[index])
+    def index(self, rows: list[int], prefix: bool = False) -> _Index:
+        key = (prefix, tuple(rows))
+        if key not in self._indices:
+            ranks, seen = [], {}
+            for r in rows:
+                p = r if prefix else self.group_host[r]
+                ranks.append(seen.get(p, 0))
+                seen[p] = ranks[-1] + 1
+            t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+            if len(self._indices) > 256:
+                self._indices.clear()
+            prompts = [r if prefix else self.group_host[r] for r in rows]
+            self._indices[key] = _Index(t(rows), t(prompts), t(ranks), max(seen.values()), list(rows),
+                                        prompts == list(range(len(self.prompt_pos))),
+                                        list(rows) == list(range(len(self.group_host))))
+        return self._indices[key]
 
-    def repeat(self, n: int) -> "KVBatch":
-        return self.select([i for i in range(len(self)) for _ in range(n)])
+    # -- the two hooks the model calls
+    def update(self, k, v, layer_idx, kwargs=None, **_):
+        store = self.prefix if self.mode == "prefix" else self.suffix
+        store.write(layer_idx, self.idx.rows, self.start, k, v)
+        return k, v
 
-    @staticmethod
-    def merge(batches: list["KVBatch"]) -> "KVBatch":
-        """Concatenate along the batch; shorter rows get masked padding at the end."""
-        batches = [b for b in batches if len(b)]
-        L = max(b.mask.shape[1] for b in batches)
-        pad = lambda t, dim: torch.nn.functional.pad(t, [0, 0] * (t.dim() - dim - 1) + [0, L - t.shape[dim]])
-        cache = DynamicCache()
-        for li in range(len(batches[0].cache.layers)):
-            ks = torch.cat([pad(b.cache.layers[li].keys, 2) for b in batches])
-            vs = torch.cat([pad(b.cache.layers[li].values, 2) for b in batches])
-            cache.update(ks, vs, li)
-        return KVBatch(cache, torch.cat([pad(b.mask, 1) for b in batches]),
-                       torch.cat([b.next_pos for b in batches]), torch.cat([b.last_logits for b in batches]))
+    def attend(self, layer: int, q: torch.Tensor, scale: float, key=None, value=None, module=None) -> torch.Tensor:
+        """q (n, heads, l, d) of this forward's rows -> (n, l, heads, d)."""
+        n, H, l, d = q.shape
+        Hkv = self.prefix.k[layer].shape[1]
+        g = H // Hkv                                       # query heads per KV head (GQA)
+        qg = q.reshape(n, Hkv, g * l, d)
+        masks = self._masks                                # the same for every layer: built at the first
+        if "q" not in masks:
+            qpos = (self.start[:, None] + torch.arange(l, device=q.device)).repeat(1, g)[:, None, :, None]  # (n,1,g*l,1)
+            masks["q"] = torch.arange(self.span, device=q.device) <= qpos                  # causal, own store
+            if self.mode == "suffix":
+                plen = self.prefix_len[:, None]
+                masks["p"] = (torch.arange(self.prefix_span, device=q.device) < plen)[:, None, None, :]
+        if self.mode == "prefix" and self.fresh:          # whole prompts from position 0: plain causal SDPA
+            return sdpa_attention_forward(module, q, key, value, None, scaling=scale, is_causal=True)[0]
+        if self.mode == "prefix":                          # a prompt's own causal attention
+            rows = self.idx.rows
+            K = self.prefix.k[layer][:, :, :self.span].index_select(0, rows)
+            V = self.prefix.v[layer][:, :, :self.span].index_select(0, rows)
+            out = torch.nn.functional.scaled_dot_product_attention(qg, K, V, attn_mask=masks["q"], scale=scale)
+        else:
+            idx = self.idx
+            Pk, Pv = self.prefix.k[layer][:, :, :self.prefix_span], self.prefix.v[layer][:, :, :self.prefix_span]
+            P = Pk.shape[0]
+            K, V = self.suffix.k[layer][:, :, :self.span], self.suffix.v[layer][:, :, :self.span]
+            if not idx.all_rows:
+                K, V = K.index_select(0, idx.rows), V.index_select(0, idx.rows)
+            gl, S = g * l, idx.slots
 
+            def to_slots(t):                               # (n, Hkv, gl, x) -> (P, Hkv, S * gl, x)
+                if idx.one_per_prompt:
+                    return t
+                z = t.new_zeros(P, S, Hkv, gl, t.shape[-1])
+                z[idx.slot_p, idx.slot_s] = t
+                return z.permute(0, 2, 1, 3, 4).reshape(P, Hkv, S * gl, t.shape[-1])
+
+            def from_slots(t):                             # (P, Hkv, S * gl, x) -> (n, Hkv, gl, x)
+                if idx.one_per_prompt:
+                    return t
+                return t.reshape(P, Hkv, S, gl, -1).permute(0, 2, 1, 3, 4)[idx.slot_p, idx.slot_s]
+
+            if l == 1:
+                # decode: the scores of both parts are small, so one softmax over [prompt ; suffix] scores
+                # (the same cascade: the prompt's K/V is read once per prompt, never copied)
+                if "j" not in masks:
+                    pm = masks["p"] if idx.one_per_prompt else masks["p"][idx.slot_p]
+                    masks["j"] = torch.cat([pm.expand(n, 1, gl, -1), masks["q"].expand(n, 1, gl, -1)], -1)
+                qs = qg * scale
+                s = torch.cat([from_slots(torch.matmul(to_slots(qs), Pk.transpose(-1, -2))),
+                               torch.matmul(qs, K.transpose(-1, -2))], -1).float()
+                if "nj" not in masks:
+                    masks["nj"] = ~masks["j"]
+                p = torch.softmax(s.masked_fill_(masks["nj"], float("-inf")), -1).to(V.dtype)
+                Lp = Pk.shape[2]
+                out = from_slots(torch.matmul(to_slots(p[..., :Lp]), Pv)) + torch.matmul(p[..., Lp:], V)
+            else:
+                # a chunk: the prompt part (rows of a prompt batched as queries against its ONE K/V) and
+                # the own-suffix part in query blocks, merged by their log-sum-exp
+                o1, l1 = _attend(to_slots(qg), Pk, Pv, masks["p"], scale)
+                o2, l2 = _attend(qg, K, V, masks["q"], scale)
+                out = _merge(from_slots(o1), from_slots(l1), o2, l2)
+        return out.reshape(n, H, l, d).transpose(1, 2)
+
+    # -- feeding tokens
     @torch.no_grad()
-    def extend(self, model, chunks: list[Chunk | None], pad_id: int) -> None:
-        """Prefill each row's chunk (None = nothing new) on top of the cache; update last_logits."""
-        B, device = len(self), self.mask.device
-        lengths = [0 if c is None else len(c.ids) for c in chunks]
-        Lc = max(lengths)
-        if Lc == 0:
-            return
-        ids = torch.full((B, Lc), pad_id, dtype=torch.long, device=device)
-        types = torch.zeros(B, Lc, dtype=torch.int32, device=device)
-        pos = torch.zeros(3, B, Lc, dtype=torch.long, device=device)
+    def _forward(self, model, mode: str, idx: _Index, ids, pos, types=None, vision=None, last=None,
+                 start=None) -> torch.Tensor:
+        """One forward of ids (n, l) at positions (3, n, l) for rows idx; returns (n, V) float logits
+        after each row's token `last[i]` (default: the last column)."""
+        store = self.prefix if mode == "prefix" else self.suffix
+        l = ids.shape[1]
+        self.span = max(store.length[r] for r in idx.host) + l    # keys any row of this forward can see
+        self.prefix_span = max(self.prefix.length)
+        self._masks = {}
+        self.fresh = all(store.length[r] == 0 for r in idx.host)    # right-padded, so causal alone is exact
+        store.reserve(self.span)
+        self.mode, self.idx = mode, idx
+        if start is None:
+            start = torch.tensor([store.length[r] for r in idx.host], device=self.device)
+        self.start = start
+        lm = model.model.language_model.config
+        impl, lm._attn_implementation = lm._attn_implementation, "paravt_cascade"
+        try:
+            out = model.model(input_ids=ids, position_ids=pos, cache=self, mm_token_type_ids=types, use_cache=True,
+                              rollout_cache=self, **(vision or {}))
+        finally:
+            lm._attn_implementation = impl
+            self.mode = self.idx = self.start = None
+        h = out.last_hidden_state
+        h = h[:, -1] if last is None else h[torch.arange(len(idx.host), device=h.device), last]
+        return model.lm_head(h).float()
+
+    def extend(self, model, rows: list[int], chunks: list[Chunk], pad_id: int, prefix: bool = False) -> None:
+        """Prefill chunk i on top of row rows[i] (prefix=True: of prompt rows[i]); updates last logits."""
+        store = self.prefix if prefix else self.suffix
+        nxt = self.prompt_pos if prefix else self.next_pos_host
+        lengths = [len(c.ids) for c in chunks]
+        L, n = max(lengths), len(rows)
+        ids = torch.full((n, L), pad_id, dtype=torch.long)
+        types = torch.zeros(n, L, dtype=torch.int32)
+        pos = torch.zeros(3, n, L, dtype=torch.long)
         pixels, grids = [], []
-        for i, c in enumerate(chunks):
-            if c is None or lengths[i] == 0:
-                continue
-            ids[i, :lengths[i]] = c.ids.to(device)
-            types[i, :lengths[i]] = c.mm_types.to(device)
-            p = chunk_positions(model, c).to(device) + self.next_pos[i]
+        for i, (r, c) in enumerate(zip(rows, chunks)):
+            ids[i, :lengths[i]] = c.ids
+            types[i, :lengths[i]] = c.mm_types
+            p = chunk_positions(model, c) + nxt[r]
             pos[:, i, :lengths[i]] = p
-            self.next_pos[i] = p.max() + 1
+            pos[:, i, lengths[i]:] = p[:, -1:] + 1 + torch.arange(L - lengths[i])   # pads: never attended
+            nxt[r] = int(p.max()) + 1
             if c.pixels is not None:
                 pixels.append(c.pixels)
                 grids.append(c.grid)
-        new_mask = (torch.arange(Lc, device=device)[None] < torch.tensor(lengths, device=device)[:, None]).long()
-        self.mask = torch.cat([self.mask, new_mask], dim=1)
         vision = {}
         if pixels:
             dtype = next(model.parameters()).dtype
-            vision = dict(pixel_values_videos=torch.cat(pixels).to(device, dtype), video_grid_thw=torch.cat(grids).to(device))
-        out = model.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache,
-                          mm_token_type_ids=types, use_cache=True, **vision)
-        rows = [i for i in range(B) if lengths[i] > 0]
-        last = torch.tensor([lengths[i] - 1 for i in rows], device=device)
-        hidden = out.last_hidden_state[torch.tensor(rows, device=device), last]      # (rows, D)
-        self.last_logits[rows] = model.lm_head(hidden).float()
+            vision = dict(pixel_values_videos=torch.cat(pixels).to(self.device, dtype),
+                          video_grid_thw=torch.cat(grids).to(self.device))
+        idx = self.index(rows, prefix)
+        logits = self._forward(model, "prefix" if prefix else "suffix", idx, ids.to(self.device), pos.to(self.device),
+                               types.to(self.device), vision, torch.tensor(lengths, device=self.device) - 1)
+        for r, ln in zip(rows, lengths):
+            store.length[r] += ln
+        if not prefix:
+            self.next_pos = torch.tensor(self.next_pos_host, device=self.device)
+        self.suffix_len = torch.tensor(self.suffix.length, device=self.device)
+        (self.prompt_logits if prefix else self.last_logits)[idx.rows] = logits
+
+    def fork(self) -> None:
+        """After the prompts: every row starts from its prompt's last logits and next position."""
+        self.last_logits = self.prompt_logits[self.group].clone()
+        self.next_pos_host = [self.prompt_pos[p] for p in self.group_host]
+        self.next_pos = torch.tensor(self.next_pos_host, device=self.device)
+        self.prefix_len = torch.tensor(self.prefix.length, device=self.device)
+
+    def step(self, model, idx: _Index, tokens: torch.Tensor) -> None:
+        """Decode: feed tokens (n,) (on the device; no host sync) to rows idx; updates their last logits."""
+        if idx.all_rows:                                   # every row: views, no gathers
+            pos = self.next_pos.view(1, -1, 1).expand(3, -1, 1)
+            self.last_logits = self._forward(model, "suffix", idx, tokens[:, None], pos, start=self.suffix_len)
+            self.next_pos += 1
+            self.suffix_len += 1
+        else:
+            pos = self.next_pos[idx.rows].view(1, -1, 1).expand(3, -1, 1)
+            self.last_logits[idx.rows] = self._forward(model, "suffix", idx, tokens[:, None], pos,
+                                                       start=self.suffix_len[idx.rows])
+            self.next_pos[idx.rows] += 1
+            self.suffix_len[idx.rows] += 1
+        for r in idx.host:
+            self.suffix.length[r] += 1
+            self.next_pos_host[r] += 1
+
+
+def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function registered as "paravt_cascade": with a `rollout_cache` keyword (a GroupKV)
+    it ignores the key/value it is handed (already written into the cache by `update`) and attends
+    over [the row's prompt ; the row's suffix] (GroupKV.attend); without one it is plain SDPA."""
+    cache = kwargs.pop("rollout_cache", None)
+    if cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return cache.attend(module.layer_idx, query, scaling, key, value, module), None
+
+
+AttentionInterface.register("paravt_cascade", cascade_attention)
 
 
 def chunk_positions(model, c: Chunk) -> torch.Tensor:
@@ -289,53 +544,64 @@ class _Row:
     """Mutable state of one trajectory during a rollout (the engine's bookkeeping)."""
     traj: Trajectory
     path: str
-    generator: torch.Generator | None
-    index: int = 0                       # which record
     seed: int = 0                        # this trajectory's seed (row_seed of seed, record, sample)
+    index: int = 0                       # which record
     duration: float = 0.0
     pending: list[int] = field(default_factory=list)    # sampled tokens not yet in the cache
     turn_tokens: list[int] = field(default_factory=list)
 
 
-def decode_turn(model, batch: KVBatch, rows: list[_Row], cfg: RolloutConfig, max_new_tokens: int,
-                stop_id: int, pad_id: int, banned: list[int] = ()) -> KVBatch:
-    """Sample until every row emits <|im_end|> or hits max_new_tokens. Finished rows leave the decoding
-    batch at once; the returned batch has the rows back in their original order. `banned` ids (vision
-    placeholders: only the processor may write them) are never sampled; the recorded log-probs are
-    those of the unmasked logits, the same numbers a training forward computes."""
-    active = list(range(len(rows)))
-    parked: list[tuple[list[int], KVBatch]] = []
-    sub = batch
+def decode_turn(model, kv: GroupKV, rows: list[_Row], kv_rows: list[int], cfg: RolloutConfig, max_new_tokens: int,
+                stop_id: int, banned: list[int] = ()) -> None:
+    """Sample until every row emits <|im_end|> or hits max_new_tokens; rows[i] lives in kv row kv_rows[i].
+    Each step is one batched forward and one (B, V) sampling op on the device, and ONE host sync (the
+    tokens, for the stop check); finished rows leave the step (their cache stays where it is). `banned`
+    ids (vision placeholders: only the processor may write them) are never sampled; the recorded
+    log-probs are those of the unmasked logits (T = 1), the numbers a training forward computes."""
+    device = kv.device
     for r in rows:
         r.turn_tokens = []
+    active = list(range(len(rows)))
+    seeds = torch.tensor([r.seed for r in rows], device=device)
+    draws = torch.tensor([len(r.traj.logprobs) for r in rows], device=device)   # the counter of each row's stream
+    ban = torch.tensor(list(banned), dtype=torch.long, device=device) if banned else None
+    sel = torch.arange(len(rows), device=device)          # positions in `rows` of the active rows
+    idx = kv.index([kv_rows[i] for i in active])
+    recorded = []                                         # (active rows, (n,) log-probs on the device) per step
     for step in range(max_new_tokens):
-        finished = []
-        for j, i in enumerate(active):
+        logits = kv.last_logits if idx.all_rows else kv.last_logits[idx.rows]       # (n, V)
+        masked = logits.index_fill(1, ban, float("-inf")) if ban is not None else logits
+        tok = sample_tokens(masked, seeds[sel], draws[sel] + step, cfg.temperature, cfg.top_p)
+        recorded.append((active, torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]))
+        toks = tok.tolist()                                                          # the step's host sync
+        STATS["decode_steps"] += 1
+        STATS["host_syncs"] += 1
+        keep = []
+        for j, (i, t) in enumerate(zip(active, toks)):
             r = rows[i]
-            logits = sub.last_logits[j]
-            if banned:
-                logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), float("-inf"))
-            tok = sample_next_token(logits, r.generator, cfg.temperature, cfg.top_p)
-            r.traj.logprobs.append(float(torch.log_softmax(sub.last_logits[j], -1)[tok]))
-            r.turn_tokens.append(tok)
-            r.traj.token_ids.append(tok)
+            r.turn_tokens.append(t)
+            r.traj.token_ids.append(t)
             r.traj.roles.append(POLICY)
-            if tok == stop_id or step == max_new_tokens - 1 or len(r.traj.token_ids) >= cfg.max_context:
-                finished.append(j)
-                r.pending = [tok]
-                r.traj.truncated |= tok != stop_id
-        if finished:
-            keep = [j for j in range(len(active)) if j not in finished]
-            parked.append(([active[j] for j in finished], sub.select(finished)))
-            sub = sub.select(keep) if keep else sub
-            active = [active[j] for j in keep]
-        if not active:
+            if t == stop_id or step == max_new_tokens - 1 or len(r.traj.token_ids) >= cfg.max_context:
+                r.pending = [t]
+                r.traj.truncated |= t != stop_id
+            else:
+                keep.append(j)
+        if not keep:
             break
-        sub.extend(model, [Chunk(torch.tensor([rows[i].turn_tokens[-1]]), torch.zeros(1, dtype=torch.int32))
-                           for i in active], pad_id)
-    order = [i for idx, _ in parked for i in idx]
-    merged = KVBatch.merge([b for _, b in parked])
-    return merged.select([order.index(i) for i in range(len(rows))])
+        if len(keep) < len(active):                      # rows left: new index tensors (no cache moves)
+            active = [active[j] for j in keep]
+            kj = torch.tensor(keep, device=device)
+            sel, tok = sel[kj], tok[kj]
+            idx = kv.index([kv_rows[i] for i in active])
+        kv.step(model, idx, tok)
+    if recorded:                                         # the turn's log-probs: one transfer
+        flat = torch.cat([lp for _, lp in recorded]).tolist()
+        k = 0
+        for act, lp in recorded:
+            for i in act:
+                rows[i].traj.logprobs.append(flat[k])
+                k += 1
 
 
 def vision_ids(ids: dict) -> list[int]:
@@ -393,15 +659,15 @@ def run_subagents(model, processor, jobs: list[tuple[int, int, video.Clip]], cfg
                                              {"type": "text", "text": SUBAGENT_PROMPT}]}]
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     chunks = [encode_chunk(processor, text, [clip]) for _, _, clip in jobs]
-    batch = KVBatch.empty(model, len(jobs), device)
-    batch.extend(model, chunks, ids["<|endoftext|>"])
+    kv = GroupKV(model, list(range(len(jobs))), device)    # each sub-agent is its own prompt
+    kv.extend(model, list(range(len(jobs))), chunks, ids["<|endoftext|>"], prefix=True)
+    kv.fork()
     rows = []
     for (caller, k, clip), c, seed in zip(jobs, chunks, seeds):
         t = Trajectory(record_id="", sample=0, token_ids=c.ids.tolist(), roles=[ENV] * len(c.ids),
                        prompt_len=len(c.ids), videos=[(c.pixels, c.grid)], parent=(caller, k))
-        g = None if cfg.temperature <= 0 else torch.Generator().manual_seed(seed)
-        rows.append(_Row(t, "", g))
-    decode_turn(model, batch, rows, cfg, cfg.subagent_max_new_tokens, ids["<|im_end|>"], ids["<|endoftext|>"],
+        rows.append(_Row(t, "", seed))
+    decode_turn(model, kv, rows, list(range(len(rows))), cfg, cfg.subagent_max_new_tokens, ids["<|im_end|>"],
                 vision_ids(ids))
     for r in rows:
         toks = [t for t in r.turn_tokens if t != ids["<|im_end|>"]]
@@ -437,23 +703,19 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
     out: dict[int, list[Trajectory]] = {i: [Trajectory(str(records[i].get("id", i)), s, [], [], 0, [], error=msg, done=True)
                                             for s in range(G)] for i, msg in failed}
     if prompts:
-        # prefill each prompt once (its overview through the vision tower once), then fork G rows
-        batch = KVBatch.empty(model, len(prompts), device)
-        batch.extend(model, [p[4] for p in prompts], pad_id)
-        batch = batch.repeat(G)
+        # prefill each prompt and the forced "<think>\n" once (its overview through the vision tower once,
+        # its K/V stored once), then fork G rows that share it
+        kv = GroupKV(model, [p for p in range(len(prompts)) for _ in range(G)], device)
         prefix = encode_chunk(processor, THINK_PREFIX)
+        kv.extend(model, list(range(len(prompts))), [Chunk(torch.cat([c.ids, prefix.ids]), torch.cat([c.mm_types, prefix.mm_types]),
+                                                           c.pixels, c.grid) for *_, c, _ in prompts], pad_id, prefix=True)
+        kv.fork()
         for i, rec, path, duration, c, n in prompts:
             for s in range(G):
-                t = Trajectory(str(rec.get("id", i)), s, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids),
-                               [(c.pixels, c.grid)], nframes=n)
-                rs = row_seed(seed, i, s)
-                g = None if cfg.temperature <= 0 else torch.Generator().manual_seed(rs)
-                rows.append(_Row(t, path, g, index=i, seed=rs, duration=duration))
-        for r in rows:
-            r.traj.token_ids += prefix.ids.tolist()
-            r.traj.roles += [ENV] * len(prefix.ids)
-        batch.extend(model, [prefix] * len(rows), pad_id)
-        _turn_loop(model, processor, batch, rows, cfg, ids, factor, seed)
+                t = Trajectory(str(rec.get("id", i)), s, c.ids.tolist() + prefix.ids.tolist(),
+                               [ENV] * (len(c.ids) + len(prefix.ids)), len(c.ids), [(c.pixels, c.grid)], nframes=n)
+                rows.append(_Row(t, path, row_seed(seed, i, s), index=i, duration=duration))
+        _turn_loop(model, processor, kv, rows, cfg, ids, factor)
         for r in rows:
             out.setdefault(r.index, []).append(r.traj)
     trajs = [t for i in sorted(out) for t in out[i]]
@@ -463,14 +725,12 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
     return trajs
 
 
-def _turn_loop(model, processor, batch: KVBatch, rows: list[_Row], cfg: RolloutConfig, ids: dict,
-               factor: int, seed: int) -> None:
+def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConfig, ids: dict, factor: int) -> None:
     """Alternate decode_turn and tool execution until every row has answered or hit a limit."""
     stop_id, pad_id = ids["<|im_end|>"], ids["<|endoftext|>"]
     live = list(range(len(rows)))
     for turn in range(cfg.max_turns + 1):
-        sub_rows = [rows[i] for i in live]
-        batch = decode_turn(model, batch, sub_rows, cfg, cfg.max_new_tokens, stop_id, pad_id, vision_ids(ids))
+        decode_turn(model, kv, [rows[i] for i in live], live, cfg, cfg.max_new_tokens, stop_id, vision_ids(ids))
         tok = processor.tokenizer
         next_live, chunks, sub_jobs = [], {}, []
         results = {}
@@ -535,9 +795,8 @@ def _turn_loop(model, processor, batch: KVBatch, rows: list[_Row], cfg: RolloutC
         keep = [j for j, i in next_live if j in chunks]
         if not keep:
             break
-        batch = batch.select(keep)
-        batch.extend(model, [chunks[j] for j in keep], pad_id)
         live = [live[j] for j in keep]
+        kv.extend(model, live, [chunks[j] for j in keep], pad_id)
 
 
 def _finish(t: Trajectory, processor, ids: dict) -> None:
@@ -556,16 +815,19 @@ def _finish(t: Trajectory, processor, ids: dict) -> None:
 # -----------------------------------------------------------------------------
 # full-sequence inputs (training forward, and the exactness check of the cache path)
 
-def collate(trajs: list[Trajectory], model, pad_id: int) -> dict:
+def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = False) -> dict:
     """Right-padded model inputs for whole trajectories: input_ids / attention_mask / mm_token_type_ids
     (B, L), position_ids (3, B, L) from get_rope_index over each full sequence, the videos of all rows
-    concatenated in row order, and `roles` (B, L) (ENV, POLICY; pads are ENV)."""
+    concatenated in row order, and `roles` (B, L) (ENV, POLICY; pads are ENV).
+    share_videos=True (for `forward_hidden`): pixel_values_videos / video_grid_thw hold each distinct
+    video ONCE (the G samples of a prompt share its overview tensor) and `video_index` (n_videos,) gives,
+    for every video in row order, its index among them."""
     B, L = len(trajs), max(len(t.token_ids) for t in trajs)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     roles = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.long)
     pos = torch.zeros(3, B, L, dtype=torch.long)
-    pixels, grids = [], []
+    pixels, grids, index, seen = [], [], [], {}
     video_id = model.config.video_token_id
     for i, t in enumerate(trajs):
         n = len(t.token_ids)
@@ -573,8 +835,12 @@ def collate(trajs: list[Trajectory], model, pad_id: int) -> dict:
         roles[i, :n] = torch.tensor(t.roles)
         mask[i, :n] = 1
         for p, g in t.videos:
-            pixels.append(p)
-            grids.append(g)
+            key = (p.data_ptr(), tuple(p.shape), tuple(p.stride()), tuple(g.flatten().tolist())) if share_videos else len(pixels)
+            if key not in seen:
+                seen[key] = len(pixels)
+                pixels.append(p)
+                grids.append(g)
+            index.append(seen[key])
         row_grids = torch.cat([g for _, g in t.videos]) if t.videos else None
         types = (ids[i:i + 1, :n] == video_id).int() * 2
         if row_grids is None:
@@ -586,7 +852,35 @@ def collate(trajs: list[Trajectory], model, pad_id: int) -> dict:
                mm_token_type_ids=(ids == video_id).int() * 2)
     if pixels:
         out.update(pixel_values_videos=torch.cat(pixels), video_grid_thw=torch.cat(grids))
+        if share_videos:
+            out["video_index"] = torch.tensor(index, dtype=torch.long)
     return out
+
+
+def forward_hidden(model, batch: dict) -> torch.Tensor:
+    """(B, L, D) last hidden states of a `collate(..., share_videos=True)` batch (without `roles`): the
+    vision tower runs once per DISTINCT video (once per prompt, not G times), and its features (and
+    deepstack features) are handed to every row that shows that video. The same numbers as
+    `model.model(**batch).last_hidden_state` on the unshared batch; gradients of a shared video sum
+    over its rows, as they would for G separate copies."""
+    kw = dict(batch)
+    index = kw.pop("video_index", None)
+    if index is None or "pixel_values_videos" not in kw:
+        return model.model(**kw, use_cache=False).last_hidden_state
+    order = index.tolist()
+    inner = model.model.get_video_features
+
+    def shared(pixel_values_videos, video_grid_thw=None, **k):     # runs inside model.model's forward (FSDP hooks)
+        feats = inner(pixel_values_videos, video_grid_thw, **k)
+        feats.pooler_output = tuple(feats.pooler_output[j] for j in order)
+        feats.deepstack_features = [tuple(layer[j] for j in order) for layer in feats.deepstack_features]
+        return feats
+
+    model.model.get_video_features = shared
+    try:
+        return model.model(**kw, use_cache=False).last_hidden_state
+    finally:
+        del model.model.get_video_features
 
 
 # -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@
 2. sub-agents   --calls parallel crop_video calls: all their sub-agents as ONE batched generation
                 (rollout.run_subagents) vs one call of run_subagents per job. Same clips, greedy,
                 <|im_end|> masked so every sub-agent writes exactly --sub-tokens tokens. Target >= 2x.
-3. decode       rollout.decode_turn (prefill with KVBatch.extend, then token by token) vs
+3. decode       rollout.decode_turn (prefill with GroupKV.extend, then token by token) vs
                 model.generate on the same prompts (overview video + question), greedy, exactly
                 --new-tokens tokens each (generate: min_new_tokens = max_new_tokens; ours: the same
                 <|im_end|> mask). Tokens/s at batch 1 and --batch. Target ratio >= 1.0.
@@ -27,8 +27,10 @@ ratios are baseline / ours (> 1 means ours is better). `same_tokens` flags check
 produced the same tokens. The last line of output is one JSON object.
 """
 import argparse
+import json
 import os
 import tempfile
+import time
 
 import torch
 from transformers import DynamicCache
@@ -54,47 +56,47 @@ def make_video(root: str, duration: float, size: int) -> dict:
 
 
 class Script:
-    """Stand-in for rollout.sample_next_token: each generator (one per row) walks through the token
+    """Stand-in for rollout.sample_tokens: each row (told apart by its seed) walks through the token
     lists `turns` (one per assistant turn, the last one repeating)."""
 
     def __init__(self, turns: list[list[int]]):
         self.turns, self.state = turns, {}
 
-    def __call__(self, logits, generator, temperature, top_p):
-        key = generator.initial_seed() if generator is not None else None
+    def one(self, key: int) -> int:
         t, p = self.state.get(key, (0, 0))
         toks = self.turns[min(t, len(self.turns) - 1)]
         self.state[key] = (t + 1, 0) if p + 1 == len(toks) else (t, p + 1)
         return toks[p]
 
+    def __call__(self, logits, seeds, counters, temperature, top_p):
+        return torch.tensor([self.one(s) for s in seeds.tolist()])
+
 
 def masked_greedy(stop_id: int):
     """Greedy with <|im_end|> never chosen (what generate's min_new_tokens does), so lengths are fixed."""
-    def sample(logits, generator, temperature, top_p):
-        logits = logits.clone()
-        logits[stop_id] = -float("inf")
-        return int(logits.argmax())
+    def sample(logits, seeds, counters, temperature, top_p):
+        return logits.index_fill(1, torch.tensor([stop_id]), -float("inf")).argmax(-1)
     return sample
 
 
 class Counter:
-    """Wraps KVBatch.extend and decode_turn to count prefilled tokens and vision patches of a run."""
+    """Wraps GroupKV.extend and decode_turn to count prefilled tokens and vision patches of a run."""
 
     def __init__(self):
         self.prefill_tokens = self.decode_tokens = self.patches = 0
         self.in_decode = False
 
     def install(self):
-        extend, decode_turn = rollout.KVBatch.extend, rollout.decode_turn
+        extend, decode_turn = rollout.GroupKV.extend, rollout.decode_turn
 
-        def counted_extend(batch, model, chunks, pad_id):
+        def counted_extend(batch, model, rows, chunks, pad_id, prefix=False):
             n = sum(len(c.ids) for c in chunks if c is not None)
             if self.in_decode:
                 self.decode_tokens += n
             else:
                 self.prefill_tokens += n
             self.patches += sum(len(c.pixels) for c in chunks if c is not None and c.pixels is not None)
-            return extend(batch, model, chunks, pad_id)
+            return extend(batch, model, rows, chunks, pad_id, prefix)
 
         def counted_decode(*a, **kw):
             self.in_decode = True
@@ -103,8 +105,15 @@ class Counter:
             finally:
                 self.in_decode = False
 
-        rollout.KVBatch.extend, rollout.decode_turn = counted_extend, counted_decode
-        return lambda: (setattr(rollout.KVBatch, "extend", extend), setattr(rollout, "decode_turn", decode_turn))
+        step = rollout.GroupKV.step
+
+        def counted_step(batch, model, idx, tokens):
+            self.decode_tokens += len(idx.host)
+            return step(batch, model, idx, tokens)
+
+        rollout.GroupKV.extend, rollout.GroupKV.step, rollout.decode_turn = counted_extend, counted_step, counted_decode
+        return lambda: (setattr(rollout.GroupKV, "extend", extend), setattr(rollout.GroupKV, "step", step),
+                        setattr(rollout, "decode_turn", decode_turn))
 
 
 # ----------------------------------------------------------------------------- 1. multi-turn
@@ -186,7 +195,7 @@ def bench_multiturn(model, processor, root: str, rec: dict, args) -> dict:
     counter = Counter()
 
     def ours():
-        rollout.sample_next_token = Script([enc(t) for t in texts])
+        rollout.sample_tokens = Script([enc(t) for t in texts])
         return rollout.run_agent(model, processor, [rec], root, cfg, seed=0)[0]
 
     restore = counter.install()
@@ -221,7 +230,7 @@ def bench_subagents(model, processor, root: str, rec: dict, args) -> dict:
                         tokens_per_pixel_area=factor * factor) for s in starts]
     jobs = [(0, k, clip) for k, clip in enumerate(clips)]
     cfg = rollout.RolloutConfig(temperature=0.0, subagent_max_new_tokens=args.sub_tokens)
-    rollout.sample_next_token = masked_greedy(ids["<|im_end|>"])
+    rollout.sample_tokens = masked_greedy(ids["<|im_end|>"])
     batched = lambda: [t.text for t in rollout.run_subagents(model, processor, jobs, cfg, [0] * len(jobs), ids)]
     serial = lambda: [rollout.run_subagents(model, processor, [j], cfg, [0], ids)[0].text for j in jobs]
     same = batched() == serial()
@@ -252,14 +261,15 @@ def bench_decode(model, processor, root: str, rec: dict, args, batch_size: int) 
                                           video_metadata=[rollout.clip_metadata(overview)] * batch_size))
     tok.padding_side = old_side
     n = args.new_tokens
-    rollout.sample_next_token = masked_greedy(stop)
+    rollout.sample_tokens = masked_greedy(stop)
 
     @torch.no_grad()
     def ours():
-        kv = rollout.KVBatch.empty(model, batch_size, "cpu")
-        kv.extend(model, chunks, pad)
-        rows = [rollout._Row(rollout.Trajectory("", 0, [], [], 0, []), "", None) for _ in chunks]
-        rollout.decode_turn(model, kv, rows, cfg, n, stop_id=-1, pad_id=pad)     # -1: never stops
+        kv = rollout.GroupKV(model, list(range(batch_size)), "cpu")
+        kv.extend(model, list(range(batch_size)), chunks, pad, prefix=True)
+        kv.fork()
+        rows = [rollout._Row(rollout.Trajectory("", 0, [], [], 0, []), "", 0) for _ in chunks]
+        rollout.decode_turn(model, kv, rows, list(range(batch_size)), cfg, n, stop_id=-1)     # -1: never stops
         return [r.turn_tokens for r in rows]
 
     @torch.no_grad()
@@ -272,6 +282,120 @@ def bench_decode(model, processor, root: str, rec: dict, args, batch_size: int) 
     t_o, t_g = median(wall["ours"]), median(wall["generate"])
     return dict(batch=batch_size, new_tokens=n, ours_tok_s=batch_size * n / t_o, generate_tok_s=batch_size * n / t_g,
                 ratio=t_g / t_o, cpu_ratio=median(cpu["generate"]) / median(cpu["ours"]), same_tokens=same)
+
+
+# ----------------------------------------------------------------------------- 4. scale: group rollout vs generate
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+class PeakRSS:
+    """Peak resident memory (MB) above the level at entry, sampled every 2 ms by a thread: on CPU there is
+    no allocator counter, and everything a side allocates (K/V, activations, logits) is resident."""
+
+    def __enter__(self):
+        import ctypes
+        import threading
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)      # give back what setup freed, for a clean base
+        except OSError:
+            pass
+        self.base = self.peak = rss_mb()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self):
+        while not self.stop.wait(0.002):
+            self.peak = max(self.peak, rss_mb())
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, rss_mb())
+        self.mb = self.peak - self.base
+
+
+def scale_model(args):
+    """A Qwen3-VL at the real per-token K/V ratios on a CPU budget: text hidden 1024, 8 KV heads x 128,
+    vocab 151,936 (the embeddings resized past the tiny tokenizer), --scale-layers layers; tiny vision."""
+    from model import ModelConfig, build_tiny
+    cfg = ModelConfig(hidden=1024, layers=args.scale_layers, heads=8, kv_heads=8, head_dim=128, intermediate=3072,
+                      mrope_section=(24, 20, 20))
+    torch.manual_seed(0)
+    model, processor = build_tiny(cfg, corpus=rollout.prompt_corpus())
+    model.resize_token_embeddings(151_936, mean_resizing=False)
+    return model.eval(), processor
+
+
+def scale_side(side: str, args) -> dict:
+    """One side of the scale bench in this process: prompt setup, then the timed, memory-sampled run."""
+    set_threads(args.threads)
+    model, processor = scale_model(args)
+    ids = special_token_ids(processor)
+    pad = ids["<|endoftext|>"]
+    G, n = args.scale_group, args.scale_new_tokens
+    with tempfile.TemporaryDirectory() as root:
+        rec = make_video(root, args.scale_frames / 2, args.scale_size)
+        cfg = rollout.RolloutConfig(temperature=0.7, top_p=1.0, group_size=G, overview_nframes=args.scale_frames,
+                                    overview_max_pixels=args.scale_size ** 2, tools_block=False)
+        path = os.path.join(root, rec["video"])
+        overview = rollout.load_overview(path, video.probe(path).duration, cfg, rollout.video_factor(processor),
+                                         cfg.overview_nframes)
+        text = rollout.prompt_text(processor, rec, False) + rollout.THINK_PREFIX
+        chunk = rollout.encode_chunk(processor, text, [overview])
+        inputs = processor(text=[text], videos=[overview.frames], return_tensors="pt",
+                           videos_kwargs=dict(do_sample_frames=False, do_resize=False,
+                                              video_metadata=[rollout.clip_metadata(overview)]))
+
+    @torch.no_grad()
+    def ours():
+        kv = rollout.GroupKV(model, [0] * G, "cpu")
+        kv.extend(model, [0], [chunk], pad, prefix=True)
+        kv.fork()
+        rows = [rollout._Row(rollout.Trajectory("", s, [], [], 0, []), "", rollout.row_seed(0, 0, s)) for s in range(G)]
+        rollout.decode_turn(model, kv, rows, list(range(G)), cfg, n, stop_id=-1)      # -1: never stops
+        return [r.turn_tokens for r in rows]
+
+    @torch.no_grad()
+    def hf():
+        out = model.generate(**inputs, do_sample=True, temperature=0.7, top_p=1.0, top_k=0, num_return_sequences=G,
+                             max_new_tokens=n, min_new_tokens=n, pad_token_id=pad)
+        return out[:, -n:].tolist()
+
+    fn = ours if side == "ours" else hf
+    before = dict(rollout.STATS)
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        toks = fn()
+        secs = time.perf_counter() - t0
+    steps = rollout.STATS["decode_steps"] - before["decode_steps"]
+    return dict(prompt_tokens=len(chunk.ids), peak_mb=mem.mb, seconds=secs, tokens=sum(len(t) for t in toks),
+                host_syncs_per_step=(rollout.STATS["host_syncs"] - before["host_syncs"]) / steps if steps else None,
+                weights_mb=sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20)
+
+
+def bench_scale(args) -> dict:
+    """Each side in its own process (so one side's freed memory cannot hide the other's peak)."""
+    import subprocess
+    import sys
+    res = {}
+    for side in ("ours", "hf"):
+        cmd = [sys.executable, __file__, "--scale-side", side, "--threads", str(args.threads),
+               "--scale-layers", str(args.scale_layers), "--scale-frames", str(args.scale_frames),
+               "--scale-size", str(args.scale_size), "--scale-group", str(args.scale_group),
+               "--scale-new-tokens", str(args.scale_new_tokens)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        res[side] = json.loads(out.strip().splitlines()[-1])
+    o, h = res["ours"], res["hf"]
+    return dict(group=args.scale_group, prompt_tokens=o["prompt_tokens"], layers=args.scale_layers,
+                new_tokens=args.scale_new_tokens, weights_mb=o["weights_mb"],
+                ours_peak_mb=o["peak_mb"], hf_peak_mb=h["peak_mb"], memory_ratio=h["peak_mb"] / o["peak_mb"],
+                ours_tok_s=o["tokens"] / o["seconds"], hf_tok_s=h["tokens"] / h["seconds"],
+                speedup=h["seconds"] / o["seconds"], host_syncs_per_step=o["host_syncs_per_step"])
 
 
 # ----------------------------------------------------------------------------- main
@@ -292,12 +416,21 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="prompts per batch in the decode bench (plus batch 1)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per side (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch default)")
-    p.add_argument("--parts", default="1,2,3", help="which measurements to run, e.g. 1,3")
+    p.add_argument("--parts", default="1,2,3,4", help="which measurements to run, e.g. 1,3")
+    p.add_argument("--scale-layers", type=int, default=2, help="scale bench: text layers (hidden 1024, 8 KV heads x 128)")
+    p.add_argument("--scale-frames", type=int, default=128, help="scale bench: overview frames (2 frames -> 1 temporal patch)")
+    p.add_argument("--scale-size", type=int, default=256, help="scale bench: frame side (256: 64 tokens per temporal patch)")
+    p.add_argument("--scale-group", type=int, default=8, help="scale bench: group size G")
+    p.add_argument("--scale-new-tokens", type=int, default=128, help="scale bench: tokens sampled per row (T = 0.7)")
+    p.add_argument("--scale-side", choices=["ours", "hf"], help=argparse.SUPPRESS)   # internal: one side per process
     args = p.parse_args()
+    if args.scale_side:
+        print(json.dumps(scale_side(args.scale_side, args)))
+        return
     threads = set_threads(args.threads)
     torch.manual_seed(0)
     model, processor = load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
-    sampler = rollout.sample_next_token
+    sampler = rollout.sample_tokens
     with tempfile.TemporaryDirectory() as root:
         rec = make_video(root, args.duration, args.size)
         parts = set(args.parts.split(","))
@@ -305,8 +438,9 @@ def main() -> None:
             mt = bench_multiturn(model, processor, root, rec, args) if "1" in parts else None
             sa = bench_subagents(model, processor, root, rec, args) if "2" in parts else None
             dec = [bench_decode(model, processor, root, rec, args, b) for b in sorted({1, args.batch})] if "3" in parts else []
+            sc = bench_scale(args) if "4" in parts else None
         finally:
-            rollout.sample_next_token = sampler
+            rollout.sample_tokens = sampler
 
     print(f"tiny Qwen3-VL on CPU, {threads} thread(s); overview {args.overview_frames} frames at {args.size}x{args.size}, "
           f"crops at {args.crop_size}x{args.crop_size}; medians of {args.repeats} interleaved repeats")
@@ -337,6 +471,18 @@ def main() -> None:
                      for d in dec], ["batch", "ours tok/s", "generate tok/s", "ratio", "cpu ratio", "same tokens"]))
         out["decode"] = {f"batch{d['batch']}": d for d in dec}
         targets["decode_ratio_ge_1"] = all(d["ratio"] >= 1 for d in dec)
+    if sc:
+        print(f"\n4. scale: one prompt of {sc['prompt_tokens']} tokens, group {sc['group']}, {sc['new_tokens']} tokens "
+              f"per row at T = 0.7; text hidden 1024, {sc['layers']} layers, 8 KV heads x 128, vocab 151,936 "
+              f"(weights {sc['weights_mb']:.0f} MB, not counted)")
+        print(table([["peak MB beyond weights", sc["ours_peak_mb"], sc["hf_peak_mb"], sc["memory_ratio"]],
+                     ["tokens/s", sc["ours_tok_s"], sc["hf_tok_s"], sc["speedup"]]],
+                    ["", "ours", "generate(num_return_sequences)", "ratio"]))
+        print(f"host syncs per decode step: {sc['host_syncs_per_step']}")
+        out["scale"] = {k: sc[k] for k in ("group", "prompt_tokens", "ours_peak_mb", "hf_peak_mb", "memory_ratio",
+                                           "ours_tok_s", "hf_tok_s", "speedup", "host_syncs_per_step")}
+        targets.update(scale_memory_ratio_ge_4=sc["memory_ratio"] >= 4, scale_speedup_ge_1_5=sc["speedup"] >= 1.5,
+                       scale_host_syncs_le_1=sc["host_syncs_per_step"] <= 1)
     print_json({**out, "targets": targets})
 
 

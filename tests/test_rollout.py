@@ -58,10 +58,10 @@ ANSWER = turn("done", "<answer>B</answer>")
 
 
 class Scripted:
-    """Stand-in for `rollout.sample_next_token`: row (record i, sample s) emits the tokens of
-    scripts[(i, s)][t] + <|im_end|> in its turn t (the last turn repeats); any other sampler (a
-    sub-agent) emits `sub`. Rows are told apart by their generator's seed (`rollout.row_seed`), so the
-    script needs temperature > 0. `log[(i, s)]` collects every token it emitted for that row."""
+    """Stand-in for `rollout.sample_tokens`: row (record i, sample s) emits the tokens of
+    scripts[(i, s)][t] + <|im_end|> in its turn t (the last turn repeats); any other row (a sub-agent)
+    emits `sub`. Rows are told apart by their seed (`rollout.row_seed`). `log[(i, s)]` collects every
+    token it emitted for that row."""
 
     def __init__(self, processor, scripts: dict, seed: int = SEED, sub: str = "A red square in the centre."):
         tok = processor.tokenizer
@@ -72,9 +72,7 @@ class Scripted:
         self.sub = [enc(sub)]
         self.state, self.log = {}, {}
 
-    def __call__(self, logits, generator, temperature, top_p):
-        assert generator is not None, "scripted rows need temperature > 0 (a generator per row)"
-        seed = generator.initial_seed()
+    def one(self, seed: int) -> int:
         key = self.keys.get(seed, "sub")
         turns = self.turns.get(key, self.sub)
         t, p = self.state.get(seed, (0, 0))
@@ -83,12 +81,16 @@ class Scripted:
         self.log.setdefault(key, []).append(toks[p])
         return toks[p]
 
+    def __call__(self, logits, seeds, counters, temperature, top_p):
+        assert logits.shape[0] == len(seeds) == len(counters)
+        return torch.tensor([self.one(s) for s in seeds.tolist()], device=logits.device)
+
 
 @pytest.fixture
 def script(monkeypatch, tiny):
     def install(scripts: dict, **kw) -> Scripted:
         s = Scripted(tiny[1], scripts, **kw)
-        monkeypatch.setattr(rollout, "sample_next_token", s)
+        monkeypatch.setattr(rollout, "sample_tokens", s)
         return s
     return install
 
@@ -249,7 +251,7 @@ def bad_call_trajs(tiny, split):
     scripts = {(i, 0): [turn("x", case[1] + "\n" + GOOD), ANSWER] for i, case in enumerate(BAD_CALLS)}
     records = [{**recs[1], "id": case[0]} for case in BAD_CALLS]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rollout, "sample_next_token", Scripted(processor, scripts))
+        mp.setattr(rollout, "sample_tokens", Scripted(processor, scripts))
         trajs = rollout.run_agent(model, processor, records, root, config(max_new_tokens=400), seed=SEED)
     return {t.record_id: t for t in trajs}
 
@@ -298,55 +300,3 @@ def test_missing_video_sets_error_others_roll_out(tiny, split, script):
         assert "missing.mp4" in t.error and t.token_ids == [] and t.answer is None
     for t in trajs[:2] + trajs[4:]:
         assert t.error is None and t.answer == "B" and t.windows == [(29.0, 37.0)]
-
-
-# ----------------------------------------------------------------------------- sample_next_token
-
-def test_sample_greedy_is_argmax():
-    logits = torch.randn(50, 300, generator=torch.Generator().manual_seed(0))
-    assert [rollout.sample_next_token(x, None, 0.0, 1.0) for x in logits] == logits.argmax(-1).tolist()
-
-
-def test_sample_small_top_p_keeps_only_top_token():
-    logits = torch.randn(300, generator=torch.Generator().manual_seed(1))
-    g = torch.Generator().manual_seed(2)
-    assert {rollout.sample_next_token(logits, g, 1.0, 0.01) for _ in range(200)} == {int(logits.argmax())}
-    # control: without the nucleus the same logits draw many tokens
-    assert len({rollout.sample_next_token(logits, g, 1.0, 1.0) for _ in range(200)}) > 20
-
-
-def test_sample_temperature_seeded_reproducible():
-    logits = torch.randn(300, generator=torch.Generator().manual_seed(3))
-    draw = lambda seed: [rollout.sample_next_token(logits, g, 0.7, 0.9)
-                         for g in [torch.Generator().manual_seed(seed)] for _ in range(50)]
-    assert draw(4) == draw(4) and draw(4) != draw(5)
-
-
-# ----------------------------------------------------------------------------- KVBatch
-
-def test_kvbatch_merge_select_keep_rows_intact(tiny, split):
-    model, processor = tiny
-    root, recs = split
-    cfg = config()
-    path = f"{root}/{recs[0]['video']}"
-    overview = rollout.load_overview(path, video.probe(path).duration, cfg, rollout.video_factor(processor),
-                                     cfg.overview_nframes)
-    a = rollout.encode_chunk(processor, rollout.prompt_text(processor, recs[0], False), [overview])
-    b = rollout.encode_chunk(processor, "<|im_start|>user\nA short text-only row.<|im_end|>\n")
-    nxt = rollout.encode_chunk(processor, "<|im_start|>assistant\n" + rollout.THINK_PREFIX)
-    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
-
-    def alone(chunk):
-        kv = rollout.KVBatch.empty(model, 1, "cpu")
-        kv.extend(model, [chunk], pad)
-        return kv
-
-    ka, kb = alone(a), alone(b)
-    merged = rollout.KVBatch.merge([ka.select([0]), kb])
-    assert merged.mask.tolist()[1] == [1] * len(b.ids) + [0] * (len(a.ids) - len(b.ids))
-    swapped = merged.select([1, 0])
-    for kv in (ka, kb, merged, swapped):
-        kv.extend(model, [nxt] * len(kv), pad)
-    torch.testing.assert_close(merged.last_logits, torch.cat([ka.last_logits, kb.last_logits]), atol=1e-4, rtol=0)
-    torch.testing.assert_close(swapped.last_logits, torch.cat([kb.last_logits, ka.last_logits]), atol=1e-4, rtol=0)
-    assert merged.next_pos.tolist() == [int(ka.next_pos), int(kb.next_pos)]

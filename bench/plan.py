@@ -1,0 +1,107 @@
+"""The GPU plan on paper: one RL step of ParaVT's and of Video-o3's recipe on H200s, projected from first
+principles (no GPU needed; pure arithmetic, prints a table and, last, one JSON line).
+
+    python bench/plan.py                       # both recipes, Qwen3-VL-8B shapes
+    python bench/plan.py --shared-prefix 0     # what the step would cost without the shared prompt cache
+
+Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x 128, MLP 12288, vocab
+151,936; ~8.2 B parameters with the ~0.6 B vision tower). Per GPU and per step:
+- weights bf16 (2 B/param); training adds fp32 master + AdamW moments (12 B/param) sharded by FSDP over
+  the GPUs, plus bf16 gradients (2 B/param, sharded);
+- KV cache: 36 x 8 x 128 x 2 (K and V) x 2 B = 144 KiB per token. With the shared prompt cache (rollout.py
+  GroupKV) a prompt's overview is stored once per group, each row only its suffix; without it, G times;
+- rollout decode is bound by HBM bandwidth (H200 4.8 TB/s at --hbm-efficiency): each step reads the
+  weights once for the whole batch plus every row's visible K/V (the shared prompt once per group);
+- prefill and training are bound by bf16 FLOPs (H200 989 TFLOP/s dense at --mfu): 2 N FLOPs per token
+  forward (6 N with backward, 8 N with gradient checkpointing) plus attention 4 L d_model per token
+  per context token (x3 for backward);
+- the reference (frozen) and old-policy forwards add 2 N per token each where the recipe needs them.
+Reported: ParaVT's ~250 s per step on 8 GPUs (docs/method.md §5). The CPU bench's measured ratio (shared
+prefix memory) enters as the --shared-prefix switch; efficiencies are assumptions, printed with the table.
+"""
+import argparse
+import json
+
+KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2          # layers x kv_heads x head_dim x (K, V) x bf16
+PARAMS = 8.2e9
+TEXT_PARAMS = 7.6e9                                 # decoder only (what a decoded token reads)
+LAYERS, D_MODEL = 36, 4096
+HBM_BW, BF16_FLOPS, HBM_GB = 4.8e12, 989e12, 141
+
+RECIPES = {
+    # prompts per step (global), group, overview tokens, tool rounds, tokens per assistant turn, tokens a
+    # tool response adds to the context per round (clips in interleaved mode, summaries for sub-agents)
+    "ParaVT": dict(gpus=8, prompts=7, group=8, overview_tokens=64 * 256 // 2, rounds=3, turn_tokens=2048,
+                   response_tokens=300, subagent_tokens=512, subagent_calls=3, ref_forward=True),
+    "Video-o3": dict(gpus=8, prompts=32, group=16, overview_tokens=16384, rounds=6, turn_tokens=1024,
+                     response_tokens=2048, subagent_tokens=0, subagent_calls=0, ref_forward=False),
+}
+
+
+def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode_batch_eff: float) -> dict:
+    G, P, gpus = r["group"], r["prompts"], r["gpus"]
+    rows = P * G
+    rows_gpu = rows / gpus
+    prompts_gpu = P / gpus
+    suffix = r["rounds"] * (r["turn_tokens"] + r["response_tokens"]) + r["turn_tokens"]
+    seq = r["overview_tokens"] + suffix                                # tokens of one trajectory
+    # memory per GPU during the rollout (weights + KV)
+    prompt_copies = prompts_gpu if shared else rows_gpu
+    kv = (prompt_copies * r["overview_tokens"] + rows_gpu * suffix) * KV_BYTES_PER_TOKEN
+    weights = PARAMS * 2
+    train_state = PARAMS * (12 + 2) / gpus                              # FSDP-sharded master, moments, grads
+    act_ckpt = rows_gpu * seq * D_MODEL * 2 * LAYERS                    # one bf16 hidden per layer per token (checkpointing)
+    mem_rollout = (weights + kv) / 2 ** 30
+    mem_train = (weights / gpus + train_state) / 2 ** 30 + act_ckpt / 2 ** 30 / max(1, rows_gpu)   # one sample in flight
+    # rollout time: prefill (FLOPs) + decode (bandwidth), per GPU
+    attn = lambda n_tokens, ctx: 4 * LAYERS * D_MODEL * n_tokens * ctx
+    prefill_tokens = (prompts_gpu if shared else rows_gpu) * r["overview_tokens"] + rows_gpu * r["rounds"] * r["response_tokens"]
+    prefill_flops = 2 * TEXT_PARAMS * prefill_tokens + attn(prefill_tokens, r["overview_tokens"] / 2)
+    decode_tokens_row = (r["rounds"] + 1) * r["turn_tokens"]
+    steps = decode_tokens_row                                           # all rows of a GPU decode together
+    kv_read_per_step = ((prompt_copies * r["overview_tokens"]) + rows_gpu * suffix / 2) * KV_BYTES_PER_TOKEN
+    decode_s = steps * (TEXT_PARAMS * 2 + kv_read_per_step) / (HBM_BW * hbm_eff) / decode_batch_eff
+    sub_s = 0.0
+    if r["subagent_tokens"]:                                            # sub-agents: one batched generation per round
+        sub_s = r["rounds"] * r["subagent_tokens"] * (TEXT_PARAMS * 2) / (HBM_BW * hbm_eff) / decode_batch_eff
+    rollout_s = prefill_flops / (BF16_FLOPS * mfu) + decode_s + sub_s
+    # update: old/ref forwards + forward/backward with checkpointing over every token of every row
+    train_tokens = rows_gpu * seq
+    fwd = 2 * TEXT_PARAMS * train_tokens + attn(train_tokens, seq / 2)
+    update_s = (fwd * 4 + fwd * (1 + r["ref_forward"])) / (BF16_FLOPS * mfu)
+    return dict(recipe=name, gpus=gpus, rows=rows, seq_tokens=seq, kv_gb_per_gpu=kv / 2 ** 30,
+                mem_rollout_gb=mem_rollout, mem_train_gb=mem_train, fits=mem_rollout < HBM_GB and mem_train < HBM_GB,
+                rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shared-prefix", type=int, default=1, help="1: one K/V copy of each prompt per group (GroupKV)")
+    p.add_argument("--mfu", type=float, default=0.4, help="fraction of bf16 peak reached by prefill and training")
+    p.add_argument("--hbm-efficiency", type=float, default=0.7, help="fraction of HBM bandwidth reached by decode")
+    p.add_argument("--decode-batch-efficiency", type=float, default=0.8,
+                   help="decode slowdown from ragged rows and the host loop (1 = none)")
+    args = p.parse_args()
+    rows = [project(n, r, bool(args.shared_prefix), args.mfu, args.hbm_efficiency, args.decode_batch_efficiency)
+            for n, r in RECIPES.items()]
+    head = ["recipe", "GPUs", "rows", "tokens/row", "KV GB/GPU", "rollout GB/GPU", "train GB/GPU", "fits 141 GB",
+            "rollout s", "update s", "step s"]
+    cells = [[r["recipe"], r["gpus"], r["rows"], r["seq_tokens"], f"{r['kv_gb_per_gpu']:.1f}", f"{r['mem_rollout_gb']:.1f}",
+              f"{r['mem_train_gb']:.1f}", r["fits"], f"{r['rollout_s']:.0f}", f"{r['update_s']:.0f}", f"{r['step_s']:.0f}"]
+             for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *cells)]
+    fmt = lambda row: " | ".join(str(x).ljust(w) for x, w in zip(row, widths))
+    print(f"H200: {HBM_BW / 1e12:.1f} TB/s at {args.hbm_efficiency:.0%}, {BF16_FLOPS / 1e12:.0f} bf16 TFLOP/s at "
+          f"MFU {args.mfu:.0%}; Qwen3-VL-8B, {KV_BYTES_PER_TOKEN // 1024} KiB KV per token; shared prefix: "
+          f"{bool(args.shared_prefix)}. ParaVT reports ~250 s per step on 8 GPUs.")
+    print(fmt(head))
+    print(" | ".join("-" * w for w in widths))
+    for c in cells:
+        print(fmt(c))
+    print(json.dumps({"shared_prefix": bool(args.shared_prefix), "mfu": args.mfu, "hbm_efficiency": args.hbm_efficiency,
+                      "recipes": {r["recipe"]: {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()
+                                                if k != "recipe"} for r in rows}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Tests for the rollout engine's machinery (rollout.py): batched on-device sampling, the shared-prompt
+cache (GroupKV: one K/V copy per prompt, a preallocated suffix per row, cascade attention), and the
+training forward that runs the vision tower once per distinct video (forward_hidden).
+
+The end-to-end exactness of rollouts (recorded log-probs == full recompute) is in tests/test_rollout.py.
+"""
+import pytest
+import torch
+
+import data
+import rollout
+import video
+from model import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("engine"))
+    return root, data.make_split(root, 2, seed=0)
+
+
+def draw(logits, seeds, counters, t=1.0, top_p=1.0):
+    return rollout.sample_tokens(logits, torch.tensor(seeds), torch.tensor(counters), t, top_p)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def test_sampler_random_source_on_logits_device():
+    """Issue 15 item 2: the random source lives on the logits' device (no CPU torch.Generator): on the
+    "meta" device, every tensor of the draw (noise and tokens) stays on "meta", for CPU seeds too."""
+    logits = torch.empty(3, 50, device="meta")
+    seeds, counters = torch.tensor([1, 2, 3]), torch.tensor([0, 0, 5])
+    noise = rollout.uniform_noise(seeds.to("meta"), counters.to("meta"), 50)
+    assert noise.device.type == "meta" and noise.shape == (3, 50) and noise.dtype == torch.float32
+    for top_p in (1.0, 0.9):
+        tok = rollout.sample_tokens(logits, seeds, counters, 0.7, top_p)
+        assert tok.device.type == "meta" and tok.shape == (3,)
+
+
+def test_sample_greedy_is_argmax():
+    logits = torch.randn(50, 300, generator=torch.Generator().manual_seed(0))
+    assert draw(logits, list(range(50)), [0] * 50, t=0.0).tolist() == logits.argmax(-1).tolist()
+
+
+def test_sample_small_top_p_keeps_only_top_token():
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(1)).expand(200, -1)
+    assert set(draw(logits, [7] * 200, list(range(200)), top_p=0.01).tolist()) == {int(logits[0].argmax())}
+    # control: without the nucleus the same logits draw many tokens
+    assert len(set(draw(logits, [7] * 200, list(range(200))).tolist())) > 20
+
+
+def test_sample_matches_softmax_distribution():
+    """Gumbel-max over the hash noise is a draw from softmax(logits / T): 20k draws over 5 tokens."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).expand(20_000, -1)
+    tok = draw(logits, [3] * 20_000, list(range(20_000)), t=0.7)
+    freq = torch.bincount(tok, minlength=5).float() / 20_000
+    torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.7, -1), atol=0.015, rtol=0)
+
+
+def test_sample_reproducible_and_independent_of_batch():
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3))
+    a = draw(logits, [11, 12, 13, 14], [5, 5, 9, 0], top_p=0.9)
+    assert a.tolist() == draw(logits, [11, 12, 13, 14], [5, 5, 9, 0], top_p=0.9).tolist()
+    # each row alone, or the rows in another order: the same token per (seed, counter)
+    alone = [int(draw(logits[i:i + 1], [s], [c], top_p=0.9)) for i, (s, c) in enumerate(zip([11, 12, 13, 14], [5, 5, 9, 0]))]
+    assert a.tolist() == alone
+    rev = draw(logits.flip(0), [14, 13, 12, 11], [0, 9, 5, 5], top_p=0.9)
+    assert rev.flip(0).tolist() == a.tolist()
+    # other seeds / other counters: other streams
+    many = logits[:1].expand(64, -1)
+    by_seed = draw(many, list(range(64)), [0] * 64).tolist()
+    by_counter = draw(many, [0] * 64, list(range(64))).tolist()
+    assert len(set(by_seed)) > 20 and len(set(by_counter)) > 20
+
+
+def test_decode_turn_one_host_sync_per_step(tiny, split):
+    model, processor = tiny
+    root, recs = split
+    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_turns": 0, "max_new_tokens": 6, "group_size": 3,
+                                   "temperature": 1.0})
+    before = dict(rollout.STATS)
+    rollout.run_agent(model, processor, recs[:1], root, cfg, seed=0)
+    steps = rollout.STATS["decode_steps"] - before["decode_steps"]
+    assert steps >= 1 and rollout.STATS["host_syncs"] - before["host_syncs"] == steps
+
+
+# ----------------------------------------------------------------------------- the shared-prompt cache
+
+def _chunks(model, processor, root, rec):
+    cfg = rollout.RolloutConfig(**rollout.TINY_ROLLOUT)
+    path = f"{root}/{rec['video']}"
+    overview = rollout.load_overview(path, video.probe(path).duration, cfg, rollout.video_factor(processor),
+                                     cfg.overview_nframes)
+    a = rollout.encode_chunk(processor, rollout.prompt_text(processor, rec, False), [overview])
+    b = rollout.encode_chunk(processor, "<|im_start|>user\nA short text-only prompt.<|im_end|>\n")
+    suffixes = [rollout.encode_chunk(processor, s) for s in
+                ["<|im_start|>assistant\nfirst", "<|im_start|>assistant\na longer second suffix here", "x"]]
+    return a, b, suffixes
+
+
+def _alone(model, chunks):
+    """Last-token logits of the concatenation of `chunks`, by one plain forward (sdpa, no cache)."""
+    ids = torch.cat([c.ids for c in chunks])[None]
+    types = torch.cat([c.mm_types for c in chunks])[None]
+    grids = [c.grid for c in chunks if c.grid is not None]
+    pixels = [c.pixels for c in chunks if c.pixels is not None]
+    kw = dict(video_grid_thw=torch.cat(grids), pixel_values_videos=torch.cat(pixels)) if grids else {}
+    if grids:
+        pos = model.model.get_rope_index(ids, mm_token_type_ids=types, video_grid_thw=torch.cat(grids))[0]
+    else:
+        pos = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
+    with torch.no_grad():
+        h = model.model(input_ids=ids, position_ids=pos, mm_token_type_ids=types, attention_mask=torch.ones_like(ids),
+                        **kw).last_hidden_state
+    return model.lm_head(h[:, -1]).float()[0]
+
+
+def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split):
+    model, processor = tiny
+    root, recs = split
+    a, b, sfx = _chunks(model, processor, root, recs[0])
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kv = rollout.GroupKV(model, [0, 0, 0, 1, 1], "cpu")    # prompt a: 3 rows, prompt b: 2 rows
+    kv.extend(model, [0, 1], [a, b], pad, prefix=True)
+    kv.fork()
+    prefix_k = kv.prefix.k[0]
+    assert prefix_k.shape[0] == 2                          # ONE copy per prompt, not per row
+    ptr = prefix_k.data_ptr()
+    # ragged suffixes, some rows skipped; then a second extend on a subset, then one decode step
+    kv.extend(model, [0, 2, 3], [sfx[0], sfx[1], sfx[2]], pad)
+    kv.extend(model, [2, 4], [sfx[0], sfx[1]], pad)
+    seqs = {0: [a, sfx[0]], 1: [a], 2: [a, sfx[1], sfx[0]], 3: [b, sfx[2]], 4: [b, sfx[1]]}
+    for r, chunks in seqs.items():
+        torch.testing.assert_close(kv.last_logits[r], _alone(model, chunks), atol=1e-4, rtol=0)
+    tok = torch.tensor([5, 9])
+    kv.step(model, kv.index([1, 3]), tok)
+    for r, t in zip([1, 3], tok.tolist()):
+        ref = _alone(model, seqs[r] + [rollout.Chunk(torch.tensor([t]), torch.zeros(1, dtype=torch.int32))])
+        torch.testing.assert_close(kv.last_logits[r], ref, atol=1e-4, rtol=0)
+    assert kv.prefix.k[0].data_ptr() == ptr                # the prompt cache was never moved or copied
+
+
+def test_kvstore_grows_in_large_steps_in_place():
+    store = rollout.KVStore(2, "cpu")
+    k = torch.randn(2, 1, 3, 4)
+    store.reserve(3)
+    store.write(0, torch.tensor([0, 1]), torch.tensor([0, 0]), k, k)
+    assert store.k[0].shape == (2, 1, rollout.GROW, 4)
+    ptr = store.k[0].data_ptr()
+    for step in range(10):                               # per-token writes: no reallocation
+        store.write(0, torch.tensor([1]), torch.tensor([3 + step]), k[1:, :, :1], k[1:, :, :1])
+    assert store.k[0].data_ptr() == ptr
+    torch.testing.assert_close(store.k[0][1, :, 3:13], k[1, :, :1].expand(-1, 10, -1))
+    store.reserve(rollout.GROW + 1)                      # past capacity: one large step
+    store.write(0, torch.tensor([0]), torch.tensor([rollout.GROW]), k[:1, :, :1], k[:1, :, :1])
+    assert store.k[0].shape[2] >= 2 * rollout.GROW
+    torch.testing.assert_close(store.k[0][0, :, :3], k[0])
+
+
+# ----------------------------------------------------------------------------- vision once per prompt
+
+def test_forward_hidden_shares_videos_and_matches_plain_forward(tiny, split, monkeypatch):
+    model, processor = tiny
+    root, recs = split
+    a, b, sfx = _chunks(model, processor, root, recs[0])
+    proto = rollout.Trajectory("r", 0, a.ids.tolist(), [rollout.ENV] * len(a.ids), len(a.ids), [(a.pixels, a.grid)])
+    trajs = []
+    for s, extra in enumerate([sfx[0], sfx[1], sfx[2]]):       # G = 3 rows sharing the overview, ragged
+        trajs.append(rollout.Trajectory("r", s, proto.token_ids + extra.ids.tolist(),
+                                        proto.roles + [rollout.POLICY] * len(extra.ids), proto.prompt_len, list(proto.videos)))
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    plain = rollout.collate(trajs, model, pad)
+    shared = rollout.collate(trajs, model, pad, share_videos=True)
+    assert shared["video_index"].tolist() == [0, 0, 0] and len(shared["video_grid_thw"]) == 1
+    calls = []
+    inner = model.model.visual.forward
+    monkeypatch.setattr(model.model.visual, "forward", lambda *x, **k: (calls.append(len(x[0])), inner(*x, **k))[1])
+    plain.pop("roles"), shared.pop("roles")
+    with torch.no_grad():
+        ref = model.model(**plain, use_cache=False).last_hidden_state
+        n_plain = len(calls)
+        out = rollout.forward_hidden(model, shared)
+    assert n_plain == 1 and calls == [3 * len(a.pixels), len(a.pixels)]   # the vision tower sees the overview once, not G times
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)

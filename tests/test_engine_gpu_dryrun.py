@@ -1,0 +1,28 @@
+"""CI check of the prepared GPU run: `bench/gpu.py --dry-run` runs every section end to end on CPU
+(2 layers, tiny sizes) and its last line is the JSON the GPU run writes."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_script_dry_run(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARAVT_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--out", str(tmp_path / "gpu.json")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == json.loads((tmp_path / "gpu.json").read_text())
+    assert out["dry_run"] and set(out["prefill"]) == {"frames4", "frames8"}
+    assert out["prefill"]["frames8"]["tokens"] > out["prefill"]["frames4"]["tokens"]
+    for mode in ("interleaved", "subagent"):
+        ro = out["rollout"][mode]
+        # 2 prompts x group 2, every row scripted through its 3 tool turns, no failed record
+        assert ro["trajectories"] == 4 and ro["tool_turns"] == 12 and ro["errors"] == 0
+        assert ro["sampled_tokens"] > 0 and ro["host_syncs_per_step"] == 1.0
+    assert out["train"]["rows"] == 4 and out["train"]["seconds"] > 0
+    assert "seconds" in out["loss"]["fused"] and "seconds" in out["loss"]["naive"]
+    assert out["pytest_gpu"]["returncode"] == 0
