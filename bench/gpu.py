@@ -199,7 +199,7 @@ def section_loss(model, args, device, notes: list[str]) -> dict:
         notes.append("train.token_loss missing (branch `fused`): the fused side is train.token_logprobs")
         fused_fn = lambda: -train.token_logprobs(h, w, t, compile=False).sum()
     else:
-        fused_fn = lambda: fused(h, w, t, lambda lp: -lp.sum())
+        fused_fn = lambda: fused(h, w, t, lambda lp, rows: -lp.sum())
     naive_fn = lambda: -torch.log_softmax((h @ w.T).float(), -1).gather(-1, t[:, None]).sum()
     res = {}
     for name, fn in (("fused", fused_fn), ("naive", naive_fn)):
