@@ -358,8 +358,8 @@ def run(args: argparse.Namespace) -> dict:
         rows = [r for r in read_predictions(out) if str(r["id"]) in ids]
     print(format_report(metrics))
     if args.report:
-        import report
-        page = report.write_report(args.report, records, rows, metrics=metrics, video_root=video_root,
+        import report as trajectory_report      # (eval.report is the scorer)
+        page = trajectory_report.write_report(args.report, records, rows, metrics=metrics, video_root=video_root,
                                    title=f"{bench} ({args.preset})")
         say(f"trajectory report: {page}")
     reasons = error_reasons(rows)
