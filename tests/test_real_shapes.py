@@ -170,8 +170,8 @@ def text_tdam(tok, ids: list[int], prompt_len: int) -> torch.Tensor:
 
 
 def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
-    """Both episodes in one batch: recorded log-probs = a full forward, one GRPO backward, one SFT step
-    under TDAM (answer rows blind to the overview in the interleaved episode)."""
+    """Both episodes in one batch: recorded log-probs = a full forward, one GRPO backward; then one SFT step
+    under TDAM (the answer's rows blind to the overview) on the interleaved episode."""
     model, processor = real_8b_cut
     tok = processor.tokenizer
     trajs = [trajectories["interleaved"], trajectories["subagent"]]
@@ -196,26 +196,24 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     assert any("deepstack_merger_list.1" in n and g.abs().sum() > 0 for n, g in grads.items())
     model.zero_grad(set_to_none=True)
 
-    # one SFT step under TDAM, spans from the text
-    masks = []
-    for b, t in enumerate(trajs):
-        m = torch.eye(L, dtype=torch.bool)                          # pads attend to themselves (no NaN rows)
-        m[:len(t.token_ids), :len(t.token_ids)] = text_tdam(tok, t.token_ids, t.prompt_len)
-        masks.append(m)
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    n0 = len(trajs[0].token_ids)
-    assert not torch.equal(masks[0][:n0, :n0], causal[:n0, :n0])   # interleaved: rule (1) masks the overview
-    n1 = len(trajs[1].token_ids)
-    assert torch.equal(masks[1][:n1, :n1], causal[:n1, :n1])       # subagent: no observation video, causal
-    mask4 = train.to_additive_mask(torch.stack(masks), torch.bfloat16)              # (B, 1, L, L)
-    ref = train.tdam_batch_mask(batch, model_lib.special_token_ids(processor), model.config.video_token_id)
-    assert ref.shape == mask4.shape == (B, 1, L, L)                                 # train.py's id-based form
+    # one SFT step under TDAM, spans from the text, on the interleaved episode (the one with observation
+    # videos, where TDAM's rule (1) applies); the subagent episode's text-derived mask is causal
+    sub = trajectories["subagent"]
+    n1 = len(sub.token_ids)
+    assert torch.equal(text_tdam(tok, sub.token_ids, sub.prompt_len), torch.ones(n1, n1, dtype=torch.bool).tril())
+    t = trajectories["interleaved"]
+    one = rollout.collate([t], model, tok.pad_token_id)
+    tdam = text_tdam(tok, t.token_ids, t.prompt_len)                            # (L, L) bool
+    assert not torch.equal(tdam, torch.ones_like(tdam).tril())                 # rule (1) masks the overview
+    mask4 = train.to_additive_mask(tdam, torch.bfloat16)                        # (1, 1, L, L)
+    ref = train.tdam_batch_mask(one, model_lib.special_token_ids(processor), model.config.video_token_id)
+    assert ref.shape == mask4.shape == (1, 1, len(t.token_ids), len(t.token_ids))   # train.py's id-based form
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     before = model.lm_head.weight.detach().clone()
-    sft, n = train.sft_loss(model, batch, chunk_size=64, attn_mask_4d=mask4, compile=False)
+    sft, n = train.sft_loss(model, one, chunk_size=64, attn_mask_4d=mask4, compile=False)
     sft.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     model.eval()
-    assert torch.isfinite(sft) and n == int(mask.sum()) and 5.0 < float(sft) < 20.0     # ~ln(151936) = 11.9
+    assert torch.isfinite(sft) and n == len(t.logprobs) and 5.0 < float(sft.detach()) < 20.0   # ~ln(151936)
     assert not torch.equal(before, model.lm_head.weight)
