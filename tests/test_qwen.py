@@ -279,6 +279,11 @@ def test_split_multibyte_character(qwen):
         assert t1 - t0 >= 2 and offsets[t0][1] > c0 and offsets[t1 - 1][0] < c1
 
 
+def test_ids_past_the_tokenizer_are_empty(qwen):
+    """The model's vocab (151,936) is larger than the tokenizer's (151,669): such an id decodes to nothing."""
+    assert model_lib.decode_with_offsets(qwen, [9707, 151700, 11]) == ("Hello,", [(0, 5), (5, 5), (5, 6)])
+
+
 def test_text_spans_to_token_spans_by_hand():
     offsets = [(0, 1), (1, 7), (7, 9), (9, 11), (11, 17), (17, 18)]     # '<' 'answer' '>B' '</' 'answer' '>'
     assert model_lib.text_spans_to_token_spans(offsets, [(8, 9), (9, 18), (0, 8), (8, 8), (18, 18)]) == \
