@@ -311,3 +311,17 @@ def test_tiny_qwen_model_runs_the_prompt():
         out = model(input_ids=c.ids[None], mm_token_type_ids=c.mm_types[None], pixel_values_videos=c.pixels,
                     video_grid_thw=c.grid)
     assert out.logits.shape == (1, len(c.ids), model_lib.QWEN_VOCAB_SIZE) and torch.isfinite(out.logits).all()
+
+
+def test_qwen_processor_saves_and_reloads(qwen, tmp_path):
+    """A tiny-qwen checkpoint's processor (save_model writes it) reloads through AutoProcessor with the same
+    tokenizer: ids, added tokens, special flags and chat template."""
+    from transformers import AutoProcessor
+    processor = model_lib.build_processor(qwen, model_lib.ModelConfig())
+    processor.save_pretrained(str(tmp_path))
+    back = AutoProcessor.from_pretrained(str(tmp_path))
+    text = TRAJ + " Hello, world! 2024 東京"
+    assert encode(back.tokenizer, text) == encode(qwen, text)
+    assert back.tokenizer.decode(encode(qwen, TRAJ), skip_special_tokens=True) == \
+        qwen.decode(encode(qwen, TRAJ), skip_special_tokens=True)
+    assert rollout.prompt_text(back, RECORD) == rollout.prompt_text(processor, RECORD)
