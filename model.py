@@ -252,8 +252,8 @@ def bpe_merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     running that BPE on t's own bytes ends in exactly two parts (a, b), and (a, b) is t's merge, with
     merge priority r. Every multi-byte token gets one merge, in rank order, so a Hugging Face BPE model
     with these merges tokenizes exactly as tiktoken does (Qwen's: 151,387 merges for 151,643 ranks).
-    Cost: O(sum of len(t)^2) dictionary look-ups, ~5 s for Qwen's ranks in CPython (hence the caches
-    in `qwen_tokenizer`).
+    Cost: O(sum of len(t)^2) dictionary look-ups: 0.9 s for Qwen's ranks in CPython on one core
+    (bench/qwen_tokenizer_build.py), hence the caches in `qwen_tokenizer`.
     """
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
@@ -306,9 +306,11 @@ def qwen_tokenizer(cache_dir: str | None = None):
     this project's chat template (`CHAT_TEMPLATE`, the same prompts the tiny tokenizer renders).
     Checks: "Hello, world!" -> [9707, 11, 1879, 0]; "<answer>B</answer>" -> [27, 9217, 36721, 522, 9217, 29].
 
-    Building the merges takes ~5 s, so the result is cached in-process, and on disk as tokenizer JSON under
-    `cache_dir` (default: $PARAVT_CACHE/qwen_tokenizer when PARAVT_CACHE is set), keyed by the sha256 of
-    the ranks file. Every call returns a fresh object (callers may change its template or padding side).
+    A cold build takes 3.0 s (merges 0.9 s, the rest the `tokenizers` pipeline), so the built tokenizer is
+    kept as JSON in-process, and on disk under `cache_dir` (default: $PARAVT_CACHE/qwen_tokenizer when
+    PARAVT_CACHE is set), keyed by the sha256 of the ranks file; a cached call takes 1.0 s, spent in
+    loading the JSON and wrapping it (bench/qwen_tokenizer_build.py, 1 thread of a 2-core CPU). Every
+    call returns a fresh object (callers may change its template or padding side).
     """
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast

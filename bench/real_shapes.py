@@ -11,7 +11,8 @@ Sides: "ci"  = the CI test's model (text hidden 256, MLP 512; every other width 
 Both: --text-layers decoder layers (default 3: deepstack taps on layers 0 and 1), --vision-depth vision
 blocks (default 2), bf16, ParaVT's 64-frame overview of shared/real_videos/nasa_13013.mp4 at --max-pixels
 per frame (default 64*64 as in CI; 0 = the rollout's own budget, ~16k visual tokens over the overview).
-Per side: build seconds, each mode's rollout seconds, GRPO forward+backward seconds over both episodes,
+Per side: build seconds, each mode's rollout seconds, the largest gap between a log-prob recorded at
+sampling time (KV cache) and the full forward's, GRPO forward+backward seconds over both episodes,
 SFT step seconds, sequence lengths, and the process's peak RSS during the side (VmHWM, reset between
 sides through /proc/self/clear_refs; Linux only, else the run's peak). Ratios are 8b / ci.
 The last line printed is one JSON object.
@@ -80,6 +81,8 @@ def run_side(name: str, text_overrides: dict, args) -> dict:
     t0 = time.perf_counter()
     lp = train.forward_logprobs(model, batch, chunk_size=1024, compile=False)
     mask = (batch["roles"][:, 1:] == rollout.POLICY).to(lp.device)
+    out["logprob_max_abs_diff"] = max(float((lp[b][mask[b]].detach().cpu() - torch.tensor(t.logprobs)).abs().max())
+                                      for b, t in enumerate(trajs.values()))   # sampling time vs full forward
     adv = torch.tensor([[1.0], [-1.0]], device=lp.device).expand_as(lp)
     loss, _ = train.grpo_loss(lp, lp.detach(), adv, mask.float(), clip_low=0.2, clip_high=0.28)
     loss.backward()
