@@ -11,10 +11,12 @@ loss forward/backward (train.forward_logprobs + grpo_loss) and one SFT step unde
 What is published and kept: vocab 151,936 and Qwen's ids, 32 query heads / 8 KV heads / head_dim 128,
 the interleaved M-RoPE sections [24, 20, 20] and theta 5e6, the vision tower's width 1152 / 16 heads /
 MLP 4304 / patch 16 / temporal patch 2 / merge 2 / 2304 position embeddings, deepstack, bf16.
-What is cut so CI runs it in under a minute on 2 CPU cores: 3 decoder layers and 2 vision blocks
-(deepstack taps [8, 16, 24] -> [0, 1], feeding decoder layers 0 and 1), the text width 4096 -> 256 and MLP 12288 -> 512 (with them the
-vision merger's output), and the overview frames to 64x64 pixels. bench/real_shapes.py runs the same at
-the full 8B widths (hidden 4096, MLP 12288, real overview pixels).
+What is cut so CI runs it in under a minute on 2 CPU cores (~40 s measured on a shared one): 3 decoder
+layers and 2 vision blocks (deepstack taps [8, 16, 24] -> [0, 1], feeding decoder layers 0 and 1), the
+text width 4096 -> 256 and MLP 12288 -> 512 (with them the vision merger's output), and the overview
+frames to ~64x64 pixels. bench/real_shapes.py runs the same episode at the full 8B widths (hidden 4096,
+MLP 12288: 2.0 B parameters with 3 layers, ~4 minutes and 12 GB on that CPU; --max-pixels 0 for the
+rollout's own overview budget).
 """
 import re
 from pathlib import Path
@@ -183,7 +185,7 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     assert lp.dtype == torch.float32 and lp.shape == (B, L - 1)
     for b, t in enumerate(trajs):                   # the sampling-time log-probs (KV cache, bf16) agree
         assert int(mask[b].sum()) == len(t.logprobs) > 0
-        torch.testing.assert_close(lp[b][mask[b]].detach(), torch.tensor(t.logprobs), atol=0.15, rtol=0)
+        torch.testing.assert_close(lp[b][mask[b]].detach(), torch.tensor(t.logprobs), atol=0.05, rtol=0)
 
     # one GRPO step: on-policy ratio 1, advantages +1 / -1 on the two rows' policy tokens
     adv = torch.tensor([[1.0], [-1.0]]).expand_as(lp)
