@@ -252,8 +252,8 @@ def bpe_merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     running that BPE on t's own bytes ends in exactly two parts (a, b), and (a, b) is t's merge, with
     merge priority r. Every multi-byte token gets one merge, in rank order, so a Hugging Face BPE model
     with these merges tokenizes exactly as tiktoken does (Qwen's: 151,387 merges for 151,643 ranks).
-    Cost: O(sum of len(t)^2) dictionary look-ups, ~5 s for Qwen's ranks in CPython (hence the caches
-    in `qwen_tokenizer`).
+    Cost: O(sum of len(t)^2) dictionary look-ups: 0.9 s for Qwen's ranks in CPython on one core
+    (bench/qwen_tokenizer_build.py), hence the caches in `qwen_tokenizer`.
     """
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
@@ -306,9 +306,11 @@ def qwen_tokenizer(cache_dir: str | None = None):
     this project's chat template (`CHAT_TEMPLATE`, the same prompts the tiny tokenizer renders).
     Checks: "Hello, world!" -> [9707, 11, 1879, 0]; "<answer>B</answer>" -> [27, 9217, 36721, 522, 9217, 29].
 
-    Building the merges takes ~5 s, so the result is cached in-process, and on disk as tokenizer JSON under
-    `cache_dir` (default: $PARAVT_CACHE/qwen_tokenizer when PARAVT_CACHE is set), keyed by the sha256 of
-    the ranks file. Every call returns a fresh object (callers may change its template or padding side).
+    A cold build takes 3.0 s (merges 0.9 s, the rest the `tokenizers` pipeline), so the built tokenizer is
+    kept as JSON in-process, and on disk under `cache_dir` (default: $PARAVT_CACHE/qwen_tokenizer when
+    PARAVT_CACHE is set), keyed by the sha256 of the ranks file; a cached call takes 1.0 s, spent in
+    loading the JSON and wrapping it (bench/qwen_tokenizer_build.py, 1 thread of a 2-core CPU). Every
+    call returns a fresh object (callers may change its template or padding side).
     """
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -535,10 +537,11 @@ QWEN3VL_SHAPES = {
 
 def cut_deepstack(indexes: list[int], depth: int, new_depth: int, text_layers: int) -> list[int]:
     """Deepstack taps of a `depth`-block vision tower moved to a `new_depth`-block one at the same relative
-    depth (floor(i * new_depth / depth), duplicates dropped), at most one per kept decoder layer
-    (Qwen3-VL adds tap k to the output of decoder layer k)."""
+    depth (floor(i * new_depth / depth), duplicates dropped). Qwen3-VL adds tap k to the output of decoder
+    layer k, so a tap on the last layer would only change the visual positions' own outputs and get no
+    gradient from a text loss: at most text_layers - 1 taps are kept (one when text_layers is 1)."""
     moved = sorted({min(new_depth - 1, i * new_depth // depth) for i in indexes})
-    return moved[:max(1, text_layers)]
+    return moved[:max(1, text_layers - 1)]
 
 
 def qwen3vl_config(size: str = "8b", text_layers: int | None = 2, vision_depth: int | None = 2,
@@ -565,7 +568,7 @@ def qwen3vl_config(size: str = "8b", text_layers: int | None = 2, vision_depth: 
         vision["deepstack_visual_indexes"] = cut_deepstack(shapes["vision"]["deepstack_visual_indexes"],
                                                            full_depth, vision_depth, text["num_hidden_layers"])
     ids = {t: 151643 + k for k, (t, _) in enumerate(QWEN_ADDED_TOKENS)}
-    text.update(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    text.update(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])   # no pad id, as published
     return Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                          vision_end_token_id=ids["<|vision_end|>"],
@@ -578,7 +581,7 @@ def build_qwen3vl(config, dtype: torch.dtype = torch.float32, seed: int = 0):
     from transformers import Qwen3VLForConditionalGeneration
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
-    model.generation_config.pad_token_id = config.text_config.pad_token_id
+    model.generation_config.pad_token_id = 151643                     # <|endoftext|>
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     v = config.vision_config
     shapes = ModelConfig(patch_size=v.patch_size, spatial_merge=v.spatial_merge_size, temporal_patch=v.temporal_patch_size)

@@ -279,6 +279,11 @@ def test_split_multibyte_character(qwen):
         assert t1 - t0 >= 2 and offsets[t0][1] > c0 and offsets[t1 - 1][0] < c1
 
 
+def test_ids_past_the_tokenizer_are_empty(qwen):
+    """The model's vocab (151,936) is larger than the tokenizer's (151,669): such an id decodes to nothing."""
+    assert model_lib.decode_with_offsets(qwen, [9707, 151700, 11]) == ("Hello,", [(0, 5), (5, 5), (5, 6)])
+
+
 def test_text_spans_to_token_spans_by_hand():
     offsets = [(0, 1), (1, 7), (7, 9), (9, 11), (11, 17), (17, 18)]     # '<' 'answer' '>B' '</' 'answer' '>'
     assert model_lib.text_spans_to_token_spans(offsets, [(8, 9), (9, 18), (0, 8), (8, 8), (18, 18)]) == \
@@ -306,3 +311,17 @@ def test_tiny_qwen_model_runs_the_prompt():
         out = model(input_ids=c.ids[None], mm_token_type_ids=c.mm_types[None], pixel_values_videos=c.pixels,
                     video_grid_thw=c.grid)
     assert out.logits.shape == (1, len(c.ids), model_lib.QWEN_VOCAB_SIZE) and torch.isfinite(out.logits).all()
+
+
+def test_qwen_processor_saves_and_reloads(qwen, tmp_path):
+    """A tiny-qwen checkpoint's processor (save_model writes it) reloads through AutoProcessor with the same
+    tokenizer: ids, added tokens, special flags and chat template."""
+    from transformers import AutoProcessor
+    processor = model_lib.build_processor(qwen, model_lib.ModelConfig())
+    processor.save_pretrained(str(tmp_path))
+    back = AutoProcessor.from_pretrained(str(tmp_path))
+    text = TRAJ + " Hello, world! 2024 東京"
+    assert encode(back.tokenizer, text) == encode(qwen, text)
+    assert back.tokenizer.decode(encode(qwen, TRAJ), skip_special_tokens=True) == \
+        qwen.decode(encode(qwen, TRAJ), skip_special_tokens=True)
+    assert rollout.prompt_text(back, RECORD) == rollout.prompt_text(processor, RECORD)
