@@ -71,7 +71,7 @@ class RolloutConfig:
     overview_max_pixels: int | None = None   # per frame; None = 16k visual tokens over the whole overview
     crop_fps: float = 2.0
     crop_max_pixels: int | None = None   # per-frame cap on top of the level quota (tiny default: 64*64)
-    min_window: float = 1.0              # interleaved mode: windows shorter than this are errors (SPEC 2)
+    min_window: float = 1.0              # interleaved mode: windows shorter than this are errors (docs/method.md §2)
     subagent_fps: float = 1.0
     subagent_max_frames: int = 16
     subagent_max_pixels: int = 224 * 224
@@ -894,7 +894,7 @@ def _content_text(content) -> str:
 
 def encode_messages(processor, record: dict, messages: list[dict], video_root: str, cfg: RolloutConfig,
                     nframes: int | None = None) -> Trajectory:
-    """Token ids + roles + videos of a recorded trajectory (SPEC 9 trajectory record, messages after the
+    """Token ids + roles + videos of a recorded trajectory (docs/method.md §9 trajectory record, messages after the
     prompt). Assistant text is POLICY except the forced "<think>\\n" prefix; tool results are rebuilt by
     the real tool path: a text result (a sub-agent summary) is used verbatim, a video item is cropped by
     `run_calls` exactly as a rollout would. Raises ValueError/VideoError on a bad record or video."""
