@@ -301,7 +301,7 @@ class _Format:
     has_think: bool       # some <think> block (to its </think> or the end) holds >= 10 non-space chars
     think_closed: bool    # the first <think> is followed by a </think>
     never_closed: bool    # the last <think> has no </think> after it
-    has_body: bool        # some <answer>...</answer> anywhere holds non-space text (the release's has_answer_body)
+    has_body: bool        # some <answer> anywhere is followed by non-space text before </answer> or the end
     answer_open: bool     # <answer> in the answer suffix: the text after the last </think> (all if none)
     answer_close: bool    # ... followed by </answer>
     has_tool: bool        # some call block parses to a JSON object with a name
@@ -321,11 +321,15 @@ def _format_parts(text: str) -> _Format:
     suffix = t[last_close + 8:] if last_close >= 0 else t
     a = suffix.find("<answer>")
     b = suffix.find("</answer>", a + 8) if a >= 0 else -1
-    bodies = re.findall(r"<answer>(.*?)</answer>", t, re.S)     # release: a body anywhere in the completion
+    has_body, pos = False, 0             # release: a body anywhere in the completion, to its </answer> or the end
+    while not has_body and (o := t.find("<answer>", pos)) >= 0:
+        c = t.find("</answer>", o + 8)
+        pos = len(t) if c < 0 else c                                # linear: each stretch read once
+        has_body = bool(t[o + 8:pos].strip())
     tool_at = [p for p in (t.find("<tool_call>"), t.find("<grounding>")) if p >= 0]
     return _Format(
         has_think=has_think, think_closed=first >= 0 and t.find("</think>", first) >= 0,
-        never_closed=never_closed, has_body=any(x.strip() for x in bodies), answer_open=a >= 0, answer_close=b >= 0,
+        never_closed=never_closed, has_body=has_body, answer_open=a >= 0, answer_close=b >= 0,
         has_tool=any(c.name is not None for c in iter_tool_calls(t)),
         think_first=first >= 0 and (not tool_at or first < min(tool_at)),
         balanced=all(t.count(f"<{n}>") == t.count(f"</{n}>") for n in ("think", "tool_call", "grounding", "answer")))

@@ -747,9 +747,7 @@ def sft_pairs(path: str) -> tuple[list, list[str]]:
 
 def message_text(message: dict) -> str:
     """An assistant message's text with its `tool_calls` field written as Hermes <tool_call> blocks."""
-    content = message.get("content")
-    text = content if isinstance(content, str) else "".join(
-        item.get("text", "") for item in content or [] if isinstance(item, dict))
+    text = rollout._content_text(message.get("content") or "")     # content: null with tool_calls (OpenAI style)
     for call in message.get("tool_calls") or []:
         fn = call.get("function", call) if isinstance(call, dict) else {}
         arguments = fn.get("arguments")

@@ -249,16 +249,25 @@ def _to_tensor(frame, max_pixels: int | None, factor: int) -> torch.Tensor:
     return x if max_pixels is None else resize_frames(x, max_pixels, factor)
 
 
+def _give_nearest(prev: list, t_next: float, targets: np.ndarray, j: int, chosen: list, max_pixels: int | None,
+                  factor: int) -> int:
+    """The nearest-frame rule, one decoded frame at a time: targets from j on that lie nearer to the frame
+    prev = [time, frame, tensor or None] than to the next frame (at t_next) get it, appended to `chosen`.
+    Returns the next unserved target's index."""
+    while j < len(targets) and targets[j] <= (prev[0] + t_next) / 2 + TIME_TOL:
+        if prev[2] is None:  # convert a frame once, and only when a target picks it
+            prev[2] = _to_tensor(prev[1], max_pixels, factor)
+        chosen.append((prev[0], prev[2]))
+        j += 1
+    return j
+
+
 def _pick(frames, targets: np.ndarray, max_pixels: int | None, factor: int) -> list:
     """Streaming form of `sample_frame_indices`: one (time, (1, 3, H, W) tensor) per target, in order."""
     chosen, j, prev = [], 0, None
     for t, frame in frames:
         if prev is not None:
-            while j < len(targets) and targets[j] <= (prev[0] + t) / 2 + TIME_TOL:
-                if prev[2] is None:  # convert a frame once, and only when a target picks it
-                    prev[2] = _to_tensor(prev[1], max_pixels, factor)
-                chosen.append((prev[0], prev[2]))
-                j += 1
+            j = _give_nearest(prev, t, targets, j, chosen, max_pixels, factor)
         if j == len(targets):
             break  # every target has its frame: stop decoding
         prev = [t, frame, None]
@@ -377,11 +386,7 @@ def _pick_sparse(container, vs, path: str, targets: np.ndarray, keyframes: np.nd
             if cur is not None:
                 if t <= cur[0]:
                     return None
-                while j < len(targets) and targets[j] <= (cur[0] + t) / 2 + TIME_TOL:
-                    if cur[2] is None:  # convert a frame once, and only when a target picks it
-                        cur[2] = _to_tensor(cur[1], max_pixels, factor)
-                    chosen.append((cur[0], cur[2]))
-                    j += 1
+                j = _give_nearest(cur, t, targets, j, chosen, max_pixels, factor)
                 if j == len(targets):
                     return chosen
             cur = [t, frame, None]

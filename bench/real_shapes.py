@@ -65,7 +65,7 @@ def run_side(name: str, text_overrides: dict, args) -> dict:
         if args.max_pixels != 64 * 64:
             cfg = dataclasses.replace(cfg, overview_max_pixels=args.max_pixels or None,
                                       crop_max_pixels=args.max_pixels or None)
-        rollout.sample_next_token = Scripted(tok)
+        rollout.sample_tokens = Scripted(tok)
         set_threads(1 if args.device == "cpu" else 0)
         t0 = time.perf_counter()
         [trajs[mode]] = rollout.run_agent(model, processor, [RECORD], str(REAL), cfg, seed=0)

@@ -10,15 +10,11 @@ import torch
 import data
 import rollout
 import video
-from model import load_model
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
-    torch.set_num_threads(threads)
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """conftest's `tiny` model, decoded on one thread (token-by-token decoding is latency-bound)."""
 
 
 @pytest.fixture(scope="module")

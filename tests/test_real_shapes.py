@@ -48,7 +48,7 @@ TURNS = ["two moments to check\n</think>\n" + "\n".join(call(a, b) for a, b in C
 
 
 class Scripted:
-    """Stand-in for rollout.sample_next_token: the agent row (seed, record 0, sample 0) emits TURNS[t] then
+    """Stand-in for rollout.sample_tokens (batched): the agent row (seed, record 0, sample 0) emits TURNS[t] then
     <|im_end|> in its turn t; every other row (a sub-agent) emits `sub`. The engine still runs every forward."""
 
     def __init__(self, tokenizer, sub: str = "A rocket lifts off from the pad."):
@@ -57,13 +57,15 @@ class Scripted:
         self.agent, self.turns, self.sub = rollout.row_seed(SEED, 0, 0), [enc(t) for t in TURNS], enc(sub)
         self.pos = {}
 
-    def __call__(self, logits, generator, temperature, top_p):
-        assert logits.shape[-1] == model_lib.QWEN_VOCAB_SIZE
-        seed = generator.initial_seed()
+    def one(self, seed: int) -> int:
         turn, p = self.pos.get(seed, (0, 0))
         toks = self.turns[min(turn, len(self.turns) - 1)] if seed == self.agent else self.sub
         self.pos[seed] = (turn + 1, 0) if p + 1 == len(toks) else (turn, p + 1)
         return toks[p]
+
+    def __call__(self, logits, seeds, counters, temperature, top_p):
+        assert logits.shape[-1] == model_lib.QWEN_VOCAB_SIZE and logits.shape[0] == len(seeds)
+        return torch.tensor([self.one(s) for s in seeds.tolist()], device=logits.device)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,7 @@ def trajectories(real_8b_cut):
     torch.set_num_threads(1)                   # token-by-token decoding is latency-bound: one thread is faster
     with pytest.MonkeyPatch.context() as mp:
         for mode in ("interleaved", "subagent"):
-            mp.setattr(rollout, "sample_next_token", Scripted(processor.tokenizer))
+            mp.setattr(rollout, "sample_tokens", Scripted(processor.tokenizer))
             [out[mode]] = rollout.run_agent(model, processor, [RECORD], str(REAL), rollout_config(mode), seed=SEED)
     torch.set_num_threads(threads)
     return out

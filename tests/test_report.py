@@ -18,7 +18,6 @@ import data
 import report
 import rewards
 import rollout
-from model import load_model
 
 DURATION = 32.0
 
@@ -281,12 +280,9 @@ def test_bad_inputs_are_named(tmp_path, records, rows, message):
 
 # ----------------------------------------------------------------------------- rows from a real rollout
 
-@pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
-    torch.set_num_threads(threads)
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """conftest's `tiny` model, decoded on one thread (token-by-token decoding is latency-bound)."""
 
 
 def rollout_row(record: dict, traj: rollout.Trajectory, tokenizer) -> dict:
@@ -318,7 +314,7 @@ def test_report_of_a_scripted_rollout(tiny, tmp_path, monkeypatch):
     (s, e) = records[0]["clues"][0]
     scripts = {(0, 0): [f"a mark\n</think>\n{_call(s, e)}\n{_call(40.0, 50.0)}", "seen\n</think>\n<answer>B</answer>"],
                (1, 0): ["from the overview\n</think>\n<answer>C</answer>"]}
-    monkeypatch.setattr(rollout, "sample_next_token", Scripted(processor, scripts, seed=0))
+    monkeypatch.setattr(rollout, "sample_tokens", Scripted(processor, scripts, seed=0))
     cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 160, "temperature": 1.0})
     trajs = rollout.run_agent(model, processor, records, cache, cfg, seed=0)
     rows = [rollout_row(r, t, processor.tokenizer) for r, t in zip(records, trajs)]

@@ -171,7 +171,8 @@ def test_accuracy_reward_rejects_bad_targets(target, task):
     (PERFECT, 0.5, 1.0),             # 0.2 + 0.5 + 0.5*0.7 + 0.3 + 0.1 = 1.45, capped at 1
     (FINAL, 0.5, 1.0),               # no tool: 0.2 + 0.5 + 0.35 + 0.1 = 1.15, capped
     (FINAL, 0.0, 0.8),               # anchor off: 0.2 + 0.5 + 0.1
-    ("<think>\nThe clock shows noon, so B.\n<answer>B</answer>", 0.5, 0.05),  # no </think>: 0.2 - 0.5*0.3
+    # no </think>: 0.2 + 0.3 + 0.2 (the release's answer body anywhere) - 0.5*0.3
+    ("<think>\nThe clock shows noon, so B.\n<answer>B</answer>", 0.5, 0.55),
     (THINK + "<answer>B", 0.5, 0.7),  # no </answer>: 0.2 + 0.3 + 0.5*0.4, tags unbalanced
     (FINAL.replace("</think>", "</think></think>"), 0.0, 0.7),  # unbalanced think: loses the 0.1
     ("<think>\nshort\n</think>\n<answer>B</answer>", 0.5, 0.75),  # think < 10 chars: 0.5 + 0.5*0.3 + 0.1

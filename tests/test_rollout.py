@@ -1,7 +1,7 @@
 """Tests for rollout.py: the batched multi-turn engine on the embedded tiny Qwen3-VL and real mp4s.
 
 The random tiny model does not write tool calls by itself, so most tests script it: `Scripted`
-replaces `rollout.sample_next_token` (the engine calls it once per sampled token) and emits the
+replaces `rollout.sample_tokens` (the engine calls it once per decode step, for all rows) and emits the
 tokens of given turn texts, row by row. The engine still runs every forward pass, so the recorded
 log-probs are real and can be checked against a full recompute.
 

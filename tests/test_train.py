@@ -245,12 +245,6 @@ def test_fsdp_kill_and_resume_equals_an_uninterrupted_run(tmp_path, cache):
     assert sum(int(s["exp_avg"].abs().sum() > 0) for s in opt.state.values()) > len(opt.state) // 2
 
 
-def model_lib_digest(t: torch.Tensor) -> str:
-    """The digest train.py writes under PARAVT_DUMP_PARAMS."""
-    import hashlib
-    return hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()
-
-
 @pytest.mark.parametrize("argv", [
     ["--gpus", "4"],                     # more processes than CUDA devices (none here)
     ["--gpus", "4", "--device", "cuda"],  # the same, asking for CUDA explicitly
