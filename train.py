@@ -650,37 +650,54 @@ def to_additive_mask(bool_mask: torch.Tensor, dtype: torch.dtype = torch.float32
 
 
 
-def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
-    """(B, 1, L, L) additive mask: TDAM on each row (spans found from the tokens) plus padding."""
+def tdam_spans(ids: list[int], roles: list[int], tokenizer, video_id: int) -> dict:
+    """The spans TDAM needs, for one trajectory of token ids (no pads), found from the DECODED TEXT mapped back
+    to tokens (model.decode_with_offsets), so they hold for any tokenizer: on Qwen's `<answer>` is three tokens
+    and its '>' can share a token with the answer; such a token counts as part of the answer.
+      overview  the prompt's video (its first to last <|video_pad|>, the frame timestamps between included)
+      obs       each <tool_response> block's video, likewise
+      calls     each <tool_call> / <grounding> block of the policy's turns, tags included
+      answer    after the last "<answer>" of the policy's turns to the end; None when there is none
+    The prompt ends at the forced "<think>" before the first policy token (the system prompt and the Hermes
+    tools block mention the tags themselves). Token spans are [start, end)."""
+    n = len(ids)
+    text, offsets = model_lib.decode_with_offsets(tokenizer, ids)
+    to_tokens = lambda chars: model_lib.text_spans_to_token_spans(offsets, chars)
+    first_policy = roles.index(rollout.POLICY) if rollout.POLICY in roles else n
+    policy_char = offsets[first_policy][0] if first_policy < n else len(text)
+    think = [c for c, _ in model_lib.find_text(text[:policy_char], "<think>")]
+    prompt_len = to_tokens([(think[-1], think[-1])])[0][0] if think else first_policy
+    start_char = offsets[prompt_len][0] if prompt_len < n else len(text)
+    runs, s = [], None
+    for j, t in enumerate(list(ids) + [-1]):          # maximal runs of video tokens
+        if t == video_id and s is None:
+            s = j
+        elif t != video_id and s is not None:
+            runs.append((s, j))
+            s = None
+    hull = lambda vs: (vs[0][0], vs[-1][1]) if vs else None
+    blocks = to_tokens([b for b in model_lib.tagged_spans(text, "<tool_response>", "</tool_response>") if b[0] >= start_char])
+    obs = [sp for o, c in blocks if (sp := hull([v for v in runs if o <= v[0] and v[1] <= c]))]
+    calls = sorted(to_tokens([b for tag in ("tool_call", "grounding")
+                              for b in model_lib.tagged_spans(text, f"<{tag}>", f"</{tag}>", inner=False)
+                              if b[0] >= start_char]))
+    answers = [a for a in model_lib.tagged_spans(text, "<answer>", "</answer>") if a[0] >= start_char]
+    answer = (to_tokens(answers[-1:])[0][0], n) if answers else None
+    return {"overview": hull([v for v in runs if v[1] <= prompt_len]), "obs": obs, "calls": calls,
+            "answer": answer if answer and answer[0] < n else None}
+
+
+def tdam_batch_mask(batch: dict, tokenizer, video_id: int, counts: dict | None = None) -> torch.Tensor:
+    """(B, 1, L, L) additive mask: TDAM on each row (tdam_spans) plus padding. A row without an answer span
+    keeps the causal mask, counted in counts["tdam_no_answer"] (the trainer logs it in metrics.jsonl)."""
     B, L = batch["input_ids"].shape
     masks = []
     for i in range(B):
-        row = batch["input_ids"][i].tolist()
         n = int(batch["attention_mask"][i].sum())
-        vids, s = [], None
-        for j, t in enumerate(row[:n] + [-1]):       # maximal runs of video tokens, merged per video
-            if t == video_id and s is None:
-                s = j
-            elif t != video_id and s is not None:
-                vids.append((s, j))
-                s = None
-        # the prompt ends at the forced "<think>" before the first policy token (the system prompt and the
-        # Hermes tools block mention <think>, <answer> and <tool_call> themselves)
-        roles = batch["roles"][i, :n].tolist()
-        first_policy = roles.index(rollout.POLICY) if rollout.POLICY in roles else n
-        prompt_len = max([j for j in range(first_policy) if row[j] == ids["<think>"]], default=first_policy)
-        span = lambda vs: (vs[0][0], vs[-1][1]) if vs else None   # a video's runs + the timestamps between them
-        overview = [v for v in vids if v[1] <= prompt_len]
-        obs = [v for v in vids if v[0] >= prompt_len]
-        if ids.get("<tool_response>") is not None:      # one span per observation video, like the overview
-            opens = [j for j in range(prompt_len, n) if row[j] == ids["<tool_response>"]]
-            closes = [j for j in range(prompt_len, n) if row[j] == ids["</tool_response>"]]
-            obs = [sp for o, c in zip(opens, closes) if (sp := span([v for v in obs if o < v[0] and v[1] <= c]))]
-        calls = [(j, row.index(ids["</tool_call>"], j) + 1) for j in range(prompt_len, n)
-                 if row[j] == ids["<tool_call>"] and ids["</tool_call>"] in row[j:n]]
-        ans = [j for j in range(prompt_len, n) if row[j] == ids["<answer>"]]
-        answer = (ans[-1] + 1, n) if ans else None
-        m = tdam_mask(n, span(overview), answer, calls, obs) if answer and answer[0] < n else \
+        sp = tdam_spans(batch["input_ids"][i, :n].tolist(), batch["roles"][i, :n].tolist(), tokenizer, video_id)
+        if sp["answer"] is None and counts is not None:
+            counts["tdam_no_answer"] = counts.get("tdam_no_answer", 0) + 1
+        m = tdam_mask(n, sp["overview"], sp["answer"], sp["calls"], sp["obs"]) if sp["answer"] else \
             torch.ones(n, n, dtype=torch.bool).tril()
         full = torch.zeros(L, L, dtype=torch.bool)
         full[:n, :n] = m
@@ -694,7 +711,8 @@ def tdam_batch_mask(batch: dict, ids: dict, video_id: int) -> torch.Tensor:
 
 def forward_hidden(model, batch: dict, attn_mask_4d=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden (B, L-1, D), targets (B, L-1), policy mask (B, L-1)): the final hidden states that predict each
-    next token, for the fused kernels. FSDP: the lm_head unit is gathered here, since the kernels read
+    next token, for the fused kernels. A batch collated with share_videos=True runs the vision tower once per
+    distinct video (the G samples of a prompt share its overview), as the rollout did. FSDP: the lm_head unit is gathered here, since the kernels read
     lm_head.weight directly (its gradient is reduce-scattered with the final norm's, in backward)."""
     device = next(model.parameters()).device
     kw = {k: v.to(device) for k, v in batch.items() if k not in ("roles",)}
@@ -702,7 +720,7 @@ def forward_hidden(model, batch: dict, attn_mask_4d=None) -> tuple[torch.Tensor,
         kw["pixel_values_videos"] = kw["pixel_values_videos"].to(next(model.parameters()).dtype)
     if attn_mask_4d is not None:
         kw["attention_mask"] = attn_mask_4d.to(device)
-    hidden = model.model(**kw, use_cache=False).last_hidden_state[:, :-1]            # (B, L-1, D)
+    hidden = rollout.forward_hidden(model, kw)[:, :-1]          # (B, L-1, D); vision once per distinct video
     if hasattr(model.lm_head, "unshard"):
         model.lm_head.unshard()
     return hidden, batch["input_ids"][:, 1:].to(device), policy_mask(batch["roles"]).to(device)
@@ -843,17 +861,18 @@ def sft_micro_batches(items: list, rows: int, model, pad_id: int):
         yield rollout.collate(items[i:i + rows], model, pad_id)
 
 
-def sft_backward(model, items: list, rows: int, pad_id: int, chunk_size: int, tdam_ids: dict | None = None,
-                 compile: bool = True) -> tuple[torch.Tensor, int]:
+def sft_backward(model, items: list, rows: int, pad_id: int, chunk_size: int, tdam_tokenizer=None,
+                 compile: bool = True, counts: dict | None = None) -> tuple[torch.Tensor, int]:
     """Backward of the batch's SFT loss (token mean over all its policy tokens) through micro-batches of
     `rows`: each micro-batch's token mean weighted by its share n_i / N of the tokens, so the gradients add
-    up to those of one forward over the whole batch. tdam_ids (special token ids): TDAM masks on.
+    up to those of one forward over the whole batch. tdam_tokenizer: TDAM masks on (spans found from the text;
+    rows without an answer counted in `counts`).
     Returns (the batch loss, detached; N)."""
     batches = list(sft_micro_batches(items, rows, model, pad_id))
     n_tok = max(1, sum(int(policy_mask(b["roles"]).sum()) for b in batches))   # sft_loss's own token count
     parts = []
     for batch in batches:
-        mask4 = tdam_batch_mask(batch, tdam_ids, model.config.video_token_id) if tdam_ids else None
+        mask4 = tdam_batch_mask(batch, tdam_tokenizer, model.config.video_token_id, counts) if tdam_tokenizer else None
         micro, n = sft_loss(model, batch, None, mask4, compile)
         (micro * (n / n_tok)).backward()
         parts.append(micro.detach() * (n / n_tok))
@@ -871,7 +890,7 @@ class SFTSettings:
     compile: bool = False
 
 
-def run_sft(run: "Run", model, items: list, optimizer, s: SFTSettings, pad_id: int, ids: dict,
+def run_sft(run: "Run", model, items: list, optimizer, s: SFTSettings, pad_id: int, tokenizer,
             start: int = 0) -> None:
     """SFT steps start+1 .. s.steps: a batch drawn per step (per rank), TDAM on a fraction of batches, AdamW
     with warmup + cosine, a checkpoint every run.save_every steps and at the end."""
@@ -882,8 +901,12 @@ def run_sft(run: "Run", model, items: list, optimizer, s: SFTSettings, pad_id: i
         rng = random.Random(f"sft:{run.seed}:{step}:{run.rank}")   # string seeds: draws independent across steps
         batch = [items[rng.randrange(len(items))] for _ in range(s.batch)]
         tdam = rng.random() < s.tdam_ratio
-        loss, n_tok = sft_backward(model, batch, s.micro_batch, pad_id, s.logprob_chunk, ids if tdam else None,
-                                   s.compile)
+        loss, n_tok = sft_backward(model, batch, s.micro_batch, pad_id, s.logprob_chunk, tokenizer if tdam else None,
+                                   s.compile, run.counters)
+        if tdam and run.counters.get("tdam_no_answer") and "tdam" not in run.warned:
+            run.warned.add("tdam")
+            print0(run.rank, "TDAM: a trajectory has no <answer> after its prompt, so it keeps the causal mask "
+                             "(counted as tdam_no_answer in metrics.jsonl)")
         gn = run.optimizer_step(model, optimizer, loss.detach(), "sft", step, [t.record_id for t in batch])
         row = all_mean({"loss": float(loss), "grad_norm": gn, "lr": lr, "tokens_per_s": n_tok / (time.time() - t0),
                         "step_time": time.time() - t0, "tdam": float(tdam)}, run.world)
@@ -944,7 +967,7 @@ def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> 
     ok = [i for i, t in enumerate(trajs) if t.error is None and t.token_ids and trainable(t, model.config.video_token_id)]
     for j in range(0, len(ok), s.micro_batch):
         idx = ok[j:j + s.micro_batch]
-        b = rollout.collate([trajs[i] for i in idx], model, pad_id)
+        b = rollout.collate([trajs[i] for i in idx], model, pad_id, share_videos=True)
         with torch.no_grad():
             lp = forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile)
             ref = forward_logprobs(ref_model, b, s.logprob_chunk, s.temperature, compile=s.compile)
@@ -996,7 +1019,16 @@ def collect_groups(run: "Run", model, ref_model, processor, records: list, video
     return Groups(trajs, comps, torch.cat(R), items, draws, n_zero / max(1, len(trajs) // G))
 
 
-def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad_id: int, close_ids: list[int],
+def anchor_credit(input_ids: torch.Tensor, tokenizer, anchors: list[float]) -> torch.Tensor:
+    """Token-level exploration anchoring: (B, L-1) extra advantage ANCHOR_WEIGHT * anchor_b on the positions that
+    predict a token covering a closing tag (</think>, </tool_call>, </answer>), found in the decoded text
+    however the tokenizer splits the tag (model.tag_token_mask: one token in the tiny tokenizer, '</', 'answer',
+    '>' on Qwen's); 0 elsewhere. The loss reads it on the policy's own tokens only."""
+    tags = model_lib.tag_token_mask(tokenizer, input_ids)[:, 1:]                       # (B, L-1) bool
+    return rewards.ANCHOR_WEIGHT * torch.tensor(anchors, dtype=torch.float32)[:, None] * tags
+
+
+def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad_id: int, tokenizer,
                   world: int, filler=None, step_fn=None) -> tuple[float | None, dict]:
     """GRPO update on the kept trajectories: s.ppo_epochs passes of micro-batches, token-mean over the policy
     tokens of ALL ranks (each rank normalises by N_global / world, and FSDP averages the ranks' gradients).
@@ -1005,13 +1037,12 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     sampled), so every rank joins the same collectives; the step is skipped only when no rank has a token.
     `step_fn(loss)` clips, checks and applies the gradients (Run.optimizer_step). Returns (grad norm, stats)."""
     chunks = [items[i:i + s.micro_batch] for i in range(0, len(items), s.micro_batch)]
-    batches = [rollout.collate([t for t, _, _ in c], model, pad_id) for c in chunks]
+    batches = [rollout.collate([t for t, _, _ in c], model, pad_id, share_videos=True) for c in chunks]
     advs = []
     for c, b in zip(chunks, batches):
         a = torch.tensor([x for _, x, _ in c])[:, None].expand(-1, b["input_ids"].shape[1] - 1).clone()
         if s.anchoring == "token":       # anchor credit on the closing-tag tokens only (docs/method.md §4.1)
-            tags = rewards.anchor_token_mask(b["input_ids"][:, 1:], close_ids)
-            a += rewards.ANCHOR_WEIGHT * torch.tensor([cm["anchor"] for _, _, cm in c])[:, None] * tags
+            a += anchor_credit(b["input_ids"], tokenizer, [cm["anchor"] for _, _, cm in c])
         advs.append(a)
     n_local = sum(int(policy_mask(b["roles"]).sum()) for b in batches)
     n_global = all_sum(n_local) if world > 1 else n_local
@@ -1074,7 +1105,7 @@ def rollout_metrics(trajs: list, comps: list[dict]) -> dict:
 
 def run_rl(run: "Run", model, ref_model, processor, optimizer, records: list, video_root: str,
            cfg: rollout.RolloutConfig, s: GRPOSettings, steps: int, lr: float, warmup_steps: int, pad_id: int,
-           close_ids: list[int], start: int = 0, eval_every: int = 0, evaluate=None) -> None:
+           start: int = 0, eval_every: int = 0, evaluate=None) -> None:
     """RL steps start+1 .. steps: collect_groups, policy_update, one metrics row per step, checkpoints, and the
     held-out evaluation every `eval_every` steps (`evaluate(model, name) -> metrics`)."""
     failed = 0
@@ -1094,7 +1125,7 @@ def run_rl(run: "Run", model, ref_model, processor, optimizer, records: list, vi
         model.train()
         filler = next((t for t in g.trajs if t.error is None and t.token_ids and trainable(t, model.config.video_token_id)),
                       None)
-        gn, stats = policy_update(model, ref_model, optimizer, g.items, s, pad_id, close_ids, run.world, filler,
+        gn, stats = policy_update(model, ref_model, optimizer, g.items, s, pad_id, processor.tokenizer, run.world, filler,
                                   lambda loss: run.optimizer_step(model, optimizer, loss, "rl", step,
                                                                   [t.record_id for t, _, _ in g.items]))
         m = rollout_metrics(g.trajs, g.comps)
@@ -1136,7 +1167,7 @@ def main(rank: int, args) -> dict:
     ckpt = latest_checkpoint(args.run_dir) if args.resume else None
     model, processor = model_lib.load_model(ckpt or args.model, device=device, seed=args.seed,
                                             tiny_corpus=rollout.prompt_corpus())
-    ids, pad_id = model_lib.special_token_ids(processor), processor.tokenizer.pad_token_id
+    pad_id = processor.tokenizer.pad_token_id
     run.processor = processor
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable()
@@ -1160,16 +1191,15 @@ def main(rank: int, args) -> dict:
         run.counters["bad_samples"] += 0 if state else n_bad          # a resumed run counted them before
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
         run.load_optimizer(ckpt, model, optimizer, state, "sft")
-        run_sft(run, model, items, optimizer, sft_settings(args), pad_id, ids, start=step0 if stage0 == "sft" else 0)
+        run_sft(run, model, items, optimizer, sft_settings(args), pad_id, processor.tokenizer, start=step0 if stage0 == "sft" else 0)
         if args.stage == "all":
             summary["sft"] = evaluate(model, "sft")
     if args.stage in ("all", "rl"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         run.load_optimizer(ckpt, model, optimizer, state, "rl")
         ref_model = reference_model(args, device) if args.kl_coef > 0 else None
-        close_ids = [ids[t] for t in ("</think>", "</tool_call>", "</answer>") if ids.get(t) is not None]
         run_rl(run, model, ref_model, processor, optimizer, train_recs, video_root, cfg, grpo_settings(args),
-               args.rl_steps, args.lr, args.warmup_steps, pad_id, close_ids, start=step0 if stage0 == "rl" else 0,
+               args.rl_steps, args.lr, args.warmup_steps, pad_id, start=step0 if stage0 == "rl" else 0,
                eval_every=args.eval_every, evaluate=evaluate)
     if args.stage == "all" or args.final_eval:
         summary["after"] = evaluate(model, "final")

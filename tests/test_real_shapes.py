@@ -210,8 +210,12 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     tdam = text_tdam(tok, t.token_ids, t.prompt_len)                            # (L, L) bool
     assert not torch.equal(tdam, torch.ones_like(tdam).tril())                 # rule (1) masks the overview
     mask4 = train.to_additive_mask(tdam, torch.bfloat16)                        # (1, 1, L, L)
-    ref = train.tdam_batch_mask(one, model_lib.special_token_ids(processor), model.config.video_token_id)
-    assert ref.shape == mask4.shape == (1, 1, len(t.token_ids), len(t.token_ids))   # train.py's id-based form
+    ref = train.tdam_batch_mask(one, tok, model.config.video_token_id)        # train.py's own spans, from the text
+    assert ref.shape == mask4.shape == (1, 1, len(t.token_ids), len(t.token_ids))
+    allowed = ref[0, 0] == 0                                                   # on the real tokenizer: not causal
+    pads = [j for j in range(t.prompt_len) if t.token_ids[j] == model.config.video_token_id]
+    assert not allowed[-1, pads].any() and allowed[-1, :pads[0]].all()         # the answer is blind to the overview
+    assert not tdam[-1, pads].any()                                            # as the text-built reference says
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     before = model.lm_head.weight.detach().clone()
     sft, n = train.sft_loss(model, one, chunk_size=64, attn_mask_4d=mask4, compile=False)

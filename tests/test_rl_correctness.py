@@ -154,7 +154,7 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     s = train.GRPOSettings(micro_batch=1, temperature=0.7)
     step = lambda loss: (optimizer.step(), optimizer.zero_grad())
-    gn, _ = train.policy_update(model, None, optimizer, mine, s, processor.tokenizer.pad_token_id, [], world,
+    gn, _ = train.policy_update(model, None, optimizer, mine, s, processor.tokenizer.pad_token_id, processor.tokenizer, world,
                                 filler=trajs[0], step_fn=step)
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
     if rank == 0:
@@ -187,3 +187,50 @@ def test_two_rank_update_equals_one_process(split, encoded, tmp_path):
     assert moved, "the update changed nothing"
     for n in one:
         torch.testing.assert_close(two[n], one[n], atol=2e-5, rtol=1e-4, msg=n)
+
+
+# ----------------------------------------------------------------------------- both tokenizers
+
+@pytest.fixture(scope="module")
+def tokenizers(tiny):
+    """The tiny tokenizer (<answer> one added token) and the real Qwen BPE (<answer> is '<', 'answer', '>')."""
+    return {"tiny": tiny[1].tokenizer, "qwen": model_lib.qwen_tokenizer()}
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen"])
+def test_token_anchoring_credits_every_closing_tag_on_both_tokenizers(tokenizers, name):
+    tok = tokenizers[name]
+    text = "<think>\nthe clip shows red\n</think>\n<answer>B</answer><|im_end|>"
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    credit = train.anchor_credit(ids, tok, [0.7])                        # (1, L-1): position j predicts token j+1
+    marked = [j + 1 for j in range(ids.shape[1] - 1) if credit[0, j] != 0]
+    covered = tok.decode(ids[0, marked].tolist())
+    assert "</think>" in covered and "</answer>" in covered and "red" not in covered
+    assert credit[0, [m - 1 for m in marked]].tolist() == pytest.approx([rewards.ANCHOR_WEIGHT * 0.7] * len(marked))
+    if name == "qwen":                                                   # the tag is split: all its pieces get credit
+        assert len(marked) > 2
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen"])
+def test_tdam_answer_span_from_the_text_on_both_tokenizers(tokenizers, name):
+    """The answer span starts after the text "<answer>", also when Qwen's '>' shares a token with the answer;
+    calls and the overview come from the text too, so TDAM never falls back to causal on a real tokenizer."""
+    tok = tokenizers[name]
+    vid = tok.convert_tokens_to_ids("<|video_pad|>")
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]
+    prompt = enc("<|im_start|>user\n<|vision_start|>") + [vid] * 4 + enc("<|vision_end|>Q?<|im_end|>\n"
+                                                                         "<|im_start|>assistant\n<think>\n")
+    turn = enc('look\n</think>\n<tool_call>\n{"name": "crop_video"}\n</tool_call><|im_end|>\n<|im_start|>user\n'
+               '<tool_response>\n<|vision_start|>') + [vid] * 3 + enc("<|vision_end|>\n</tool_response><|im_end|>\n"
+                                                                     "<|im_start|>assistant\n<think>\nred\n</think>\n<answer>B</answer>")
+    ids = prompt + turn
+    roles = [rollout.ENV] * len(prompt) + [rollout.POLICY] * len(turn)
+    sp = train.tdam_spans(ids, roles, tok, vid)
+    assert sp["answer"] is not None and sp["answer"][1] == len(ids)
+    assert tok.decode(ids[sp["answer"][0]:]).lstrip(">").startswith("B</answer>")
+    assert "answer>" in tok.decode(ids[sp["answer"][0] - 2:sp["answer"][0] + 1]) or name == "tiny"
+    assert sp["overview"] == (ids.index(vid), ids.index(vid) + 4)
+    (c0, c1), = sp["calls"]
+    assert tok.decode(ids[c0:c1]).startswith("<tool_call>") and tok.decode(ids[c0:c1]).endswith("</tool_call>")
+    (o0, o1), = sp["obs"]
+    assert ids[o0:o1] == [vid] * 3

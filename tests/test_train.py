@@ -352,7 +352,7 @@ def test_tdam_batch_mask_on_encoded_trajectories(tiny, tdam_batch):
     trajs, batch = tdam_batch
     special = model_lib.special_token_ids(processor)
     video_id = model.config.video_token_id
-    mask = train.tdam_batch_mask(batch, special, video_id)
+    mask = train.tdam_batch_mask(batch, processor.tokenizer, video_id)
     B, L = batch["input_ids"].shape
     assert mask.shape == (B, 1, L, L)
     allowed = mask[:, 0] == 0
@@ -386,7 +386,7 @@ def test_tdam_mask_reaches_attention(tiny, tdam_batch):
             causal[i, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
             causal[i, range(n, L), range(n, L)] = True
         same, _ = train.sft_loss(model, batch, 1024, train.to_additive_mask(causal), compile=False)
-        tdam, _ = train.sft_loss(model, batch, 1024, train.tdam_batch_mask(batch, special, model.config.video_token_id),
+        tdam, _ = train.sft_loss(model, batch, 1024, train.tdam_batch_mask(batch, processor.tokenizer, model.config.video_token_id),
                                  compile=False)
     assert math.isfinite(float(tdam))
     assert abs(float(same) - float(plain)) < 1e-5
@@ -491,11 +491,11 @@ def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam):
     model, processor = tiny
     trajs, _ = tdam_batch
     items, pad_id = [trajs[1], trajs[0], trajs[1], trajs[0]], processor.tokenizer.pad_token_id
-    special = model_lib.special_token_ids(processor) if tdam else None
+    tdam_tok = processor.tokenizer if tdam else None
 
     def grads(rows):
         model.zero_grad(set_to_none=True)
-        loss, n = train.sft_backward(model, items, rows, pad_id, 1024, special, compile=False)
+        loss, n = train.sft_backward(model, items, rows, pad_id, 1024, tdam_tok, compile=False)
         return float(loss), n, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     (l4, n4, g4), (l2, n2, g2), (l1, n1, g1) = grads(4), grads(2), grads(1)
