@@ -34,6 +34,7 @@ Departure: the prompt part of cascade attention computes scores in fp32 blocks (
 PyTorch, where a GPU deployment would use a fused kernel that returns the LSE (FlexAttention, FlashInfer).
 """
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -887,9 +888,42 @@ def forward_hidden(model, batch: dict) -> torch.Tensor:
 # SFT: a recorded trajectory encoded through the same machinery as a rollout
 
 def _content_text(content) -> str:
+    if content is None:                    # an assistant turn that only calls tools (content: null)
+        return ""
     if isinstance(content, str):
         return content
     return "".join(item.get("text", "") for item in content if isinstance(item, dict))
+
+
+def message_text(message: dict) -> str:
+    """A message's text, an assistant's `tool_calls` field (OpenAI / Hugging Face style: {"function": {"name",
+    "arguments": dict or JSON string}}) written as the Hermes <tool_call> blocks the model emits."""
+    text = _content_text(message.get("content"))
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass                       # kept as written: the call parser reports it as a bad call
+        text += f"\n<tool_call>\n{json.dumps({'name': fn.get('name'), 'arguments': arguments})}\n</tool_call>"
+    return text
+
+
+def _tool_results(message: dict) -> list | None:
+    """The results a message carries back to the policy: a `tool` message is one result (text, or a video item
+    to crop); a `user` message of <tool_response> blocks is one result per block (the papers' data). None: not a
+    tool result."""
+    content = message.get("content")
+    if message["role"] == "tool":
+        has_video = isinstance(content, list) and any(isinstance(x, dict) and x.get("type") == "video" for x in content)
+        return [None] if has_video else [_content_text(content)]
+    if message["role"] == "user":
+        text = _content_text(content)
+        blocks = [b.strip("\n") for b in re.findall(r"<tool_response>(.*?)</tool_response>", text, re.S)]
+        return blocks or None
+    return None
 
 
 def encode_messages(processor, record: dict, messages: list[dict], video_root: str, cfg: RolloutConfig,
@@ -906,27 +940,28 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
     add = lambda ids, role: (t.token_ids.extend(ids), t.roles.extend([role] * len(ids)))
     add(encode_chunk(processor, THINK_PREFIX).ids.tolist(), ENV)
     i = 0
+    while i < len(messages) and messages[i]["role"] in ("system", "user") and _tool_results(messages[i]) is None:
+        i += 1                             # a recorded prompt: the record's own fields rebuild it
     while i < len(messages):
         m = messages[i]
         if m["role"] != "assistant":
             raise ValueError(f"{record.get('id')}: expected an assistant message at position {i}, got {m['role']!r}")
-        text = _content_text(m["content"])
+        text = message_text(m)
         body = text[len(THINK_PREFIX):] if text.startswith(THINK_PREFIX) else text
         add(tok(body + "<|im_end|>", add_special_tokens=False)["input_ids"], POLICY)
         turn = THINK_PREFIX + body
         t.turns.append(turn)
         calls = parse_tool_calls(turn)
         t.calls.append(calls)
-        j = i + 1
-        tool_msgs = []
-        while j < len(messages) and messages[j]["role"] == "tool":
-            tool_msgs.append(messages[j])
+        j, results = i + 1, []
+        while j < len(messages) and (r := _tool_results(messages[j])) is not None:
+            results += r
             j += 1
-        if tool_msgs:
+        if results:
             t.n_tool_turns += 1
             t.n_calls += len(calls)
-            if all(isinstance(tm["content"], str) for tm in tool_msgs):
-                parts, clips = [tm["content"] for tm in tool_msgs], []
+            if all(isinstance(r, str) for r in results):
+                parts, clips = results, []
             else:
                 parts, clips = [], []
                 for w, clip, err in run_calls(calls, path, duration, cfg, factor):
@@ -935,7 +970,10 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
                     if err is None:
                         clips.append(clip)
                         t.windows.append(w)
-            forced = t.n_tool_turns >= cfg.max_turns
+            # the forced-answer request only where a rollout would send it: the limit reached and the recording
+            # ends with the next turn (a longer recorded trajectory, e.g. Video-o3's 8 turns, goes on as recorded)
+            goes_on = any(_tool_results(x) is not None for x in messages[j:])
+            forced = t.n_tool_turns >= cfg.max_turns and not goes_on
             rc = encode_chunk(processor, response_chunk_text(parts, forced), clips)
             add(rc.ids.tolist(), ENV)
             if rc.pixels is not None:

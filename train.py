@@ -763,21 +763,6 @@ def sft_pairs(path: str) -> tuple[list, list[str]]:
     return pairs, errors
 
 
-def message_text(message: dict) -> str:
-    """An assistant message's text with its `tool_calls` field written as Hermes <tool_call> blocks."""
-    text = rollout._content_text(message.get("content") or "")     # content: null with tool_calls (OpenAI style)
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function", call) if isinstance(call, dict) else {}
-        arguments = fn.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        text += f"\n<tool_call>\n{json.dumps({'name': fn.get('name'), 'arguments': arguments})}\n</tool_call>"
-    return text
-
-
 def bad_calls(messages: list[dict], duration: float | None, min_window: float) -> list[str]:
     """Why the assistant turns of a recorded trajectory hold tool calls the environment would refuse (an unknown
     tool, bad arguments, a window past the end of the video): training on them teaches such calls."""
@@ -785,7 +770,7 @@ def bad_calls(messages: list[dict], duration: float | None, min_window: float) -
     for k, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
-        text = message_text(m)
+        text = rollout.message_text(m)
         for c in rewards.parse_tool_calls(text):
             if c.error is not None:
                 problems.append(f"turn {k}: {c.error}")

@@ -300,3 +300,32 @@ def test_missing_video_sets_error_others_roll_out(tiny, split, script):
         assert "missing.mp4" in t.error and t.token_ids == [] and t.answer is None
     for t in trajs[:2] + trajs[4:]:
         assert t.error is None and t.answer == "B" and t.windows == [(29.0, 37.0)]
+
+
+def test_sft_records_as_the_papers_write_them(tiny, split):
+    """The papers' trajectory format (a system and user prompt recorded, `content: null` with `tool_calls`, tool
+    results as user messages of <tool_response> blocks) encodes to the same tokens as the project's own format;
+    a recording longer than the rollout's turn limit gets no forced-answer request in the middle."""
+    model, processor = tiny
+    root, records = split
+    rec = records[1]
+    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_turns": 1})
+    args = {"start_time": 1.0, "end_time": 9.0}
+    call = {"type": "function", "function": {"name": "crop_video", "arguments": json.dumps(args)}}
+    ours = [{"role": "assistant", "content": rollout.message_text({"content": "<think>\nlook\n</think>",
+                                                                   "tool_calls": [call, call]})},
+            {"role": "tool", "content": "a red square"}, {"role": "tool", "content": "nothing"},
+            {"role": "assistant", "content": "<think>\nagain\n</think>", "tool_calls": [call]},
+            {"role": "tool", "content": "still red"},
+            {"role": "assistant", "content": "<think>\nred\n</think>\n<answer>A</answer>"}]
+    papers = [{"role": "system", "content": "recorded system prompt"}, {"role": "user", "content": "recorded question"},
+              {"role": "assistant", "content": None, "tool_calls": [call, call]}, *ours[1:]]
+    papers[2]["content"] = "<think>\nlook\n</think>"
+    papers[3:5] = [{"role": "user", "content": "<tool_response>\na red square\n</tool_response>\n"
+                                               "<tool_response>\nnothing\n</tool_response>"}]
+    a = rollout.encode_messages(processor, rec, ours, root, cfg)
+    b = rollout.encode_messages(processor, rec, papers, root, cfg)
+    assert a.token_ids == b.token_ids and a.roles == b.roles and a.n_tool_turns == b.n_tool_turns == 2
+    assert [len(c) for c in a.calls] == [2, 1, 0]
+    assert a.text.count(rollout.FORCED_ANSWER) == 1                      # after the last tool turn only
+    assert a.text.index(rollout.FORCED_ANSWER) > a.text.index("still red")
