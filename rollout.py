@@ -215,22 +215,48 @@ def prompt_text(processor, record: dict, tools_block: bool = True) -> str:
                                                    tokenize=False, add_generation_prompt=True)
 
 
-def load_overview(path: str, duration: float, cfg: RolloutConfig, factor: int, nframes: int | None) -> video.Clip:
-    """The overview clip: exactly `nframes` frames (gating) or the fps rule, each frame sized so the whole
-    overview costs about 16k visual tokens (Video-o3's budget) unless cfg.overview_max_pixels is set."""
+def overview_kwargs(duration: float, cfg: RolloutConfig, factor: int, nframes: int | None) -> dict:
+    """`video.sample_overview` arguments of an overview: exactly `nframes` frames (gating) or the fps rule, each
+    frame sized so the whole overview costs about 16k visual tokens (Video-o3's budget) unless
+    cfg.overview_max_pixels is set."""
     n = nframes or video.even_count(max(1, round(duration * cfg.overview_fps)), cfg.overview_max_frames)
     max_pixels = cfg.overview_max_pixels or min(768, 16384 // max(1, n // 2)) * factor * factor
-    return video.sample_overview(path, fps=cfg.overview_fps, max_frames=cfg.overview_max_frames,
-                                 nframes=nframes, max_pixels=max_pixels, factor=factor)
+    return dict(fps=cfg.overview_fps, max_frames=cfg.overview_max_frames, nframes=nframes, max_pixels=max_pixels,
+                factor=factor)
 
 
-def encode_prompt(processor, record: dict, video_root: str, cfg: RolloutConfig, nframes: int | None = None
-                  ) -> tuple[str, float, Chunk, int]:
+def load_overview(path: str, duration: float, cfg: RolloutConfig, factor: int, nframes: int | None,
+                  pool: video.DecodePool | None = None) -> video.Clip:
+    """The overview clip (overview_kwargs), decoded here or by `pool` (its worker threads and frame cache)."""
+    kw = overview_kwargs(duration, cfg, factor, nframes)
+    return pool.result(pool.submit_overview(path, **kw)) if pool is not None else video.sample_overview(path, **kw)
+
+
+def prefetch(pool: video.DecodePool | None, records: list[dict], video_root: str, cfg: RolloutConfig, factor: int,
+             nframes: list[int | None] | None = None) -> None:
+    """Start decoding the records' overviews into the pool's frame cache in worker threads, so they overlap the
+    model (the next step's prompts while this step trains; a step's prompts with each other). A bad record is
+    left for the rollout to report."""
+    if pool is None or pool.cache is None:
+        return
+    jobs = []
+    for i, rec in enumerate(records):
+        try:
+            path = resolve_video(video_root, rec["video"])
+            k = (nframes[i] if nframes else None) or cfg.overview_nframes
+            jobs.append((path, overview_kwargs(video.probe(path).duration, cfg, factor, k)))
+        except (ValueError, OSError, KeyError, video.VideoError):
+            pass
+    pool.prefetch_overviews(jobs)
+
+
+def encode_prompt(processor, record: dict, video_root: str, cfg: RolloutConfig, nframes: int | None = None,
+                  pool: video.DecodePool | None = None) -> tuple[str, float, Chunk, int]:
     """(video path, duration, prompt chunk, overview frame count) of a record: the path checked to stay
     inside video_root, the video probed once. Raises ValueError/OSError/VideoError on a bad record or video."""
     path = resolve_video(video_root, record["video"])
     duration = video.probe(path).duration
-    overview = load_overview(path, duration, cfg, video_factor(processor), nframes or cfg.overview_nframes)
+    overview = load_overview(path, duration, cfg, video_factor(processor), nframes or cfg.overview_nframes, pool)
     c = encode_chunk(processor, prompt_text(processor, record, cfg.tools_block), [overview])
     return path, duration, c, len(overview.times)
 
@@ -613,28 +639,40 @@ def vision_ids(ids: dict) -> list[int]:
 # -----------------------------------------------------------------------------
 # tools
 
-def run_calls(calls: list[ToolCall], path: str, duration: float, cfg: RolloutConfig, factor: int):
+def run_calls(calls: list[ToolCall], path: str, duration: float, cfg: RolloutConfig, factor: int,
+              pool: video.DecodePool | None = None):
     """Execute one turn's calls. Returns, per call, (window or None, clip or None, error text or None).
-    The model-written `video_path` argument (ParaVT's schema has one) is ignored: always the sample's video."""
-    results = []
+    With a pool the turn's parallel calls decode at once in its worker threads. The model-written
+    `video_path` argument (ParaVT's schema has one) is ignored: always the sample's video."""
+    jobs = []                                   # (window, pending crop: a future or crop kwargs) or an error
     for call in calls:
         if call.error is None and call.name != "crop_video":
             call = ToolCall(call.name, call.arguments, f"unknown tool {call.name!r}; the only tool is crop_video", call.syntax)
         if call.error is not None:
-            results.append((None, None, call.error))
+            jobs.append((None, None, call.error))
             continue
         start, end = call_window(call)
         try:
             s, e = video.check_window(start, end, duration, cfg.min_window if cfg.tool_mode == "interleaved" else 0.0)
-            if cfg.tool_mode == "subagent":
-                clip = video.crop(path, s, e, level=None, fps=cfg.subagent_fps, max_frames=cfg.subagent_max_frames,
-                                  max_pixels=cfg.subagent_max_pixels, tokens_per_pixel_area=factor * factor)
-            else:
-                level = call.arguments.get("resolution", "medium")
-                clip = video.crop(path, s, e, level=level, fps=cfg.crop_fps, max_pixels=cfg.crop_max_pixels,
-                                  min_length=cfg.min_window, tokens_per_pixel_area=factor * factor)
-            results.append(((s, e), clip, None))
-        except (ValueError, video.VideoError) as err:   # a bad window is an observation, not a crash
+        except ValueError as err:               # a bad window is an observation, not a crash
+            jobs.append((None, None, str(err).replace(path, "the video")))
+            continue
+        if cfg.tool_mode == "subagent":
+            kw = dict(level=None, fps=cfg.subagent_fps, max_frames=cfg.subagent_max_frames,
+                      max_pixels=cfg.subagent_max_pixels, tokens_per_pixel_area=factor * factor)
+        else:
+            kw = dict(level=call.arguments.get("resolution", "medium"), fps=cfg.crop_fps, max_pixels=cfg.crop_max_pixels,
+                      min_length=cfg.min_window, tokens_per_pixel_area=factor * factor)
+        jobs.append(((s, e), pool.submit_crop(path, s, e, **kw) if pool is not None else kw, None))
+    results = []
+    for w, job, err in jobs:
+        if err is not None:
+            results.append((None, None, err))
+            continue
+        try:
+            clip = pool.result(job) if pool is not None else video.crop(path, *w, **job)
+            results.append((w, clip, None))
+        except (ValueError, video.VideoError) as err:
             results.append((None, None, str(err).replace(path, "the video")))
     return results
 
@@ -682,11 +720,12 @@ def run_subagents(model, processor, jobs: list[tuple[int, int, video.Clip]], cfg
 
 @torch.no_grad()
 def run_agent(model, processor, records: list[dict], video_root: str, cfg: RolloutConfig, seed: int = 0,
-              nframes: list[int | None] | None = None) -> list[Trajectory]:
+              nframes: list[int | None] | None = None, pool: video.DecodePool | None = None) -> list[Trajectory]:
     """Roll out `cfg.group_size` samples of each record; returns len(records) * G trajectories, grouped
     by record (record 0's samples first). `nframes[i]` overrides the overview frame count of record i
     (nFrames gating: the same K for the whole group). A record whose video fails to decode gives G
-    trajectories with `error` set (counted by the caller), never an exception."""
+    trajectories with `error` set (counted by the caller), never an exception. `pool`: overviews and crops
+    decode in its worker threads (every overview of the call at once, through its frame cache)."""
     t0 = time.time()
     device = next(model.parameters()).device
     ids = special_token_ids(processor)
@@ -694,9 +733,10 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
     factor = video_factor(processor)
     G = cfg.group_size
     prompts, rows, failed = [], [], []
+    prefetch(pool, records, video_root, cfg, factor, nframes)
     for i, rec in enumerate(records):
         try:
-            path, duration, c, n = encode_prompt(processor, rec, video_root, cfg, nframes[i] if nframes else None)
+            path, duration, c, n = encode_prompt(processor, rec, video_root, cfg, nframes[i] if nframes else None, pool)
         except (ValueError, OSError, video.VideoError) as err:
             failed.append((i, f"{type(err).__name__}: {err}"))
             continue
@@ -716,7 +756,7 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
                 t = Trajectory(str(rec.get("id", i)), s, c.ids.tolist() + prefix.ids.tolist(),
                                [ENV] * (len(c.ids) + len(prefix.ids)), len(c.ids), [(c.pixels, c.grid)], nframes=n)
                 rows.append(_Row(t, path, row_seed(seed, i, s), index=i, duration=duration))
-        _turn_loop(model, processor, kv, rows, cfg, ids, factor)
+        _turn_loop(model, processor, kv, rows, cfg, ids, factor, pool)
         for r in rows:
             out.setdefault(r.index, []).append(r.traj)
     trajs = [t for i in sorted(out) for t in out[i]]
@@ -726,7 +766,8 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
     return trajs
 
 
-def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConfig, ids: dict, factor: int) -> None:
+def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConfig, ids: dict, factor: int,
+               pool: video.DecodePool | None = None) -> None:
     """Alternate decode_turn and tool execution until every row has answered or hit a limit."""
     stop_id, pad_id = ids["<|im_end|>"], ids["<|endoftext|>"]
     live = list(range(len(rows)))
@@ -751,7 +792,7 @@ def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConf
                 continue
             r.traj.n_tool_turns += 1
             r.traj.n_calls += len(calls)
-            res = run_calls(calls, r.path, r.duration, cfg, factor)
+            res = run_calls(calls, r.path, r.duration, cfg, factor, pool)
             if len(calls_all) > len(calls):    # beyond the per-turn cap: one error observation, counted
                 res.append((None, None, f"only {cfg.max_calls_per_turn} calls per turn are executed; "
                                          f"{len(calls_all) - len(calls)} were dropped"))

@@ -962,8 +962,18 @@ def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> 
     return out
 
 
+def draw_prompts(records: list, s: GRPOSettings, seed: int, rank: int, step: int, draw: int = 0) -> tuple[list, list]:
+    """The prompts of a step's draw on a rank, and their overview sizes: K gated per prompt (the same K for its
+    whole group) or None (the rollout's own rule). Seeded by (seed, step, rank, draw) alone, so a resumed run
+    draws the same prompts and the next step's can be prefetched."""
+    rng = random.Random(f"rl:{seed}:{step}:{rank}" + (f":{draw}" if draw else ""))
+    recs = [records[rng.randrange(len(records))] for _ in range(s.prompts_per_step)]
+    return recs, [rewards.gate_nframes(r["id"], step, s.gating_choices, seed=seed) if s.gating else None for r in recs]
+
+
 def collect_groups(run: "Run", model, ref_model, processor, records: list, video_root: str,
-                   cfg: rollout.RolloutConfig, s: GRPOSettings, step: int, pad_id: int) -> Groups:
+                   cfg: rollout.RolloutConfig, s: GRPOSettings, step: int, pad_id: int,
+                   pool: video.DecodePool | None = None) -> Groups:
     """Roll out and score groups for one step. Without dynamic sampling: one draw of s.prompts_per_step prompts.
     With it (DAPO, arXiv 2503.14476): groups whose rewards are all equal carry no signal and are dropped, and
     more prompts are drawn until the batch holds s.prompts_per_step groups with signal or s.max_draws rounds
@@ -972,11 +982,9 @@ def collect_groups(run: "Run", model, ref_model, processor, records: list, video
     trajs, comps, R, items, n_groups, n_zero = [], [], [], [], 0, 0
     draws = 0
     while draws < (s.max_draws if s.dynamic_sampling else 1):
-        rng = random.Random(f"rl:{run.seed}:{step}:{run.rank}" + (f":{draws}" if draws else ""))
-        recs = [records[rng.randrange(len(records))] for _ in range(s.prompts_per_step)]
-        ks = [rewards.gate_nframes(r["id"], step, s.gating_choices, seed=run.seed) if s.gating else None for r in recs]
+        recs, ks = draw_prompts(records, s, run.seed, run.rank, step, draws)
         out = rollout.run_agent(model, processor, recs, video_root, cfg,
-                                seed=run.seed * 1_000_003 + step * 101 + run.rank + draws * 7_919, nframes=ks)
+                                seed=run.seed * 1_000_003 + step * 101 + run.rank + draws * 7_919, nframes=ks, pool=pool)
         draws += 1
         scored = [rewards.score_trajectory(t, recs[i // G], s.recipe, s.anchoring, s.released_scoring)
                   for i, t in enumerate(out)]
@@ -1090,16 +1098,21 @@ def rollout_metrics(trajs: list, comps: list[dict]) -> dict:
 
 def run_rl(run: "Run", model, ref_model, processor, optimizer, records: list, video_root: str,
            cfg: rollout.RolloutConfig, s: GRPOSettings, steps: int, lr: float, warmup_steps: int, pad_id: int,
-           start: int = 0, eval_every: int = 0, evaluate=None) -> None:
+           start: int = 0, eval_every: int = 0, evaluate=None, pool: video.DecodePool | None = None) -> None:
     """RL steps start+1 .. steps: collect_groups, policy_update, one metrics row per step, checkpoints, and the
-    held-out evaluation every `eval_every` steps (`evaluate(model, name) -> metrics`)."""
+    held-out evaluation every `eval_every` steps (`evaluate(model, name) -> metrics`). With a decode pool the
+    next step's overviews decode in its threads while this step trains (first draw; more draws of dynamic
+    sampling decode when they come), and each row logs decode seconds, wait seconds and the cache hit rate."""
     failed = 0
     for step in tqdm(range(start + 1, steps + 1), desc="rl", disable=run.rank != 0, initial=start, total=steps):
         t0 = time.time()
         step_lr = set_lr(optimizer, get_lr(step - 1, steps, lr, warmup_steps))
         model.eval()
         with full_weights(model):
-            g = collect_groups(run, model, ref_model, processor, records, video_root, cfg, s, step, pad_id)
+            g = collect_groups(run, model, ref_model, processor, records, video_root, cfg, s, step, pad_id, pool)
+        if pool is not None and step < steps:           # the next step's overviews decode while this one trains
+            upcoming, ks = draw_prompts(records, s, run.seed, run.rank, step + 1)
+            rollout.prefetch(pool, upcoming, video_root, cfg, rollout.video_factor(processor), ks)
         failed += sum(t.error is not None for t in g.trajs)
         run.counters["bad_samples"] += sum(t.error is not None for t in g.trajs)
         for t in g.trajs[::s.group_size]:
@@ -1114,6 +1127,10 @@ def run_rl(run: "Run", model, ref_model, processor, optimizer, records: list, vi
                                   lambda loss: run.optimizer_step(model, optimizer, loss, "rl", step,
                                                                   [t.record_id for t, _, _ in g.items]))
         m = rollout_metrics(g.trajs, g.comps)
+        if pool is not None:
+            ps = pool.stats(reset=True)
+            m.update(decode_s=ps["decode_seconds"], decode_wait_s=ps["wait_seconds"],
+                     frame_cache_hit_rate=pool.cache.stats()["hit_rate"] if pool.cache else 0.0)
         m.update(reward=float(g.rewards.mean()), zero_var_frac=g.zero_var_frac, kept=len(g.items), draws=g.draws,
                  grad_norm=float("nan") if gn is None else gn, lr=step_lr, step_time=time.time() - t0,
                  tokens_per_s=sum(len(t.token_ids) for t in g.trajs) / (time.time() - t0), **stats)
@@ -1183,9 +1200,11 @@ def main(rank: int, args) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         run.load_optimizer(ckpt, model, optimizer, state, "rl")
         ref_model = reference_model(args, device) if args.kl_coef > 0 else None
-        run_rl(run, model, ref_model, processor, optimizer, train_recs, video_root, cfg, grpo_settings(args),
-               args.rl_steps, args.lr, args.warmup_steps, pad_id, start=step0 if stage0 == "rl" else 0,
-               eval_every=args.eval_every, evaluate=evaluate)
+        with video.DecodePool(args.decode_workers, args.decode_timeout,
+                              video.FrameCache(int(args.frame_cache_gb * 2 ** 30), disk_dir=args.frame_cache)) as pool:
+            run_rl(run, model, ref_model, processor, optimizer, train_recs, video_root, cfg, grpo_settings(args),
+                   args.rl_steps, args.lr, args.warmup_steps, pad_id, start=step0 if stage0 == "rl" else 0,
+                   eval_every=args.eval_every, evaluate=evaluate, pool=pool)
     if args.stage == "all" or args.final_eval:
         summary["after"] = evaluate(model, "final")
         summary["seconds"] = round(time.time() - t_start, 1)
@@ -1759,6 +1778,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CPU threads per process (0 = torch's default; 1 is far faster on a busy or shared CPU)")
     g.add_argument("--compile", type=int, default=None, help="torch.compile the log-prob kernels (default: 1 on CUDA, 0 on CPU)")
     g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward (large models)")
+    g.add_argument("--decode-workers", type=int, default=2, help="threads decoding overviews and crops (per rank)")
+    g.add_argument("--decode-timeout", type=float, default=120.0,
+                   help="seconds a video decode may take before the sample is an error (never a hang)")
+    g.add_argument("--frame-cache-gb", type=float, default=2.0, help="in-memory cache of decoded overviews (per rank)")
+    g.add_argument("--frame-cache", metavar="DIR", default=None,
+                   help="also keep decoded overviews on disk here (written atomically, size-capped)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a Qwen3-VL / Qwen2.5-VL checkpoint dir")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,
