@@ -8,7 +8,7 @@ evaluation path: train.py's held-out evaluations call evaluate() too.
                   agent_runner(), trajectory_row()
     figures       agent_figures(records, rows): format compliance, tool-call ratio, clue score, tool
                   turns, r_acc; error_reasons(rows)
-    presets       PRESETS / rollout_config(): each paper's protocol as RolloutConfig fields (docs/method.md §7)
+    presets       rollout_config(): each paper's protocol (rollout.PRESETS, shared with train.py) for evaluation
     CLI           python eval.py                                    # synthetic split, tiny model (CPU smoke)
                   python eval.py --bench records --annotations my_records.jsonl --video-root DIR --model ckpt/
                   python eval.py --bench mlvu --annotations MLVU/data/1_plotQA.json --video-root MLVU \
@@ -39,6 +39,7 @@ import data
 import rewards
 from benchmarks import (BENCHES, EXTRACTORS, TIME_EXTRACTORS, describe, format_report, load, score, sniff,
                         synthetic_records)
+from rollout import PRESETS
 
 
 def say(message: str) -> None:
@@ -133,14 +134,6 @@ def predict(records: list[dict], run_batch: Callable, out_path=None, batch_size:
 
 # ----------------------------------------------------------------------------- the agent
 
-PRESETS = {  # rollout.RolloutConfig fields of each paper's protocol (docs/method.md §7); greedy, one sample
-    "paravt": dict(tool_mode="subagent", overview_nframes=64, max_turns=3, max_calls_per_turn=5,
-                   temperature=0.0, group_size=1),
-    "videoo3": dict(tool_mode="interleaved", overview_fps=2.0, overview_max_frames=768, overview_nframes=None,
-                    max_turns=8, temperature=0.0, group_size=1),
-}
-
-
 def tiny_overrides() -> dict:
     """The embedded tiny model on CPU: the small frames the synthetic task is designed for."""
     import rollout
@@ -152,7 +145,9 @@ def rollout_config(preset: str = "paravt", tool_mode: str | None = None, **overr
     import rollout
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    values = {**PRESETS[preset], **({"tool_mode": tool_mode} if tool_mode else {}), **overrides}
+    p = PRESETS[preset]                 # the same protocol train.py trains with, its evaluation's turn budget
+    values = {**p["rollout"], "max_turns": p["eval_max_turns"], "temperature": 0.0, "group_size": 1,
+              **({"tool_mode": tool_mode} if tool_mode else {}), **overrides}
     fields = {f.name for f in dataclasses.fields(rollout.RolloutConfig)}
     unknown = sorted(set(values) - fields)
     if unknown:

@@ -81,6 +81,25 @@ class RolloutConfig:
     tools_block: bool = True             # Hermes tools block in the system prompt (real checkpoints expect it)
 
 
+# Each paper's protocol (docs/method.md §5, §7), shared by train.py and eval.py: `rollout` holds RolloutConfig
+# fields, `eval_max_turns` the tool rounds of its evaluation (Video-o3 trains with 6 and evaluates with 8), `train`
+# the training flags of train.py (recipe, group, learning rates, clip range, KL, temperature, sampling).
+PRESETS = {
+    "paravt": dict(
+        rollout=dict(tool_mode="subagent", overview_nframes=64, max_turns=3, max_calls_per_turn=5, max_new_tokens=2048),
+        eval_max_turns=3,
+        train=dict(recipe="paravt", group_size=8, prompts_per_step=7, lr=2e-6, sft_lr=1e-5, clip_low=0.2,
+                   clip_high=0.2, kl_coef=0.01, kl_estimator="k1", kl_in_reward=1, temperature=0.7, shaping=1,
+                   gating=1, dynamic_sampling=0, mask_truncated=0)),
+    "videoo3": dict(
+        rollout=dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
+                     max_turns=6, max_calls_per_turn=5, max_new_tokens=2048),
+        eval_max_turns=8,
+        train=dict(recipe="vtgr", group_size=16, prompts_per_step=32, lr=1e-6, sft_lr=1e-5, clip_low=0.2,
+                   clip_high=0.3, kl_coef=0.0, kl_estimator="k3", kl_in_reward=0, temperature=1.0, shaping=0,
+                   gating=0, dynamic_sampling=1, mask_truncated=1, anchoring="none")),
+}
+
 # The embedded tiny default: small frames and a short prompt, so a 2-core CPU trains it in minutes.
 # Without the tools block the system prompt still names the tool; the SFT warm start teaches the format.
 TINY_ROLLOUT = dict(overview_nframes=8, overview_max_pixels=64 * 64, crop_fps=1.0, crop_max_pixels=64 * 64,

@@ -25,7 +25,7 @@ Recipes (--recipe): paravt = ParaVT R_acc + R_fmt(anchored) + R_tool with gating
 (PARA-GRPO); vtgr = Video-o3 R_acc + strict R_fmt + hybrid-clue tool term with turn decay; combined (default) =
 ParaVT's accuracy and anchored format terms, gating, and the VTGR tool term wherever a record has clue windows;
 vanilla = accuracy + format + tool reward, no gating, no anchoring (the ablation). Presets (--preset paravt |
-videoo3) set each paper's overview, limits, clip range, KL, temperature and learning rates (PRESETS below).
+videoo3) set each paper's overview, limits, clip range, KL, temperature and learning rates (rollout.PRESETS).
 
 Departures from the papers' releases (each also noted where it happens; docs/method.md lists them all):
  1. Rewards score the trajectory as the model saw it (forced "<think>\n" prefix and tool responses
@@ -1529,19 +1529,7 @@ def load_data(args, rank: int) -> tuple[list, list, str, str]:
     return train, held, args.video_root, note
 
 
-# Each paper's recipe (docs/method.md §5, §7): rollout fields and training flags. The embedded tiny model uses
-# TINY_DEFAULTS instead; a real checkpoint without --preset gets paravt's.
-PRESETS = {
-    "paravt": dict(tool_mode="subagent", overview_nframes=64, max_turns=3, max_calls_per_turn=5,
-                   max_new_tokens=2048, recipe="paravt", group_size=8, prompts_per_step=7, lr=2e-6, sft_lr=1e-5,
-                   clip_low=0.2, clip_high=0.2, kl_coef=0.01, kl_estimator="k1", kl_in_reward=1, temperature=0.7,
-                   shaping=1, gating=1, dynamic_sampling=0, mask_truncated=0),
-    "videoo3": dict(tool_mode="interleaved", overview_nframes=0, overview_fps=2.0, overview_max_frames=768,
-                    max_turns=6, max_calls_per_turn=5, max_new_tokens=2048, recipe="vtgr", group_size=16,
-                    prompts_per_step=32, lr=1e-6, sft_lr=1e-5, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
-                    kl_estimator="k3", kl_in_reward=0, temperature=1.0, shaping=0, gating=0, dynamic_sampling=1,
-                    mask_truncated=1, anchoring="none"),
-}
+# The embedded tiny model's settings; a real checkpoint without --preset gets paravt's (rollout.PRESETS).
 TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="combined", group_size=8,
                      prompts_per_step=4, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
@@ -1550,9 +1538,9 @@ TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fp
 
 
 def rollout_config(args) -> rollout.RolloutConfig:
-    extra = dict(rollout.TINY_ROLLOUT) if args.tiny else {}
-    if args.overview_nframes is not None:
-        extra["overview_nframes"] = args.overview_nframes or None     # 0: the fps rule (Video-o3)
+    extra = dict(rollout.TINY_ROLLOUT) if args.tiny else {}          # the tiny model's frame sizes
+    if args.overview_nframes is not None or args.preset:             # a preset's overview rule, or the flag's
+        extra["overview_nframes"] = args.overview_nframes or None     # 0 / None: the fps rule (Video-o3)
     return rollout.RolloutConfig(**{**dict(tool_mode=args.tool_mode, max_turns=args.max_turns,
                                            max_calls_per_turn=args.max_calls_per_turn,
                                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -1786,7 +1774,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also keep decoded overviews on disk here (written atomically, size-capped)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a Qwen3-VL / Qwen2.5-VL checkpoint dir")
-    g.add_argument("--preset", choices=sorted(PRESETS), default=None,
+    g.add_argument("--preset", choices=sorted(rollout.PRESETS), default=None,
                    help="a paper's recipe (overview, limits, clip, KL, temperature, learning rates); default: "
                         "paravt for a real checkpoint, the tiny settings for the embedded model")
     g.add_argument("--data", default=None, help="RL prompt records JSONL (docs/data.md); default: the synthetic task")
@@ -1877,7 +1865,8 @@ def resolve(args) -> None:
     args.tiny = is_tiny(args.model)
     if args.preset is None and not args.tiny:
         args.preset = "paravt"                           # a real checkpoint never inherits the tiny settings
-    base = PRESETS[args.preset] if args.preset else TINY_DEFAULTS
+    base = {**rollout.PRESETS[args.preset]["rollout"], **rollout.PRESETS[args.preset]["train"]} if args.preset \
+        else TINY_DEFAULTS
     for k, v in base.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)

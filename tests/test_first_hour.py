@@ -150,3 +150,25 @@ def test_evaluation_only_run_prints_its_result(tmp_path, cache, capsys):
                              "--data", str(path), "--eval-data", str(path), "--video-root", root))
     assert set(summary["after"]) >= {"accuracy", "format_compliance", "tool_call_ratio"}
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["after"] == summary["after"]
+
+
+def test_videoo3_preset_on_a_saved_checkpoint_samples_a_2fps_overview(tmp_path, cache, tiny):
+    """`--preset videoo3 --model CKPT --data ... --stage rl`: the overview follows Video-o3's 2 fps rule (a 64 s
+    video: 128 frames) on a saved tiny checkpoint, and the preset's recipe and sampling are in effect."""
+    model, processor = tiny
+    ckpt = tmp_path / "ckpt"
+    import model as model_lib
+    model_lib.save_model(model, processor, str(ckpt))
+    root = os.path.join(cache, "synthetic")
+    path = tmp_path / "rl.jsonl"
+    data.write_records(str(path), data.make_split(root, 6, seed=93, duration=64.0))
+    argv = ["--preset", "videoo3", "--model", str(ckpt), "--data", str(path), "--video-root", root, "--stage", "rl",
+            "--rl-steps", "1", "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "8",
+            "--max-turns", "1", "--run-dir", str(tmp_path / "run")]
+    args = train.parse_args(argv)
+    assert (args.recipe, args.clip_high, args.dynamic_sampling, args.anchoring) == ("vtgr", 0.3, True, "none")
+    cfg = train.rollout_config(args)
+    assert cfg.overview_nframes is None and cfg.overview_fps == 2.0 and cfg.overview_max_frames == 768
+    run(argv)
+    (row,) = [r for r in metrics(tmp_path / "run") if r["stage"] == "rl"]
+    assert row["mean_k"] == 128

@@ -114,7 +114,7 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
     number of draws is reported."""
     G, calls = 2, []
 
-    def fake_agent(model, processor, recs, root, cfg, seed, nframes):
+    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None):
         calls.append(len(recs))
         return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, [], text=f"draw{len(calls)}")
                 for r in recs for s in range(G)]
