@@ -1175,7 +1175,13 @@ def main(rank: int, args) -> dict:
         model.gradient_checkpointing_enable()
     if world > 1:
         shard_model(model)
-    train_recs, held, video_root, held_note = load_data(args, rank)
+    if args.data:
+        train_recs, held, video_root, held_note = load_data(args.data, args.eval_data, args.video_root, args.held_out,
+                                                            args.seed, args.max_bad_fraction, lambda m: print0(rank, m))
+    else:
+        train_recs, held, video_root = synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration,
+                                                      args.task_mix, os.environ.get("PARAVT_CACHE", "cache"))
+        held_note = "synthetic"
     run.static["held_out"] = held_note
     cfg = rollout_config(args)
     state = run.resume(ckpt, model) if ckpt else None
@@ -1199,7 +1205,8 @@ def main(rank: int, args) -> dict:
     if args.stage in ("all", "rl"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         run.load_optimizer(ckpt, model, optimizer, state, "rl")
-        ref_model = reference_model(args, device) if args.kl_coef > 0 else None
+        ref_model = reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed) \
+            if args.kl_coef > 0 else None
         with video.DecodePool(args.decode_workers, args.decode_timeout,
                               video.FrameCache(int(args.frame_cache_gb * 2 ** 30), disk_dir=args.frame_cache)) as pool:
             run_rl(run, model, ref_model, processor, optimizer, train_recs, video_root, cfg, grpo_settings(args),
@@ -1512,21 +1519,19 @@ def split_held_out(records: list, n: int, seed: int) -> tuple[list, list]:
     return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]
 
 
-def load_data(args, rank: int) -> tuple[list, list, str, str]:
-    """(training records, held-out records, video root, where the held-out set came from)."""
-    if not args.data:
-        train, held, root = synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
-                                           os.environ.get("PARAVT_CACHE", "cache"))
-        return train, held, root, "synthetic"
-    train, errors = data.load_records(args.data, args.video_root, args.max_bad_fraction)
+def load_data(data_path: str | None, eval_path: str | None, video_root: str | None, held_out: int, seed: int,
+              max_bad_fraction: float, log=print) -> tuple[list, list, str, str]:
+    """(training records, held-out records, video root, where the held-out set came from): the prompt records
+    of `data_path` with `eval_path` held out, or `held_out` of them split off (never drawn for training)."""
+    train, errors = data.load_records(data_path, video_root, max_bad_fraction)
     for e in errors[:5]:
-        print0(rank, f"skipped record: {e}")
-    if args.eval_data:
-        return train, data.load_records(args.eval_data, args.video_root)[0], args.video_root, args.eval_data
-    train, held = split_held_out(train, args.held_out, args.seed)
-    note = f"split: {len(held)} of --data's records (seed {args.seed}), never drawn for training"
-    print0(rank, f"held-out set: {note}")
-    return train, held, args.video_root, note
+        log(f"skipped record: {e}")
+    if eval_path:
+        return train, data.load_records(eval_path, video_root)[0], video_root, eval_path
+    train, held = split_held_out(train, held_out, seed)
+    note = f"split: {len(held)} of --data's records (seed {seed}), never drawn for training"
+    log(f"held-out set: {note}")
+    return train, held, video_root, note
 
 
 # The embedded tiny model's settings; a real checkpoint without --preset gets paravt's (rollout.PRESETS).
@@ -1558,11 +1563,12 @@ def grpo_settings(args) -> GRPOSettings:
     return GRPOSettings(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def reference_model(args, device):
-    """The frozen reference for KL: the policy as RL began (the last SFT checkpoint of this run, else --model)."""
-    sft = [d for o, _, d in checkpoints(args.run_dir) if o == STAGE_ORDER["sft"]]
-    src = os.path.join(args.run_dir, sft[-1]) if sft and args.stage == "all" else args.model
-    ref, _ = model_lib.load_model(src, device=device, seed=args.seed, tiny_corpus=rollout.prompt_corpus())
+def reference_model(run_dir: str, model_path: str, after_sft: bool, device, seed: int):
+    """The frozen reference for KL: the policy as RL began (this run's last SFT checkpoint when SFT ran before,
+    else the model RL started from)."""
+    sft = [d for o, _, d in checkpoints(run_dir) if o == STAGE_ORDER["sft"]]
+    src = os.path.join(run_dir, sft[-1]) if sft and after_sft else model_path
+    ref, _ = model_lib.load_model(src, device=device, seed=seed, tiny_corpus=rollout.prompt_corpus())
     return ref.requires_grad_(False).eval()
 
 
