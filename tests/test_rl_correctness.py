@@ -142,9 +142,9 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
 
 def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str) -> None:
     """One policy_update on `world` gloo ranks (world 1: no process group), the full weights saved to `out`."""
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    if world > 1:
+    if world > 1:                      # (a spawned rank's own environment; world 1 runs in the test process)
+        os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     model, processor = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
     if world > 1:
