@@ -4,7 +4,8 @@ Training: SFT warm start (with TDAM) and GRPO for agentic long-video RL. The fil
     1. the loss math       policy_mask, kl_penalty, grpo_loss, get_lr          (pure, importable alone)
     2. fused kernels       token_logprobs: hidden (N, D) x lm_head (V, D) -> log p(target) (N,) in chunks,
                            so the (N, V) logits (V = 151,936 for Qwen) never exist whole
-    3. TDAM                tdam_mask (L, L) bool, tdam_batch_mask (B, 1, L, L) additive
+    3. TDAM                tdam_spans from the text, tdam_rects, TdamSpec + tdam_attention (by query blocks,
+                           never L x L), tdam_mask (L, L) bool / tdam_batch_mask (B, 1, L, L): the dense form
     4. the SFT step        sft_examples, sft_backward, run_sft
     5. the RL step         GRPOSettings, collect_groups (rollouts + rewards + dynamic sampling),
                            policy_update (PPO-clip on the policy's own tokens), run_rl
@@ -73,6 +74,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
 
 import data
 import eval as evaluation
@@ -622,19 +626,27 @@ def tdam_mask(seq_len: int, overview_span: tuple[int, int] | None, answer_span: 
     after `<answer>`. Returns (L, L) bool; `to_additive_mask` turns it into HF's 4-D float form.
     """
     mask = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()  # (L, L) causal
+    for q0, q1, k0, k1 in tdam_rects(seq_len, overview_span, answer_span, call_spans, obs_spans):
+        mask[q0:q1, k0:k1] = False
+    return mask
+
+
+def tdam_rects(seq_len: int, overview_span: tuple[int, int] | None, answer_span: tuple[int, int] | None,
+               call_spans: list[tuple[int, int]], obs_spans: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """TDAM's two rules as the rectangles (q0, q1, k0, k1) of queries [q0, q1) that may not see keys [k0, k1),
+    on top of the causal mask: the whole rule set in O(#rules), for the dense mask (`tdam_mask`) and the
+    blocked attention (`tdam_attention`, which never builds L x L) alike."""
     obs = [_check_span("obs_span", s, seq_len) for s in obs_spans]
     calls = sorted(_check_span("call_span", s, seq_len) for s in call_spans)
+    rects = []
     if overview_span is not None and answer_span is not None and obs:
         v0, v1 = _check_span("overview_span", overview_span, seq_len)
         a0, a1 = _check_span("answer_span", answer_span, seq_len)
         if a0 < v1 and a1 > v0:
             raise ValueError(f"tdam_mask: answer_span {answer_span} overlaps overview_span {overview_span}")
-        mask[a0:a1, v0:v1] = False                                # rule (1)
-    for c0, c1 in calls[1:]:
-        for o0, o1 in obs:
-            if o1 <= c0:
-                mask[c0:c1, o0:o1] = False                        # rule (2)
-    return mask
+        rects.append((a0, a1, v0, v1))                            # rule (1)
+    rects += [(c0, c1, o0, o1) for c0, c1 in calls[1:] for o0, o1 in obs if o1 <= c0]   # rule (2)
+    return rects
 
 
 def to_additive_mask(bool_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -688,39 +700,106 @@ def tdam_spans(ids: list[int], roles: list[int], tokenizer, video_id: int) -> di
 
 
 def tdam_batch_mask(batch: dict, tokenizer, video_id: int, counts: dict | None = None) -> torch.Tensor:
-    """(B, 1, L, L) additive mask: TDAM on each row (tdam_spans) plus padding. A row without an answer span
-    keeps the causal mask, counted in counts["tdam_no_answer"] (the trainer logs it in metrics.jsonl)."""
-    B, L = batch["input_ids"].shape
-    masks = []
-    for i in range(B):
-        n = int(batch["attention_mask"][i].sum())
+    """(B, 1, L, L) additive mask: the dense form of `tdam_spec` (TDAM on each row plus padding), for models
+    and tests that take a 4-D mask. Training uses the spec itself (`tdam_attention`), which never builds it."""
+    L = batch["input_ids"].shape[1]
+    return to_additive_mask(tdam_spec(batch, tokenizer, video_id, counts).allowed(0, L, L, "cpu")[:, 0])
+
+
+@dataclasses.dataclass
+class TdamSpec:
+    """TDAM for a batch without an L x L mask: each row's length (B,) and its blocked rectangles (B, M, 4) =
+    (q0, q1, k0, k1), empty ones (0, 0, 0, 0) padding M. Passed to the model as the `tdam` keyword, read by
+    `tdam_attention`."""
+    lengths: torch.Tensor
+    rects: torch.Tensor
+    block: int = 256                     # query rows per block: memory O(block x L) per head, not O(L x L)
+
+    def allowed(self, q0: int, q1: int, kv_len: int, device) -> torch.Tensor:
+        """(B, 1, q1 - q0, kv_len) bool: causal, padding (a pad row sees only itself), minus the rectangles."""
+        q = torch.arange(q0, q1, device=device)[None, :, None]
+        k = torch.arange(kv_len, device=device)[None, None, :]
+        n = self.lengths.to(device)[:, None, None]
+        ok = torch.where(q < n, k <= q, k == q)                  # causal; a pad row sees itself only
+        for r in self.rects.to(device).unbind(1):                # (B, 4) each
+            ok &= ~((q >= r[:, 0, None, None]) & (q < r[:, 1, None, None]) &
+                    (k >= r[:, 2, None, None]) & (k < r[:, 3, None, None]))
+        return ok[:, None]
+
+
+def tdam_spec(batch: dict, tokenizer, video_id: int, counts: dict | None = None) -> TdamSpec:
+    """The batch's TdamSpec from each row's spans (tdam_spans); rows without an answer keep the causal mask,
+    counted in counts["tdam_no_answer"]."""
+    lengths = batch["attention_mask"].sum(1)
+    rows = []
+    for i, n in enumerate(lengths.tolist()):
         sp = tdam_spans(batch["input_ids"][i, :n].tolist(), batch["roles"][i, :n].tolist(), tokenizer, video_id)
         if sp["answer"] is None and counts is not None:
             counts["tdam_no_answer"] = counts.get("tdam_no_answer", 0) + 1
-        m = tdam_mask(n, sp["overview"], sp["answer"], sp["calls"], sp["obs"]) if sp["answer"] else \
-            torch.ones(n, n, dtype=torch.bool).tril()
-        full = torch.zeros(L, L, dtype=torch.bool)
-        full[:n, :n] = m
-        full[torch.arange(L), torch.arange(L)] = True        # pads attend to themselves (no NaN rows)
-        masks.append(full)
-    return to_additive_mask(torch.stack(masks)).squeeze(1)[:, None]
+        rows.append(tdam_rects(n, sp["overview"], sp["answer"], sp["calls"], sp["obs"]) if sp["answer"] else [])
+    m = max([len(r) for r in rows] + [1])
+    rects = torch.tensor([r + [(0, 0, 0, 0)] * (m - len(r)) for r in rows], dtype=torch.long).view(len(rows), m, 4)
+    return TdamSpec(lengths, rects)
+
+
+def _tdam_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scaling: float):
+    scores = (q @ k.transpose(-1, -2)).float() * scaling                  # (B, H, b, L)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return probs.to(v.dtype) @ v                                          # (B, H, b, d)
+
+
+def tdam_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, tdam: TdamSpec = None,
+                   **kwargs):
+    """The attention function registered as "paravt_tdam": softmax(q k^T / sqrt(d) + TDAM) v by blocks of
+    queries, each block's mask built from the spec's rectangles and its scores recomputed in backward
+    (activation checkpointing), so neither the mask nor the scores ever exist as L x L: O(block x L) memory
+    per head. The same rows are masked as by the dense `tdam_mask` (tests/test_rl_correctness.py checks).
+    Shapes: query (B, H, L, d), key / value (B, H_kv, L, d) -> (B, L, H, d). Without `tdam`: plain SDPA."""
+    if tdam is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rep = query.shape[1] // key.shape[1]                                  # grouped-query attention
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    scaling = module.scaling if scaling is None else scaling
+    L = query.shape[2]
+    blocks = []
+    for q0 in range(0, L, tdam.block):
+        q1 = min(L, q0 + tdam.block)
+        allowed = tdam.allowed(q0, q1, key.shape[2], query.device)
+        blocks.append(torch.utils.checkpoint.checkpoint(_tdam_block, query[:, :, q0:q1], key, value, allowed, scaling,
+                                                        use_reentrant=False))
+    return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("paravt_tdam", tdam_attention)
+AttentionMaskInterface.register("paravt_tdam", lambda *a, **k: None)    # the spec is the mask: no L x L tensor
 
 
 # -----------------------------------------------------------------------------
 # Whole trajectories -> per-token log-probs of the policy's tokens
 
-def forward_hidden(model, batch: dict, attn_mask_4d=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward_hidden(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden (B, L-1, D), targets (B, L-1), policy mask (B, L-1)): the final hidden states that predict each
     next token, for the fused kernels. A batch collated with share_videos=True runs the vision tower once per
-    distinct video (the G samples of a prompt share its overview), as the rollout did. FSDP: the lm_head unit is gathered here, since the kernels read
-    lm_head.weight directly (its gradient is reduce-scattered with the final norm's, in backward)."""
+    distinct video (the G samples of a prompt share its overview), as the rollout did. `tdam`: the decoder's
+    attention is `tdam_attention` for this forward (no L x L mask); `attn_mask_4d`: a dense 4-D mask instead.
+    FSDP: the lm_head unit is gathered here, since the kernels read lm_head.weight directly (its gradient is
+    reduce-scattered with the final norm's, in backward)."""
     device = next(model.parameters()).device
     kw = {k: v.to(device) for k, v in batch.items() if k not in ("roles",)}
     if "pixel_values_videos" in kw:
         kw["pixel_values_videos"] = kw["pixel_values_videos"].to(next(model.parameters()).dtype)
     if attn_mask_4d is not None:
         kw["attention_mask"] = attn_mask_4d.to(device)
-    hidden = rollout.forward_hidden(model, kw)[:, :-1]          # (B, L-1, D); vision once per distinct video
+    lm = model.model.language_model.config
+    impl = lm._attn_implementation
+    if tdam is not None:
+        lm._attn_implementation, kw["tdam"] = "paravt_tdam", tdam
+    try:
+        hidden = rollout.forward_hidden(model, kw)[:, :-1]      # (B, L-1, D); vision once per distinct video
+    finally:
+        lm._attn_implementation = impl
     if hasattr(model.lm_head, "unshard"):
         model.lm_head.unshard()
     return hidden, batch["input_ids"][:, 1:].to(device), policy_mask(batch["roles"]).to(device)
@@ -831,10 +910,10 @@ def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.R
     return items, len(errors)
 
 
-def sft_loss(model, batch: dict, chunk_size: int | None = None, attn_mask_4d=None,
-             compile: bool = True) -> tuple[torch.Tensor, int]:
+def sft_loss(model, batch: dict, chunk_size: int | None = None, attn_mask_4d=None, compile: bool = True,
+             tdam: TdamSpec | None = None) -> tuple[torch.Tensor, int]:
     """Cross-entropy on assistant (POLICY) tokens only, token mean, through the fused `sft_token_loss`."""
-    hidden, targets, mask = forward_hidden(model, batch, attn_mask_4d)
+    hidden, targets, mask = forward_hidden(model, batch, attn_mask_4d, tdam)
     return sft_token_loss(hidden, model.lm_head.weight, targets, mask, chunk_size=chunk_size, compile=compile)
 
 
@@ -857,8 +936,8 @@ def sft_backward(model, items: list, rows: int, pad_id: int, chunk_size: int, td
     n_tok = max(1, sum(int(policy_mask(b["roles"]).sum()) for b in batches))   # sft_loss's own token count
     parts = []
     for batch in batches:
-        mask4 = tdam_batch_mask(batch, tdam_tokenizer, model.config.video_token_id, counts) if tdam_tokenizer else None
-        micro, n = sft_loss(model, batch, None, mask4, compile)
+        spec = tdam_spec(batch, tdam_tokenizer, model.config.video_token_id, counts) if tdam_tokenizer else None
+        micro, n = sft_loss(model, batch, None, None, compile, spec)
         (micro * (n / n_tok)).backward()
         parts.append(micro.detach() * (n / n_tok))
     return torch.stack(parts).sum(), n_tok

@@ -35,7 +35,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from common import ab_times, median, print_json, set_threads, table  # bench/common.py (puts the repo on sys.path)
+from common import PeakRSS, ab_times, median, print_json, set_threads, table  # bench/common.py (puts the repo on sys.path)
 
 import rollout
 import video
@@ -285,39 +285,6 @@ def bench_decode(model, processor, root: str, rec: dict, args, batch_size: int) 
 
 
 # ----------------------------------------------------------------------------- 4. scale: group rollout vs generate
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
-class PeakRSS:
-    """Peak resident memory (MB) above the level at entry, sampled every 2 ms by a thread: on CPU there is
-    no allocator counter, and everything a side allocates (K/V, activations, logits) is resident."""
-
-    def __enter__(self):
-        import ctypes
-        import threading
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)      # give back what setup freed, for a clean base
-        except OSError:
-            pass
-        self.base = self.peak = rss_mb()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def _run(self):
-        while not self.stop.wait(0.002):
-            self.peak = max(self.peak, rss_mb())
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        self.peak = max(self.peak, rss_mb())
-        self.mb = self.peak - self.base
-
 
 def scale_model(args):
     """A Qwen3-VL at the real per-token K/V ratios on a CPU budget: text hidden 1024, 8 KV heads x 128,

@@ -403,6 +403,28 @@ def test_tdam_mask_reaches_attention(tiny, tdam_batch):
     assert abs(float(tdam) - float(plain)) > 1e-6
 
 
+def test_blocked_tdam_attention_equals_the_dense_mask(tiny, tdam_batch):
+    """tdam_attention (query blocks, masks from the rectangles, scores recomputed in backward) gives the loss
+    and gradients of the dense (B, 1, L, L) mask, with blocks that split the rows; and the rules cut something."""
+    model, processor = tiny
+    trajs, batch = tdam_batch
+    spec = train.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
+    spec.block = 16                                              # several blocks per row
+    assert spec.rects.shape[1] >= 1 and (spec.rects[:, :, 1] > spec.rects[:, :, 0]).any()
+    dense = train.tdam_batch_mask(batch, processor.tokenizer, model.config.video_token_id)
+    losses, grads = [], []
+    for kw in (dict(attn_mask_4d=dense), dict(tdam=spec)):
+        model.zero_grad(set_to_none=True)
+        loss, _ = train.sft_loss(model, batch, None, compile=False, **kw)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(torch.cat([p.grad.flatten() for p in model.model.language_model.parameters() if p.grad is not None]))
+    model.zero_grad(set_to_none=True)
+    assert abs(losses[0] - losses[1]) < 1e-5
+    assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < 1e-4
+    assert model.model.language_model.config._attn_implementation != "paravt_tdam"   # switched back after
+
+
 def test_sft_step_with_tdam_on_every_batch(tmp_path):
     """`--tdam-ratio 1.0`: the SFT step trains through the 4-D mask with a finite loss."""
     run(smoke_argv(tmp_path, "--stage", "sft", "--sft-steps", "1", "--sft-batch", "2", "--tdam-ratio", "1.0",
