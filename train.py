@@ -742,7 +742,8 @@ def tdam_spec(batch: dict, tokenizer, video_id: int, counts: dict | None = None)
     return TdamSpec(lengths, rects)
 
 
-def _tdam_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scaling: float):
+def _tdam_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TdamSpec, q0: int, scaling: float):
+    allowed = spec.allowed(q0, q0 + q.shape[2], k.shape[2], q.device)      # built here: never saved for backward
     scores = (q @ k.transpose(-1, -2)).float() * scaling                  # (B, H, b, L)
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return probs.to(v.dtype) @ v                                          # (B, H, b, d)
@@ -764,10 +765,8 @@ def tdam_attention(module, query, key, value, attention_mask, scaling=None, drop
     L = query.shape[2]
     blocks = []
     for q0 in range(0, L, tdam.block):
-        q1 = min(L, q0 + tdam.block)
-        allowed = tdam.allowed(q0, q1, key.shape[2], query.device)
-        blocks.append(torch.utils.checkpoint.checkpoint(_tdam_block, query[:, :, q0:q1], key, value, allowed, scaling,
-                                                        use_reentrant=False))
+        blocks.append(torch.utils.checkpoint.checkpoint(_tdam_block, query[:, :, q0:q0 + tdam.block], key, value, tdam,
+                                                        q0, scaling, use_reentrant=False))
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -1297,6 +1296,7 @@ def main(rank: int, args) -> dict:
         if rank == 0:
             print_summary(summary, plot_run(args.run_dir))
     if world > 1:
+        dist.barrier()                       # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
     return summary
 
@@ -1707,10 +1707,12 @@ def shard_model(model) -> None:
     lm_head.weight directly), and the root (the vision tower and embeddings), which every forward enters."""
     from torch.distributed.fsdp import fully_shard
     # The root returns the visual features beside the hidden states (video_outputs.pooler_output: per-video
-    # torch.split views); FSDP2 warns that an in-place op on such a view would skip its hook. Nothing here
-    # touches them (the loss reads last_hidden_state, not a view); tests/test_rl_correctness.py checks the
-    # 2-rank gradients against one process's.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPQwen3VLModel\) returned a view tensor")
+    # torch.split views), and the final-norm unit's output is a view on some torch versions; FSDP2 warns that an
+    # in-place op on such a view would skip its hook. Nothing here writes into them (the loss slices and gathers
+    # last_hidden_state out of place); tests/test_rl_correctness.py checks the 2-rank gradients against one
+    # process's.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDPQwen3VLModel|FSDPQwen3VLTextRMSNorm, "
+                                              r"FSDPLinear)\) returned a view tensor")
     for layer in model.model.language_model.layers:
         fully_shard(layer)
     fully_shard([model.model.language_model.norm, model.lm_head])

@@ -160,6 +160,7 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
     if rank == 0:
         torch.save(params, out)
     if world > 1:
+        torch.distributed.barrier()       # no rank tears the group down while another still talks to it
         torch.distributed.destroy_process_group()
 
 
