@@ -33,6 +33,7 @@ tests at real widths.
 import base64
 import bisect
 import codecs
+import copy
 import functools
 import hashlib
 import importlib.resources
@@ -511,27 +512,21 @@ def build_tiny_qwen(cfg: ModelConfig | None = None, seed: int = 0):
 
 # Published shapes (config.json of Qwen/Qwen3-VL-8B-Instruct and Qwen/Qwen3-VL-4B-Instruct, transformers
 # model_type "qwen3_vl"). The vision tower's deepstack taps feed the first len(taps) decoder layers.
-QWEN3VL_SHAPES = {
-    "8b": dict(
-        text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                  num_key_value_heads=8, head_dim=128, vocab_size=QWEN_VOCAB_SIZE, max_position_embeddings=262144,
-                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
-                  rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
-                                       mrope_interleaved=True)),
-        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
-                    temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=4096, num_position_embeddings=2304,
-                    hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[8, 16, 24]),
-        tie_word_embeddings=False),
-    "4b": dict(
-        text=dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                  num_key_value_heads=8, head_dim=128, vocab_size=QWEN_VOCAB_SIZE, max_position_embeddings=262144,
-                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
-                  rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
-                                       mrope_interleaved=True)),
-        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3, patch_size=16,
-                    temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=2560, num_position_embeddings=2304,
-                    hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[5, 11, 17]),
-        tie_word_embeddings=True),
+_QWEN3VL_TEXT = dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=QWEN_VOCAB_SIZE, max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu",
+                     attention_bias=False, rope_parameters=dict(rope_type="default", rope_theta=5000000.0,
+                                                                mrope_section=[24, 20, 20], mrope_interleaved=True))
+_QWEN3VL_VISION = dict(num_heads=16, in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+                       num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
+QWEN3VL_SHAPES = {        # what the two sizes share above; what differs here
+    "8b": dict(text=dict(_QWEN3VL_TEXT, hidden_size=4096, intermediate_size=12288),
+               vision=dict(_QWEN3VL_VISION, depth=27, hidden_size=1152, intermediate_size=4304, out_hidden_size=4096,
+                           deepstack_visual_indexes=[8, 16, 24]),
+               tie_word_embeddings=False),
+    "4b": dict(text=dict(_QWEN3VL_TEXT, hidden_size=2560, intermediate_size=9728),
+               vision=dict(_QWEN3VL_VISION, depth=24, hidden_size=1024, intermediate_size=4096, out_hidden_size=2560,
+                           deepstack_visual_indexes=[5, 11, 17]),
+               tie_word_embeddings=True),
 }
 
 
@@ -558,6 +553,7 @@ def qwen3vl_config(size: str = "8b", text_layers: int | None = 2, vision_depth: 
     if size not in QWEN3VL_SHAPES:
         raise ValueError(f"qwen3vl_config: size must be one of {sorted(QWEN3VL_SHAPES)}, got {size!r}")
     shapes = QWEN3VL_SHAPES[size]
+    shapes = copy.deepcopy(shapes)         # the table is shared (and transformers may edit rope_parameters)
     text = {**shapes["text"], **(text_overrides or {})}
     vision = {**shapes["vision"], "out_hidden_size": text["hidden_size"], **(vision_overrides or {})}
     full_depth = shapes["vision"]["depth"]
