@@ -882,13 +882,14 @@ def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = Fa
     concatenated in row order, and `roles` (B, L) (ENV, POLICY; pads are ENV).
     share_videos=True (for `forward_hidden`): pixel_values_videos / video_grid_thw hold each distinct
     video ONCE (the G samples of a prompt share its overview tensor) and `video_index` (n_videos,) gives,
-    for every video in row order, its index among them."""
+    for every video in row order (one per grid row: a turn's parallel clips are one entry of several
+    videos), its index among the distinct ones."""
     B, L = len(trajs), max(len(t.token_ids) for t in trajs)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     roles = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.long)
     pos = torch.zeros(3, B, L, dtype=torch.long)
-    pixels, grids, index, seen = [], [], [], {}
+    pixels, grids, index, seen, n_videos = [], [], [], {}, 0
     video_id = model.config.video_token_id
     for i, t in enumerate(trajs):
         n = len(t.token_ids)
@@ -897,11 +898,12 @@ def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = Fa
         mask[i, :n] = 1
         for p, g in t.videos:
             key = (p.data_ptr(), tuple(p.shape), tuple(p.stride()), tuple(g.flatten().tolist())) if share_videos else len(pixels)
-            if key not in seen:
-                seen[key] = len(pixels)
+            if key not in seen:              # an entry holds one video per grid row (a turn's parallel clips)
+                seen[key] = n_videos
                 pixels.append(p)
                 grids.append(g)
-            index.append(seen[key])
+                n_videos += len(g)
+            index += range(seen[key], seen[key] + len(g))
         row_grids = torch.cat([g for _, g in t.videos]) if t.videos else None
         types = (ids[i:i + 1, :n] == video_id).int() * 2
         if row_grids is None:

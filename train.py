@@ -67,6 +67,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import warnings
 
 import numpy as np
@@ -2019,12 +2020,15 @@ def launch(args) -> None:
 
 
 def cli(argv=None) -> None:
-    """`python train.py ...`: a bad input is one line saying what and where (exit 2); --debug shows the traceback."""
+    """`python train.py ...`: a bad input is one line saying what and where (exit 2); --debug shows the traceback.
+    Only this project's own checks speak in one line: an error raised inside a library keeps its traceback."""
     args = parse_args(argv)
     try:
         launch(args)
     except (ValueError, FileNotFoundError, data.RecordError) as e:
-        if args.debug:
+        here = os.path.dirname(os.path.abspath(__file__))
+        raised_by_us = os.path.dirname(os.path.abspath(traceback.extract_tb(e.__traceback__)[-1].filename)) == here
+        if args.debug or not raised_by_us:
             raise
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -186,3 +186,26 @@ def test_forward_hidden_shares_videos_and_matches_plain_forward(tiny, split, mon
         out = rollout.forward_hidden(model, shared)
     assert n_plain == 1 and calls == [3 * len(a.pixels), len(a.pixels)]   # the vision tower sees the overview once, not G times
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_forward_hidden_with_parallel_clips_in_one_turn(tiny, split):
+    """A turn's parallel crops are one video entry of several videos (one grid row each): sharing still maps
+    every video to its features (regression: the RL step of the default run failed with 'Video features and
+    video tokens do not match' once the model cropped twice in one turn)."""
+    model, processor = tiny
+    root, recs = split
+    rec = next(r for r in recs if len(r.get("clues") or []) >= 2)
+    cfg = rollout.RolloutConfig(**rollout.TINY_ROLLOUT)
+    msgs = data.oracle_turns(rec, __import__("numpy").random.default_rng(0), always_call=True, nframes=8)
+    t = rollout.encode_messages(processor, rec, msgs, root, cfg, nframes=8)
+    assert any(len(g) >= 2 for _, g in t.videos)                   # one entry holds two clips
+    twin = rollout.Trajectory(t.record_id, 1, list(t.token_ids), list(t.roles), t.prompt_len, list(t.videos))
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    plain, shared = rollout.collate([t, twin], model, pad), rollout.collate([t, twin], model, pad, share_videos=True)
+    n = sum(len(g) for _, g in t.videos)
+    assert shared["video_index"].tolist() == list(range(n)) * 2 and len(shared["video_grid_thw"]) == n
+    plain.pop("roles"), shared.pop("roles")
+    with torch.no_grad():
+        ref = model.model(**plain, use_cache=False).last_hidden_state
+        out = rollout.forward_hidden(model, shared)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
