@@ -445,9 +445,11 @@ def load_charades_sta(path) -> list[dict]:
     return out
 
 
-def synthetic_records(video_root: str, n: int = 48, seed: int = 2000, duration: float = 64.0) -> list[dict]:
-    """The generated needle-in-a-long-video task (data.py); seed 2000 = the held-out split of train.py --seed 0."""
-    return data.make_split(video_root, n, seed=seed, duration=duration)
+def synthetic_records(video_root: str, n: int = 48, seed: int = 2000, duration: float = 64.0,
+                      mix: str | None = None) -> list[dict]:
+    """The generated needle-in-a-long-video task (data.py); seed 2000 = the held-out split of train.py --seed 0.
+    mix: "kind=weight,..." (data.parse_mix), None = data.DEFAULT_MIX."""
+    return data.make_split(video_root, n, seed=seed, mix=data.parse_mix(mix), duration=duration)
 
 
 def load_records(path, warn: Callable[[str], None]) -> list[dict]:

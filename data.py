@@ -51,12 +51,13 @@ from rewards import infer_data_type
 
 TASKS = ("mcq", "oe", "tvg")
 PALETTE = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 70, 230), "yellow": (230, 210, 30)}
-KINDS = ("single_clue", "multi_clue", "direct", "grounding")
-DEFAULT_MIX = {"single_clue": 0.5, "multi_clue": 0.2, "direct": 0.2, "grounding": 0.1}
+KINDS = ("single_clue", "multi_clue", "direct", "grounding", "search")
+DEFAULT_MIX = {"single_clue": 0.3, "multi_clue": 0.2, "direct": 0.2, "grounding": 0.1, "search": 0.2}
 FPS, SIZE = 2.0, 64              # synthetic videos: native frame rate, frame side (pixels)
 MARK_LEN, MARK_GAP = 8, 4        # mark window length and minimum gap between marks (seconds)
 NEEDLE = (2.0, 6.0)              # glyph slot of a needle clue, relative to the mark start (seconds)
-RENDER_VERSION = 6               # bump when render_frames changes: cached videos are then re-rendered
+SEARCH_LEN, SEARCH_GLYPH = 4, (1.0, 3.0)   # a search clue: a 4 s mark, its glyph for the middle 2 s
+RENDER_VERSION = 7               # bump when render_frames changes: cached videos are then re-rendered
 MARK_PX, GLYPH_PX = 32, 32       # white block (top-left quadrant, one Qwen3-VL visual token at 64x64: a
                                  # token covers 32x32 pixels); needle glyph = the bottom half (rows >= 32) and
                                  # the top-right quadrant (three tokens), direct glyph = the whole frame (four)
@@ -237,10 +238,10 @@ def format_question(record: dict) -> str:
 
 # ----------------------------------------------------------------------------- the synthetic task
 
-def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, float], bool]], seed: int
+def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, float], bool, int]], seed: int
                   ) -> torch.Tensor:
     """(T, 3, 64, 64) uint8 frames at 2 fps, T = round(duration * 2).
-    marks: (start s, colour, glyph window, big (direct) glyph?)."""
+    marks: (start s, colour, glyph window, big (direct) glyph?, mark length in seconds)."""
     rng = np.random.default_rng(seed)
     t = np.arange(round(duration * FPS)) / FPS                                  # (T,) seconds
     base, amp = rng.uniform(60, 110, 3), rng.uniform(8, 20, 3)                 # per channel
@@ -249,8 +250,8 @@ def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, floa
     texture = rng.integers(-5, 6, (1, 3, SIZE, SIZE))                          # fixed: cheap to encode
     x = (drift[:, :, None, None] + texture).astype(np.uint8)                   # (T, 3, H, W)
     g0 = SIZE - GLYPH_PX                                                        # the bottom half
-    for s, colour, (g_start, g_end), big in marks:
-        x[(t >= s) & (t < s + MARK_LEN), :, :MARK_PX, :MARK_PX] = 255
+    for s, colour, (g_start, g_end), big, length in marks:
+        x[(t >= s) & (t < s + length), :, :MARK_PX, :MARK_PX] = 255
         on, rgb = (t >= g_start) & (t < g_end), np.array(PALETTE[colour], dtype=np.uint8)[:, None, None]
         x[on, :, g0:, :] = rgb                       # bottom half
         x[on, :, :g0, MARK_PX:] = rgb                # and top-right quadrant
@@ -259,13 +260,13 @@ def render_frames(duration: float, marks: list[tuple[int, str, tuple[float, floa
     return torch.from_numpy(x)
 
 
-def _mark_starts(rng: np.random.Generator, k: int, duration: float) -> list[int]:
-    """k integer mark starts, sorted, each window inside [0, duration], >= MARK_GAP s apart."""
-    slack = int(duration) - k * MARK_LEN - (k - 1) * MARK_GAP
+def _mark_starts(rng: np.random.Generator, k: int, duration: float, length: int = MARK_LEN) -> list[int]:
+    """k integer mark starts, sorted, each window [s, s + length) inside [0, duration], >= MARK_GAP s apart."""
+    slack = int(duration) - k * length - (k - 1) * MARK_GAP
     if slack < 0:
-        raise ValueError(f"a {duration} s video cannot hold {k} mark(s) of {MARK_LEN} s")
+        raise ValueError(f"a {duration} s video cannot hold {k} mark(s) of {length} s")
     offsets = np.sort(rng.integers(0, slack + 1, k))
-    return [int(o) + i * (MARK_LEN + MARK_GAP) for i, o in enumerate(offsets)]
+    return [int(o) + i * (length + MARK_GAP) for i, o in enumerate(offsets)]
 
 
 def _kind_counts(n: int, mix: dict) -> dict:
@@ -284,13 +285,14 @@ def _kind_counts(n: int, mix: dict) -> dict:
 def _make_one(rid: str, kind: str, rng: np.random.Generator, duration: float) -> tuple[dict, list]:
     """(prompt record without video path, marks for render_frames) for one synthetic question."""
     names = list(PALETTE)
-    starts = _mark_starts(rng, 2 if kind == "multi_clue" else 1, duration)
+    length, slot = (SEARCH_LEN, SEARCH_GLYPH) if kind == "search" else (MARK_LEN, NEEDLE)
+    starts = _mark_starts(rng, 2 if kind == "multi_clue" else 1, duration, length)
     colours = [names[i] for i in rng.permutation(len(names))[: len(starts)]]   # distinct colours
-    glyphs = [(s, s + MARK_LEN) if kind == "direct" else (s + NEEDLE[0], s + NEEDLE[1]) for s in starts]
-    clues = [[float(s), float(s + MARK_LEN)] for s in starts]
-    rec = {"id": rid, "task": "mcq", "options": names, "clues": clues, "data_type": kind,
-           "duration": float(duration), "subtitles": None}
-    if kind in ("single_clue", "direct"):
+    glyphs = [(s, s + length) if kind == "direct" else (s + slot[0], s + slot[1]) for s in starts]
+    clues = [[float(s), float(s + length)] for s in starts]
+    rec = {"id": rid, "task": "mcq", "options": names, "clues": clues,
+           "data_type": "single_clue" if kind == "search" else kind, "duration": float(duration), "subtitles": None}
+    if kind in ("single_clue", "direct", "search"):
         rec.update(question=SINGLE_Q, answer="ABCD"[names.index(colours[0])])
     elif kind == "multi_clue":
         c1, c2 = colours if rng.random() < 0.5 else colours[::-1]      # named in either order
@@ -299,7 +301,7 @@ def _make_one(rid: str, kind: str, rng: np.random.Generator, duration: float) ->
     else:  # grounding
         rec.update(task="tvg", question="When is the white mark shown?", options=None, answer=list(clues[0]))
     rec["meta"] = {"kind": kind, "colours": colours, "glyph_windows": [[float(a), float(b)] for a, b in glyphs]}
-    return rec, [(s, c, g, kind == "direct") for s, c, g in zip(starts, colours, glyphs)]
+    return rec, [(s, c, g, kind == "direct", length) for s, c, g in zip(starts, colours, glyphs)]
 
 
 def parse_mix(text: str | None) -> dict | None:
@@ -329,7 +331,7 @@ def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: 
         rid = f"syn-{seed}-{i:05d}"
         rng = np.random.default_rng([seed, i])
         rec, marks = _make_one(rid, str(kind), rng, duration)
-        spec = {"duration": duration, "marks": [[s, c, list(g), big] for s, c, g, big in marks],
+        spec = {"duration": duration, "marks": [[s, c, list(g), big, length] for s, c, g, big, length in marks],
                 "seed": [seed, i], "size": SIZE, "fps": FPS, "layout": [MARK_PX, GLYPH_PX, RENDER_VERSION]}
         name = f"videos/{rid}-{hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:12]}"
         rec["video"] = f"{name}.mp4"
@@ -396,26 +398,52 @@ def seen_at(clue: list[float], patches: list[tuple[float, float, float]]) -> flo
     return next((t for t, f0, f1 in patches if s <= f0 < e or s <= f1 < e), None)
 
 
+def crop_patch_times(start: float, end: float, duration: float, fps: float, max_frames: int
+                     ) -> list[tuple[float, float, float]]:
+    """(t, f0, f1) per temporal patch of a crop [start, end] of a synthetic video, as `video.crop` samples it
+    (n = even(window x fps) <= max_frames targets, the nearest 2 fps frames inside the window)."""
+    grid = np.arange(round(duration * FPS)) / FPS
+    inside = grid[(grid >= start - 1e-6) & (grid <= end + 1e-6)]
+    n = min(video.crop_budget(end - start, None, fps, max_frames)[0], max(1, round((end - start) * FPS)))
+    times = inside[video.sample_frame_indices(inside, video.uniform_targets(start, end, n))]
+    times = np.append(times, times[-1]) if len(times) % 2 else times
+    return [(float((a + b) / 2), float(a), float(b)) for a, b in zip(times[0::2], times[1::2])]
+
+
+def _shows(window: list[float], patches: list[tuple[float, float, float]]) -> bool:
+    """Whether a frame of these patches falls in the half-open window [a, b) (a glyph's slot)."""
+    return any(window[0] <= f < window[1] for _, f0, f1 in patches for f in (f0, f1))
+
+
 def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = False,
-                 window_noise: float = 1.0, nframes: int = 8, direct_crop: float = 0.0) -> list[dict]:
+                 window_noise: float = 1.0, nframes: int = 8, direct_crop: float = 0.0, crop_fps: float = 1.0,
+                 crop_max_frames: int = 16, budget: int | None = None) -> list[dict]:
     """The SFT target after the prompt: assistant strings (docs/method.md §2 format) and one tool message per call.
 
-    The oracle acts only on what a K-frame overview shows (`nframes` = the overview the rollout uses).
-    A mark is seen in a temporal patch printed as "<t seconds>" whose two frames lie at t +- d/2
-    (d = duration / K); the mark window holds one of them, so a needle's glyph slot [s+2, s+6) lies inside
-    (t - d/2 - 6, t + d/2 + 6), which it crops (+-window_noise, <= 1 s, on each end; for K = 8 over 64 s:
-    [t - 10, t + 10]). A big (direct) glyph the overview shows is read off the overview, or cropped with
-    probability `direct_crop` (both are right: RL then weighs them, VTGR pricing the crop 0.675 vs 0.75).
-    A mark no overview frame shows (K = 4 misses half of them) is searched by cropping the whole video.
+    The oracle acts only on what it has seen: the K-frame overview (`nframes` = the overview the rollout uses),
+    then its own crops (sampled as the rollout samples them: `crop_fps`, `crop_max_frames`).
+    A mark is seen in a temporal patch printed as "<t seconds>" whose two frames lie d apart (d = the frame
+    spacing); the mark window [s, s+L) holds one of them, so the glyph slot [s+a, s+b) lies inside
+    (t - d/2 - (L-a), t + d/2 + b), which it crops (+-window_noise, <= 1 s, on each end; a needle seen in a
+    K = 8 overview of 64 s: [t - 10, t + 10]). A big (direct) glyph the overview shows is read off the overview,
+    or cropped with probability `direct_crop` (both are right: RL then weighs them, VTGR pricing the crop 0.675
+    vs 0.75). A mark no overview frame shows is searched by cropping the whole video; when that sparse crop shows
+    the mark but not the glyph (a search clue: a 4 s mark, a 2 s glyph, a whole-video crop of 16 frames 4 s
+    apart), a second round crops close around where it showed the mark: two tool rounds.
     Grounding is answered from the overview alone, with the 8 s window centred on the overview frames
     that show the mark (K = 8: one frame f, s in (f - 8, f], answer [f - 4, f + 4], expected IoU 0.62
-    against a uniform s); the exact window would be an answer the model cannot see its way to."""
-    kind, clues, colours = record["data_type"], record["clues"], record["meta"]["colours"]
+    against a uniform s); the exact window would be an answer the model cannot see its way to.
+    `budget` (tool rounds allowed, for teaching the forced answer): when the oracle needs more rounds, the
+    recording stops after `budget` of them (at 0: after the first turn, whose calls are then not executed) and
+    the last turn answers from what was seen: right if every glyph the answer needs was in a frame seen, else a
+    guessed letter. The rollout sends its forced-answer message at that point (rollout.response_chunk_text)."""
+    kind, clues, colours = record["meta"].get("kind", record["data_type"]), record["clues"], record["meta"]["colours"]
     if kind not in KINDS:
         raise ValueError(f"{record['id']}: oracle trajectories exist for {KINDS} only, not {kind!r}")
     duration = float(record.get("duration") or clues[-1][1])
     answer = f"<answer>{record['answer']}</answer>"
     patches = overview_patch_times(duration, nframes)
+    glyphs = record["meta"]["glyph_windows"]
 
     def turn(think: str, body: str) -> dict:
         return {"role": "assistant", "content": f"<think>\n{think}\n</think>\n{body}"}
@@ -432,9 +460,13 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     seen = [seen_at(c, patches) for c in clues]
     if kind == "direct" and seen[0] is not None and not always_call and rng.random() >= direct_crop:
         return [turn(f"A big shape is visible in the overview near {_t(seen[0])} seconds: it is {colours[0]}.", answer)]
-    half = duration / nframes / 2 + MARK_LEN - NEEDLE[0]
-    windows = [(0.0, duration) if t is None else
-               _noisy_window(rng, max(0.0, t - half), min(duration, t + half), window_noise, duration) for t in seen]
+
+    def close(t: float, d: float, clue: list[float], glyph: list[float]) -> tuple[float, float]:
+        half = d / 2 + max(clue[1] - glyph[0], glyph[1] - clue[0])        # (L - a) and b of the docstring
+        return _noisy_window(rng, max(0.0, t - half), min(duration, t + half), window_noise, duration)
+
+    d_overview = duration / nframes
+    windows = [(0.0, duration) if t is None else close(t, d_overview, c, g) for t, c, g in zip(seen, clues, glyphs)]
     near = [f"near {_t(t)} seconds" for t in seen if t is not None]
     if kind == "multi_clue":
         think = (f"I see marks {near[0]} and {near[1]} but the shapes are too small to read. I will crop both."
@@ -447,13 +479,46 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     elif kind == "direct" and near:
         think = f"A big shape is visible in the overview {near[0]}. I will crop it to be sure."
         final = f"The clip shows a {colours[0]} shape."
-    else:  # single_clue, or a direct glyph the overview missed
+    else:  # single_clue, search, or a direct glyph the overview missed
         think = (f"I see a mark {near[0]} but the shape is too small to read. I will crop it." if near
                  else "I see no mark in the overview. I will crop the whole video.")
         final = f"The clip shows a {colours[0]} shape."
-    tools = [{"role": "tool", "content": [{"type": "video", "video": record["video"], "video_start": a,
-                                           "video_end": b}]} for a, b in windows]
-    return [turn(think, "\n".join(_call(a, b) for a, b in windows)), *tools, turn(final, answer)]
+    frames = lambda w: crop_patch_times(*w, duration, crop_fps, crop_max_frames)
+    rounds = [(turn(think, "\n".join(_call(a, b) for a, b in windows)), list(enumerate(windows)))]
+    # a whole-video crop that showed a mark but not its glyph: crop close around where it showed the mark
+    spots = {i: seen_at(clues[i], frames(w)) for i, w in enumerate(windows) if seen[i] is None
+             and not _shows(glyphs[i], patches + frames(w))}
+    spots = {i: t for i, t in spots.items() if t is not None}
+    if spots:
+        second = [(i, close(t, (windows[i][1] - windows[i][0]) / (2 * len(frames(windows[i]))), clues[i], glyphs[i]))
+                  for i, t in spots.items()]                 # d: the wide crop's frame spacing
+        marks = " and ".join(f"near {_t(t)} seconds" for t in spots.values())
+        rounds.append((turn(f"The whole-video clip shows a mark {marks} but no shape beside it. I will crop closer.",
+                            "\n".join(_call(a, b) for _, (a, b) in second)), second))
+
+    def tools(calls):
+        return [{"role": "tool", "content": [{"type": "video", "video": record["video"], "video_start": a,
+                                               "video_end": b}]} for _, (a, b) in calls]
+    if budget is None or budget >= len(rounds):
+        return [m for call_turn, calls in rounds for m in (call_turn, *tools(calls))] + [turn(final, answer)]
+    # out of tool rounds: answer from what was seen (the overview, the executed crops' frames)
+    seen_by_clue = [list(patches) for _ in clues]
+    for _, calls in rounds[:budget]:
+        for i, w in calls:
+            seen_by_clue[i] += frames(w)
+    if all(_shows(g, f) for g, f in zip(glyphs, seen_by_clue)):
+        last = turn(f"No tool turns are left. {final}", answer)
+    else:
+        last = turn("No tool turns are left and I could not read the shape, so I guess.",
+                    f"<answer>{'ABCD'[int(rng.integers(4))]}</answer>")
+    kept = [m for call_turn, calls in rounds[:budget] for m in (call_turn, *tools(calls))]
+    return kept + ([rounds[0][0]] if budget == 0 else []) + [last]
+
+
+def oracle_rounds(messages: list[dict]) -> int:
+    """Tool rounds of an oracle recording: assistant turns followed by tool messages."""
+    return sum(m["role"] == "assistant" and k + 1 < len(messages) and messages[k + 1]["role"] == "tool"
+               for k, m in enumerate(messages))
 
 
 def write_sft_records(path: str, records: list[dict], seed: int, always_call: bool = False) -> None:

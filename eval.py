@@ -273,6 +273,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--synthetic-seed", type=int, default=2000,
                    help="synthetic: the split's seed; train.py draws 1000 + --seed for training and 2000 + --seed "
                         "held out, so 3000 is a fresh split for a run of seed 0")
+    g.add_argument("--synthetic-mix", default=None,
+                   help="synthetic: question kinds, kind=weight,... (e.g. search=1; default: the training mix)")
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="checkpoint dir, hub id or 'tiny' (default tiny unless --predictions)")
     g.add_argument("--preset", choices=sorted(PRESETS), default="paravt",
@@ -281,6 +283,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="override the preset's mode (the tiny model defaults to interleaved, as train.py trains it)")
     g.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     g.add_argument("--batch-size", type=int, default=8, help="questions per rollout.run_agent call (one batched rollout)")
+    g.add_argument("--max-turns", type=int, default=None,
+                   help="the tool-turn budget: tool calls are executed in at most this many turns, then the "
+                        "forced-answer message (0: answer from the overview; default: the preset's)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="per assistant turn (default: 128 on the tiny model, as train.py; else RolloutConfig's)")
     g.add_argument("--out", default=None, help="predictions JSONL (resumed if it exists, error rows run again; default "
@@ -295,6 +300,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also write DIR/index.html: each question's overview, crops on a timeline, turns and rewards")
     p.add_argument("--debug", action="store_true", help="show the traceback of a bad input instead of one line")
     args = p.parse_args(argv)
+    if args.max_turns is not None and args.max_turns < 0:
+        p.error(f"--max-turns must be >= 0, got {args.max_turns}")
     if args.predictions and args.model:
         p.error("--predictions re-scores a file; to run a model write with --out instead")
     if args.annotations and not args.bench:
@@ -326,7 +333,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device unset)")
     if bench == "synthetic":
         video_root = os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
-        records = synthetic_records(video_root, n=args.synthetic_n, seed=args.synthetic_seed)
+        records = synthetic_records(video_root, n=args.synthetic_n, seed=args.synthetic_seed, mix=args.synthetic_mix)
     else:
         video_root = args.video_root or ""
         records = load(bench, args.annotations, video_root=args.video_root, mmvu_subset=args.mmvu_subset, warn=say)
@@ -341,11 +348,14 @@ def run(args: argparse.Namespace) -> dict:
         model, processor = model_lib.load_model(name, device=args.device, tiny_corpus=rollout.prompt_corpus())
         tiny = hasattr(model.config, "tiny_model_config")      # the embedded default, fresh or trained
         overrides = {**(tiny_overrides() if tiny else {}),
-                     **({"max_new_tokens": args.max_new_tokens or 128} if tiny or args.max_new_tokens else {})}
+                     **({"max_new_tokens": args.max_new_tokens or 128} if tiny or args.max_new_tokens else {}),
+                     **({"max_turns": args.max_turns} if args.max_turns is not None else {})}
         tool_mode = args.tool_mode or ("interleaved" if tiny else None)   # the mode `python train.py` trains
         cfg = rollout_config(args.preset, tool_mode, **overrides)
         tag = Path(str(name).rstrip("/")).name
         split = f"{bench}-n{args.synthetic_n}-seed{args.synthetic_seed}" if bench == "synthetic" else bench
+        split += f"-mix{re.sub(r'[^A-Za-z0-9.=]+', '_', args.synthetic_mix)}" if bench == "synthetic" and args.synthetic_mix else ""
+        split += f"-turns{args.max_turns}" if args.max_turns is not None else ""
         out = args.out or Path("runs") / "eval" / f"{split}-{args.preset}-{tag}.jsonl"   # another split, another file
         metrics = evaluate(model, processor, records, video_root, cfg, bench, out, args.batch_size,
                            extract=args.extract, random_fallback=args.random_fallback)

@@ -71,6 +71,7 @@ class RolloutConfig:
     overview_nframes: int | None = None  # exactly K frames (nFrames gating); None = fps rule
     overview_max_pixels: int | None = None   # per frame; None = 16k visual tokens over the whole overview
     crop_fps: float = 2.0
+    crop_max_frames: int = video.CLIP_MAX_FRAMES   # frames of one crop at most (a long window is sampled sparser)
     crop_max_pixels: int | None = None   # per-frame cap on top of the level quota (tiny default: 64*64)
     min_window: float = 1.0              # interleaved mode: windows shorter than this are errors (docs/method.md §2)
     subagent_fps: float = 1.0
@@ -102,7 +103,7 @@ PRESETS = {
 
 # The embedded tiny default: small frames and a short prompt, so a 2-core CPU trains it in minutes.
 # Without the tools block the system prompt still names the tool; the SFT warm start teaches the format.
-TINY_ROLLOUT = dict(overview_nframes=8, overview_max_pixels=64 * 64, crop_fps=1.0, crop_max_pixels=64 * 64,
+TINY_ROLLOUT = dict(overview_nframes=8, overview_max_pixels=64 * 64, crop_fps=1.0, crop_max_frames=16, crop_max_pixels=64 * 64,
                     subagent_max_pixels=64 * 64, subagent_max_new_tokens=48, tools_block=False)
 
 
@@ -595,6 +596,7 @@ class _Row:
     duration: float = 0.0
     pending: list[int] = field(default_factory=list)    # sampled tokens not yet in the cache
     turn_tokens: list[int] = field(default_factory=list)
+    forced: bool = False                 # the forced-answer message has been sent
 
 
 def decode_turn(model, kv: GroupKV, rows: list[_Row], kv_rows: list[int], cfg: RolloutConfig, max_new_tokens: int,
@@ -680,7 +682,8 @@ def run_calls(calls: list[ToolCall], path: str, duration: float, cfg: RolloutCon
             kw = dict(level=None, fps=cfg.subagent_fps, max_frames=cfg.subagent_max_frames,
                       max_pixels=cfg.subagent_max_pixels, tokens_per_pixel_area=factor * factor)
         else:
-            kw = dict(level=call.arguments.get("resolution", "medium"), fps=cfg.crop_fps, max_pixels=cfg.crop_max_pixels,
+            kw = dict(level=call.arguments.get("resolution", "medium"), fps=cfg.crop_fps, max_frames=cfg.crop_max_frames,
+                      max_pixels=cfg.crop_max_pixels,
                       min_length=cfg.min_window, tokens_per_pixel_area=factor * factor)
         jobs.append(((s, e), pool.submit_crop(path, s, e, **kw) if pool is not None else kw, None))
     results = []
@@ -787,10 +790,15 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
 
 def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConfig, ids: dict, factor: int,
                pool: video.DecodePool | None = None) -> None:
-    """Alternate decode_turn and tool execution until every row has answered or hit a limit."""
+    """Alternate decode_turn and tool execution until every row has answered or hit a limit.
+
+    The tool-turn budget: calls are executed in at most cfg.max_turns turns; the response to the last of them
+    carries the forced-answer message. Calls made once the budget is spent are not executed: with a budget of 0
+    the first turn's calls get the forced-answer message alone (one more turn to answer from the overview),
+    and calls after the forced-answer message end the trajectory (hit_turn_limit)."""
     stop_id, pad_id = ids["<|im_end|>"], ids["<|endoftext|>"]
     live = list(range(len(rows)))
-    for turn in range(cfg.max_turns + 1):
+    for turn in range(cfg.max_turns + 2):
         decode_turn(model, kv, [rows[i] for i in live], live, cfg, cfg.max_new_tokens, stop_id, vision_ids(ids))
         tok = processor.tokenizer
         next_live, chunks, sub_jobs = [], {}, []
@@ -805,9 +813,13 @@ def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConf
             if r.traj.truncated or not calls_all:
                 r.traj.done = True
                 continue
-            if turn == cfg.max_turns:          # calls after the forced answer are not executed
-                r.traj.hit_turn_limit = True
-                r.traj.done = True
+            if r.traj.n_tool_turns >= cfg.max_turns:   # the budget is spent: calls are not executed
+                if r.forced:
+                    r.traj.hit_turn_limit = True
+                    r.traj.done = True
+                    continue
+                results[i] = []                          # budget 0: the forced-answer message alone
+                next_live.append((j, i))
                 continue
             r.traj.n_tool_turns += 1
             r.traj.n_calls += len(calls)
@@ -832,7 +844,7 @@ def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConf
                 summaries[st.parent] = st.text
         for j, i in next_live:
             r = rows[i]
-            forced = r.traj.n_tool_turns >= cfg.max_turns
+            forced = r.forced = r.traj.n_tool_turns >= cfg.max_turns
             parts, clips = [], []
             for k, (w, clip, err) in enumerate(results[i]):
                 if err is not None:
@@ -1040,6 +1052,9 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
             add(rc.ids.tolist(), ENV)
             if rc.pixels is not None:
                 t.videos.append((rc.pixels, rc.grid))
+        elif calls and j < len(messages) and t.n_tool_turns >= cfg.max_turns:
+            # calls with the budget spent and an answer recorded after them: the rollout's forced-answer message
+            add(encode_chunk(processor, response_chunk_text([], True)).ids.tolist(), ENV)
         i = j
     t.text = tok.decode(t.token_ids[t.prompt_len:], skip_special_tokens=False)
     t.answer = extract_answer(t.turns[-1]) if t.turns else None

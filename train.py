@@ -56,6 +56,7 @@ import contextlib
 import ctypes
 import dataclasses
 import fcntl
+import functools
 import json
 import math
 import os
@@ -865,31 +866,40 @@ def bad_calls(messages: list[dict], duration: float | None, min_window: float) -
 
 def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.RolloutConfig, *,
                  sft_data: str | None, seed: int, gated_choices: list[int], always_call: bool = False,
-                 direct_crop: float = 0.0, keep_bad_calls: bool = False, max_bad_fraction: float = 0.2,
-                 log=print) -> tuple[list, int]:
+                 direct_crop: float = 0.0, budget_fraction: float = 0.0, keep_bad_calls: bool = False,
+                 max_bad_fraction: float = 0.2, log=print) -> tuple[list, int]:
     """(encoded SFT trajectories, number skipped). From `sft_data` (trajectory records, docs/data.md), or the
     synthetic task's oracle: each record with the evaluation overview, and once more with a K drawn from
-    `gated_choices` when given. Bad records and trajectories whose tool calls the environment would refuse
+    `gated_choices` when given; with probability `budget_fraction` a trajectory that calls the tool is also
+    recorded at a smaller tool-turn budget (the forced-answer message, then an answer from what was seen), so
+    the model learns to answer when its budget runs out. Bad records and trajectories whose tool calls the environment would refuse
     are reported (file:line, reason) and skipped (`keep_bad_calls` keeps the latter); more than
     `max_bad_fraction` bad stops the run."""
     errors, pairs = [], []
     if sft_data:
         found, errors = sft_pairs(sft_data)
-        pairs = [(rec, msgs, where, None) for rec, msgs, where in found]
+        pairs = [(rec, msgs, where, None, cfg) for rec, msgs, where in found]
     else:
         rng = np.random.default_rng(seed)
         k_eval = cfg.overview_nframes or 8
         for r in records:
             for k in [k_eval] + ([int(rng.choice(gated_choices))] if gated_choices else []):
+                oracle = functools.partial(data.oracle_turns, r, rng, always_call=always_call, nframes=k,
+                                           direct_crop=direct_crop, crop_fps=cfg.crop_fps,
+                                           crop_max_frames=cfg.crop_max_frames)
                 try:
-                    msgs = data.oracle_turns(r, rng, always_call=always_call, nframes=k, direct_crop=direct_crop)
-                    pairs.append((r, msgs, r["id"], k))
+                    msgs = oracle()
+                    pairs.append((r, msgs, r["id"], k, cfg))
+                    if (rounds := data.oracle_rounds(msgs)) and rng.random() < budget_fraction:
+                        b = int(rng.integers(rounds))
+                        pairs.append((r, oracle(budget=b), f"{r['id']} (budget {b})", k,
+                                      dataclasses.replace(cfg, max_turns=b)))
                 except (ValueError, KeyError) as e:
                     errors.append(f"{r.get('id')}: no oracle trajectory ({e}); pass --sft-data for real data")
     items, n_bad_calls = [], 0
-    for rec, msgs, where, k in pairs:        # k: the overview's frame count (None: the rollout's own rule)
+    for rec, msgs, where, k, c in pairs:     # k: the overview's frame count (None: the rollout's own rule)
         try:
-            item = rollout.encode_messages(processor, rec, msgs, video_root, cfg, nframes=k)
+            item = rollout.encode_messages(processor, rec, msgs, video_root, c, nframes=k)
         except (ValueError, KeyError, TypeError, OSError) as e:
             errors.append(f"{where}: {e}")
             continue
@@ -1273,16 +1283,16 @@ def main(rank: int, args) -> dict:
         items, n_bad = sft_examples(train_recs, processor, video_root, cfg, sft_data=args.sft_data, seed=args.seed,
                                     gated_choices=args.gating_choices if args.sft_gated_overviews else [],
                                     always_call=args.always_call, direct_crop=args.direct_crop,
-                                    keep_bad_calls=args.keep_bad_calls, max_bad_fraction=args.max_bad_fraction,
+                                    budget_fraction=args.sft_budget_fraction, keep_bad_calls=args.keep_bad_calls, max_bad_fraction=args.max_bad_fraction,
                                     log=lambda m: print0(rank, m))
         run.counters["bad_samples"] += 0 if state else n_bad          # a resumed run counted them before
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
+        optimizer = make_optimizer(model, args.sft_lr, args.vision_lr_scale)
         run.load_optimizer(ckpt, model, optimizer, state, "sft")
         run_sft(run, model, items, optimizer, sft_settings(args), pad_id, processor.tokenizer, start=step0 if stage0 == "sft" else 0)
         if args.stage == "all":
             summary["sft"] = evaluate(model, "sft")
     if args.stage in ("all", "rl"):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        optimizer = make_optimizer(model, args.lr, args.vision_lr_scale)
         run.load_optimizer(ckpt, model, optimizer, state, "rl")
         ref_model = reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed) \
             if args.kl_coef > 0 else None
@@ -1619,7 +1629,7 @@ TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fp
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="combined", group_size=8,
                      prompts_per_step=4, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
                      kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
-                     mask_truncated=1)
+                     mask_truncated=1, vision_lr_scale=0.1)
 
 
 def rollout_config(args) -> rollout.RolloutConfig:
@@ -1652,9 +1662,23 @@ def reference_model(run_dir: str, model_path: str, after_sft: bool, device, seed
     return ref.requires_grad_(False).eval()
 
 
+def make_optimizer(model, lr: float, vision_lr_scale: float = 1.0) -> torch.optim.AdamW:
+    """AdamW (no weight decay) in two parameter groups: the vision tower (`model.visual`, its merger included)
+    at vision_lr_scale x lr, the rest at lr. A lower rate for a vision encoder is common VLM practice; on the
+    tiny model it is what keeps colours apart (docs/experiments.md, "a default that learns on every seed")."""
+    vision, rest = [], []
+    for name, p in model.named_parameters():
+        (vision if ".visual." in f".{name}" else rest).append(p)
+    groups = [{"params": rest, "lr_scale": 1.0}] + ([{"params": vision, "lr_scale": vision_lr_scale}] if vision else [])
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
+    set_lr(optimizer, lr)
+    return optimizer
+
+
 def set_lr(optimizer, lr: float) -> float:
+    """Every group at lr x its lr_scale (make_optimizer's); returns lr."""
     for g in optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_scale", 1.0)
     return lr
 
 
@@ -1880,6 +1904,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--task-mix", default=None, help="synthetic task: kind=weight,... (default: data.DEFAULT_MIX)")
     g.add_argument("--direct-crop", type=float, default=0.0,
                    help="synthetic SFT: chance the oracle crops a direct clue it could read off the overview")
+    g.add_argument("--sft-budget-fraction", type=float, default=0.1,
+                   help="synthetic SFT: chance a trajectory that calls the tool is also recorded at a smaller tool-turn "
+                        "budget (forced answer from what was seen), so budget-limited evaluation finds a trained model")
     g.add_argument("--sft-gated-overviews", type=int, default=0,
                    help="synthetic SFT: each record also with a K-frame overview, K drawn from --gating-choices")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
@@ -1890,6 +1917,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rows per forward, grouped by length within the batch (same gradient, fewer pad tokens)")
     g.add_argument("--sft-lr", type=float, default=None, help="SFT peak learning rate (tiny: 2e-3; presets: 1e-5)")
     g.add_argument("--tdam-ratio", type=float, default=0.1, help="fraction of SFT batches trained with TDAM masks")
+    g.add_argument("--vision-lr-scale", type=float, default=None,
+                   help="learning rate of the vision tower, as a multiple of --sft-lr / --lr (SFT and RL); "
+                        "tiny: 0.1, else 1.0")
     g = p.add_argument_group("RL (defaults: the preset's, or the tiny model's)")
     g.add_argument("--rl-steps", type=int, default=20, help="RL optimizer steps")
     g.add_argument("--recipe", choices=rewards.RECIPES, default=None, help="reward recipe (see the module docstring)")
@@ -1958,6 +1988,8 @@ def resolve(args) -> None:
     for k, v in base.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+    if args.vision_lr_scale is None:
+        args.vision_lr_scale = 1.0
     try:
         args.gating_choices = [int(c) for c in args.gating_choices.split(",")]
     except ValueError:

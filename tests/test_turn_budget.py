@@ -1,0 +1,142 @@
+"""The tool-turn budget: the search question kind (evidence found in two rounds), the oracle's budget-limited
+recordings, the rollout's forced answer at every budget (0 included) and `eval.py --max-turns`.
+
+    cd /work/main && .venv/bin/python -m pytest tests/test_turn_budget.py -q
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import eval as evaluation
+import rewards
+import rollout
+import video
+from model import load_model
+from tests.test_rollout import Scripted, call, turn, user_messages, responses
+
+CROP = dict(level="medium", fps=1.0, max_frames=16, max_pixels=64 * 64)   # the tiny rollout's crops
+
+
+@pytest.fixture(scope="module")
+def search(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("search"))
+    return root, data.make_split(root, 24, seed=5, mix={"search": 1.0})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
+    torch.set_num_threads(threads)
+
+
+def shows_glyph(root: str, rec: dict, start: float, end: float) -> bool:
+    """Whether a real crop of the record's video (the tiny rollout's sampling) has a frame with the glyph colour
+    in its bottom-right quadrant."""
+    clip = video.crop(os.path.join(root, rec["video"]), start, end, **CROP)
+    colour = torch.tensor(data.PALETTE[rec["meta"]["colours"][0]]).float()
+    px = clip.frames[:, :, 56, 56].float()                                   # (T, 3)
+    return bool(((px - colour).abs().max(1).values < 40).any())
+
+
+def crops(msgs: list[dict]) -> list[tuple[float, float]]:
+    return [(m["content"][0]["video_start"], m["content"][0]["video_end"]) for m in msgs if m["role"] == "tool"]
+
+
+def test_search_oracle_acts_on_what_its_crops_show(search):
+    """Every crop but the last of a recording misses the glyph, the last shows it: the oracle's view of which
+    frames a crop holds (data.crop_patch_times) agrees with the decoder's. Some questions need two rounds."""
+    root, recs = search
+    rounds = []
+    for rec in recs:
+        msgs = data.oracle_turns(rec, np.random.default_rng(0))
+        windows = crops(msgs)
+        rounds.append(data.oracle_rounds(msgs))
+        assert rounds[-1] == len(windows) and 1 <= len(windows) <= 2
+        assert [shows_glyph(root, rec, *w) for w in windows] == [False] * (len(windows) - 1) + [True], rec["id"]
+        assert msgs[-1]["content"].endswith(f"<answer>{rec['answer']}</answer>")
+        if len(windows) == 2:
+            assert windows[0] == (0.0, 64.0)                                  # search wide, then crop close
+            assert windows[1][1] - windows[1][0] <= 12.0
+    assert rounds.count(2) >= 3 and rounds.count(1) >= 3
+
+
+def test_budget_limited_recordings_answer_from_what_was_seen(search, tiny):
+    root, recs = search
+    _, processor = tiny
+    rec = next(r for r in recs if data.oracle_rounds(data.oracle_turns(r, np.random.default_rng(0))) == 2)
+    full = data.oracle_turns(rec, np.random.default_rng(0))
+    assert data.oracle_turns(rec, np.random.default_rng(0), budget=2) == full
+    assert data.oracle_turns(rec, np.random.default_rng(0), budget=4) == full
+    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 96})
+    for budget in (0, 1):
+        msgs = data.oracle_turns(rec, np.random.default_rng(0), budget=budget)
+        assert data.oracle_rounds(msgs) == budget
+        assert "guess" in msgs[-1]["content"]          # the glyph was in no frame seen: a guessed letter
+        t = rollout.encode_messages(processor, rec, msgs, root, rollout.RolloutConfig(**{**vars(cfg), "max_turns": budget}))
+        users = user_messages(t.text)
+        assert len(users) == 1 and users[0].endswith(rollout.FORCED_ANSWER)   # the forced answer, once
+        assert len(responses(t.text)) == budget and t.n_tool_turns == budget
+        assert t.answer == rewards.extract_answer(msgs[-1]["content"]) and t.answer in "ABCD"
+    # a question the wide crop answers: at budget 1 nothing is guessed
+    rec1 = next(r for r in recs if data.oracle_rounds(data.oracle_turns(r, np.random.default_rng(0))) == 1
+                and crops(data.oracle_turns(r, np.random.default_rng(0)))[0] == (0.0, 64.0))
+    assert data.oracle_turns(rec1, np.random.default_rng(0), budget=1) == data.oracle_turns(rec1, np.random.default_rng(0))
+    msgs = data.oracle_turns(rec1, np.random.default_rng(0), budget=0)
+    assert len(msgs) == 2 and "<tool_call>" in msgs[0]["content"] and "<tool_call>" not in msgs[1]["content"]
+
+
+def test_sft_examples_add_budget_limited_copies(search, tiny):
+    import train
+    root, recs = search
+    model, processor = tiny
+    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 96})
+    plain, _ = train.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[])
+    more, _ = train.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[],
+                                 budget_fraction=1.0)
+    assert len(plain) == 6 and len(more) == 12                     # every search question calls the tool
+    assert sum(rollout.FORCED_ANSWER in t.text for t in plain) == 0
+    assert sum(rollout.FORCED_ANSWER in t.text for t in more) == 6
+
+
+@pytest.mark.parametrize("keeps_calling", [False, True])
+def test_budget_zero_answers_from_the_overview(search, tiny, monkeypatch, keeps_calling):
+    """Budget 0: the first turn's calls are not executed, the forced-answer message comes alone, and the
+    next turn is the last (an answer, or calls that end the trajectory at the limit)."""
+    model, processor = tiny
+    root, recs = search
+    turns = [turn("look", call(0.0, 64.0))] + ([] if keeps_calling else [turn("no turns left", "<answer>C</answer>")])
+    monkeypatch.setattr(rollout, "sample_tokens", Scripted(processor, {(0, 0): turns}))
+    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, "max_turns": 0})
+    [t] = rollout.run_agent(model, processor, recs[:1], root, cfg, seed=0)
+    assert t.n_tool_turns == 0 and t.windows == [] and len(t.turns) == 2 and len(t.videos) == 1
+    assert user_messages(t.text) == [rollout.FORCED_ANSWER] and not responses(t.text)
+    assert t.hit_turn_limit == keeps_calling
+    if not keeps_calling:
+        assert t.answer == "C"
+
+
+def test_budget_one_executes_one_round(search, tiny, monkeypatch):
+    model, processor = tiny
+    root, recs = search
+    monkeypatch.setattr(rollout, "sample_tokens", Scripted(processor, {(0, 0): [
+        turn("look", call(0.0, 64.0)), turn("closer", call(10.0, 20.0)), turn("ok", "<answer>A</answer>")]}))
+    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, "max_turns": 1})
+    [t] = rollout.run_agent(model, processor, recs[:1], root, cfg, seed=0)
+    assert t.n_tool_turns == 1 and t.windows == [(0.0, 64.0)] and t.hit_turn_limit and len(t.turns) == 2
+    assert len(user_messages(t.text)) == 1 and user_messages(t.text)[0].endswith(rollout.FORCED_ANSWER)
+
+
+def test_eval_max_turns_flag(tmp_path):
+    with pytest.raises(SystemExit):
+        evaluation.parse_args(["--max-turns", "-1"])
+    args = evaluation.parse_args(["--max-turns", "0", "--synthetic-n", "2", "--synthetic-mix", "search=1",
+                                  "--out", str(tmp_path / "p.jsonl")])
+    assert args.max_turns == 0 and args.synthetic_mix == "search=1"
+    cfg = evaluation.rollout_config("paravt", "interleaved", **evaluation.tiny_overrides(), max_turns=0)
+    assert cfg.max_turns == 0 and cfg.crop_max_frames == 16
