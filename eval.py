@@ -283,6 +283,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="override the preset's mode (the tiny model defaults to interleaved, as train.py trains it)")
     g.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     g.add_argument("--batch-size", type=int, default=8, help="questions per rollout.run_agent call (one batched rollout)")
+    g.add_argument("--overview-nframes", type=int, default=None,
+                   help="exactly K overview frames (ParaVT's nFrames; default: the preset's rule, the tiny model's 8)")
     g.add_argument("--max-turns", type=int, default=None,
                    help="the tool-turn budget: tool calls are executed in at most this many turns, then the "
                         "forced-answer message (0: answer from the overview; default: the preset's)")
@@ -300,6 +302,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also write DIR/index.html: each question's overview, crops on a timeline, turns and rewards")
     p.add_argument("--debug", action="store_true", help="show the traceback of a bad input instead of one line")
     args = p.parse_args(argv)
+    if args.overview_nframes is not None and args.overview_nframes < 2:
+        p.error(f"--overview-nframes must be >= 2, got {args.overview_nframes}")
     if args.max_turns is not None and args.max_turns < 0:
         p.error(f"--max-turns must be >= 0, got {args.max_turns}")
     if args.predictions and args.model:
@@ -349,13 +353,15 @@ def run(args: argparse.Namespace) -> dict:
         tiny = hasattr(model.config, "tiny_model_config")      # the embedded default, fresh or trained
         overrides = {**(tiny_overrides() if tiny else {}),
                      **({"max_new_tokens": args.max_new_tokens or 128} if tiny or args.max_new_tokens else {}),
-                     **({"max_turns": args.max_turns} if args.max_turns is not None else {})}
+                     **({"max_turns": args.max_turns} if args.max_turns is not None else {}),
+                     **({"overview_nframes": args.overview_nframes} if args.overview_nframes else {})}
         tool_mode = args.tool_mode or ("interleaved" if tiny else None)   # the mode `python train.py` trains
         cfg = rollout_config(args.preset, tool_mode, **overrides)
         tag = Path(str(name).rstrip("/")).name
         split = f"{bench}-n{args.synthetic_n}-seed{args.synthetic_seed}" if bench == "synthetic" else bench
         split += f"-mix{re.sub(r'[^A-Za-z0-9.=]+', '_', args.synthetic_mix)}" if bench == "synthetic" and args.synthetic_mix else ""
         split += f"-turns{args.max_turns}" if args.max_turns is not None else ""
+        split += f"-k{args.overview_nframes}" if args.overview_nframes else ""
         out = args.out or Path("runs") / "eval" / f"{split}-{args.preset}-{tag}.jsonl"   # another split, another file
         metrics = evaluate(model, processor, records, video_root, cfg, bench, out, args.batch_size,
                            extract=args.extract, random_fallback=args.random_fallback)

@@ -1168,8 +1168,10 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     return gn, stats
 
 
-def rollout_metrics(trajs: list, comps: list[dict]) -> dict:
-    """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves)."""
+def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None) -> dict:
+    """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves); with the
+    records by id, on the synthetic task, also the accuracy on the questions whose overview needed the tool
+    (`acc_tool_needed`) and on those it did not (`acc_tool_not_needed`, data.tool_needed)."""
     ok = [t for t in trajs if t.error is None]
     n = max(1, len(ok))
     calls = sum(t.n_calls for t in ok)
@@ -1182,7 +1184,21 @@ def rollout_metrics(trajs: list, comps: list[dict]) -> dict:
                tool_failure_rate=sum(t.tool_failures for t in ok) / max(1, calls),
                truncated=sum(t.truncated or t.hit_turn_limit for t in ok) / n,
                mean_k=sum(t.nframes for t in ok) / n, bad_samples=len(trajs) - len(ok))
+    if records is not None:      # sums and counts, the same keys on every rank (split_accuracy divides)
+        need = [data.tool_needed(records[t.record_id], t.nframes) if t.record_id in records else None for t in trajs]
+        for name, want in (("tool_needed", True), ("tool_not_needed", False)):
+            accs = [c["acc"] for c, nd in zip(comps, need) if nd is want]
+            out.update({f"{name}_hits": sum(accs), f"{name}_n": len(accs)})
     return out
+
+
+def split_accuracy(m: dict) -> dict:
+    """rollout_metrics' (all-rank) sums -> acc_tool_needed / acc_tool_not_needed, left out where no question was."""
+    for name in ("tool_needed", "tool_not_needed"):
+        hits, n = m.pop(f"{name}_hits", 0.0), m.pop(f"{name}_n", 0.0)
+        if n:
+            m[f"acc_{name}"] = hits / n
+    return m
 
 
 def run_rl(run: "Run", model, ref_model, processor, optimizer, records: list, video_root: str,
@@ -1192,7 +1208,7 @@ def run_rl(run: "Run", model, ref_model, processor, optimizer, records: list, vi
     held-out evaluation every `eval_every` steps (`evaluate(model, name) -> metrics`). With a decode pool the
     next step's overviews decode in its threads while this step trains (first draw; more draws of dynamic
     sampling decode when they come), and each row logs decode seconds, wait seconds and the cache hit rate."""
-    failed = 0
+    failed, by_id = 0, {str(r["id"]): r for r in records}
     for step in tqdm(range(start + 1, steps + 1), desc="rl", disable=run.rank != 0, initial=start, total=steps):
         t0 = time.time()
         step_lr = set_lr(optimizer, get_lr(step - 1, steps, lr, warmup_steps))
@@ -1215,7 +1231,7 @@ def run_rl(run: "Run", model, ref_model, processor, optimizer, records: list, vi
         gn, stats = policy_update(model, ref_model, optimizer, g.items, s, pad_id, processor.tokenizer, run.world, filler,
                                   lambda loss: run.optimizer_step(model, optimizer, loss, "rl", step,
                                                                   [t.record_id for t, _, _ in g.items]))
-        m = rollout_metrics(g.trajs, g.comps)
+        m = rollout_metrics(g.trajs, g.comps, by_id)
         if pool is not None:
             ps = pool.stats(reset=True)
             m.update(decode_s=ps["decode_seconds"], decode_wait_s=ps["wait_seconds"],
@@ -1223,7 +1239,7 @@ def run_rl(run: "Run", model, ref_model, processor, optimizer, records: list, vi
         m.update(reward=float(g.rewards.mean()), zero_var_frac=g.zero_var_frac, kept=len(g.items), draws=g.draws,
                  grad_norm=float("nan") if gn is None else gn, lr=step_lr, step_time=time.time() - t0,
                  tokens_per_s=sum(len(t.token_ids) for t in g.trajs) / (time.time() - t0), **stats)
-        m = all_mean(m, run.world)
+        m = split_accuracy(all_mean(m, run.world))
         run.log("rl", step, m)
         if run.rank == 0:
             tqdm.write(f"rl {step}/{steps} | R {m['reward']:.3f} | acc {m['accuracy']:.2f} | "
@@ -1629,7 +1645,7 @@ TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fp
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="combined", group_size=8,
                      prompts_per_step=4, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
                      kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
-                     mask_truncated=1, vision_lr_scale=0.1)
+                     mask_truncated=1, vision_lr_scale=0.0)
 
 
 def rollout_config(args) -> rollout.RolloutConfig:
@@ -1664,11 +1680,17 @@ def reference_model(run_dir: str, model_path: str, after_sft: bool, device, seed
 
 def make_optimizer(model, lr: float, vision_lr_scale: float = 1.0) -> torch.optim.AdamW:
     """AdamW (no weight decay) in two parameter groups: the vision tower (`model.visual`, its merger included)
-    at vision_lr_scale x lr, the rest at lr. A lower rate for a vision encoder is common VLM practice; on the
-    tiny model it is what keeps colours apart (docs/experiments.md, "a default that learns on every seed")."""
+    at vision_lr_scale x lr, the rest at lr; a scale of 0 freezes the tower (requires_grad off, no AdamW state,
+    no backward through it). A lower rate or a frozen encoder is common VLM practice; the tiny model's random
+    tower is frozen because training it at the SFT rate merged colours the answer needs (docs/experiments.md,
+    "a default that learns on every seed")."""
     vision, rest = [], []
     for name, p in model.named_parameters():
         (vision if ".visual." in f".{name}" else rest).append(p)
+    if vision_lr_scale == 0:
+        for p in vision:
+            p.requires_grad_(False)
+        vision = []
     groups = [{"params": rest, "lr_scale": 1.0}] + ([{"params": vision, "lr_scale": vision_lr_scale}] if vision else [])
     optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     set_lr(optimizer, lr)
@@ -1918,8 +1940,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--sft-lr", type=float, default=None, help="SFT peak learning rate (tiny: 2e-3; presets: 1e-5)")
     g.add_argument("--tdam-ratio", type=float, default=0.1, help="fraction of SFT batches trained with TDAM masks")
     g.add_argument("--vision-lr-scale", type=float, default=None,
-                   help="learning rate of the vision tower, as a multiple of --sft-lr / --lr (SFT and RL); "
-                        "tiny: 0.1, else 1.0")
+                   help="learning rate of the vision tower, as a multiple of --sft-lr / --lr (SFT and RL; 0 freezes "
+                        "it); tiny: 0 (its random features keep colours apart), else 1.0")
     g = p.add_argument_group("RL (defaults: the preset's, or the tiny model's)")
     g.add_argument("--rl-steps", type=int, default=20, help="RL optimizer steps")
     g.add_argument("--recipe", choices=rewards.RECIPES, default=None, help="reward recipe (see the module docstring)")
@@ -1990,6 +2012,8 @@ def resolve(args) -> None:
             setattr(args, k, v)
     if args.vision_lr_scale is None:
         args.vision_lr_scale = 1.0
+    if args.vision_lr_scale < 0:
+        raise ValueError(f"--vision-lr-scale must be >= 0 (0 freezes the vision tower), got {args.vision_lr_scale}")
     try:
         args.gating_choices = [int(c) for c in args.gating_choices.split(",")]
     except ValueError:

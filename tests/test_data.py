@@ -15,11 +15,15 @@ from data import PALETTE, RecordError
 from rewards import call_window, extract_answer, extract_time_range, parse_tool_calls
 
 
+ONE_ROUND_MIX = {"single_clue": 0.5, "multi_clue": 0.2, "direct": 0.2, "grounding": 0.1}
+
+
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
-    """8 records, default mix: 4 single_clue, 2 multi_clue, 1 direct, 1 grounding (largest remainder)."""
+    """8 records of the four one-round kinds: 4 single_clue, 2 multi_clue, 1 direct, 1 grounding (largest
+    remainder). The search kind (two rounds) is tested in tests/test_turn_budget.py."""
     root = str(tmp_path_factory.mktemp("syn"))
-    return root, data.make_split(root, 8, seed=0)
+    return root, data.make_split(root, 8, seed=0, mix=ONE_ROUND_MIX)
 
 
 def _mark_on(frame) -> bool:
@@ -230,12 +234,12 @@ def test_make_split_deterministic_and_cached(split, tmp_path):
     """Same seed -> same records and the same video BYTES. Regression: letting PyAV convert rgb24 to
     yuv420p implicitly inside encode() made some videos differ run to run (x264 got different input)."""
     root, recs = split
-    again = data.make_split(str(tmp_path), 8, seed=0)
+    again = data.make_split(str(tmp_path), 8, seed=0, mix=ONE_ROUND_MIX)
     assert again == recs
     for r in recs:
         assert (tmp_path / r["video"]).read_bytes() == open(os.path.join(root, r["video"]), "rb").read()
     mtimes = [os.stat(tmp_path / r["video"]).st_mtime_ns for r in recs]
-    assert data.make_split(str(tmp_path), 8, seed=0) == recs
+    assert data.make_split(str(tmp_path), 8, seed=0, mix=ONE_ROUND_MIX) == recs
     assert [os.stat(tmp_path / r["video"]).st_mtime_ns for r in recs] == mtimes  # cache hit: not rewritten
     assert data.make_split(str(tmp_path), 8, seed=1) != recs                     # another seed differs
 

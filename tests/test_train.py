@@ -210,7 +210,7 @@ def test_fsdp_two_cpu_processes(tmp_path, cache):
     env = {**os.environ, "PARAVT_CACHE": cache, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "train.py", *smoke_argv(tmp_path, "--stage", "all", "--sft-steps", "1", "--sft-batch", "2",
                                                      "--n-eval", "1", "--mask-truncated", "0"),
-           "--gpus", "2", "--device", "cpu"]
+           "--gpus", "2", "--device", "cpu", "--vision-lr-scale", "1"]      # the vision tower trains too
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["after"] is not None
@@ -538,3 +538,28 @@ def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam):
     shapes = [b["input_ids"].shape for b in train.sft_micro_batches(items, 2, model, pad_id)]
     short, long_ = sorted(len(t.token_ids) for t in trajs)
     assert shapes == [(2, short), (2, long_)]            # like lengths together: the short pair pads to `short`
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.5])
+def test_vision_lr_scale(scale):
+    """make_optimizer: the vision tower at scale x lr (the merger included), every other parameter at lr; 0 freezes
+    the tower (no gradient, no optimizer state) and one step moves every other parameter."""
+    import train
+    model = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
+    opt = train.make_optimizer(model, 1e-3, scale)
+    train.set_lr(opt, 2e-3)
+    vision = {id(p) for n, p in model.named_parameters() if n.startswith("model.visual.")}
+    assert vision and any("merger" in n for n, _ in model.named_parameters() if n.startswith("model.visual."))
+    lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    assert all(lrs[id(p)] == 2e-3 for p in model.parameters() if id(p) not in vision)
+    if scale == 0:
+        assert not (vision & set(lrs)) and not any(p.requires_grad for p in model.parameters() if id(p) in vision)
+    else:
+        assert all(lrs[i] == pytest.approx(2e-3 * scale) for i in vision)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.train()
+    ids = torch.randint(0, 100, (1, 8))
+    model(input_ids=ids).logits.float().pow(2).mean().backward()
+    opt.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert "lm_head.weight" in moved and "model.language_model.embed_tokens.weight" in moved

@@ -140,3 +140,27 @@ def test_eval_max_turns_flag(tmp_path):
     assert args.max_turns == 0 and args.synthetic_mix == "search=1"
     cfg = evaluation.rollout_config("paravt", "interleaved", **evaluation.tiny_overrides(), max_turns=0)
     assert cfg.max_turns == 0 and cfg.crop_max_frames == 16
+
+
+@pytest.mark.parametrize("nframes", [4, 8, 32])
+def test_tool_needed_agrees_with_the_decoded_overview(tmp_path, nframes):
+    """data.tool_needed says a question needs the tool exactly when some glyph its answer reads is in no frame
+    of the real K-frame overview (decoded by video.py, as the rollout samples it)."""
+    root = str(tmp_path)
+    recs = data.make_split(root, 24, seed=9)
+    seen = []
+    for rec in recs:
+        need = data.tool_needed(rec, nframes)
+        if rec["task"] != "mcq":
+            assert need is None
+            continue
+        clip = video.sample_overview(os.path.join(root, rec["video"]), nframes=nframes, max_pixels=64 * 64)
+        px = clip.frames[:, :, 56, 56].float()                                  # (K, 3)
+        shown = [bool(((px - torch.tensor(data.PALETTE[c]).float()).abs().max(1).values < 40).any())
+                 for c in rec["meta"]["colours"]]
+        assert need == (not all(shown)), (rec["id"], nframes)
+        seen.append(need)
+    if nframes <= 8:
+        assert True in seen and False in seen
+    else:
+        assert not any(seen)                 # 32 frames, 2 s apart: every glyph is in some frame

@@ -1,0 +1,103 @@
+"""
+Accuracy against the tool-turn budget (Video-o3's finding, arXiv 2601.23224: accuracy rises with the number of
+tool turns allowed), on the embedded default's synthetic task.
+
+Each budget B runs `eval.py --max-turns B` on the same held-out split: tool calls are executed in at most B
+turns, then the forced-answer message asks for the answer (B = 0: the first turn's calls are not executed, the
+model answers from the overview). The questions that need rounds: a needle (its glyph between the overview's
+frames half the time: one crop), a multi-clue question (two crops in one turn), and a search question (a 4 s
+mark the 8-frame overview misses half the time, its glyph shown 2 s: a whole-video crop, 16 frames 4 s apart,
+finds the mark, and half the time a second, close crop is needed to read the glyph). Direct questions are read
+off the overview at any budget.
+
+    python bench/turn_budget.py --model runs/default              # a run dir (its newest checkpoint) or a checkpoint
+    python bench/turn_budget.py --model runs/default --budgets 0,1,2,4 --n 240 --seed 3000
+
+Prints a table (MCQ accuracy in %, overall and by question kind; mean tool turns) and, last, one JSON object.
+"""
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import benchmarks  # noqa: E402
+import eval as evaluation  # noqa: E402
+from train import latest_checkpoint  # noqa: E402
+
+KINDS = ("single_clue", "multi_clue", "search", "direct")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="runs/default", help="a checkpoint dir, or a run dir (its newest checkpoint)")
+    p.add_argument("--budgets", default="0,1,2,4", help="tool-turn budgets, comma-separated")
+    p.add_argument("--n", type=int, default=240, help="questions in the held-out split")
+    p.add_argument("--seed", type=int, default=3000, help="the split's seed (3000: no run of seed 0 draws it)")
+    p.add_argument("--out", default="runs/turn_budget", help="predictions files go here")
+    args = p.parse_args(argv)
+    try:
+        args.budgets = [int(b) for b in args.budgets.split(",")]
+    except ValueError:
+        p.error(f"--budgets: expected comma-separated integers, got {args.budgets!r}")
+    if any(b < 0 for b in args.budgets):
+        p.error("--budgets must be >= 0")
+    return args
+
+
+def checkpoint(path: str) -> str:
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise SystemExit(f"{path}: neither a checkpoint (config.json) nor a run dir with a ckpt-* inside")
+    return found
+
+
+def by_kind(records: list[dict], rows: list[dict]) -> dict:
+    """MCQ accuracy (%) overall and per kind, and the mean number of executed tool turns."""
+    rows = {str(r["id"]): r for r in rows}
+    hits = collections.defaultdict(list)
+    for rec in records:
+        if rec["task"] != "mcq":
+            continue
+        right = (rows[rec["id"]].get("answer") or "").strip().upper() == rec["answer"]
+        hits["all"].append(right)
+        hits[rec["meta"]["kind"]].append(right)
+    out = {k: 100.0 * sum(v) / len(v) for k, v in hits.items()}
+    out["n"] = {k: len(v) for k, v in hits.items()}
+    out["tool_turns"] = sum(r.get("tool_turns", 0) for r in rows.values()) / max(1, len(rows))
+    return out
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t0 = time.time()
+    ckpt = checkpoint(args.model)
+    root = os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
+    records = benchmarks.synthetic_records(root, n=args.n, seed=args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    results = {}
+    for b in args.budgets:
+        out = os.path.join(args.out, f"{Path(ckpt).name}-n{args.n}-seed{args.seed}-turns{b}.jsonl")
+        evaluation.run(evaluation.parse_args(["--model", ckpt, "--synthetic-n", str(args.n), "--synthetic-seed",
+                                              str(args.seed), "--max-turns", str(b), "--out", out]))
+        results[b] = by_kind(records, [json.loads(l) for l in open(out) if l.strip()])
+    n = results[args.budgets[0]]["n"]
+    head = ["budget", f"all ({n.get('all', 0)})"] + [f"{k} ({n.get(k, 0)})" for k in KINDS] + ["tool turns"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for b, r in results.items():
+        print(f"| {b} | {r.get('all', 0):.1f} | " + " | ".join(f"{r.get(k, float('nan')):.1f}" for k in KINDS)
+              + f" | {r['tool_turns']:.2f} |")
+    result = {"model": ckpt, "n": args.n, "seed": args.seed, "budgets": {str(b): r for b, r in results.items()},
+              "seconds": round(time.time() - t0, 1)}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
