@@ -22,7 +22,11 @@ white 32x32 block fills the top-left quadrant. A coloured GLYPH (colour from PAL
 "needle" clue in the three quadrants around the mark and during the middle 4 s [s+2, s+6) (NEEDLE) only;
 for a "direct" clue over the whole frame, mark included, for the whole window. Kinds: single_clue
 (mcq, glyph colour), multi_clue (mcq, which of two named colours came first), direct (mcq, glyph visible
-in the overview), grounding (tvg, when is the mark shown). Every mcq lists the palette as its options,
+in the overview), grounding (tvg, when is the mark shown), search (mcq, glyph colour, evidence found in two
+rounds: a 4 s mark [s, s+4) with its glyph for the middle 2 s [s+1, s+3), which an 8-frame overview misses half
+the time; a whole-video crop, 16 frames 4 s apart on the tiny rollout, always shows the mark and half the time
+the glyph; otherwise a close crop around where it showed the mark reads it; its data_type is single_clue).
+Every mcq lists the palette as its options,
 so a colour has one letter everywhere: what is learned is reading colours, not matching option texts.
 What the overview can show: where the marks are (any overview frame inside a mark window shows the
 block, even at 32x32), and the colour of a direct glyph (a uniform overview of >= 8 frames over 64 s

@@ -393,7 +393,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
                                 compile).reshape(lead_shape)
 
 
-def _auto_chunk(n: int, dim: int, vocab: int) -> int:
+def _liger_chunk(n: int, dim: int, vocab: int) -> int:
     """
     Liger-Kernel's chunk size (arXiv 2410.10989, fused linear cross-entropy): C = next_pow2(ceil(N / ceil(V / D))),
     so the (C, V) logits buffer is about the size of the (N, D) hidden states; here at least
@@ -402,6 +402,22 @@ def _auto_chunk(n: int, dim: int, vocab: int) -> int:
     chunk = -(-n // -(-vocab // dim))                              # ceil(N / ceil(V / D))
     chunk = max(chunk, -(-_MIN_CHUNK_LOGITS // vocab), 1)
     return 1 << (chunk - 1).bit_length()                           # the next power of two
+
+
+def _auto_chunk(n: int, dim: int, vocab: int) -> int:
+    """
+    token_loss's default chunk: Liger's (`_liger_chunk`), but at most MAX_CHUNKS chunks:
+    C = next_pow2(max(ceil(N / ceil(V / D)), ceil(N / MAX_CHUNKS))).
+    Departure from Liger: every chunk reads W twice (GEMMs 1 and 2) and reads and writes the fp32 grad_W once
+    (GEMM 3), 4 V D elements of traffic, so Liger's N / 38 chunks at Qwen's V / D move ~38 x 10 GB for N = 4,096;
+    at most 8 chunks bound that while the (C, V) buffer stays <= 1/8 of the naive (N, V) logits
+    (bench/logprob_bench.py measures both rules side by side: methods `fused` and `fused_liger`).
+    """
+    chunk = max(_liger_chunk(n, dim, vocab), -(-n // MAX_CHUNKS))
+    return 1 << (chunk - 1).bit_length()
+
+
+MAX_CHUNKS = 8
 
 
 class _TokenLoss(torch.autograd.Function):
@@ -489,8 +505,8 @@ def token_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     N x D x V in all, as the naive path, where `token_logprobs` needs 4 (it recomputes the logits).
     Nothing of the forward is saved but the two gradients, not even W (so on this path FSDP may free the
     unsharded lm_head weight after the forward); backward through one result twice is refused.
-    Chunk size: by default Liger's rule (`_auto_chunk`: the (C, V) buffer about the size of the hidden
-    states, 128 rows for N = 4096, D = 4096, V = 151,936), and when the whole (N, V) logits are no bigger
+    Chunk size: by default Liger's rule with at most 8 chunks (`_auto_chunk`: 512 rows for N = 4096, D = 4096,
+    V = 151,936, where Liger's alone gives 128), and when the whole (N, V) logits are no bigger
     than that smallest buffer, the plain path (log_softmax over all logits, ordinary autograd). An
     explicit chunk_size always takes the fused path (shrunk to the next power of two >= N when N is
     smaller). The softmax math of a chunk runs under torch.compile(dynamic=False) on the padded (C, V)

@@ -5,7 +5,9 @@ Benchmark: the GRPO loss from hidden states x lm_head, forward + backward, four 
     rowwise   full logits, then log_softmax one sequence (row of the batch) at a time, as TRL's
               selective_log_softmax does for bf16 (N tokens as `--rows` sequences of N / rows), then grpo_loss
     logprobs  train.token_logprobs (token chunks, logits recomputed in backward: 4 GEMMs), then grpo_loss
-    fused     train.grpo_token_loss: train.token_loss, the gradients formed in the forward (3 GEMMs)
+    fused     train.grpo_token_loss: train.token_loss, the gradients formed in the forward (3 GEMMs), its default
+              chunk (train._auto_chunk: Liger's, but at most 8 chunks)
+    fused_liger  the same with Liger's chunk rule (train._liger_chunk: the (C, V) buffer ~ the hidden states)
 
     python bench/logprob_bench.py                                  # N 4096, D 4096, V 151,936, fp32, CPU
     python bench/logprob_bench.py --n 512 --vocab 32000 --repeats 1            # a quick, smaller run
@@ -44,7 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `import train`
 import train  # noqa: E402
 
-METHODS = ("naive", "rowwise", "logprobs", "fused")
+METHODS = ("naive", "rowwise", "logprobs", "fused", "fused_liger")
 TEMPERATURE = 0.7
 GRPO = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.01, kl_estimator="k3")
 GB = 1024 ** 3
@@ -91,8 +93,9 @@ def proc_status_kb(field: str) -> int:
 def worker(args) -> dict:
     """Run one method in this process; return its timings and peak extra memory."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    fn = {"naive": naive, "rowwise": rowwise, "logprobs": logprobs, "fused": fused}[args.worker]
-    chunk_size = args.fused_chunk if args.worker == "fused" else args.chunk_size
+    fn = {"naive": naive, "rowwise": rowwise, "logprobs": logprobs, "fused": fused, "fused_liger": fused}[args.worker]
+    chunk_size = {"fused": args.fused_chunk, "fused_liger": train._liger_chunk(args.n, args.d, args.vocab)}.get(
+        args.worker, args.chunk_size)
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(args.n, args.d, generator=gen, device=device, dtype=dtype)
     weight = (torch.randn(args.vocab, args.d, generator=gen, device=device, dtype=dtype)
@@ -216,7 +219,7 @@ def main():
             raise SystemExit(f"logprob_bench.py: the {method} worker failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
         results[method] = json.loads(proc.stdout.strip().splitlines()[-1])
         r = results[method]
-        print(f"{method:8s} time {r['time_s']:8.2f} s  cpu {r['cpu_s']:8.1f} s  peak extra {r['peak_extra_gb']:7.2f} GB  "
+        print(f"{method:11s} time {r['time_s']:8.2f} s  cpu {r['cpu_s']:8.1f} s  peak extra {r['peak_extra_gb']:7.2f} GB  "
               f"working {r['working_gb']:7.2f} GB  first call +{r['first_call_extra_s']:5.1f} s", flush=True)
 
     nv = results["naive"]

@@ -158,21 +158,25 @@ def test_token_loss_auto_chunk_takes_the_fused_path(monkeypatch):
     loss_fn = lambda lp, rows: -lp.sum() / 40   # noqa: E731
     plain = value_and_grads(lambda h, w: (token_loss(h, w, t2, loss_fn, compile=False), None), h2, weight)
     assert "TokenLoss" not in type(plain[0].grad_fn).__name__      # 40 x 1000 logits: the plain path
-    monkeypatch.setattr(train, "_MIN_CHUNK_LOGITS", 4000)            # chunks of 4 rows: 10 of them
-    assert train._auto_chunk(40, 16, 1000) == 4
+    monkeypatch.setattr(train, "_MIN_CHUNK_LOGITS", 4000)            # chunks of 8 rows: 5 of them (at most 8)
+    assert train._liger_chunk(40, 16, 1000) == 4 and train._auto_chunk(40, 16, 1000) == 8
     fused = value_and_grads(lambda h, w: (token_loss(h, w, t2, loss_fn, compile=False), None), h2, weight)
     assert "TokenLoss" in type(fused[0].grad_fn).__name__
     for a, b in zip(fused[:3], plain[:3]):
         assert_rel_close(a, b)
 
 
-@pytest.mark.parametrize("n, dim, vocab, expected", [
-    (4096, 4096, 151_936, 128),   # Liger: next_pow2(4096 / ceil(151936 / 4096) = 110.7) = 128 rows
-    (16384, 4096, 151_936, 512),  # 4x the tokens, 4x the chunk: the (C, V) buffer tracks the hidden states
-    (2000, 64, 151_936, 64),      # tiny D would give 1 row: the 32 MB floor (55 rows) rounds up to 64
+@pytest.mark.parametrize("n, dim, vocab, liger, expected", [
+    (4096, 4096, 151_936, 128, 512),     # Liger: next_pow2(4096 / ceil(151936 / 4096) = 110.7) = 128; ours: N / 8
+    (16384, 4096, 151_936, 512, 2048),   # 4x the tokens, 4x the chunk, under both rules
+    (2000, 64, 151_936, 64, 256),        # tiny D would give 1 row: the 32 MB floor (55 rows) rounds up to 64
+    (300, 4096, 151_936, 64, 64),        # few tokens: the floor, one chunk
+    (1 << 20, 8192, 32_000, 1 << 18, 1 << 18),   # Liger's rule already gives <= 8 chunks: unchanged
 ])
-def test_auto_chunk(n, dim, vocab, expected):
+def test_auto_chunk(n, dim, vocab, liger, expected):
+    assert train._liger_chunk(n, dim, vocab) == liger
     assert train._auto_chunk(n, dim, vocab) == expected
+    assert -(-n // expected) <= train.MAX_CHUNKS
 
 
 class CountGemms(TorchDispatchMode):
