@@ -13,8 +13,8 @@ accuracy on the questions that need the tool.
 What runs (docs/experiments.md, "The Tool Prior Paradox in miniature"):
     sft      train.py --stage sft --always-call --sft-gated-overviews 1   (seed 0, shared by every run)
              the oracle crops every question (a tool prior), on K = 32 overviews and on gated ones (K from
-             GATING), for as many steps as the default run: long enough to read colours, and the gated variants
-             start in distribution
+             GATING), 450 steps (the vision tower frozen, as in the default run): it reads colours, and the
+             gated variants start in distribution
     rl       5 variants (VARIANTS) x --seeds: train.py --stage rl --model <sft> --temperature 1.0, the same
              steps, group, prompts and learning rate; ungated runs see K = 32 (DENSE: every glyph is in some
              overview frame, the tool is never needed), gated runs K ~ GATING
@@ -85,8 +85,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--skip-sft", metavar="DIR", default=None,
                    help="reuse a warm start: a checkpoint dir, or a run dir (its newest checkpoint)")
     p.add_argument("--plot-only", action="store_true", help="only redraw the figure and table from the run dirs")
-    p.add_argument("--sft-steps", type=int, default=600, help="SFT warm-start steps (batch 8, train.py's)")
-    p.add_argument("--rl-steps", type=int, default=40, help="RL steps of every run")
+    p.add_argument("--sft-steps", type=int, default=450, help="SFT warm-start steps (batch 8, train.py's)")
+    p.add_argument("--rl-steps", type=int, default=24, help="RL steps of every run")
     p.add_argument("--group-size", type=int, default=8, help="GRPO samples per prompt")
     p.add_argument("--prompts-per-step", type=int, default=2, help="prompts per RL step (rollouts = this x group)")
     p.add_argument("--lr", type=float, default=2e-4, help="RL learning rate of every run")
