@@ -50,6 +50,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -209,7 +210,7 @@ def score_predictions(path: str, records: list[dict], nframes: int) -> dict:
 
 
 def spread(values: list[float]) -> dict:
-    """Mean, min and max over the values that exist (nan: a seed without such a question)."""
+    """Mean, min and max over the values that exist (nan: a seed without such a question; all nan: nan)."""
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v)]
     if not len(v):
@@ -233,10 +234,13 @@ def collect(out: str, variants: list[str], seeds: list[int], n_eval: int) -> dic
 
 
 def seed_band(curves: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(seeds, steps) -> mean, min, max over seeds per step; runs of unequal length are cut to the shortest."""
+    """(seeds, steps) -> mean, min, max over seeds per step (nan where no seed has a value); runs of unequal
+    length are cut to the shortest."""
     n = min(len(c) for c in curves)
     stack = np.stack([c[:n] for c in curves])
-    return np.nanmean(stack, 0), np.nanmin(stack, 0), np.nanmax(stack, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)          # an all-nan step stays nan
+        return np.nanmean(stack, 0), np.nanmin(stack, 0), np.nanmax(stack, 0)
 
 
 def moving_average(x: np.ndarray, window: int) -> np.ndarray:
@@ -294,7 +298,7 @@ def table(res: dict, n_seeds: int) -> str:
             cells = []
             for m in FINALS:
                 s = spread(r["finals"][k][m])
-                cells.append(f"{s['mean']:.3f} ({s['min']:.2f}-{s['max']:.2f})")
+                cells.append("-" if np.isnan(s["mean"]) else f"{s['mean']:.3f} ({s['min']:.2f}-{s['max']:.2f})")
             lines.append(f"| {LABELS[v]} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -304,12 +308,13 @@ def summary_json(res: dict, smooth: int) -> dict:
     """Per variant: finals at both K (mean/min/max over seeds) and, per curve, the seed mean's means over the
     first and last `smooth` steps."""
     out = {}
+    window_mean = lambda x: float(np.mean(x[np.isfinite(x)])) if np.isfinite(x).any() else None   # noqa: E731
     for v, r in res.items():
         curves = {}
         for k in CURVES:
             mean = seed_band(r["curves"][k])[0]
-            curves[k] = {f"first{smooth}": float(np.nanmean(mean[:smooth])),
-                         f"last{smooth}": float(np.nanmean(mean[-smooth:])), "steps": len(mean)}
+            curves[k] = {f"first{smooth}": window_mean(mean[:smooth]), f"last{smooth}": window_mean(mean[-smooth:]),
+                         "steps": len(mean)}
         out[v] = {"final": {f"k{k}": {m: spread(r["finals"][k][m]) for m in FINALS} for k in (SPARSE, DENSE)},
                   "curves": curves}
     return out
@@ -352,7 +357,7 @@ def main(argv=None) -> dict:
     print(f"figure: {png}")
     result = {"variants": summary_json(res, args.smooth), "seeds": seeds, "figure": png,
               "table": os.path.join(out, "paradox.md"), "seconds": round(time.time() - t0, 1)}
-    print(json.dumps(result))
+    print(json.dumps(result, default=str).replace("NaN", "null"))     # no question of a kind: null, strict JSON
     return result
 
 
