@@ -501,11 +501,11 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     frames = lambda w: crop_patch_times(*w, duration, crop_fps, crop_max_frames)
     rounds = [(turn(think, "\n".join(_call(a, b) for a, b in windows)), list(enumerate(windows)))]
     # a whole-video crop that showed a mark but not its glyph: crop close around where it showed the mark
-    spots = {i: seen_at(clues[i], frames(w)) for i, w in enumerate(windows) if seen[i] is None
-             and not _shows(glyphs[i], patches + frames(w))}
+    wide = {i: frames(w) for i, w in enumerate(windows) if seen[i] is None}          # the whole-video crops' patches
+    spots = {i: seen_at(clues[i], p) for i, p in wide.items() if not _shows(glyphs[i], patches + p)}
     spots = {i: t for i, t in spots.items() if t is not None}
     if spots:
-        second = [(i, close(t, (windows[i][1] - windows[i][0]) / (2 * len(frames(windows[i]))), clues[i], glyphs[i]))
+        second = [(i, close(t, (windows[i][1] - windows[i][0]) / (2 * len(wide[i])), clues[i], glyphs[i]))
                   for i, t in spots.items()]                 # d: the wide crop's frame spacing
         marks = " and ".join(f"near {_t(t)} seconds" for t in spots.values())
         rounds.append((turn(f"The whole-video clip shows a mark {marks} but no shape beside it. I will crop closer.",

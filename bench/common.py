@@ -18,6 +18,19 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))   # run from anywhere: the modules are one folder up
 
 
+def checkpoint_dir(path: str) -> str:
+    """A checkpoint dir (has config.json) as is, or a run dir's newest complete checkpoint (train.latest_checkpoint).
+    Raises FileNotFoundError naming the path otherwise."""
+    import os
+    from train import latest_checkpoint
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"{path}: neither a checkpoint dir (no config.json) nor a run dir with a ckpt-* inside")
+    return found
+
+
 def set_threads(n: int) -> int:
     """Use n intra-op threads (0 = leave torch's default). Token-by-token decoding of a tiny model is
     latency-bound; on a shared CPU, threads waiting on each other slow every small matmul, so the

@@ -59,7 +59,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent          # the repo root, where train.py lives
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
-from train import latest_checkpoint  # noqa: E402
+from bench.common import checkpoint_dir  # noqa: E402
 
 # The five variants: train.py flags on top of the common RL flags (see rl_command).
 VARIANTS = {
@@ -159,16 +159,6 @@ def run_once(cmds: list[list[str]], run_dir: str, env: dict) -> dict:
         json.dump(result, f)
     print(f"  {run_dir} done in {result['seconds']:.0f} s", flush=True)
     return result
-
-
-def resolve_warm_start(path: str) -> str:
-    """A checkpoint dir (has config.json) as is, or a run dir's newest checkpoint."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    ckpt = latest_checkpoint(path)
-    if ckpt is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint dir (no config.json) nor a run dir with a ckpt-* inside")
-    return ckpt
 
 
 # -----------------------------------------------------------------------------
@@ -331,11 +321,11 @@ def main(argv=None) -> dict:
     env = {**os.environ, "PARAVT_CACHE": os.path.join(out, "cache")}      # one video cache for every run
     if not args.plot_only:
         if args.skip_sft:
-            ckpt = resolve_warm_start(args.skip_sft)
+            ckpt = checkpoint_dir(args.skip_sft)
         else:
             sft_dir = os.path.join(out, "sft")
             run_once([sft_command(args, sft_dir, passthrough)], sft_dir, env)
-            ckpt = resolve_warm_start(sft_dir)
+            ckpt = checkpoint_dir(sft_dir)
         print(f"warm start: {ckpt}", flush=True)
         one = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}   # a core per run
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import benchmarks  # noqa: E402
 import eval as evaluation  # noqa: E402
-from train import latest_checkpoint  # noqa: E402
+from bench.common import checkpoint_dir  # noqa: E402
 
 KINDS = ("single_clue", "multi_clue", "search", "direct")
 
@@ -49,15 +49,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def checkpoint(path: str) -> str:
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    found = latest_checkpoint(path)
-    if found is None:
-        raise SystemExit(f"{path}: neither a checkpoint (config.json) nor a run dir with a ckpt-* inside")
-    return found
-
-
 def by_kind(records: list[dict], rows: list[dict]) -> dict:
     """MCQ accuracy (%) overall and per kind, and the mean number of executed tool turns."""
     rows = {str(r["id"]): r for r in rows}
@@ -77,7 +68,10 @@ def by_kind(records: list[dict], rows: list[dict]) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()
-    ckpt = checkpoint(args.model)
+    try:
+        ckpt = checkpoint_dir(args.model)
+    except FileNotFoundError as e:
+        raise SystemExit(f"turn_budget.py: {e}") from None
     root = os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
     records = benchmarks.synthetic_records(root, n=args.n, seed=args.seed)
     os.makedirs(args.out, exist_ok=True)

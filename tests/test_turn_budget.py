@@ -15,8 +15,7 @@ import eval as evaluation
 import rewards
 import rollout
 import video
-from model import load_model
-from tests.test_rollout import Scripted, call, turn, user_messages, responses
+from tests.test_rollout import Scripted, call, tiny, turn, user_messages, responses  # noqa: F401 (tiny: a fixture)
 
 CROP = dict(level="medium", fps=1.0, max_frames=16, max_pixels=64 * 64)   # the tiny rollout's crops
 
@@ -27,21 +26,17 @@ def search(tmp_path_factory):
     return root, data.make_split(root, 24, seed=5, mix={"search": 1.0})
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
-    torch.set_num_threads(threads)
+def has_colour(frames: torch.Tensor, colour: str) -> bool:
+    """Whether some frame of (T, 3, 64, 64) uint8 frames shows `colour` in its bottom-right quadrant (where both
+    a needle and a direct glyph are drawn)."""
+    px = frames[:, :, 56, 56].float()                                        # (T, 3)
+    return bool(((px - torch.tensor(data.PALETTE[colour]).float()).abs().max(1).values < 40).any())
 
 
 def shows_glyph(root: str, rec: dict, start: float, end: float) -> bool:
-    """Whether a real crop of the record's video (the tiny rollout's sampling) has a frame with the glyph colour
-    in its bottom-right quadrant."""
+    """Whether a real crop of the record's video (the tiny rollout's sampling) shows the glyph colour."""
     clip = video.crop(os.path.join(root, rec["video"]), start, end, **CROP)
-    colour = torch.tensor(data.PALETTE[rec["meta"]["colours"][0]]).float()
-    px = clip.frames[:, :, 56, 56].float()                                   # (T, 3)
-    return bool(((px - colour).abs().max(1).values < 40).any())
+    return has_colour(clip.frames, rec["meta"]["colours"][0])
 
 
 def crops(msgs: list[dict]) -> list[tuple[float, float]]:
@@ -155,9 +150,7 @@ def test_tool_needed_agrees_with_the_decoded_overview(tmp_path, nframes):
             assert need is None
             continue
         clip = video.sample_overview(os.path.join(root, rec["video"]), nframes=nframes, max_pixels=64 * 64)
-        px = clip.frames[:, :, 56, 56].float()                                  # (K, 3)
-        shown = [bool(((px - torch.tensor(data.PALETTE[c]).float()).abs().max(1).values < 40).any())
-                 for c in rec["meta"]["colours"]]
+        shown = [has_colour(clip.frames, c) for c in rec["meta"]["colours"]]
         assert need == (not all(shown)), (rec["id"], nframes)
         seen.append(need)
     if nframes <= 8:
