@@ -228,7 +228,13 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr
 # `TOKEN_LOGPROBS_COMPILE=0` runs the chunk kernels of token_logprobs and token_loss eagerly everywhere
 # (for debugging and pdb). `TORCH_COMPILE_DISABLE=1` does the same for every torch.compile in the process.
 _compiled_kernels: dict = {}
-_MIN_CHUNK_LOGITS = 1 << 23   # token_loss's smallest (C, V) buffer, in elements (32 MB fp32); below it, no chunks
+_MIN_CHUNK_LOGITS = 1 << 23   # token_loss's smallest chunk buffer, in elements (32 MB fp32); below it, no chunks
+
+# Layout: a chunk of C tokens has its logits vocab-major, logits^T = W h_c^T of shape (V, C), in one reused buffer,
+# so the GEMMs are (V, D) x (D, C), (D, V) x (V, C) and (V, C) x (C, D). `python bench/chunk_layout.py` (CPU, MKL,
+# fp32, N = 1,024, D = 4,096, V = 151,936): the three GEMMs chunk by chunk took 1.31x / 1.12x / 1.05x the time of
+# the whole-batch GEMMs at C = 128 / 256 / 512 token-major (C, V), 1.09x / 1.01x / 1.00x vocab-major. The softmax
+# reductions then run over the buffer's outer axis.
 
 
 def _kernel(fn, use_compile: bool):
@@ -362,21 +368,20 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
         grad_h_i = (g_i / T) (onehot(t_i) - p_i) W      grad_W = sum_i (g_i / T) (onehot(t_i) - p_i)^T h_i
 
     Shapes: hidden (..., D), lm_head_weight (V, D), targets (...) int64 in [0, V) -> (...) float32.
-    Forward walks the tokens in chunks of C = chunk_size rows: a chunk's (C, V) logits come from one
-    GEMM, are reduced in fp32 to the target logit and the logsumexp, and dropped; only lse (N,) is
-    saved. Backward recomputes each chunk's logits with the same GEMM, overwrites them in place with
-    grad_logits = (g / T) (onehot - exp(logits / T - lse)), then grad_hidden chunk = grad_logits @ W and
-    grad_W += grad_logits^T h_chunk (an fp32 accumulator, cast to W's dtype at the end).
+    Forward walks the tokens in chunks of C = chunk_size rows: a chunk's logits come from one GEMM
+    into a (V, C) buffer (vocab-major: see "Layout" above), are reduced in fp32 to the target logit and
+    the logsumexp, and dropped; only lse (N,) is saved. Backward recomputes each chunk's logits with
+    the same GEMM, overwrites them in place with grad_logits = (g / T) (onehot - exp(logits / T - lse)),
+    then grad_hidden chunk = grad_logits @ W and grad_W += grad_logits^T h_chunk (an fp32
+    accumulator, cast to W's dtype at the end).
     Temperature: the RL loop samples from softmax(logits / T); the log-probs that enter its loss (old,
     reference and current) must be those of the same distribution, so they pass the sampling T here.
 
     Memory: O(C V) working memory instead of O(N V). With Qwen's vocab V = 151,936 the naive path
     at N = 8192 tokens holds 5 GB of fp32 logits, and autograd keeps two to three such (N, V)
-    tensors alive in backward; here one (C, V) buffer, 0.6 GB for C = 1024 in fp32, whatever N is.
+    tensors alive in backward; here one (V, C) buffer, 0.6 GB for C = 1024 in fp32, whatever N is.
     The price is one extra GEMM (the logits recomputed in backward): 4 GEMMs of N x D x V instead
-    of 3. bench/logprob_bench.py, fp32 on a 2-core CPU, N = 4096, D = 4096: 0.63 GB of working
-    memory (beyond the returned gradients) against 4.57 GB naive and 2.32 GB for a row-by-row
-    log_softmax over full logits, at 1.35x the latter's time. A loss that is a sum of per-token
+    of 3 (bench/logprob_bench.py, method `logprobs`; figures in docs/experiments.md). A loss that is a sum of per-token
     terms should use `token_loss` instead (3 GEMMs, gradients formed in the forward); this function
     is for the no-grad uses (old and reference log-probs, evaluation) and for losses that are not.
     bf16/fp16 inputs: the GEMMs run in the input dtype (fp32 accumulation inside the GEMM), the
@@ -384,10 +389,10 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
 
     The softmax math of a chunk (forward: logsumexp and gather; backward: the in-place gradient) runs
     under `torch.compile(dynamic=False)`, compiled lazily on first use, which fuses it into one pass
-    over the (C, V) buffer; the GEMMs are library calls either way. The last chunk is zero-padded to
-    C rows so one shape is compiled; when N < chunk_size the chunk shrinks to the next power of two
+    over the buffer; the GEMMs are library calls either way. The last chunk is zero-padded to
+    C tokens so one shape is compiled; when N < chunk_size the chunk shrinks to the next power of two
     >= N. `compile=False` or env TOKEN_LOGPROBS_COMPILE=0 runs the same code eagerly (with a few
-    (C, V) temporaries). Call it outside any compiled region: its Python loop is the point.
+    (V, C) temporaries). Call it outside any compiled region: its Python loop is the point.
     Source: the fused "linear + cross-entropy" of Liger-Kernel (arXiv 2410.10989), here returning
     per-token log-probs (GRPO needs those, not one summed loss), hence the recompute in backward.
     """
@@ -419,10 +424,10 @@ def _auto_chunk(n: int, dim: int, vocab: int) -> int:
     token_loss's default chunk: Liger's (`_liger_chunk`), but at most MAX_CHUNKS chunks:
     C = next_pow2(max(ceil(N / ceil(V / D)), ceil(N / MAX_CHUNKS))).
     Departure from Liger: every chunk reads W twice (GEMMs 1 and 2) and reads and writes the fp32 grad_W once
-    (GEMM 3), 4 V D elements of traffic: Liger's 32 chunks at N = D = 4,096, V = 151,936 move ~32 x 10 GB (fp32),
-    a cost on a CPU's memory bandwidth (measured before: 1.25x naive's CPU seconds with 128-row chunks, 0.99x with
-    1024-row chunks at N = 2,048). At most 8 chunks bound that while the (C, V) buffer stays <= 1/8 of the naive
-    (N, V) logits. bench/logprob_bench.py measures both rules side by side (methods `fused` and `fused_liger`).
+    (GEMM 3), and each GEMM's fixed cost is paid once per chunk. Measured side by side (bench/logprob_bench.py,
+    the GRPO loss, fp32, N = D = 4,096, V = 151,936, 2-core CPU, 2026-12-01): 8 chunks of 512 rows 0.92x naive's
+    time at 0.080x its working memory; Liger's 32 chunks of 128 rows 1.01x at 0.029x. At most 8 chunks keep the
+    buffer <= 1/8 of the naive (N, V) logits. The bench runs both rules (methods `fused` and `fused_liger`).
     """
     chunk = max(_liger_chunk(n, dim, vocab), -(-n // MAX_CHUNKS))
     return 1 << (chunk - 1).bit_length()
@@ -506,7 +511,7 @@ def token_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     clipped ratio, a KL to a reference, cross-entropy): that is what lets the gradient be known as
     soon as the chunk's log-probs are.
 
-    Per chunk of C rows, in the forward: the (C, V) logits by one GEMM into a reused buffer, the
+    Per chunk of C rows, in the forward: the logits by one GEMM into a reused (V, C) buffer, the
     log-sum-exp and log-probs, g by autograd on the small (C,) tensor, grad_logits written in place
     over the logits, then grad_h for the chunk (GEMM 2) and grad_W accumulated in fp32 (GEMM 3).
     The backward only scales the stored grad_h and grad_W by the upstream gradient: 3 GEMMs of
@@ -517,10 +522,10 @@ def token_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     V = 151,936, where Liger's alone gives 128), and when the whole (N, V) logits are no bigger
     than that smallest buffer, the plain path (log_softmax over all logits, ordinary autograd). An
     explicit chunk_size always takes the fused path (shrunk to the next power of two >= N when N is
-    smaller). The softmax math of a chunk runs under torch.compile(dynamic=False) on the padded (C, V)
+    smaller). The softmax math of a chunk runs under torch.compile(dynamic=False) on the padded (V, C)
     shape as in `token_logprobs` (env TOKEN_LOGPROBS_COMPILE=0 or compile=False: eager); the GEMMs are
     library calls. bf16: GEMMs in bf16, softmax math in fp32, grad_W summed in fp32, cast to W's dtype.
-    Measured (bench/logprob_bench.py, the GRPO loss, fp32, 2-core CPU): see docs/benchmarks.md.
+    Measured (bench/logprob_bench.py, the GRPO loss, fp32, 2-core CPU): see docs/experiments.md.
     Sources: Liger-Kernel's fused linear losses (arXiv 2410.10989) and Cut Cross-Entropy (arXiv
     2411.09009) form the gradient inside the forward the same way; here the per-token loss is any
     function of log p, so one kernel serves GRPO and SFT.

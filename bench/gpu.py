@@ -15,9 +15,7 @@ Sections (each prints a line and lands in the last-line JSON):
               gradient checkpointing, bf16, forward_hidden (vision once per prompt), grpo_loss, AdamW
 4. loss       train.token_loss (fused, chunked) vs naive logits -> log_softmax at 16k tokens, bf16
 5. pytest     `pytest -m gpu` (dry run: collection only)
-The 8B config and real tokenizer come from model.qwen3vl_config / model.qwen_tokenizer and the fused loss
-from train.token_loss; when this checkout lacks them the section says so and falls back (8B shapes with
-the tiny tokenizer resized to 151,936; token_logprobs for the fused loss).
+The 8B config and real tokenizer come from model.qwen3vl_config / model.qwen_tokenizer.
 """
 import argparse
 import json
@@ -52,26 +50,16 @@ def reset_peak(device):
         torch.cuda.reset_peak_memory_stats()
 
 
-def build(args, device, notes: list[str]):
+def build(args, device):
     """(model, processor): tiny 2-layer shapes on --dry-run, else the 8B config with the real tokenizer."""
     if args.dry_run:
         model, processor = build_tiny(ModelConfig(layers=2), corpus=rollout.prompt_corpus())
         return model.to(device), processor
-    try:
-        from model import qwen3vl_config, qwen_tokenizer      # branch `tok`
-        from transformers import Qwen3VLForConditionalGeneration
-        config, processor = qwen3vl_config("8b"), qwen_tokenizer()
-        with torch.device(device):
-            model = Qwen3VLForConditionalGeneration(config)
-        return model.to(torch.bfloat16).eval(), processor
-    except ImportError as err:
-        notes.append(f"model.qwen3vl_config / model.qwen_tokenizer missing ({err}): 8B shapes with the tiny tokenizer")
-    cfg = ModelConfig(vocab_size=2048, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
-                      mrope_section=(24, 20, 20), vision_hidden=1152, vision_depth=27, vision_heads=16,
-                      vision_intermediate=4304)
+    from model import qwen3vl_config, qwen_tokenizer
+    from transformers import Qwen3VLForConditionalGeneration
+    config, processor = qwen3vl_config("8b"), qwen_tokenizer()
     with torch.device(device):
-        model, processor = build_tiny(cfg, corpus=rollout.prompt_corpus())
-    model.resize_token_embeddings(151_936, mean_resizing=False)
+        model = Qwen3VLForConditionalGeneration(config)
     return model.to(torch.bfloat16).eval(), processor
 
 
@@ -187,19 +175,14 @@ def section_train(model, processor, trajs, args, device) -> dict:
                 loss=float(loss.detach()))
 
 
-def section_loss(model, args, device, notes: list[str]) -> dict:
+def section_loss(model, args, device) -> dict:
     D, V = model.lm_head.weight.shape[1], model.lm_head.weight.shape[0]
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(args.loss_tokens, D, device=device, dtype=dtype, generator=g, requires_grad=True)
     w = torch.randn(V, D, device=device, dtype=dtype, generator=g) * 0.02
     t = torch.randint(0, V, (args.loss_tokens,), device=device, generator=g)
-    fused = getattr(train, "token_loss", None)
-    if fused is None:
-        notes.append("train.token_loss missing (branch `fused`): the fused side is train.token_logprobs")
-        fused_fn = lambda: -train.token_logprobs(h, w, t, compile=False).sum()
-    else:
-        fused_fn = lambda: fused(h, w, t, lambda lp, rows: -lp.sum())
+    fused_fn = lambda: train.token_loss(h, w, t, lambda lp, rows: -lp.sum())
     naive_fn = lambda: -torch.log_softmax((h @ w.T).float(), -1).gather(-1, t[:, None]).sum()
     res = {}
     for name, fn in (("fused", fused_fn), ("naive", naive_fn)):
@@ -234,16 +217,15 @@ def main() -> None:
     args.train_rows = 4 if small else 16
     args.loss_tokens = 512 if small else 16384
     torch.manual_seed(0)
-    notes: list[str] = []
     out = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", dry_run=small)
-    model, processor = build(args, device, notes)
+    model, processor = build(args, device)
     with tempfile.TemporaryDirectory() as root:
         recs = data.make_split(root, max(args.prompts, 1), seed=0)
         out["prefill"] = section_prefill(model, processor, root, recs[0], args, device)
         print("prefill", json.dumps(out["prefill"]), flush=True)
         out["rollout"], trajs = section_rollout(model, processor, root, recs, args, device)
         print("rollout", json.dumps(out["rollout"]), flush=True)
-    out["loss"] = section_loss(model, args, device, notes)
+    out["loss"] = section_loss(model, args, device)
     print("loss", json.dumps(out["loss"]), flush=True)
     out["train"] = section_train(model, processor, trajs, args, device)
     print("train", json.dumps(out["train"]), flush=True)
@@ -251,7 +233,6 @@ def main() -> None:
     r = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True)
     out["pytest_gpu"] = dict(returncode=r.returncode, tail=r.stdout.strip().splitlines()[-1:] or [""])
     print("pytest -m gpu:", out["pytest_gpu"], flush=True)
-    out["notes"] = notes
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

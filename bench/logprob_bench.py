@@ -27,7 +27,7 @@ first pass minus the second (first_call_extra_s) is the torch.compile time of th
 apart. The loss and the norms of grad h and grad W are compared across methods.
 On CPU, N is halved until the naive method's estimated footprint fits in --mem-fraction of
 MemAvailable (printed when it happens).
-Targets (issue 18): fused peak extra memory <= 1/8 of naive, time <= 0.9x naive.
+Targets: fused peak extra memory (and working memory) <= 1/8 of naive's, time <= 0.9x naive's.
 The last line of output is one JSON object.
 """
 import argparse
@@ -185,7 +185,7 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of h and W")
     p.add_argument("--chunk-size", type=int, default=1024, help="tokens per chunk for logprobs")
     p.add_argument("--fused-chunk", type=int, default=0,
-                   help="tokens per chunk for fused; 0 = token_loss's own choice (Liger's rule) for this N, D, V")
+                   help="tokens per chunk for fused; 0 = token_loss's own choice (train._auto_chunk) for this N, D, V")
     p.add_argument("--rows", type=int, default=8, help="sequences the N tokens form (rowwise, the advantages)")
     p.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per method")
     p.add_argument("--mem-fraction", type=float, default=0.6, help="share of free memory the naive run may use")

@@ -13,7 +13,7 @@ the nearest-frame rule decoding from the stream start, as video.py did before):
     K = 8, and with nFrames gating K in {4, 8, 16, 32, 64}): hit rate and decode seconds saved.
 
 Every fast result is checked to equal the sequential one (times and pixels). The long video is written once
-into --cache-dir and reused. Targets (issue 22): K = 8 >= 10x, K = 64 >= 2x, the 768 rule no slower,
+into --cache-dir and reused. Targets: K = 8 >= 10x, K = 64 >= 2x, the 768 rule no slower,
 pooled >= 1.5x on 2 cores.
 
     python bench/video_bench.py                  # ~ a few minutes (+ ~1-2 min to write the video once)

@@ -1,6 +1,6 @@
 """Tests for eval.py: resumable prediction (error rows run again), trajectory rows and the agent
 figures (fake rollout), presets, and the command line end to end on the tiny model and tiny synthetic
-records (items of issues 19 and 21: --bench records, symlinked roots, retried errors, one-line errors).
+records (--bench records, symlinked roots, retried errors, one-line errors).
 
     pytest tests/test_eval.py -q
 """

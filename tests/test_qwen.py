@@ -56,7 +56,7 @@ def encode(tok, text: str) -> list[int]:
 # ----------------------------------------------------------------------------- the real tokenizer
 
 def test_qwen_reference_ids(qwen):
-    """The two checks of the issue, measured on the released tokenizer."""
+    """Two reference encodings of the released tokenizer."""
     assert encode(qwen, "Hello, world!") == [9707, 11, 1879, 0]
     ids = encode(qwen, "<answer>B</answer>")
     assert ids == [27, 9217, 36721, 522, 9217, 29]

@@ -78,7 +78,7 @@ def test_smoke_stage_all(tmp_path, capsys, tiny):
 
 
 def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
-    """The 1-minute version of the default run (issue: the embedded default visibly learns): a smaller task
+    """The 1-minute version of the default run (the embedded default visibly learns): a smaller task
     (16 s videos, direct questions only: a big glyph the overview shows), 100 SFT steps, then greedy
     accuracy on 32 held-out questions. Four options: chance is 1/4; P(>= 16 of 32 right | chance) = 0.002."""
     run(["--stage", "sft", "--final-eval", "--run-dir", tmp_path, "--task-duration", "16", "--task-mix", "direct=1",

@@ -135,7 +135,7 @@ def test_token_logprobs_env_disables_compile(monkeypatch):
 ])
 def test_token_logprobs_temperature(temperature):
     """
-    Regression (issue 15 item 4): rollouts sample from softmax(logits / T) with T = 0.7, but the loss's
+    Regression: rollouts sample from softmax(logits / T) with T = 0.7, but the loss's
     log-probs were those of softmax(logits), so the policy optimised was not the one that sampled.
     token_logprobs(..., temperature=T) must equal log_softmax(h W^T / T).gather, gradients included.
     """
