@@ -964,19 +964,19 @@ def sft_micro_batches(items: list, rows: int, model, pad_id: int):
         yield rollout.collate(items[i:i + rows], model, pad_id)
 
 
-def sft_backward(model, items: list, rows: int, pad_id: int, chunk_size: int, tdam_tokenizer=None,
+def sft_backward(model, items: list, rows: int, pad_id: int, loss_chunk: int | None = None, tdam_tokenizer=None,
                  compile: bool = True, counts: dict | None = None) -> tuple[torch.Tensor, int]:
     """Backward of the batch's SFT loss (token mean over all its policy tokens) through micro-batches of
     `rows`: each micro-batch's token mean weighted by its share n_i / N of the tokens, so the gradients add
-    up to those of one forward over the whole batch. tdam_tokenizer: TDAM masks on (spans found from the text;
-    rows without an answer counted in `counts`).
+    up to those of one forward over the whole batch. loss_chunk: token_loss's chunk (None: its own rule).
+    tdam_tokenizer: TDAM masks on (spans found from the text; rows without an answer counted in `counts`).
     Returns (the batch loss, detached; N)."""
     batches = list(sft_micro_batches(items, rows, model, pad_id))
     n_tok = max(1, sum(int(policy_mask(b["roles"]).sum()) for b in batches))   # sft_loss's own token count
     parts = []
     for batch in batches:
         spec = tdam_spec(batch, tdam_tokenizer, model.config.video_token_id, counts) if tdam_tokenizer else None
-        micro, n = sft_loss(model, batch, None, None, compile, spec)
+        micro, n = sft_loss(model, batch, loss_chunk, None, compile, spec)
         (micro * (n / n_tok)).backward()
         parts.append(micro.detach() * (n / n_tok))
     return torch.stack(parts).sum(), n_tok
@@ -989,7 +989,7 @@ class SFTSettings:
     micro_batch: int = 2
     lr: float = 2e-3
     tdam_ratio: float = 0.1
-    logprob_chunk: int = 1024
+    loss_chunk: int = 0                  # token_loss's chunk; 0: its own rule (_auto_chunk)
     compile: bool = False
 
 
@@ -1004,7 +1004,7 @@ def run_sft(run: "Run", model, items: list, optimizer, s: SFTSettings, pad_id: i
         rng = random.Random(f"sft:{run.seed}:{step}:{run.rank}")   # string seeds: draws independent across steps
         batch = [items[rng.randrange(len(items))] for _ in range(s.batch)]
         tdam = rng.random() < s.tdam_ratio
-        loss, n_tok = sft_backward(model, batch, s.micro_batch, pad_id, s.logprob_chunk, tokenizer if tdam else None,
+        loss, n_tok = sft_backward(model, batch, s.micro_batch, pad_id, s.loss_chunk or None, tokenizer if tdam else None,
                                    s.compile, run.counters)
         if tdam and run.counters.get("tdam_no_answer") and "tdam" not in run.warned:
             run.warned.add("tdam")
@@ -1047,7 +1047,8 @@ class GRPOSettings:
     clip_low: float = 0.2
     clip_high: float = 0.3
     temperature: float = 0.7             # the rollout's T; every log-prob in the loss uses it too
-    logprob_chunk: int = 1024
+    logprob_chunk: int = 1024            # token_logprobs' chunk (old / reference log-probs, no grad)
+    loss_chunk: int = 0                  # token_loss's chunk; 0: its own rule (_auto_chunk)
     compile: bool = False
 
 
@@ -1179,7 +1180,7 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
         return grpo_token_loss(hidden, model.lm_head.weight, targets, o, a, mask, clip_low=s.clip_low,
                                clip_high=s.clip_high, kl_coef=0.0 if s.kl_in_reward else s.kl_coef, ref_logprobs=r,
                                kl_estimator=s.kl_estimator, num_tokens=norm, temperature=s.temperature,
-                               compile=s.compile)
+                               chunk_size=s.loss_chunk or None, compile=s.compile)
 
     for epoch in range(s.ppo_epochs):
         total = torch.zeros(())
@@ -1690,7 +1691,7 @@ def rollout_config(args) -> rollout.RolloutConfig:
 
 def sft_settings(args) -> SFTSettings:
     return SFTSettings(steps=args.sft_steps, batch=args.sft_batch, micro_batch=args.sft_micro_batch, lr=args.sft_lr,
-                       tdam_ratio=args.tdam_ratio, logprob_chunk=args.logprob_chunk, compile=bool(args.compile))
+                       tdam_ratio=args.tdam_ratio, loss_chunk=args.loss_chunk, compile=bool(args.compile))
 
 
 def grpo_settings(args) -> GRPOSettings:
@@ -2012,7 +2013,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="score generated tokens only, as the ParaVT release did (forced prefix/tool responses unseen)")
     g.add_argument("--final-eval", action="store_true", help="held-out evaluation at the end (always on for --stage all)")
     g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N RL steps (0 = only at the end)")
-    g.add_argument("--logprob-chunk", type=int, default=1024, help="token rows per chunk of the fused log-prob kernel")
+    g.add_argument("--logprob-chunk", type=int, default=1024,
+                   help="tokens per chunk of token_logprobs (old and reference log-probs, no grad)")
+    g.add_argument("--loss-chunk", type=int, default=0,
+                   help="tokens per chunk of the fused SFT and GRPO loss (token_loss); 0: its own rule")
     args = p.parse_args(argv)
     try:
         resolve(args)

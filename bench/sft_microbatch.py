@@ -36,19 +36,20 @@ def main():
     p.add_argument("--cache", default=None, help="synthetic video cache (default: a temp dir)")
     a = p.parse_args()
     threads = set_threads(a.threads)
-    args = train.parse_args([])
-    cfg = train.rollout_cfg(args, tiny=True)
+    args = train.parse_args([])                                  # the embedded default's settings
+    cfg = train.rollout_config(args)
     with tempfile.TemporaryDirectory() as tmp:
-        records, _, root = train.synthetic_data(args, a.cache or tmp)
+        records, _, root = train.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration,
+                                                args.task_mix, a.cache or tmp)
         model, processor = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
-        items, _ = train.sft_examples(args, records, processor, root, cfg, rank=0)
+        items, _ = train.sft_examples(records, processor, root, cfg, sft_data=None, seed=args.seed, gated_choices=[])
     pad_id = processor.tokenizer.pad_token_id
     rng = random.Random(0)
     batches = [[items[rng.randrange(len(items))] for _ in range(a.batch)] for _ in range(a.steps)]
 
     def step(batch, rows):
         """Gradient of the batch's token-mean SFT loss, over micro-batches of `rows` (rows = batch: one forward)."""
-        train.sft_backward(model, batch, rows, pad_id, args.logprob_chunk, compile=False)
+        train.sft_backward(model, batch, rows, pad_id, compile=False)
         grad = torch.cat([q.grad.flatten() for q in model.parameters() if q.grad is not None])
         model.zero_grad(set_to_none=True)
         return grad

@@ -140,8 +140,9 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
 
 # ----------------------------------------------------------------------------- two ranks (gloo)
 
-def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str) -> None:
-    """One policy_update on `world` gloo ranks (world 1: no process group), the full weights saved to `out`."""
+def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str, loss_chunk: int = 0) -> None:
+    """One policy_update on `world` gloo ranks (world 1: no process group), the full weights saved to `out`.
+    loss_chunk 0: the tiny model's logits are small, so token_loss takes its plain path; > 0: the fused chunks."""
     torch.set_num_threads(1)
     if world > 1:                      # (a spawned rank's own environment; world 1 runs in the test process)
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
@@ -152,7 +153,7 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
     trajs = torch.load(items_of_rank["trajs"], weights_only=False)
     mine = [(trajs[i], adv, {"anchor": 0.0}) for i, adv in items_of_rank[rank]]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    s = train.GRPOSettings(micro_batch=1, temperature=0.7)
+    s = train.GRPOSettings(micro_batch=1, temperature=0.7, loss_chunk=loss_chunk)
     step = lambda loss: (optimizer.step(), optimizer.zero_grad())
     gn, _ = train.policy_update(model, None, optimizer, mine, s, processor.tokenizer.pad_token_id, processor.tokenizer, world,
                                 filler=trajs[0], step_fn=step)
@@ -164,11 +165,11 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
         torch.distributed.destroy_process_group()
 
 
-def _run_ranks(world: int, items_of_rank: dict, out: str) -> dict:
+def _run_ranks(world: int, items_of_rank: dict, out: str, loss_chunk: int = 0) -> dict:
     if world == 1:
-        _rank_update(0, 1, 0, items_of_rank, out)
+        _rank_update(0, 1, 0, items_of_rank, out, loss_chunk)
     else:
-        torch.multiprocessing.spawn(_rank_update, args=(world, train.find_free_port(), items_of_rank, out),
+        torch.multiprocessing.spawn(_rank_update, args=(world, train.find_free_port(), items_of_rank, out, loss_chunk),
                                     nprocs=world)
     return torch.load(out, weights_only=True)
 
@@ -188,6 +189,27 @@ def test_two_rank_update_equals_one_process(split, encoded, tmp_path):
     assert moved, "the update changed nothing"
     for n in one:
         torch.testing.assert_close(two[n], one[n], atol=2e-5, rtol=1e-4, msg=n)
+
+
+def test_two_rank_update_through_the_fused_chunks_equals_the_plain_loss(encoded, tmp_path, monkeypatch):
+    """The RL step through token_loss's fused chunks (--loss-chunk 16: chunk boundaries inside every sequence),
+    on 2 FSDP2 gloo ranks, equals one process's update through the plain loss (log_softmax over all logits): the
+    lm_head gradient formed inside the forward reaches FSDP's sharded parameter as an ordinary gradient would."""
+    trajs, _ = encoded
+    torch.save(trajs, tmp_path / "trajs.pt")
+    items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)]}
+    calls, real_apply = [], train._TokenLoss.apply                        # record each fused call's chunk
+    monkeypatch.setattr(train._TokenLoss, "apply", lambda *a: calls.append(a[4]) or real_apply(*a))
+    one_plain = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "plain.pt"))
+    assert calls == [], "the tiny model's logits are small: the default takes the plain path"
+    one_fused = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "fused.pt"), 16)
+    assert calls and set(calls) == {16}, "--loss-chunk 16 runs the fused chunks"
+    two_fused = _run_ranks(2, items, str(tmp_path / "two.pt"), 16)
+    init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
+    assert not torch.equal(init.lm_head.weight.detach(), one_plain["lm_head.weight"]), "the update moved lm_head"
+    for n in one_plain:
+        torch.testing.assert_close(one_fused[n], one_plain[n], atol=2e-5, rtol=1e-4, msg=n)
+        torch.testing.assert_close(two_fused[n], one_plain[n], atol=2e-5, rtol=1e-4, msg=n)
 
 
 # ----------------------------------------------------------------------------- both tokenizers

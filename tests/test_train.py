@@ -519,22 +519,24 @@ def test_gating_choices_parsed_once_and_checked():
 @pytest.mark.parametrize("tdam", [False, True])
 def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam):
     """sft_backward over length-sorted micro-batches: the loss and gradients of one forward over the
-    whole batch (token mean), with fewer padded tokens; TDAM masks included."""
+    whole batch (token mean), with fewer padded tokens; TDAM masks included; and through token_loss's fused
+    chunks (loss_chunk 64, boundaries inside the rows) the same as through its plain path (the default here)."""
     model, processor = tiny
     trajs, _ = tdam_batch
     items, pad_id = [trajs[1], trajs[0], trajs[1], trajs[0]], processor.tokenizer.pad_token_id
     tdam_tok = processor.tokenizer if tdam else None
 
-    def grads(rows):
+    def grads(rows, loss_chunk=None):
         model.zero_grad(set_to_none=True)
-        loss, n = train.sft_backward(model, items, rows, pad_id, 1024, tdam_tok, compile=False)
+        loss, n = train.sft_backward(model, items, rows, pad_id, loss_chunk, tdam_tok, compile=False)
         return float(loss), n, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
-    (l4, n4, g4), (l2, n2, g2), (l1, n1, g1) = grads(4), grads(2), grads(1)
+    (l4, n4, g4), (l2, n2, g2), (l1, n1, g1), (lf, nf, gf) = grads(4), grads(2), grads(1), grads(2, 64)
     model.zero_grad(set_to_none=True)
-    assert n4 == n2 == n1 == sum(sum(r == 1 for r in t.roles[1:]) for t in items)
-    assert abs(l2 - l4) < 1e-5 and abs(l1 - l4) < 1e-5 and g4.norm() > 0
-    assert float((g2 - g4).norm() / g4.norm()) < 1e-5 and float((g1 - g4).norm() / g4.norm()) < 1e-5
+    assert n4 == n2 == n1 == nf == sum(sum(r == 1 for r in t.roles[1:]) for t in items)
+    assert abs(l2 - l4) < 1e-5 and abs(l1 - l4) < 1e-5 and abs(lf - l4) < 1e-5 and g4.norm() > 0
+    for g in (g2, g1, gf):
+        assert float((g - g4).norm() / g4.norm()) < 1e-5
     shapes = [b["input_ids"].shape for b in train.sft_micro_batches(items, 2, model, pad_id)]
     short, long_ = sorted(len(t.token_ids) for t in trajs)
     assert shapes == [(2, short), (2, long_)]            # like lengths together: the short pair pads to `short`
