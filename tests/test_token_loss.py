@@ -308,13 +308,10 @@ def test_token_loss_weight_gradient_as_a_plain_autograd_input():
     assert_rel_close(param.grad - 1.0, ref_w.grad)         # accumulated onto the earlier gradient
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("use_compile", [False, True])
-def test_grpo_token_loss_bf16_cuda(use_compile):
-    """bf16 on CUDA: bf16 GEMMs (about 3 significant digits), fp32 softmax math and grad_W sum."""
-    hidden, weight, targets, mask, old, ref, adv = (x.cuda() for x in make_batch(B=4, L=75, dim=64, vocab=5000,
-                                                                                 scale=64 ** -0.5, seed=12))
+def check_bf16(device: str, use_compile: bool) -> None:
+    """bf16 inputs: bf16 GEMMs (about 3 significant digits), fp32 softmax math and grad_W sum, bf16 gradients."""
+    hidden, weight, targets, mask, old, ref, adv = (x.to(device) for x in make_batch(B=4, L=75, dim=64, vocab=5000,
+                                                                                  scale=64 ** -0.5, seed=12))
     kw = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.05, ref_logprobs=ref)
 
     def naive(h, w):   # fp32 on the bf16-rounded inputs
@@ -331,3 +328,15 @@ def test_grpo_token_loss_bf16_cuda(use_compile):
     assert loss.item() == pytest.approx(ref_loss.item(), rel=2e-2, abs=1e-3)
     for a, b in ((gh, ref_gh), (gw, ref_gw)):
         assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
+
+
+def test_grpo_token_loss_bf16_cpu():
+    """The bf16 path (bf16 GEMMs into the fp32 grad_W sum, `_accumulate_grad_weight`) on the CPU, eager kernels."""
+    check_bf16("cpu", use_compile=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_compile", [False, True])
+def test_grpo_token_loss_bf16_cuda(use_compile):
+    check_bf16("cuda", use_compile)
