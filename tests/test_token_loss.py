@@ -309,9 +309,17 @@ def test_token_loss_weight_gradient_as_a_plain_autograd_input():
 
 
 def check_bf16(device: str, use_compile: bool) -> None:
-    """bf16 inputs: bf16 GEMMs (about 3 significant digits), fp32 softmax math and grad_W sum, bf16 gradients."""
-    hidden, weight, targets, mask, old, ref, adv = (x.to(device) for x in make_batch(B=4, L=75, dim=64, vocab=5000,
-                                                                                  scale=64 ** -0.5, seed=12))
+    """bf16 inputs: bf16 GEMMs (about 3 significant digits), fp32 softmax math and grad_W sum, bf16 gradients.
+    The old log-probs put every token's ratio either near 1 or well past a clip bound: a bf16-rounded logit
+    moves log p by ~1e-2, which near a bound would switch a token's gradient on or off (17 % apart here)."""
+    hidden, weight, targets, mask, _, ref, adv = (x.to(device) for x in make_batch(B=4, L=75, dim=64, vocab=5000,
+                                                                                scale=64 ** -0.5, seed=12))
+    h32, w32 = hidden.bfloat16().float(), weight.bfloat16().float()
+    lp32 = F.log_softmax(h32 @ w32.T / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
+    gen = torch.Generator().manual_seed(3)
+    near, sign = torch.rand(lp32.shape, generator=gen) < 0.5, torch.randn(lp32.shape, generator=gen).sign()
+    log_ratio = torch.where(near, 0.02 * sign, 0.6 * sign).to(device)     # |log r| 0.02, or 0.6 past the clip
+    old = lp32 - log_ratio
     kw = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.05, ref_logprobs=ref)
 
     def naive(h, w):   # fp32 on the bf16-rounded inputs
