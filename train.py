@@ -251,10 +251,13 @@ def _chunk_logprobs(logits_t, targets, temperature: float = 1.0):
     z = logits_t.float()                                          # the upcast fuses into the reductions
     if temperature != 1.0:                                        # (T = 1 skips it: bit-for-bit the plain model)
         z = z / temperature
-    # logsumexp over the vocab (the outer axis of the buffer), summed in fp64: a serial sum of V fp32 terms per
-    # column is off by ~1.6e-5 at V = 151,936, the fp64 sum by ~1.2e-6, at the same speed compiled
-    m = z.amax(dim=0)                                             # (C,)
-    lse = m + torch.log(torch.exp(z - m).sum(dim=0, dtype=torch.float64)).float()
+    if torch.compiler.is_compiling():
+        # compiled, the sum over the vocab (the buffer's outer axis) runs serially per column: in fp32 it is off
+        # by ~1.6e-5 at V = 151,936, summed in fp64 by ~1.2e-6, at the same speed
+        m = z.amax(dim=0)                                         # (C,)
+        lse = m + torch.log(torch.exp(z - m).sum(dim=0, dtype=torch.float64)).float()
+    else:
+        lse = torch.logsumexp(z, dim=0)                           # (C,); eager ATen's sum: ~1.1e-6 in fp32
     target_logit = z.gather(0, targets[None, :]).squeeze(0)       # (C,)
     return target_logit - lse, lse
 
