@@ -15,29 +15,22 @@ train.token_loss and train.token_logprobs use the vocab-major layout because of 
     python bench/chunk_layout.py                      # N 1,024, D 4,096, V 151,936, C 128 / 256 / 512, fp32
     python bench/chunk_layout.py --vocab 32000 --n 512 --chunks 64,128
 
-Each figure is the median of --repeats calls after one warm-up call. The last line of output is one JSON object.
+Each figure is the median of --repeats calls after one untimed call; the token-major and vocab-major calls of a
+GEMM run interleaved (bench/common.ab_times). The last line of output is one JSON object.
 """
 import argparse
-import json
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `import train`
-import train  # noqa: E402
+from common import ab_times, median, print_json   # (common puts the repo root on sys.path)
+
+import train
 
 
-def seconds(fn, repeats: int) -> float:
-    fn()                                                          # warm-up: MKL's buffers, first-touch pages
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def seconds(sides: dict, repeats: int) -> dict:
+    """Median wall seconds of each side's call, the sides interleaved after one untimed call each."""
+    wall, _ = ab_times(sides, repeats)
+    return {name: median(times) for name, times in wall.items()}
 
 
 def main():
@@ -54,9 +47,9 @@ def main():
     grad_w = torch.zeros(v, d)
 
     logits, grad_h = torch.empty(n, v), torch.empty(n, d)
-    whole = {"logits": seconds(lambda: torch.mm(h, w.T, out=logits), args.repeats),
-             "grad_h": seconds(lambda: torch.mm(logits, w, out=grad_h), args.repeats),
-             "grad_w": seconds(lambda: torch.mm(logits.T, h, out=grad_w), args.repeats)}
+    whole = seconds({"logits": lambda: torch.mm(h, w.T, out=logits),
+                     "grad_h": lambda: torch.mm(logits, w, out=grad_h),
+                     "grad_w": lambda: torch.mm(logits.T, h, out=grad_w)}, args.repeats)
     del logits
     whole["total"] = sum(whole.values())
     print(f"whole N = {n}: " + "  ".join(f"{k} {s:6.2f} s" for k, s in whole.items()), flush=True)
@@ -66,12 +59,13 @@ def main():
         h_c, scale = h[:c].contiguous(), n / c
         buf, buf_t = torch.empty(c, v), torch.empty(v, c)
         gh, gh_t = torch.empty(c, d), torch.empty(d, c)
-        token = {"logits": seconds(lambda: torch.mm(h_c, w.T, out=buf), args.repeats) * scale,
-                 "grad_h": seconds(lambda: torch.mm(buf, w, out=gh), args.repeats) * scale,
-                 "grad_w": seconds(lambda: grad_w.addmm_(buf.T, h_c), args.repeats) * scale}
-        vocab = {"logits": seconds(lambda: torch.mm(w, h_c.T, out=buf_t), args.repeats) * scale,
-                 "grad_h": seconds(lambda: torch.mm(w.T, buf_t, out=gh_t), args.repeats) * scale,
-                 "grad_w": seconds(lambda: grad_w.addmm_(buf_t, h_c), args.repeats) * scale}
+        pairs = {"logits": (lambda: torch.mm(h_c, w.T, out=buf), lambda: torch.mm(w, h_c.T, out=buf_t)),
+                 "grad_h": (lambda: torch.mm(buf, w, out=gh), lambda: torch.mm(w.T, buf_t, out=gh_t)),
+                 "grad_w": (lambda: grad_w.addmm_(buf.T, h_c), lambda: grad_w.addmm_(buf_t, h_c))}
+        token, vocab = {}, {}
+        for gemm, (token_fn, vocab_fn) in pairs.items():
+            t = seconds({"token": token_fn, "vocab": vocab_fn}, args.repeats)
+            token[gemm], vocab[gemm] = t["token"] * scale, t["vocab"] * scale
         for layout in (token, vocab):
             layout["total"] = sum(layout.values())
         targets, grad_out = torch.randint(0, v, (c,)), torch.randn(c)
@@ -79,16 +73,17 @@ def main():
         grad_kernel = train._kernel(train._chunk_grad_logits_, True)
         torch.mm(w, h_c.T, out=buf_t)
         lse = forward_kernel(buf_t, targets, 0.7)[1]
-        vocab["softmax_passes"] = (seconds(lambda: forward_kernel(buf_t, targets, 0.7), args.repeats)
-                                   + seconds(lambda: grad_kernel(buf_t, targets, lse, grad_out, 0.7), args.repeats)) * scale
+        passes = seconds({"forward": lambda: forward_kernel(buf_t, targets, 0.7),
+                          "grad": lambda: grad_kernel(buf_t, targets, lse, grad_out, 0.7)}, args.repeats)
+        vocab["softmax_passes"] = (passes["forward"] + passes["grad"]) * scale
         results[c] = {"token_major": token, "vocab_major": vocab,
                       "token_major_over_whole": token["total"] / whole["total"],
                       "vocab_major_over_whole": vocab["total"] / whole["total"]}
         for name, layout in (("token-major", token), ("vocab-major", vocab)):
             print(f"C = {c:5d} {name}: " + "  ".join(f"{k} {s:6.2f} s" for k, s in layout.items())
                   + f"  ({layout['total'] / whole['total']:.2f}x whole)", flush=True)
-    print(json.dumps({"n": n, "d": d, "vocab": v, "repeats": args.repeats, "whole": whole,
-                      "chunks": {str(c): r for c, r in results.items()}}))
+    print_json({"n": n, "d": d, "vocab": v, "repeats": args.repeats, "whole": whole,
+                "chunks": {str(c): r for c, r in results.items()}})
 
 
 if __name__ == "__main__":
