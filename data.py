@@ -44,6 +44,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import re
 import tempfile
 
@@ -51,7 +52,7 @@ import numpy as np
 import torch
 
 import video
-from rewards import infer_data_type
+from rewards import infer_data_type, parse_tool_calls
 
 TASKS = ("mcq", "oe", "tvg")
 PALETTE = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 70, 230), "yellow": (230, 210, 30)}
@@ -541,3 +542,102 @@ def write_sft_records(path: str, records: list[dict], seed: int, always_call: bo
     rng = np.random.default_rng(seed)
     write_records(path, [{"id": r["id"], "video": r["video"], "prompt": r,
                           "messages": oracle_turns(r, rng, always_call)} for r in records])
+
+
+# -----------------------------------------------------------------------------
+# training data: a run's records (held-out split, the synthetic task) and recorded SFT trajectories
+
+def synthetic_data(seed: int, n_train: int, n_eval: int, duration: float, mix: str | None,
+                   cache: str) -> tuple[list, list, str]:
+    """The synthetic needle task: a training split (seed 1000 + s) and a held-out one (2000 + s), disjoint."""
+    root = os.path.join(cache, "synthetic")
+    mix = parse_mix(mix)
+    train = make_split(root, n_train, seed=1000 + seed, mix=mix, duration=duration)
+    held = make_split(root, n_eval, seed=2000 + seed, mix=mix, duration=duration)
+    return train, held, root
+
+
+def split_held_out(records: list, n: int, seed: int) -> tuple[list, list]:
+    """(train, held-out): `n` records drawn with `seed` are held out, and training never draws them."""
+    if len(records) < 2:
+        raise ValueError(f"--data has {len(records)} usable record(s): nothing to hold out; pass --eval-data")
+    n = max(1, min(n, len(records) // 5 or 1))
+    order = list(range(len(records)))
+    random.Random(f"held-out:{seed}").shuffle(order)
+    held = set(order[:n])
+    return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]
+
+
+def load_data(data_path: str | None, eval_path: str | None, video_root: str | None, held_out: int, seed: int,
+              max_bad_fraction: float, log=print) -> tuple[list, list, str, str]:
+    """(training records, held-out records, video root, where the held-out set came from): the prompt records
+    of `data_path` with `eval_path` held out, or `held_out` of them split off (never drawn for training)."""
+    train, errors = load_records(data_path, video_root, max_bad_fraction)
+    for e in errors[:5]:
+        log(f"skipped record: {e}")
+    if eval_path:
+        return train, load_records(eval_path, video_root)[0], video_root, eval_path
+    train, held = split_held_out(train, held_out, seed)
+    note = f"split: {len(held)} of --data's records (seed {seed}), never drawn for training"
+    log(f"held-out set: {note}")
+    return train, held, video_root, note
+
+
+def sft_pairs(path: str) -> tuple[list, list[str]]:
+    """(record, messages, where) of each trajectory record in a JSONL file, and the bad lines' reasons."""
+    pairs, errors = [], []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                pairs.append((r.get("prompt") or r, r["messages"], f"{path}:{n}"))
+            except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+                errors.append(f"{path}:{n}: not a trajectory record ({type(e).__name__}: {e})")
+    return pairs, errors
+
+
+def content_text(content) -> str:
+    if content is None:                    # an assistant turn that only calls tools (content: null)
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(item.get("text", "") for item in content if isinstance(item, dict))
+
+
+def message_text(message: dict) -> str:
+    """A message's text, an assistant's `tool_calls` field (OpenAI / Hugging Face style: {"function": {"name",
+    "arguments": dict or JSON string}}) written as the Hermes <tool_call> blocks the model emits."""
+    text = content_text(message.get("content"))
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass                       # kept as written: the call parser reports it as a bad call
+        text += f"\n<tool_call>\n{json.dumps({'name': fn.get('name'), 'arguments': arguments})}\n</tool_call>"
+    return text
+
+
+def bad_calls(messages: list[dict], duration: float | None, min_window: float) -> list[str]:
+    """Why the assistant turns of a recorded trajectory hold tool calls the environment would refuse (an unknown
+    tool, bad arguments, a window past the end of the video): training on them teaches such calls."""
+    problems = []
+    for k, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        text = message_text(m)
+        for c in parse_tool_calls(text):
+            if c.error is not None:
+                problems.append(f"turn {k}: {c.error}")
+            elif c.name != "crop_video":
+                problems.append(f"turn {k}: unknown tool {c.name!r}")
+            elif duration is not None:
+                try:
+                    video.check_window(c.arguments.get("start_time"), c.arguments.get("end_time"), duration, min_window)
+                except ValueError as e:
+                    problems.append(f"turn {k}: {e}")
+    return problems

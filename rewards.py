@@ -18,7 +18,7 @@ Departures from the releases (each noted again where it happens)
   3. `<grounding>` (Video-o3 syntax) counts as a tool-call block wherever `<tool_call>` does.
 
 Shapes: group_advantages (B,) -> (B,) with B = n_groups * group_size, groups contiguous;
-zero_variance_groups (B,) -> (n_groups,); anchor_token_mask (..., L) -> (..., L) bool.
+zero_variance_groups (B,) -> (n_groups,).
 """
 import hashlib
 import itertools
@@ -545,14 +545,16 @@ def vtgr_reward(turns: list[str], text: str, target, task: str, data_type: str |
 
 # ----------------------------------------------------------------------------- recipes
 
-RECIPES = ("combined", "paravt", "vtgr", "vanilla")
+RECIPES = ("combined", "para_grpo", "vtgr", "vanilla")
+RECIPE_ALIASES = {"paravt": "para_grpo"}         # the old name of para_grpo, still accepted
 
 
 def score_trajectory(traj, record: dict, recipe: str, anchoring: str = "sequence",
                      released_scoring: bool = False) -> tuple[float, dict[str, float]]:
     """Total reward and its components for one trajectory under a recipe (docs/method.md §4).
 
-      paravt    ParaVT R_acc + R_fmt (anchored) + R_tool (§4.1)
+      para_grpo ParaVT's PARA-GRPO reward: R_acc + R_fmt (exploration anchoring) + R_tool (§4.1); the
+                trainer adds nFrames gating and the k1 KL ("paravt" is its old name)
       vtgr      Video-o3 VTGR: R_acc + strict R_fmt + hybrid-clue tool term with turn decay (§4.3)
       combined  ParaVT's accuracy and anchored format terms, and the VTGR tool term wherever the record
                 has clue windows (ParaVT's R_tool elsewhere)
@@ -563,6 +565,7 @@ def score_trajectory(traj, record: dict, recipe: str, anchoring: str = "sequence
     sequence reward and the trainer adds it to the closing-tag tokens' advantage (components["anchor"]);
     "none": no anchor. VTGR's strict format has no anchor term, so vtgr with "sequence" is refused.
     released_scoring: score the sampled tokens only, as the ParaVT release did (departure 1)."""
+    recipe = RECIPE_ALIASES.get(recipe, recipe)
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
     if recipe == "vtgr" and anchoring == "sequence":
@@ -604,14 +607,6 @@ def gate_nframes(prompt_key: str, step: int, choices: Sequence[int] = (4, 8, 16,
         raise ValueError(f"gate_nframes needs at least one frame count, got {choices!r} at step {step}")
     digest = hashlib.sha256(f"{seed}:{step}:{prompt_key}".encode()).digest()
     return int(choices[int.from_bytes(digest[:8], "big") % len(choices)])
-
-
-def anchor_token_mask(token_ids: torch.Tensor, closing_tag_ids: list[int]) -> torch.Tensor:
-    """(..., L) bool: True where the token is one of `closing_tag_ids` (single-token closing tags,
-    e.g. Qwen3's `</think>`, `</tool_call>`). A tag split into several tokens needs its own ids
-    matched in sequence; passing its last piece (often '>') would mark unrelated tokens."""
-    ids = torch.as_tensor(list(closing_tag_ids), dtype=token_ids.dtype, device=token_ids.device)
-    return torch.isin(token_ids, ids)
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -7,9 +7,9 @@ same GEMMs over the whole batch of N tokens (what the naive path runs).
     whole         logits (N, V) = h W^T        grad_h (N, D) = G W          grad_W = G^T h
 
 The figures are seconds for N tokens: a chunk GEMM's time x N / C, so the three columns compare directly.
-Beside the vocab-major GEMMs: the two compiled softmax passes of a chunk (train._chunk_logprobs and
-train._chunk_grad_logits_, at T = 0.7), the only other work of token_loss per chunk.
-train.token_loss and train.token_logprobs use the vocab-major layout because of this measurement (see the
+Beside the vocab-major GEMMs: the two compiled softmax passes of a chunk (ops._chunk_logprobs and
+ops._chunk_grad_logits_, at T = 0.7), the only other work of token_loss per chunk.
+ops.token_loss and ops.token_logprobs use the vocab-major layout because of this measurement (see the
 "Layout" note in train.py).
 
     python bench/chunk_layout.py                      # N 1,024, D 4,096, V 151,936, C 128 / 256 / 512, fp32
@@ -21,9 +21,9 @@ GEMM run interleaved (bench/common.ab_times). The last line of output is one JSO
 import argparse
 
 import torch
+from common import ab_times, median, print_json  # (common puts the repo root on sys.path)
 
-from common import ab_times, median, print_json   # (common puts the repo root on sys.path)
-
+import ops
 import train
 
 
@@ -69,8 +69,8 @@ def main():
         for layout in (token, vocab):
             layout["total"] = sum(layout.values())
         targets, grad_out = torch.randint(0, v, (c,)), torch.randn(c)
-        forward_kernel = train._kernel(train._chunk_logprobs, True)
-        grad_kernel = train._kernel(train._chunk_grad_logits_, True)
+        forward_kernel = ops._kernel(ops._chunk_logprobs, True)
+        grad_kernel = ops._kernel(ops._chunk_grad_logits_, True)
         torch.mm(w, h_c.T, out=buf_t)
         lse = forward_kernel(buf_t, targets, 0.7)[1]
         passes = seconds({"forward": lambda: forward_kernel(buf_t, targets, 0.7),

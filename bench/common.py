@@ -19,10 +19,10 @@ if str(ROOT) not in sys.path:
 
 
 def checkpoint_dir(path: str) -> str:
-    """A checkpoint dir (has config.json) as is, or a run dir's newest complete checkpoint (train.latest_checkpoint).
+    """A checkpoint dir (has config.json) as is, or a run dir's newest complete checkpoint (runtime.latest_checkpoint).
     Raises FileNotFoundError naming the path otherwise."""
     import os
-    from train import latest_checkpoint
+    from runtime import latest_checkpoint
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     found = latest_checkpoint(path)

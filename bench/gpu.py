@@ -13,7 +13,7 @@ Sections (each prints a line and lands in the last-line JSON):
               (tokens/s over sampled tokens, peak memory, host syncs per decode step)
 3. train      one PARA-GRPO update on the rollout: FSDP2 (fully_shard per decoder layer) on one rank,
               gradient checkpointing, bf16, forward_hidden (vision once per prompt), grpo_loss, AdamW
-4. loss       train.token_loss (fused, chunked) vs naive logits -> log_softmax at 16k tokens, bf16
+4. loss       ops.token_loss (fused, chunked) vs naive logits -> log_softmax at 16k tokens, bf16
 5. pytest     `pytest -m gpu` (dry run: collection only)
 The 8B config and real tokenizer come from model.qwen3vl_config / model.qwen_tokenizer.
 """
@@ -26,10 +26,11 @@ import tempfile
 import time
 
 import torch
-
 from common import ROOT  # noqa: F401  (puts the repo on sys.path)
 
 import data
+import kvcache
+import ops
 import rollout
 import train
 from model import ModelConfig, build_tiny, special_token_ids
@@ -55,8 +56,9 @@ def build(args, device):
     if args.dry_run:
         model, processor = build_tiny(ModelConfig(layers=2), corpus=rollout.prompt_corpus())
         return model.to(device), processor
-    from model import qwen3vl_config, qwen_tokenizer
     from transformers import Qwen3VLForConditionalGeneration
+
+    from model import qwen3vl_config, qwen_tokenizer
     config, processor = qwen3vl_config("8b"), qwen_tokenizer()
     with torch.device(device):
         model = Qwen3VLForConditionalGeneration(config)
@@ -95,7 +97,7 @@ def section_prefill(model, processor, root, rec, args, device) -> dict:
         sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            kv = rollout.GroupKV(model, [0], device)
+            kv = kvcache.GroupKV(model, [0], device)
             kv.extend(model, [0], [chunk], pad, prefix=True)
         sync(device)
         s = time.perf_counter() - t0
@@ -162,10 +164,10 @@ def section_train(model, processor, trajs, args, device) -> dict:
     policy = (roles[:, 1:] == rollout.POLICY).to(device)
     model.lm_head.unshard()                  # FSDP: its weight is read directly, as train.forward_logprobs does
     lp = torch.zeros(targets.shape, device=device)
-    lp[policy] = train.token_logprobs(hidden[policy], model.lm_head.weight, targets[policy], compile=False)
+    lp[policy] = ops.token_logprobs(hidden[policy], model.lm_head.weight, targets[policy], compile=False)
     mask = policy.float()
     adv = torch.linspace(-1, 1, len(trajs), device=device)
-    loss, _ = train.grpo_loss(lp, lp.detach(), adv, mask)
+    loss, _ = train.grpo_loss_on_logprobs(lp, lp.detach(), adv, mask)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -182,7 +184,7 @@ def section_loss(model, args, device) -> dict:
     h = torch.randn(args.loss_tokens, D, device=device, dtype=dtype, generator=g, requires_grad=True)
     w = torch.randn(V, D, device=device, dtype=dtype, generator=g) * 0.02
     t = torch.randint(0, V, (args.loss_tokens,), device=device, generator=g)
-    fused_fn = lambda: train.token_loss(h, w, t, lambda lp, rows: -lp.sum())
+    fused_fn = lambda: ops.token_loss(h, w, t, lambda lp, rows: -lp.sum())
     naive_fn = lambda: -torch.log_softmax((h @ w.T).float(), -1).gather(-1, t[:, None]).sum()
     res = {}
     for name, fn in (("fused", fused_fn), ("naive", naive_fn)):

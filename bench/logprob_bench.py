@@ -3,11 +3,11 @@ Benchmark: the GRPO loss from hidden states x lm_head, forward + backward, four 
 
     naive     log_softmax(h @ W^T).gather(t), then grpo_loss: the full (N, V) logits, ~3 (N, V) tensors in backward
     rowwise   full logits, then log_softmax one sequence (row of the batch) at a time, as TRL's
-              selective_log_softmax does for bf16 (N tokens as `--rows` sequences of N / rows), then grpo_loss
-    logprobs  train.token_logprobs (token chunks, logits recomputed in backward: 4 GEMMs), then grpo_loss
-    fused     train.grpo_token_loss: train.token_loss, the gradients formed in the forward (3 GEMMs), its default
-              chunk (train._auto_chunk: Liger's, but at most 8 chunks)
-    fused_liger  the same with Liger's chunk rule (train._liger_chunk: the (C, V) buffer ~ the hidden states)
+              selective_log_softmax does for bf16 (N tokens as `--rows` sequences of N / rows), then grpo_loss_on_logprobs
+    logprobs  ops.token_logprobs (token chunks, logits recomputed in backward: 4 GEMMs), then grpo_loss_on_logprobs
+    fused     train.grpo_loss: ops.token_loss, the gradients formed in the forward (3 GEMMs), its default
+              chunk (ops._auto_chunk: Liger's, but at most 8 chunks)
+    fused_liger  the same with Liger's chunk rule (ops._liger_chunk: the (C, V) buffer ~ the hidden states)
 
     python bench/logprob_bench.py                                  # N 4096, D 4096, V 151,936, fp32, CPU
     python bench/logprob_bench.py --n 512 --vocab 32000 --repeats 1            # a quick, smaller run
@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `import train`
+import ops  # noqa: E402
 import train  # noqa: E402
 
 METHODS = ("naive", "rowwise", "logprobs", "fused", "fused_liger")
@@ -55,7 +56,7 @@ GB = 1024 ** 3
 def grpo(logp, problem):
     """The GRPO loss on (N,) log-probs, the batch as (rows, N / rows)."""
     old, adv, ref, mask = problem
-    return train.grpo_loss(logp.view(mask.shape), old, adv, mask, ref_logprobs=ref, **GRPO)[0]
+    return train.grpo_loss_on_logprobs(logp.view(mask.shape), old, adv, mask, ref_logprobs=ref, **GRPO)[0]
 
 
 def naive(hidden, weight, targets, problem, chunk_size, use_compile):
@@ -72,13 +73,13 @@ def rowwise(hidden, weight, targets, problem, chunk_size, use_compile):
 
 
 def logprobs(hidden, weight, targets, problem, chunk_size, use_compile):
-    return grpo(train.token_logprobs(hidden, weight, targets, chunk_size=chunk_size, compile=use_compile,
+    return grpo(ops.token_logprobs(hidden, weight, targets, chunk_size=chunk_size, compile=use_compile,
                                      temperature=TEMPERATURE), problem)
 
 
 def fused(hidden, weight, targets, problem, chunk_size, use_compile):
     old, adv, ref, mask = problem
-    return train.grpo_token_loss(hidden.view(*mask.shape, -1), weight, targets.view(mask.shape), old, adv, mask,
+    return train.grpo_loss(hidden.view(*mask.shape, -1), weight, targets.view(mask.shape), old, adv, mask,
                                  ref_logprobs=ref, temperature=TEMPERATURE, chunk_size=chunk_size,
                                  compile=use_compile, **GRPO)[0]
 
@@ -94,7 +95,7 @@ def worker(args) -> dict:
     """Run one method in this process; return its timings and peak extra memory."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     fn = {"naive": naive, "rowwise": rowwise, "logprobs": logprobs, "fused": fused, "fused_liger": fused}[args.worker]
-    chunk_size = {"fused": args.fused_chunk, "fused_liger": train._liger_chunk(args.n, args.d, args.vocab)}.get(
+    chunk_size = {"fused": args.fused_chunk, "fused_liger": ops._liger_chunk(args.n, args.d, args.vocab)}.get(
         args.worker, args.chunk_size)
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(args.n, args.d, generator=gen, device=device, dtype=dtype)
@@ -185,7 +186,7 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of h and W")
     p.add_argument("--chunk-size", type=int, default=1024, help="tokens per chunk for logprobs")
     p.add_argument("--fused-chunk", type=int, default=0,
-                   help="tokens per chunk for fused; 0 = token_loss's own choice (train._auto_chunk) for this N, D, V")
+                   help="tokens per chunk for fused; 0 = token_loss's own choice (ops._auto_chunk) for this N, D, V")
     p.add_argument("--rows", type=int, default=8, help="sequences the N tokens form (rowwise, the advantages)")
     p.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per method")
     p.add_argument("--mem-fraction", type=float, default=0.6, help="share of free memory the naive run may use")
@@ -204,7 +205,7 @@ def main():
     if note:
         print(note)
     # the fused chunk, fixed for the warm-up and the timed passes alike (one compiled shape)
-    fused_chunk = args.fused_chunk or train._auto_chunk(n, args.d, args.vocab)
+    fused_chunk = args.fused_chunk or ops._auto_chunk(n, args.d, args.vocab)
     print(f"device {args.device}  dtype {args.dtype}  N {n}  D {args.d}  V {args.vocab}  chunk {args.chunk_size}  "
           f"fused chunk {fused_chunk}  rows {args.rows}  repeats {args.repeats}  T {TEMPERATURE}", flush=True)
     results = {}

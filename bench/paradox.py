@@ -66,7 +66,7 @@ VARIANTS = {
     "vanilla":   ["--recipe", "vanilla", "--gating", "0", "--anchoring", "none"],       # 1. vanilla GRPO, K = 32
     "gating":    ["--recipe", "vanilla", "--gating", "1", "--anchoring", "none"],       # 2. + nFrames gating
     "anchoring": ["--recipe", "vanilla", "--gating", "0", "--anchoring", "sequence"],   # 3. + exploration anchoring
-    "para-grpo": ["--recipe", "paravt", "--gating", "1", "--anchoring", "sequence"],    # 4. PARA-GRPO (both fixes)
+    "para-grpo": ["--recipe", "para_grpo", "--gating", "1", "--anchoring", "sequence"],    # 4. PARA-GRPO (both fixes)
     "para+vtgr": ["--recipe", "combined", "--gating", "1", "--anchoring", "sequence"],  # 5. PARA-GRPO + VTGR tool term
 }
 LABELS = {"vanilla": "vanilla GRPO (K = 32)", "gating": "+ nFrames gating", "anchoring": "+ exploration anchoring",

@@ -23,10 +23,10 @@ import gc
 import time
 
 import torch
-
 from common import print_json, set_threads, table  # bench/common.py (puts the repo on sys.path)
 
 import model as model_lib
+import ops
 import rollout
 import train
 from tests.test_real_shapes import CI_TEXT, REAL, RECORD, Scripted, rollout_config, text_tdam
@@ -84,13 +84,13 @@ def run_side(name: str, text_overrides: dict, args) -> dict:
     out["logprob_max_abs_diff"] = max(float((lp[b][mask[b]].detach().cpu() - torch.tensor(t.logprobs)).abs().max())
                                       for b, t in enumerate(trajs.values()))   # sampling time vs full forward
     adv = torch.tensor([[1.0], [-1.0]], device=lp.device).expand_as(lp)
-    loss, _ = train.grpo_loss(lp, lp.detach(), adv, mask.float(), clip_low=0.2, clip_high=0.28)
+    loss, _ = train.grpo_loss_on_logprobs(lp, lp.detach(), adv, mask.float(), clip_low=0.2, clip_high=0.28)
     loss.backward()
     out["grpo_fwd_bwd_s"] = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     t = trajs["interleaved"]
     one = rollout.collate([t], model, tok.pad_token_id)
-    mask4 = train.to_additive_mask(text_tdam(tok, t.token_ids, t.prompt_len), torch.bfloat16)
+    mask4 = ops.to_additive_mask(text_tdam(tok, t.token_ids, t.prompt_len), torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     t0 = time.perf_counter()
     sft, _ = train.sft_loss(model, one, chunk_size=1024, attn_mask_4d=mask4, compile=False)

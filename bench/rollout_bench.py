@@ -33,10 +33,17 @@ import tempfile
 import time
 
 import torch
+from common import (  # bench/common.py (puts the repo on sys.path)
+    PeakRSS,
+    ab_times,
+    median,
+    print_json,
+    set_threads,
+    table,
+)
 from transformers import DynamicCache
 
-from common import PeakRSS, ab_times, median, print_json, set_threads, table  # bench/common.py (puts the repo on sys.path)
-
+import kvcache
 import rollout
 import video
 from model import load_model, special_token_ids
@@ -87,7 +94,7 @@ class Counter:
         self.in_decode = False
 
     def install(self):
-        extend, decode_turn = rollout.GroupKV.extend, rollout.decode_turn
+        extend, decode_turn = kvcache.GroupKV.extend, rollout.decode_turn
 
         def counted_extend(batch, model, rows, chunks, pad_id, prefix=False):
             n = sum(len(c.ids) for c in chunks if c is not None)
@@ -105,14 +112,14 @@ class Counter:
             finally:
                 self.in_decode = False
 
-        step = rollout.GroupKV.step
+        step = kvcache.GroupKV.step
 
         def counted_step(batch, model, idx, tokens):
             self.decode_tokens += len(idx.host)
             return step(batch, model, idx, tokens)
 
-        rollout.GroupKV.extend, rollout.GroupKV.step, rollout.decode_turn = counted_extend, counted_step, counted_decode
-        return lambda: (setattr(rollout.GroupKV, "extend", extend), setattr(rollout.GroupKV, "step", step),
+        kvcache.GroupKV.extend, kvcache.GroupKV.step, rollout.decode_turn = counted_extend, counted_step, counted_decode
+        return lambda: (setattr(kvcache.GroupKV, "extend", extend), setattr(kvcache.GroupKV, "step", step),
                         setattr(rollout, "decode_turn", decode_turn))
 
 
@@ -265,7 +272,7 @@ def bench_decode(model, processor, root: str, rec: dict, args, batch_size: int) 
 
     @torch.no_grad()
     def ours():
-        kv = rollout.GroupKV(model, list(range(batch_size)), "cpu")
+        kv = kvcache.GroupKV(model, list(range(batch_size)), "cpu")
         kv.extend(model, list(range(batch_size)), chunks, pad, prefix=True)
         kv.fork()
         rows = [rollout._Row(rollout.Trajectory("", 0, [], [], 0, []), "", 0) for _ in chunks]
@@ -320,7 +327,7 @@ def scale_side(side: str, args) -> dict:
 
     @torch.no_grad()
     def ours():
-        kv = rollout.GroupKV(model, [0] * G, "cpu")
+        kv = kvcache.GroupKV(model, [0] * G, "cpu")
         kv.extend(model, [0], [chunk], pad, prefix=True)
         kv.fork()
         rows = [rollout._Row(rollout.Trajectory("", s, [], [], 0, []), "", rollout.row_seed(0, 0, s)) for s in range(G)]

@@ -18,11 +18,12 @@ import random
 import tempfile
 
 import torch
-
 from common import ab_times, median, print_json, set_threads, table
 
+import data
 import model as model_lib
 import rollout
+import runtime
 import train
 
 
@@ -36,10 +37,10 @@ def main():
     p.add_argument("--cache", default=None, help="synthetic video cache (default: a temp dir)")
     a = p.parse_args()
     threads = set_threads(a.threads)
-    args = train.parse_args([])                                  # the embedded default's settings
+    args = runtime.parse_args([])                                  # the embedded default's settings
     cfg = train.rollout_config(args)
     with tempfile.TemporaryDirectory() as tmp:
-        records, _, root = train.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration,
+        records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration,
                                                 args.task_mix, a.cache or tmp)
         model, processor = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
         items, _ = train.sft_examples(records, processor, root, cfg, sft_data=None, seed=args.seed, gated_choices=[])

@@ -1,6 +1,6 @@
 """
 TDAM at the papers' lengths: one forward + backward of a small Qwen3-VL decoder with Video-o3's TDAM, the dense
-(B, 1, L, L) additive mask through SDPA (what train.py built before) vs `train.tdam_attention` (query blocks,
+(B, 1, L, L) additive mask through SDPA (what train.py built before) vs `ops.tdam_attention` (query blocks,
 masks from the rule rectangles, scores recomputed in backward), at L = 16,384 tokens by default.
 
 Each side runs in its own process, so one side's freed memory cannot hide the other's peak; peak memory is
@@ -18,11 +18,11 @@ import subprocess
 import sys
 import time
 
+import torch
 from common import PeakRSS, print_json, set_threads, table  # bench/common.py (puts the repo on sys.path)
 
-import torch
-
 import model as model_lib
+import ops
 import train
 
 
@@ -45,12 +45,12 @@ def side(name: str, L: int, layers: int, block: int) -> dict:
         t0 = time.perf_counter()
         kw = dict(input_ids=ids, use_cache=False)
         if name == "dense":
-            allowed = train.tdam_mask(L, sp["overview"], sp["answer"], sp["calls"], sp["obs"])
-            kw["attention_mask"] = train.to_additive_mask(allowed)
+            allowed = ops.tdam_mask(L, sp["overview"], sp["answer"], sp["calls"], sp["obs"])
+            kw["attention_mask"] = ops.to_additive_mask(allowed)
             lm.config._attn_implementation = "sdpa"
         else:
-            spec = train.TdamSpec(torch.tensor([L]), torch.tensor(
-                [train.tdam_rects(L, sp["overview"], sp["answer"], sp["calls"], sp["obs"])]), block=block)
+            spec = ops.TdamSpec(torch.tensor([L]), torch.tensor(
+                [ops.tdam_rects(L, sp["overview"], sp["answer"], sp["calls"], sp["obs"])]), block=block)
             kw["tdam"] = spec
             lm.config._attn_implementation = "paravt_tdam"
         hidden = lm(**kw).last_hidden_state

@@ -8,6 +8,7 @@ import torch
 
 import model as model_lib
 import rollout
+import runtime
 import train
 
 # The fast smoke configuration: tiny default model, 8 training prompts, groups of 2, 12 new tokens a turn,
@@ -23,7 +24,7 @@ def smoke_argv(run_dir, *extra) -> list[str]:
 
 def run(argv) -> dict:
     """train.main in this process (one rank, no process group)."""
-    return train.main(0, train.parse_args([str(a) for a in argv]))
+    return train.main(0, runtime.parse_args([str(a) for a in argv]))
 
 
 def metrics(run_dir) -> list[dict]:

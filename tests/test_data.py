@@ -14,7 +14,6 @@ import video
 from data import PALETTE, RecordError
 from rewards import call_window, extract_answer, extract_time_range, parse_tool_calls
 
-
 ONE_ROUND_MIX = {"single_clue": 0.5, "multi_clue": 0.2, "direct": 0.2, "grounding": 0.1}
 
 

@@ -17,6 +17,7 @@ import torch
 import data
 import eval as ev
 import rewards
+import runtime
 from benchmarks import load, score
 
 SAMPLES = Path(__file__).resolve().parents[2] / "shared" / "benchmark_samples"
@@ -294,7 +295,7 @@ def test_tiny_model_gets_train_py_turn_budget(tmp_path, monkeypatch, cache_env):
     seen, ran = {}, []
     monkeypatch.setattr(ev, "agent_runner", fake_runner_factory(seen, ran))
     metrics = ev.main(["--synthetic-n", "6", "--out", str(tmp_path / "p.jsonl")])
-    assert seen["max_new_tokens"] == train.parse_args([]).max_new_tokens == 128
+    assert seen["max_new_tokens"] == runtime.parse_args([]).max_new_tokens == 128
     assert seen["tool_mode"] == "interleaved" and seen["temperature"] == 0.0 and metrics["n"] == 6
 
 

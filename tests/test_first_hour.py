@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import metrics, run, smoke_argv
 
 import data
+import runtime
 import train
-from conftest import metrics, run, smoke_argv
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,13 +25,13 @@ def _setup(cache_env, one_thread):
 
 
 def test_a_second_run_on_the_same_dir_is_refused_with_the_holders_pid(tmp_path):
-    lock = train.RunLock(str(tmp_path))
+    lock = runtime.RunLock(str(tmp_path))
     try:
         with pytest.raises(ValueError, match=rf"in use by another run \(pid {os.getpid()}\)"):
-            train.RunLock(str(tmp_path))
+            runtime.RunLock(str(tmp_path))
     finally:
         lock.release()
-    train.RunLock(str(tmp_path)).release()          # free again once the holder is gone
+    runtime.RunLock(str(tmp_path)).release()          # free again once the holder is gone
 
 
 def test_spawned_rank_dies_with_its_launcher(tmp_path):
@@ -41,7 +42,7 @@ def test_spawned_rank_dies_with_its_launcher(tmp_path):
         pid = os.fork()
         if pid == 0:
             import train
-            train.die_with_parent()
+            runtime.die_with_parent()
             open({str(tmp_path / 'armed')!r}, 'w').close()
             time.sleep(60)
             os._exit(0)
@@ -73,12 +74,12 @@ def test_spawned_rank_dies_with_its_launcher(tmp_path):
 
 def test_held_out_records_are_never_drawn_for_training(tmp_path):
     recs = [{"id": f"r{i}"} for i in range(50)]
-    train_recs, held = train.split_held_out(recs, 32, seed=3)
+    train_recs, held = data.split_held_out(recs, 32, seed=3)
     assert len(held) == 10                          # at most 20 % of the records
     assert not {r["id"] for r in held} & {r["id"] for r in train_recs}
     assert len(train_recs) + len(held) == 50
-    assert train.split_held_out(recs, 32, seed=3)[1] == held            # seeded
-    assert train.split_held_out(recs, 32, seed=4)[1] != held
+    assert data.split_held_out(recs, 32, seed=3)[1] == held            # seeded
+    assert data.split_held_out(recs, 32, seed=4)[1] != held
 
 
 def _sft_file(tmp_path, records, window) -> str:
@@ -99,7 +100,7 @@ def test_sft_trajectories_with_calls_the_environment_refuses_are_reported_and_sk
     root = os.path.join(cache, "synthetic")
     records = data.make_split(root, 4, seed=91, duration=64.0)
     path = _sft_file(tmp_path, records, (100.0, 120.0))          # past the end of a 64 s video
-    cfg = train.rollout_config(train.parse_args([]))
+    cfg = train.rollout_config(runtime.parse_args([]))
     logged = []
     items, bad = train.sft_examples(records, processor, root, cfg, sft_data=path, seed=0, gated_choices=[],
                                     max_bad_fraction=0.5, log=logged.append)
@@ -128,7 +129,7 @@ def test_keep_last_prunes_old_checkpoints_but_keeps_the_sft_result_and_the_best(
         (tmp_path / name).mkdir()
         (tmp_path / name / "trainer.pt").write_bytes(b"")
     (tmp_path / "best.json").write_text(json.dumps({"checkpoint": "ckpt-rl-000002"}))
-    deleted = train.prune_checkpoints(str(tmp_path), 2)
+    deleted = runtime.prune_checkpoints(str(tmp_path), 2)
     assert sorted(deleted) == ["ckpt-rl-000001", "ckpt-rl-000003", "ckpt-rl-000004"]
     left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt"))
     assert left == ["ckpt-rl-000002", "ckpt-rl-000005", "ckpt-rl-000006", "ckpt-sft-000001", "ckpt-sft-000002"]
@@ -165,7 +166,7 @@ def test_videoo3_preset_on_a_saved_checkpoint_samples_a_2fps_overview(tmp_path, 
     argv = ["--preset", "videoo3", "--model", str(ckpt), "--data", str(path), "--video-root", root, "--stage", "rl",
             "--rl-steps", "1", "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "8",
             "--max-turns", "1", "--run-dir", str(tmp_path / "run")]
-    args = train.parse_args(argv)
+    args = runtime.parse_args(argv)
     assert (args.recipe, args.clip_high, args.dynamic_sampling, args.anchoring) == ("vtgr", 0.3, True, "none")
     cfg = train.rollout_config(args)
     assert cfg.overview_nframes is None and cfg.overview_fps == 2.0 and cfg.overview_max_frames == 768

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import model as model_lib
+import ops
 import rollout
 import train
 
@@ -170,7 +171,7 @@ def text_tdam(tok, ids: list[int], prompt_len: int) -> torch.Tensor:
            if 151656 in ids[o[0]:o[1]]]
     answer = (spans(answers[-1:])[0][0], len(ids)) if answers else None
     assert overview[1] <= prompt_len
-    return train.tdam_mask(len(ids), overview, answer, spans(calls), obs)
+    return ops.tdam_mask(len(ids), overview, answer, spans(calls), obs)
 
 
 def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
@@ -191,7 +192,7 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
 
     # one GRPO step: on-policy ratio 1, advantages +1 / -1 on the two rows' policy tokens
     adv = torch.tensor([[1.0], [-1.0]]).expand_as(lp)
-    loss, _ = train.grpo_loss(lp, lp.detach(), adv, mask.float(), clip_low=0.2, clip_high=0.28)
+    loss, _ = train.grpo_loss_on_logprobs(lp, lp.detach(), adv, mask.float(), clip_low=0.2, clip_high=0.28)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert torch.isfinite(loss) and all(torch.isfinite(g.float()).all() for g in grads.values())
@@ -209,7 +210,7 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     one = rollout.collate([t], model, tok.pad_token_id)
     tdam = text_tdam(tok, t.token_ids, t.prompt_len)                            # (L, L) bool
     assert not torch.equal(tdam, torch.ones_like(tdam).tril())                 # rule (1) masks the overview
-    mask4 = train.to_additive_mask(tdam, torch.bfloat16)                        # (1, 1, L, L)
+    mask4 = ops.to_additive_mask(tdam, torch.bfloat16)                        # (1, 1, L, L)
     ref = train.tdam_batch_mask(one, tok, model.config.video_token_id)        # train.py's own spans, from the text
     assert ref.shape == mask4.shape == (1, 1, len(t.token_ids), len(t.token_ids))
     allowed = ref[0, 0] == 0                                                   # on the real tokenizer: not causal

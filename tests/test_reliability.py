@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import metrics, run, smoke_argv  # shared with the other training tests
 from safetensors.torch import load_file
 
 import data
+import runtime
 import train
-from conftest import metrics, run, smoke_argv   # shared with the other training tests
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -156,7 +157,7 @@ def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path, cache, capsys):
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.time() + 240
-            while train.latest_checkpoint(str(run_dir)) is None and proc.poll() is None and time.time() < deadline:
+            while runtime.latest_checkpoint(str(run_dir)) is None and proc.poll() is None and time.time() < deadline:
                 time.sleep(0.1)
             delay = random.uniform(0.0, 3.0)                        # somewhere in a later step, or mid-save
             time.sleep(delay)
@@ -165,7 +166,7 @@ def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path, cache, capsys):
             proc.wait()
     assert proc.returncode == -9, (tmp_path / "log.txt").read_text()[-2000:]
     before = {r["step"]: r for r in metrics(run_dir)}
-    ckpt = train.latest_checkpoint(str(run_dir))
+    ckpt = runtime.latest_checkpoint(str(run_dir))
     k = int(ckpt[-6:])
     assert k >= 1 and set(before) >= set(range(1, k + 1)), (delay, sorted(before), ckpt)
 
@@ -174,7 +175,7 @@ def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path, cache, capsys):
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, k + 3)), f"kill after {delay:.2f} s, checkpoint {k}"
     assert all(rows[s - 1] == before[s] for s in range(1, k + 1))   # rows up to the checkpoint: untouched
-    assert train.latest_checkpoint(str(run_dir)).endswith(f"ckpt-rl-{k + 2:06d}")
+    assert runtime.latest_checkpoint(str(run_dir)).endswith(f"ckpt-rl-{k + 2:06d}")
 
 
 def _make(run_dir, name: str, complete: bool) -> None:
@@ -196,7 +197,7 @@ def _make(run_dir, name: str, complete: bool) -> None:
 def test_latest_checkpoint_picks_only_complete_ones(dirs, expected, tmp_path):
     for name, complete in dirs:
         _make(tmp_path, name, complete)
-    got = train.latest_checkpoint(str(tmp_path))
+    got = runtime.latest_checkpoint(str(tmp_path))
     assert (os.path.basename(got) if got else None) == expected
 
 
@@ -217,7 +218,7 @@ def test_checkpoint_is_safetensors_and_plain_tensors(tiny, tmp_path):
     model.lm_head.weight.sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    path = train.save_checkpoint(str(tmp_path), 3, model, processor, optimizer,
+    path = runtime.save_checkpoint(str(tmp_path), 3, model, processor, optimizer,
                                  {"stage": "rl", "counters": {"skipped_steps": 1, "bad_samples": 2}})
     files = sorted(os.listdir(path))
     assert "model.safetensors" in files and "train_state" in files
@@ -229,7 +230,7 @@ def test_checkpoint_is_safetensors_and_plain_tensors(tiny, tmp_path):
     saved = load_file(os.path.join(path, "model.safetensors"))
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     fresh = torch.optim.AdamW(model.parameters(), lr=0.0)
-    train.load_train_state(path, model, fresh)
+    runtime.load_train_state(path, model, fresh)
     want, got = optimizer.state_dict()["state"], fresh.state_dict()["state"]
     assert want and set(want) <= set(got)                          # (params without a gradient: fresh zeros)
     assert all(not got[k]["exp_avg"].any() for k in set(got) - set(want))

@@ -307,7 +307,7 @@ def test_report_of_a_scripted_rollout(tiny, tmp_path, monkeypatch):
     """The tiny model through rollout.run_agent (turns scripted, every forward pass real) on 2 records:
     the page's windows are the trajectory's executed windows, and the text the policy sampled sits in
     policy elements only."""
-    from test_rollout import Scripted   # the scripted sampler of the rollout tests
+    from test_rollout import Scripted  # the scripted sampler of the rollout tests
     model, processor = tiny
     cache = str(tmp_path / "cache")
     records = data.make_split(cache, 2, seed=7, duration=DURATION)

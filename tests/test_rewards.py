@@ -10,11 +10,31 @@ import random
 import pytest
 import torch
 
-from rewards import (accuracy_reward, anchor_token_mask, call_window, clue_terms, extract_answer, extract_letter,
-                     extract_time_range, format_anchor, format_compliant, format_reward, gate_nframes,
-                     grounding_format_reward, group_advantages, hybrid_clue_score, infer_data_type, merge_windows,
-                     parse_tool_calls, paravt_reward, temporal_iou, tool_reward, turn_decay, vtgr_reward,
-                     vtgr_tool_term, zero_variance_groups)
+from rewards import (
+    accuracy_reward,
+    call_window,
+    clue_terms,
+    extract_answer,
+    extract_letter,
+    extract_time_range,
+    format_anchor,
+    format_compliant,
+    format_reward,
+    gate_nframes,
+    grounding_format_reward,
+    group_advantages,
+    hybrid_clue_score,
+    infer_data_type,
+    merge_windows,
+    paravt_reward,
+    parse_tool_calls,
+    temporal_iou,
+    tool_reward,
+    turn_decay,
+    vtgr_reward,
+    vtgr_tool_term,
+    zero_variance_groups,
+)
 
 # ---- building blocks of trajectory texts (docs/method.md §2) ---------------------------------
 THINK = "<think>\nI should look closer at the clock on the wall.\n</think>\n"
@@ -407,12 +427,6 @@ def test_infer_data_type_rejects_unknown():
 
 
 # ---- token masks, gating, advantages --------------------------------------------------------------
-def test_anchor_token_mask():
-    ids = torch.tensor([[5, 9, 1, 9], [7, 7, 3, 0]])
-    assert anchor_token_mask(ids, [9, 3]).tolist() == [[False, True, False, True], [False, False, True, False]]
-    assert not anchor_token_mask(ids, []).any()                     # no closing-tag ids: nothing marked
-
-
 def test_gate_same_k_within_group_and_deterministic():
     ks = [gate_nframes("video_17.mp4#q3", step=5) for _ in range(8)]  # one group's 8 samples
     assert len(set(ks)) == 1 and ks[0] in (4, 8, 16, 32, 64)

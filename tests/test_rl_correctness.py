@@ -10,13 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import smoke_argv
 
 import data
 import model as model_lib
+import ops
 import rewards
 import rollout
+import runtime
 import train
-from conftest import smoke_argv
 
 
 @pytest.fixture(autouse=True)
@@ -56,15 +58,15 @@ def test_answer_body_anywhere_as_released():
 ])
 def test_combinations_that_cannot_work_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(argv)
+        runtime.parse_args(argv)
     assert message in capsys.readouterr().err
 
 
 def test_paravt_preset_folds_k1_into_the_reward():
-    args = train.parse_args(["--preset", "paravt"])
+    args = runtime.parse_args(["--preset", "paravt"])
     s = train.grpo_settings(args)
     assert (s.recipe, s.kl_estimator, s.kl_in_reward, s.kl_coef, s.temperature) == ("paravt", "k1", True, 0.01, 0.7)
-    assert train.parse_args(["--kl-coef", "0.01", "--kl-estimator", "k1", "--kl-in-reward", "1"]).kl_in_reward
+    assert runtime.parse_args(["--kl-coef", "0.01", "--kl-estimator", "k1", "--kl-in-reward", "1"]).kl_in_reward
 
 
 # ----------------------------------------------------------------------------- the loss at the sampling temperature
@@ -74,7 +76,7 @@ def encoded(tiny, cache):
     """Two SFT-encoded synthetic trajectories (a tool call, an answer) and their collated batch."""
     model, processor = tiny
     recs = data.make_split(os.path.join(cache, "synthetic"), 4, seed=77, duration=64.0)
-    cfg = train.rollout_config(train.parse_args([]))
+    cfg = train.rollout_config(runtime.parse_args([]))
     rng = __import__("numpy").random.default_rng(0)
     trajs = [rollout.encode_messages(processor, r, data.oracle_turns(r, rng, always_call=True, nframes=8),
                                      os.path.join(cache, "synthetic"), cfg, nframes=8) for r in recs[:2]]
@@ -149,7 +151,7 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     model, processor = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
     if world > 1:
-        train.shard_model(model)
+        runtime.shard_model(model)
     trajs = torch.load(items_of_rank["trajs"], weights_only=False)
     mine = [(trajs[i], adv, {"anchor": 0.0}) for i, adv in items_of_rank[rank]]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -169,7 +171,7 @@ def _run_ranks(world: int, items_of_rank: dict, out: str, loss_chunk: int = 0) -
     if world == 1:
         _rank_update(0, 1, 0, items_of_rank, out, loss_chunk)
     else:
-        torch.multiprocessing.spawn(_rank_update, args=(world, train.find_free_port(), items_of_rank, out, loss_chunk),
+        torch.multiprocessing.spawn(_rank_update, args=(world, runtime.find_free_port(), items_of_rank, out, loss_chunk),
                                     nprocs=world)
     return torch.load(out, weights_only=True)
 
@@ -198,8 +200,8 @@ def test_two_rank_update_through_the_fused_chunks_equals_the_plain_loss(encoded,
     trajs, _ = encoded
     torch.save(trajs, tmp_path / "trajs.pt")
     items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)]}
-    calls, real_apply = [], train._TokenLoss.apply                        # record each fused call's chunk
-    monkeypatch.setattr(train._TokenLoss, "apply", lambda *a: calls.append(a[4]) or real_apply(*a))
+    calls, real_apply = [], ops._TokenLoss.apply                        # record each fused call's chunk
+    monkeypatch.setattr(ops._TokenLoss, "apply", lambda *a: calls.append(a[4]) or real_apply(*a))
     one_plain = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "plain.pt"))
     assert calls == [], "the tiny model's logits are small: the default takes the plain path"
     one_fused = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "fused.pt"), 16)

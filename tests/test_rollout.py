@@ -312,7 +312,7 @@ def test_sft_records_as_the_papers_write_them(tiny, split):
     cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_turns": 1})
     args = {"start_time": 1.0, "end_time": 9.0}
     call = {"type": "function", "function": {"name": "crop_video", "arguments": json.dumps(args)}}
-    ours = [{"role": "assistant", "content": rollout.message_text({"content": "<think>\nlook\n</think>",
+    ours = [{"role": "assistant", "content": data.message_text({"content": "<think>\nlook\n</think>",
                                                                    "tool_calls": [call, call]})},
             {"role": "tool", "content": "a red square"}, {"role": "tool", "content": "nothing"},
             {"role": "assistant", "content": "<think>\nagain\n</think>", "tool_calls": [call]},

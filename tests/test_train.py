@@ -1,6 +1,7 @@
 """Tests for the training loop of train.py: the CPU smoke runs (`--stage all`, `--stage rl`), exact resume,
 FSDP2 on two CPU processes (gloo), the launcher's device checks, TDAM on real encoded trajectories and
-the reward of each recipe. The pure math at the top of train.py is tested in test_train_math.py.
+the reward of each recipe, and the objective's math (the GRPO loss on log-prob tensors, the KL estimators,
+the learning-rate schedule); the fused kernels are tested in test_ops.py.
 
 Run: /work/venv/bin/python -m pytest tests/test_train.py -q      (CPU, a few minutes)
 """
@@ -9,22 +10,25 @@ import json
 import math
 import os
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from conftest import metrics, run, smoke_argv  # shared with the other training tests
 from safetensors.torch import load_file
 
 import data
 import model as model_lib
+import ops
 import rewards
 import rollout
+import runtime
 import train
-from conftest import metrics, run, smoke_argv   # shared with the other training tests
+from train import get_lr, grpo_loss_on_logprobs, kl_penalty
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -112,7 +116,7 @@ def test_stage_rl_alone(tmp_path):
     for r in rows:
         assert all(k in r for k in RL_METRICS), [k for k in RL_METRICS if k not in r]
         assert r["lr"] > 0 and r["step_time"] > 0 and r["tokens_per_s"] > 0
-    assert train.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
+    assert runtime.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
 
 
 @pytest.mark.parametrize("extra, ks", [([], {8}), (["--sft-gated-overviews", "1"], {4, 8})])
@@ -120,8 +124,8 @@ def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
     """Synthetic SFT: every record once with the evaluation overview (K = 8) and, with --sft-gated-overviews,
     once more with a K drawn from the gating choices."""
     model, processor = tiny
-    args = train.parse_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
-    records, _, root = train.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
+    args = runtime.parse_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
+    records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
     items, bad = train.sft_examples(records, processor, root, train.rollout_config(args), sft_data=None, seed=args.seed,
                                     gated_choices=args.gating_choices if args.sft_gated_overviews else [])
@@ -184,7 +188,7 @@ def test_resume_is_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(rollout, "run_agent", stop_at_step_3)
     with pytest.raises(Interrupted):
         run(argv(tmp_path / "resumed"))
-    assert train.latest_checkpoint(str(tmp_path / "resumed")).endswith("ckpt-rl-000002")
+    assert runtime.latest_checkpoint(str(tmp_path / "resumed")).endswith("ckpt-rl-000002")
     monkeypatch.setattr(rollout, "run_agent", real_run_agent)
     run(argv(tmp_path / "resumed") + ["--resume"])
 
@@ -235,13 +239,13 @@ def test_fsdp_kill_and_resume_equals_an_uninterrupted_run(tmp_path, cache):
     launcher = subprocess.Popen(argv(tmp_path / "killed"), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while train.latest_checkpoint(str(tmp_path / "killed")) is None and launcher.poll() is None and time.time() < deadline:
+    while runtime.latest_checkpoint(str(tmp_path / "killed")) is None and launcher.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     launcher.kill()
     launcher.wait()
-    assert train.latest_checkpoint(str(tmp_path / "killed")).endswith("ckpt-sft-000002")
+    assert runtime.latest_checkpoint(str(tmp_path / "killed")).endswith("ckpt-sft-000002")
     time.sleep(3)                                          # the ranks die with the launcher: nothing more is written
-    assert train.latest_checkpoint(str(tmp_path / "killed")).endswith("ckpt-sft-000002")
+    assert runtime.latest_checkpoint(str(tmp_path / "killed")).endswith("ckpt-sft-000002")
     proc = subprocess.run(argv(tmp_path / "killed") + ["--resume"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -251,7 +255,7 @@ def test_fsdp_kill_and_resume_equals_an_uninterrupted_run(tmp_path, cache):
     assert [k for k in a if not torch.equal(a[k], moved[k])], "steps 3-4 changed nothing"
     model, _ = model_lib.load_model(str(tmp_path / "straight" / "ckpt-sft-000002"), device="cpu")
     opt = torch.optim.AdamW(model.parameters())
-    train.load_train_state(str(tmp_path / "straight" / "ckpt-sft-000002"), model, opt)
+    runtime.load_train_state(str(tmp_path / "straight" / "ckpt-sft-000002"), model, opt)
     assert sum(int(s["exp_avg"].abs().sum() > 0) for s in opt.state.values()) > len(opt.state) // 2
 
 
@@ -269,7 +273,7 @@ def test_launcher_rejects_missing_devices(argv, monkeypatch):
     monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *a, **k: started.append("spawn"))
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="CUDA device"):
-        train.launch(train.parse_args(argv))
+        train.launch(runtime.parse_args(argv))
     assert started == []
 
 
@@ -277,22 +281,22 @@ def test_fresh_run_refuses_a_run_dir_holding_another_run(tmp_path, monkeypatch):
     """Without --resume, a run dir with this stage's checkpoints (or an SFT metrics.jsonl) is refused before
     anything starts: the new run would append to the old curves and leave old checkpoints for --resume."""
     run = tmp_path / "run"
-    assert train.stale_run(str(run), "all", False) is None                 # no dir yet
+    assert runtime.stale_run(str(run), "all", False) is None                 # no dir yet
     (run / "ckpt-sft-000700").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"stage": "sft", "step": 1}\n')
-    assert "ckpt-sft-000700" in train.stale_run(str(run), "all", False)
-    assert "metrics.jsonl" in train.stale_run(str(run), "sft", False)
-    assert train.stale_run(str(run), "all", True) is None                  # --resume continues it
-    assert train.stale_run(str(run), "rl", False) is None                  # RL after this SFT: the usual two-step run
+    assert "ckpt-sft-000700" in runtime.stale_run(str(run), "all", False)
+    assert "metrics.jsonl" in runtime.stale_run(str(run), "sft", False)
+    assert runtime.stale_run(str(run), "all", True) is None                  # --resume continues it
+    assert runtime.stale_run(str(run), "rl", False) is None                  # RL after this SFT: the usual two-step run
     (run / "ckpt-rl-000002").mkdir()
-    assert "ckpt-rl-000002" in train.stale_run(str(run), "rl", False)
+    assert "ckpt-rl-000002" in runtime.stale_run(str(run), "rl", False)
     started = []
     monkeypatch.setattr(train, "main", lambda *a, **k: started.append("main"))
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="already holds a run.*--resume"):
-        train.launch(train.parse_args(["--run-dir", str(run), "--device", "cpu"]))
+        train.launch(runtime.parse_args(["--run-dir", str(run), "--device", "cpu"]))
     assert started == []
-    train.launch(train.parse_args(["--run-dir", str(run), "--device", "cpu", "--resume"]))
+    train.launch(runtime.parse_args(["--run-dir", str(run), "--device", "cpu", "--resume"]))
     assert started == ["main"]
 
 
@@ -347,7 +351,7 @@ def tdam_batch(tiny, tmp_path_factory):
     model, processor = tiny
     root = str(tmp_path_factory.mktemp("tdam"))
     recs = [r for r in data.make_split(root, 8, seed=5) if r["data_type"] == "single_clue"][:2]
-    cfg = train.rollout_config(train.parse_args([]))
+    cfg = train.rollout_config(runtime.parse_args([]))
     oracle = data.oracle_turns(recs[0], np.random.default_rng(0))
     assert any(m["role"] == "tool" for m in oracle)            # the oracle crops
     trajs = [rollout.encode_messages(processor, recs[0], oracle, root, cfg),
@@ -395,7 +399,7 @@ def test_tdam_mask_reaches_attention(tiny, tdam_batch):
             n = len(t.token_ids)
             causal[i, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
             causal[i, range(n, L), range(n, L)] = True
-        same, _ = train.sft_loss(model, batch, 1024, train.to_additive_mask(causal), compile=False)
+        same, _ = train.sft_loss(model, batch, 1024, ops.to_additive_mask(causal), compile=False)
         tdam, _ = train.sft_loss(model, batch, 1024, train.tdam_batch_mask(batch, processor.tokenizer, model.config.video_token_id),
                                  compile=False)
     assert math.isfinite(float(tdam))
@@ -511,9 +515,9 @@ def test_vtgr_recipe_is_video_o3_reward():
 
 
 def test_gating_choices_parsed_once_and_checked():
-    assert train.parse_args(["--gating-choices", "4,16"]).gating_choices == [4, 16]
+    assert runtime.parse_args(["--gating-choices", "4,16"]).gating_choices == [4, 16]
     with pytest.raises(SystemExit):
-        train.parse_args(["--gating-choices", "4,x"])
+        runtime.parse_args(["--gating-choices", "4,x"])
 
 
 @pytest.mark.parametrize("tdam", [False, True])
@@ -565,3 +569,150 @@ def test_vision_lr_scale(scale):
     opt.step()
     moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
     assert "lm_head.weight" in moved and "model.language_model.embed_tokens.weight" in moved
+
+
+# -----------------------------------------------------------------------------
+# the objective: GRPO loss on log-prob tensors, KL estimators, the learning-rate schedule
+
+LN2 = math.log(2.0)
+
+
+def test_grpo_loss_on_policy_is_minus_mean_advantage():
+    """ratio = 1: loss = -sum(mask * A) / sum(mask) = -(1 + 1 - 0.5) / 3."""
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.7, -0.9]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss, stats = grpo_loss_on_logprobs(logprobs, logprobs.detach(), torch.tensor([1.0, -0.5]), mask)
+    assert loss.item() == pytest.approx(-0.5)
+    assert stats == {"clip_frac": 0.0, "kl": 0.0, "n_tokens": 3, "ratio_mean": 1.0}
+    loss.backward()  # d loss / d logp = -A / 3 on policy tokens (the policy gradient), 0 elsewhere
+    expected = torch.tensor([[-1 / 3, -1 / 3, 0.0], [0.5 / 3, 0.0, 0.0]])
+    torch.testing.assert_close(logprobs.grad, expected)
+
+
+def test_grpo_loss_clipped_by_hand():
+    """
+    eps_low 0.2, eps_high 0.3; old logp 0, so ratio r = exp(logp). Per token -min(rA, clip(r)A):
+      seq 0, A = +1: r 1.5 -> clip 1.3 -> -1.3 (clipped)   r 0.5 -> -0.5 (pessimistic side, kept)   r 1.1 -> -1.1
+      seq 1, A = -2: r 0.5 -> clip 0.8 -> +1.6 (clipped)   r 1.5 -> +3.0 (kept)                      r 0.9 masked
+    loss = (-1.3 - 0.5 - 1.1 + 1.6 + 3.0) / 5 = 0.34, clip_frac 2/5, ratio_mean 5.1/5.
+    Gradient -A r / 5 where unclipped, 0 where clipped or masked.
+    """
+    ratios = torch.tensor([[1.5, 0.5, 1.1], [0.5, 1.5, 0.9]])
+    logprobs = ratios.log().requires_grad_()
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    loss, stats = grpo_loss_on_logprobs(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -2.0]), mask,
+                            clip_low=0.2, clip_high=0.3)
+    assert loss.item() == pytest.approx(0.34, abs=1e-6)
+    assert stats["clip_frac"] == pytest.approx(0.4)
+    assert stats["ratio_mean"] == pytest.approx(1.02, abs=1e-6)
+    assert stats["n_tokens"] == 5
+    loss.backward()
+    expected = torch.tensor([[0.0, -0.5 / 5, -1.1 / 5], [0.0, 2 * 1.5 / 5, 0.0]])
+    torch.testing.assert_close(logprobs.grad, expected)
+
+
+@pytest.mark.parametrize("logp, ref, estimator, expected", [
+    (-1.0, -1.0, "k3", 0.0),                     # identical policies: no divergence
+    (-1.0, -1.0 - LN2, "k1", LN2),               # k1 = logp - ref
+    (-2.0, -2.0 + LN2, "k1", -LN2),              # k1 goes negative when the reference is likelier
+    (-1.0, -1.0 - LN2, "k3", 0.5 + LN2 - 1.0),   # k3 = e^(ref-logp) - (ref-logp) - 1 with ref-logp = -ln 2
+    (-2.0, -2.0 + LN2, "k3", 2.0 - LN2 - 1.0),   # ... and with ref-logp = +ln 2; k3 stays >= 0
+])
+def test_kl_penalty_by_hand(logp, ref, estimator, expected):
+    got = kl_penalty(torch.tensor([logp], dtype=torch.float64), torch.tensor([ref], dtype=torch.float64), estimator)
+    assert got.item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_kl_penalty_rejects_unknown_estimator():
+    with pytest.raises(ValueError, match="k1' or 'k3"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k2")
+
+
+@pytest.mark.parametrize("estimator, ref, expected_kl", [
+    ("k3", [-1.0 - LN2, -2.0 + LN2, 7.0], ((0.5 + LN2 - 1.0) + (2.0 - LN2 - 1.0)) / 2),  # = 0.25
+    ("k1", [-1.0 - LN2, -2.0 - 3 * LN2, 7.0], (LN2 + 3 * LN2) / 2),                     # = 2 ln 2
+])
+def test_grpo_loss_kl_term(estimator, ref, expected_kl):
+    """On policy with A = 0 the loss is kl_coef * token-mean(KL); the third token is masked."""
+    logprobs = torch.tensor([[-1.0, -2.0, -5.0]])
+    loss, stats = grpo_loss_on_logprobs(logprobs, logprobs, torch.zeros(1), torch.tensor([[1, 1, 0]]),
+                            kl_coef=0.1, ref_logprobs=torch.tensor([ref]), kl_estimator=estimator)
+    assert stats["kl"] == pytest.approx(expected_kl, abs=1e-6)
+    assert loss.item() == pytest.approx(0.1 * expected_kl, abs=1e-6)
+
+
+def test_grpo_loss_masked_tokens_get_exactly_zero_gradient():
+    """Garbage (inf, NaN) at prompt / tool-response / pad positions must not leak into loss or gradient."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    logprobs = torch.randn(2, 5).where(mask, torch.tensor(float("nan"))).requires_grad_()
+    old = (logprobs.detach() + 0.4 * torch.randn(2, 5)).where(mask, torch.tensor(float("-inf")))
+    ref = (logprobs.detach() - 0.3).where(mask, torch.tensor(float("inf")))
+    adv = torch.randn(2, 5)  # per-token advantages
+    loss, stats = grpo_loss_on_logprobs(logprobs, old, adv, mask, clip_low=0.1, clip_high=0.1,
+                            kl_coef=0.05, ref_logprobs=ref, kl_estimator="k3")
+    loss.backward()
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in stats.values())
+    assert torch.equal(logprobs.grad[~mask], torch.zeros(int((~mask).sum())))
+    assert logprobs.grad[mask].abs().sum() > 0
+
+
+def test_grpo_loss_per_token_advantage():
+    """(B, L) advantages: token-level credit, e.g. anchoring a closing tag, counts only where given."""
+    logprobs = torch.zeros(1, 4, requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 3.0, 1.0]])  # +2 extra at the closing-tag position
+    loss, _ = grpo_loss_on_logprobs(logprobs, logprobs.detach(), adv, torch.ones(1, 4))
+    assert loss.item() == pytest.approx(-6.0 / 4)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, -adv / 4)
+
+
+def test_grpo_loss_micro_batches_add_up_with_global_normaliser():
+    """Token-mean over the whole batch: two micro-batches with num_tokens = total sum to the full loss."""
+    torch.manual_seed(1)
+    logprobs, old, adv = torch.randn(4, 6), torch.randn(4, 6), torch.randn(4)
+    mask = torch.rand(4, 6) > 0.3
+    full, _ = grpo_loss_on_logprobs(logprobs, old, adv, mask)
+    total = mask.sum()
+    parts = [grpo_loss_on_logprobs(logprobs[s], old[s], adv[s], mask[s], num_tokens=total)[0] for s in (slice(0, 1), slice(1, 4))]
+    assert (parts[0] + parts[1]).item() == pytest.approx(full.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(advantages=torch.zeros(3)), "advantages"),                   # one advantage per sequence, B = 2
+    (dict(mask=torch.ones(2, 4)), r"must all be \(B, L\)"),            # mask longer than the sequences
+    (dict(kl_coef=0.1), "needs ref_logprobs"),                         # KL asked for without a reference
+    (dict(ref_logprobs=torch.zeros(2, 2)), "ref_logprobs"),            # reference of the wrong length
+])
+def test_grpo_loss_rejects_bad_shapes(kwargs, message):
+    args = dict(logprobs=torch.zeros(2, 3), old_logprobs=torch.zeros(2, 3), advantages=torch.zeros(2),
+                mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match=message):
+        grpo_loss_on_logprobs(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("step, warmup, expected", [
+    (0, 0, 1.0),          # no warmup: starts at the peak
+    (0, 10, 0.1),         # first warmup step: lr / warmup
+    (9, 10, 1.0),         # last warmup step reaches the peak
+    (10, 10, 1.0),        # cosine starts at the peak
+    (55, 10, 0.55),       # half way through the cosine: (lr + min_lr) / 2
+    (100, 10, 0.1),       # the end: min_lr = 0.1 * lr
+    (250, 10, 0.1),       # past the end: stays at min_lr
+])
+def test_get_lr_endpoints(step, warmup, expected):
+    assert get_lr(step, total_steps=100, lr=1.0, warmup_steps=warmup, min_lr_ratio=0.1) == pytest.approx(expected)
+
+
+def test_get_lr_decreases_after_warmup():
+    lrs = [get_lr(s, 50, 3e-6, warmup_steps=5) for s in range(5, 60)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:])) and lrs[0] > lrs[-1]
+
+
+@pytest.mark.parametrize("total, warmup", [
+    (0, 0),     # no steps at all
+    (10, 11),   # warmup longer than the run
+])
+def test_get_lr_rejects_bad_schedule(total, warmup):
+    with pytest.raises(ValueError, match="get_lr"):
+        get_lr(0, total, 1.0, warmup_steps=warmup)

@@ -15,7 +15,7 @@ import eval as evaluation
 import rewards
 import rollout
 import video
-from tests.test_rollout import Scripted, call, tiny, turn, user_messages, responses  # noqa: F401 (tiny: a fixture)
+from tests.test_rollout import Scripted, call, responses, tiny, turn, user_messages  # noqa: F401 (tiny: a fixture)
 
 CROP = dict(level="medium", fps=1.0, max_frames=16, max_pixels=64 * 64)   # the tiny rollout's crops
 

@@ -1,6 +1,7 @@
-"""Tests for the rollout engine's machinery (rollout.py): batched on-device sampling, the shared-prompt
-cache (GroupKV: one K/V copy per prompt, a preallocated suffix per row, cascade attention), and the
-training forward that runs the vision tower once per distinct video (forward_hidden).
+"""Tests for the rollout engine's machinery: the shared-prompt cache (kvcache.py: GroupKV, one K/V copy per
+prompt, a preallocated suffix per row, cascade attention), one decode turn and batched on-device sampling
+(rollout.decode_turn, rollout.sample_tokens), and the training forward that runs the vision tower once per
+distinct video (rollout.forward_hidden).
 
 The end-to-end exactness of rollouts (recorded log-probs == full recompute) is in tests/test_rollout.py.
 """
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import data
+import kvcache
 import rollout
 import video
 
@@ -124,7 +126,7 @@ def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split):
     root, recs = split
     a, b, sfx = _chunks(model, processor, root, recs[0])
     pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    kv = rollout.GroupKV(model, [0, 0, 0, 1, 1], "cpu")    # prompt a: 3 rows, prompt b: 2 rows
+    kv = kvcache.GroupKV(model, [0, 0, 0, 1, 1], "cpu")    # prompt a: 3 rows, prompt b: 2 rows
     kv.extend(model, [0, 1], [a, b], pad, prefix=True)
     kv.fork()
     prefix_k = kv.prefix.k[0]
@@ -139,25 +141,25 @@ def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split):
     tok = torch.tensor([5, 9])
     kv.step(model, kv.index([1, 3]), tok)
     for r, t in zip([1, 3], tok.tolist()):
-        ref = _alone(model, seqs[r] + [rollout.Chunk(torch.tensor([t]), torch.zeros(1, dtype=torch.int32))])
+        ref = _alone(model, seqs[r] + [kvcache.Chunk(torch.tensor([t]), torch.zeros(1, dtype=torch.int32))])
         torch.testing.assert_close(kv.last_logits[r], ref, atol=1e-4, rtol=0)
     assert kv.prefix.k[0].data_ptr() == ptr                # the prompt cache was never moved or copied
 
 
 def test_kvstore_grows_in_large_steps_in_place():
-    store = rollout.KVStore(2, "cpu")
+    store = kvcache.KVStore(2, "cpu")
     k = torch.randn(2, 1, 3, 4)
     store.reserve(3)
     store.write(0, torch.tensor([0, 1]), torch.tensor([0, 0]), k, k)
-    assert store.k[0].shape == (2, 1, rollout.GROW, 4)
+    assert store.k[0].shape == (2, 1, kvcache.GROW, 4)
     ptr = store.k[0].data_ptr()
     for step in range(10):                               # per-token writes: no reallocation
         store.write(0, torch.tensor([1]), torch.tensor([3 + step]), k[1:, :, :1], k[1:, :, :1])
     assert store.k[0].data_ptr() == ptr
     torch.testing.assert_close(store.k[0][1, :, 3:13], k[1, :, :1].expand(-1, 10, -1))
-    store.reserve(rollout.GROW + 1)                      # past capacity: one large step
-    store.write(0, torch.tensor([0]), torch.tensor([rollout.GROW]), k[:1, :, :1], k[:1, :, :1])
-    assert store.k[0].shape[2] >= 2 * rollout.GROW
+    store.reserve(kvcache.GROW + 1)                      # past capacity: one large step
+    store.write(0, torch.tensor([0]), torch.tensor([kvcache.GROW]), k[:1, :, :1], k[:1, :, :1])
+    assert store.k[0].shape[2] >= 2 * kvcache.GROW
     torch.testing.assert_close(store.k[0][0, :, :3], k[0])
 
 

@@ -1,18 +1,22 @@
 """
-Tests for train.token_loss (the fused linear loss: gradients formed in the forward) and its two entry points,
-grpo_token_loss and sft_token_loss, against the naive path log_softmax(h W^T / T).gather then the loss.
+Tests for ops.py: the fused linear loss (ops.token_loss: gradients formed in the forward) with its two entry
+points train.grpo_loss and train.sft_token_loss, against the naive path log_softmax(h W^T / T).gather then the
+loss; the chunked log-prob gather (ops.token_logprobs); TDAM's dense mask (ops.tdam_mask, to_additive_mask).
 
-    python -m pytest tests/test_token_loss.py -q          # CPU, well under a minute
-    python -m pytest tests/test_token_loss.py -q -m gpu   # the bf16 check, on a CUDA machine
+    python -m pytest tests/test_ops.py -q          # CPU, well under a minute
+    python -m pytest tests/test_ops.py -q -m gpu   # the bf16 checks, on a CUDA machine
 """
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-import train
-from train import grpo_loss, grpo_token_loss, sft_token_loss, token_loss
+import ops
+from ops import tdam_mask, to_additive_mask, token_logprobs, token_loss
+from train import grpo_loss, grpo_loss_on_logprobs, sft_token_loss
 
 
 def make_batch(B=3, L=7, dim=16, vocab=500, seed=0, scale=0.4, per_token_adv=False):
@@ -77,11 +81,11 @@ def test_grpo_token_loss_matches_naive(case):
 
     def naive(h, w):
         lp = naive_logprobs(h, w, targets, T)
-        return grpo_loss(lp, lp.detach() if old is None else old.double(), adv.double(), mask,
+        return grpo_loss_on_logprobs(lp, lp.detach() if old is None else old.double(), adv.double(), mask,
                          **{**kw, "ref_logprobs": ref.double()})
 
     def ours(h, w):
-        return grpo_token_loss(h, w, targets, old, adv, mask, temperature=T, chunk_size=case["chunk_size"],
+        return grpo_loss(h, w, targets, old, adv, mask, temperature=T, chunk_size=case["chunk_size"],
                                compile=False, **kw)
 
     ref_loss, ref_gh, ref_gw, ref_stats = value_and_grads(naive, hidden, weight)
@@ -102,9 +106,9 @@ def test_grpo_token_loss_global_normaliser_adds_up():
     """Two micro-batches with num_tokens = the whole batch's count sum to one call over the whole batch."""
     hidden, weight, targets, mask, old, ref, adv = make_batch(B=4, seed=2)
     kw = dict(clip_low=0.2, clip_high=0.2, temperature=0.7, chunk_size=4, compile=False)
-    full, _ = grpo_token_loss(hidden, weight, targets, old, adv, mask, **kw)
+    full, _ = grpo_loss(hidden, weight, targets, old, adv, mask, **kw)
     total = int(mask.sum())
-    parts = [grpo_token_loss(hidden[s], weight, targets[s], old[s], adv[s], mask[s], num_tokens=total, **kw)[0]
+    parts = [grpo_loss(hidden[s], weight, targets[s], old[s], adv[s], mask[s], num_tokens=total, **kw)[0]
              for s in (slice(0, 1), slice(1, 4))]
     assert (parts[0] + parts[1]).item() == pytest.approx(full.item(), rel=1e-6)
 
@@ -148,7 +152,7 @@ def test_token_loss_compiled_matches_naive():
 
     for a, b in zip(value_and_grads(ours, h2, weight)[:3], value_and_grads(naive, h2, weight)[:3]):
         assert_rel_close(a, b)
-    assert train._chunk_grad_logits_ in train._compiled_kernels   # the compiled path really ran
+    assert ops._chunk_grad_logits_ in ops._compiled_kernels   # the compiled path really ran
 
 
 def test_token_loss_auto_chunk_takes_the_fused_path(monkeypatch):
@@ -158,8 +162,8 @@ def test_token_loss_auto_chunk_takes_the_fused_path(monkeypatch):
     loss_fn = lambda lp, rows: -lp.sum() / 40   # noqa: E731
     plain = value_and_grads(lambda h, w: (token_loss(h, w, t2, loss_fn, compile=False), None), h2, weight)
     assert "TokenLoss" not in type(plain[0].grad_fn).__name__      # 40 x 1000 logits: the plain path
-    monkeypatch.setattr(train, "_MIN_CHUNK_LOGITS", 4000)            # chunks of 8 rows: 5 of them (at most 8)
-    assert train._liger_chunk(40, 16, 1000) == 4 and train._auto_chunk(40, 16, 1000) == 8
+    monkeypatch.setattr(ops, "_MIN_CHUNK_LOGITS", 4000)            # chunks of 8 rows: 5 of them (at most 8)
+    assert ops._liger_chunk(40, 16, 1000) == 4 and ops._auto_chunk(40, 16, 1000) == 8
     fused = value_and_grads(lambda h, w: (token_loss(h, w, t2, loss_fn, compile=False), None), h2, weight)
     assert "TokenLoss" in type(fused[0].grad_fn).__name__
     for a, b in zip(fused[:3], plain[:3]):
@@ -174,9 +178,9 @@ def test_token_loss_auto_chunk_takes_the_fused_path(monkeypatch):
     (1 << 20, 8192, 32_000, 1 << 18, 1 << 18),   # Liger's rule already gives <= 8 chunks: unchanged
 ])
 def test_auto_chunk(n, dim, vocab, liger, expected):
-    assert train._liger_chunk(n, dim, vocab) == liger
-    assert train._auto_chunk(n, dim, vocab) == expected
-    assert -(-n // expected) <= train.MAX_CHUNKS
+    assert ops._liger_chunk(n, dim, vocab) == liger
+    assert ops._auto_chunk(n, dim, vocab) == expected
+    assert -(-n // expected) <= ops.MAX_CHUNKS
 
 
 class CountGemms(TorchDispatchMode):
@@ -242,14 +246,14 @@ def test_grpo_token_loss_rejects_bad_input(kwargs, message):
     args = dict(hidden=hidden, lm_head_weight=weight, targets=targets, old_logprobs=old, advantages=adv, mask=mask,
                 clip_low=0.2, clip_high=0.2, ref_logprobs=ref, compile=False)
     with pytest.raises(ValueError, match=message):
-        grpo_token_loss(**{**args, **kwargs})
+        grpo_loss(**{**args, **kwargs})
 
 
 def test_grpo_token_loss_no_policy_tokens():
     """An empty mask (a rank with nothing to learn): loss 0, zero gradients that still reach W, no NaN."""
     hidden, weight, targets, mask, old, ref, adv = make_batch(seed=9)
     w = weight.clone().requires_grad_()
-    loss, stats = grpo_token_loss(hidden, w, targets, old, adv, torch.zeros_like(mask), clip_low=0.2,
+    loss, stats = grpo_loss(hidden, w, targets, old, adv, torch.zeros_like(mask), clip_low=0.2,
                                   clip_high=0.2, chunk_size=4, compile=False)
     loss.backward()
     assert loss.item() == 0.0 and stats["n_tokens"] == 0 and stats["clip_frac"] == 0.0
@@ -271,11 +275,11 @@ def test_token_loss_under_gradient_checkpointing(use_reentrant):
             p.grad = None
         hidden = checkpoint(block, x, use_reentrant=use_reentrant)
         if fused:
-            loss, _ = grpo_token_loss(hidden, head.weight, targets, old, adv, mask, temperature=0.7,
+            loss, _ = grpo_loss(hidden, head.weight, targets, old, adv, mask, temperature=0.7,
                                       chunk_size=4, compile=False, **kw)
         else:
             lp = F.log_softmax(head(hidden) / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
-            loss, _ = grpo_loss(lp, old, adv, mask, **kw)
+            loss, _ = grpo_loss_on_logprobs(lp, old, adv, mask, **kw)
         loss.backward()
         return [p.grad.clone() for p in (*block.parameters(), head.weight, x)]
 
@@ -324,10 +328,10 @@ def check_bf16(device: str, use_compile: bool) -> None:
 
     def naive(h, w):   # fp32 on the bf16-rounded inputs
         lp = F.log_softmax(h.float() @ w.float().T / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
-        return grpo_loss(lp, old, adv, mask, **kw)
+        return grpo_loss_on_logprobs(lp, old, adv, mask, **kw)
 
     def ours(h, w):
-        return grpo_token_loss(h, w, targets, old, adv, mask, temperature=0.7, chunk_size=64,
+        return grpo_loss(h, w, targets, old, adv, mask, temperature=0.7, chunk_size=64,
                                compile=use_compile, **kw)
 
     ref_loss, ref_gh, ref_gw, _ = value_and_grads(naive, hidden.bfloat16(), weight.bfloat16())
@@ -348,3 +352,235 @@ def test_grpo_token_loss_bf16_cpu():
 @pytest.mark.parametrize("use_compile", [False, True])
 def test_grpo_token_loss_bf16_cuda(use_compile):
     check_bf16("cuda", use_compile)
+
+
+# -----------------------------------------------------------------------------
+# token_logprobs
+
+QWEN_VOCAB = 151_936
+
+
+def naive_logprobs_t1(hidden, weight, targets):
+    """The reference: full (N, V) logits, log_softmax, gather."""
+    return F.log_softmax(hidden @ weight.T, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def make_problem(n, dim=32, vocab=QWEN_VOCAB, seed=0, scale=0.5):
+    """Random hidden (n, dim), lm_head (vocab, dim), targets and an upstream gradient; logits std ~ 3."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, dim, generator=gen)
+    weight = torch.randn(vocab, dim, generator=gen) * scale
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    grad_out = torch.randn(n, generator=gen)
+    return hidden, weight, targets, grad_out
+
+
+def value_and_grads_t1(fn, hidden, weight, targets, grad_out, dtype):
+    h = hidden.detach().to(dtype).requires_grad_()  # detach first: never flip the caller's tensor
+    w = weight.detach().to(dtype).requires_grad_()
+    out = fn(h, w, targets)
+    grad_h, grad_w = torch.autograd.grad(out, (h, w), grad_out.to(out.dtype))
+    return out, grad_h, grad_w
+
+
+@pytest.fixture(scope="module")
+def qwen_vocab_problem():
+    """40 tokens at Qwen's vocab; chunk 16 gives chunks of 16, 16 and a ragged 8 (padded)."""
+    hidden, weight, targets, grad_out = make_problem(40)
+    # the truth in float64: at this logit scale fp32 log_softmax itself is off by ~1.4e-5
+    ref = value_and_grads_t1(naive_logprobs_t1, hidden, weight, targets, grad_out, torch.float64)
+    return hidden, weight, targets, grad_out, ref
+
+
+@pytest.mark.parametrize("use_compile", [
+    False,  # eager chunk kernels: the math itself
+    True,   # torch.compile(dynamic=False) kernels on the padded chunk shape
+])
+def test_token_logprobs_matches_naive(qwen_vocab_problem, use_compile):
+    hidden, weight, targets, grad_out, (ref, ref_gh, ref_gw) = qwen_vocab_problem
+    out, grad_h, grad_w = value_and_grads_t1(
+        lambda h, w, t: token_logprobs(h, w, t, chunk_size=16, compile=use_compile),
+        hidden, weight, targets, grad_out, torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (40,)
+    # log-probs near -15: fp32 holds them to ~1e-6, and the compiled logsumexp's summation order follows the
+    # thread count (with OMP_NUM_THREADS=1 one value was 1.07e-5 off), hence rtol 1e-6 beside atol 1e-5
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(grad_h.double(), ref_gh, atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad_w.double(), ref_gw, atol=1e-5, rtol=0)
+    if use_compile:
+        assert ops._chunk_logprobs in ops._compiled_kernels  # the compiled path really ran
+
+
+def test_token_logprobs_fp32_agrees_with_fp32_naive():
+    """At a unit logit scale the fp32 naive path is itself accurate, so the two agree within 1e-5."""
+    hidden, weight, targets, grad_out = make_problem(40, scale=32 ** -0.5, seed=1)
+    ref = value_and_grads_t1(naive_logprobs_t1, hidden, weight, targets, grad_out, torch.float32)
+    ours = value_and_grads_t1(lambda h, w, t: token_logprobs(h, w, t, chunk_size=16, compile=False),
+                           hidden, weight, targets, grad_out, torch.float32)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shape, chunk_size", [
+    ((5,), 1024),      # fewer tokens than a chunk: the chunk shrinks to 8 and is padded
+    ((3, 7), 4),       # (B, L) leading dims, 21 tokens in chunks of 4 with a ragged last one
+    ((16,), 16),       # exactly one full chunk, no padding
+    ((0,), 16),        # empty batch: empty output, zero gradients
+])
+def test_token_logprobs_shapes(shape, chunk_size):
+    n = math.prod(shape)
+    hidden, weight, targets, grad_out = make_problem(n, vocab=1000, seed=2)
+    hidden, targets, grad_out = hidden.reshape(*shape, 32), targets.reshape(shape), grad_out.reshape(shape)
+    ref = value_and_grads_t1(naive_logprobs_t1, hidden, weight, targets, grad_out, torch.float64)
+    ours = value_and_grads_t1(lambda h, w, t: token_logprobs(h, w, t, chunk_size=chunk_size, compile=False),
+                           hidden, weight, targets, grad_out, torch.float32)
+    assert ours[0].shape == shape
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_frozen_head():
+    """Only the hidden states need a gradient (frozen or tied lm_head): no weight gradient is made."""
+    hidden, weight, targets, grad_out = make_problem(20, vocab=500, seed=3)
+    h = hidden.clone().requires_grad_()
+    token_logprobs(h, weight, targets, chunk_size=8, compile=False).backward(grad_out)
+    h_ref = hidden.double().requires_grad_()
+    naive_logprobs_t1(h_ref, weight.double(), targets).backward(grad_out.double())
+    assert weight.grad is None
+    torch.testing.assert_close(h.grad.double(), h_ref.grad, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bad_target", [
+    -100,   # the usual ignore_index: pads must carry a valid id, the mask drops them
+    500,    # == vocab, one past the end
+])
+def test_token_logprobs_rejects_out_of_range_targets(bad_target):
+    hidden, weight, targets, _ = make_problem(6, vocab=500, seed=4)
+    targets[2] = bad_target
+    with pytest.raises(ValueError, match="targets must lie in"):
+        token_logprobs(hidden, weight, targets, compile=False)
+
+
+def test_token_logprobs_env_disables_compile(monkeypatch):
+    monkeypatch.setenv("TOKEN_LOGPROBS_COMPILE", "0")
+    assert ops._kernel(ops._chunk_logprobs, True) is ops._chunk_logprobs
+    monkeypatch.setenv("TOKEN_LOGPROBS_COMPILE", "1")
+    assert ops._kernel(ops._chunk_logprobs, False) is ops._chunk_logprobs
+    assert ops._kernel(ops._chunk_logprobs, True) is not ops._chunk_logprobs
+
+
+@pytest.mark.parametrize("temperature", [
+    0.7,   # the RL sampling temperature: old, reference and current log-probs must all use it
+    2.0,   # a flattening temperature, the gradient's 1/T factor below 1
+])
+def test_token_logprobs_temperature(temperature):
+    """
+    Regression: rollouts sample from softmax(logits / T) with T = 0.7, but the loss's
+    log-probs were those of softmax(logits), so the policy optimised was not the one that sampled.
+    token_logprobs(..., temperature=T) must equal log_softmax(h W^T / T).gather, gradients included.
+    """
+    hidden, weight, targets, grad_out = make_problem(21, vocab=1000, seed=5)
+    ref = value_and_grads_t1(lambda h, w, t: naive_logprobs_t1(h / temperature, w, t),
+                          hidden, weight, targets, grad_out, torch.float64)
+    ours = value_and_grads_t1(lambda h, w, t: token_logprobs(h, w, t, chunk_size=8, compile=False,
+                                                          temperature=temperature),
+                           hidden, weight, targets, grad_out, torch.float32)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=0)
+    at_one = token_logprobs(hidden, weight, targets, chunk_size=8, compile=False)
+    assert (ours[0] - at_one).abs().max() > 0.1   # the temperature really changes the log-probs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_compile", [False, True])
+def test_token_logprobs_bf16_cuda(use_compile):
+    """bf16 on CUDA: logits come out of a bf16 GEMM (about 3 significant digits), the rest is fp32."""
+    hidden, weight, targets, grad_out = (x.cuda() for x in make_problem(300, dim=64, scale=64 ** -0.5))
+    ref = value_and_grads_t1(naive_logprobs_t1, hidden.bfloat16().float(), weight.bfloat16().float(),
+                          targets, grad_out, torch.float32)
+    out, grad_h, grad_w = value_and_grads_t1(
+        lambda h, w, t: token_logprobs(h, w, t, chunk_size=128, compile=use_compile),
+        hidden, weight, targets, grad_out, torch.bfloat16)
+    assert out.dtype == torch.float32 and grad_h.dtype == grad_w.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref[0], atol=0.05, rtol=0)
+    for ours, theirs in ((grad_h, ref[1]), (grad_w, ref[2])):
+        assert (ours.float() - theirs).norm() / theirs.norm() < 2e-2
+
+
+# -----------------------------------------------------------------------------
+# TDAM's dense mask
+
+# L = 20:  0-1 prompt | 2-5 overview video | 6 text | 7-8 call 1 | 9-11 observation video 1 |
+#          12-13 call 2 | 14-16 observation video 2 | 17 "<answer>" | 18-19 answer
+LAYOUT = dict(seq_len=20, overview_span=(2, 6), answer_span=(18, 20),
+              call_spans=[(7, 9), (12, 14)], obs_spans=[(9, 12), (14, 17)])
+
+
+def rows(text: str) -> torch.Tensor:
+    return torch.tensor([c == "1" for c in text])
+
+
+def test_tdam_mask_by_hand():
+    mask = tdam_mask(**LAYOUT)
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()
+    edited = {
+        # call 2 may not see observation video 1 (cols 9-11); it still sees the overview and call 1
+        12: rows("11111111100010000000"),
+        13: rows("11111111100011000000"),
+        # the answer may not see the overview video (cols 2-5); it sees both observations
+        18: rows("11000011111111111110"),
+        19: rows("11000011111111111111"),
+    }
+    for i in range(20):
+        assert torch.equal(mask[i], edited.get(i, causal[i])), f"row {i}"
+
+
+def test_tdam_mask_third_call_loses_both_earlier_observations():
+    # 0 prompt | 1-2 overview | 3 call 1 | 4-5 obs 1 | 6 call 2 | 7-8 obs 2 | 9 call 3 | 10-11 obs 3
+    mask = tdam_mask(12, (1, 3), None, call_spans=[(9, 10), (3, 4), (6, 7)],  # order given does not matter
+                     obs_spans=[(4, 6), (7, 9), (10, 12)])
+    assert torch.equal(mask[9], rows("111100100100"))
+    assert torch.equal(mask[6], rows("111100100000"))
+    assert torch.equal(mask[3], rows("111100000000"))  # the first call is never edited
+
+
+@pytest.mark.parametrize("obs_spans, call_spans", [
+    ([], [(7, 9)]),   # one call, no observation video yet: only the overview video, no edit at all
+    ([], []),         # no tool use: a plain answer after the overview
+])
+def test_tdam_mask_single_video_is_causal(obs_spans, call_spans):
+    mask = tdam_mask(20, (2, 6), (18, 20), call_spans, obs_spans)
+    assert torch.equal(mask, torch.ones(20, 20, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(answer_span=(4, 8)), "overlaps overview_span"),   # an answer inside the video would mask itself
+    (dict(obs_spans=[(9, 25)]), "obs_span"),                # past the end of the sequence
+    (dict(call_spans=[(9, 7)]), "call_span"),               # end before start
+])
+def test_tdam_mask_rejects_bad_spans(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tdam_mask(**{**LAYOUT, **kwargs})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_to_additive_mask_matches_boolean_attention(dtype):
+    mask = tdam_mask(**LAYOUT)
+    additive = to_additive_mask(mask, dtype)
+    assert additive.shape == (1, 1, 20, 20) and additive.dtype == dtype
+    assert torch.equal(additive[0, 0] == 0, mask)
+    assert torch.all(additive[0, 0][~mask] == torch.finfo(dtype).min)
+    q, k, v = torch.randn(3, 1, 2, 20, 8, dtype=dtype).unbind(0)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=additive),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_to_additive_mask_batched():
+    """(B, L, L) keeps one mask per sequence: (B, 1, L, L), the head dim broadcast."""
+    masks = torch.stack([tdam_mask(**LAYOUT), torch.ones(20, 20, dtype=torch.bool).tril()])
+    additive = to_additive_mask(masks)
+    assert additive.shape == (2, 1, 20, 20)
+    assert torch.equal(additive[:, 0] == 0, masks)
+    with pytest.raises(ValueError, match="to_additive_mask"):
+        to_additive_mask(torch.ones(2, 3, 4, dtype=torch.bool))  # not square

@@ -1,0 +1,488 @@
+"""
+The training kernels: the fused linear log-prob gather and loss, and TDAM's attention without an L x L mask.
+Plain PyTorch plus `torch.compile` on the per-chunk softmax math; train.py holds the equations that use them.
+(Named ops.py, not kernels.py: transformers imports a top-level `kernels` module if one is importable.)
+
+1. Hidden states x lm_head -> per-token log-probs, never the (N, V) logits (V = 151,936 for Qwen):
+     token_logprobs(hidden (..., D), W (V, D), targets (...)) -> log p(target) (...)     no-grad uses, 4 GEMMs
+     token_loss(hidden (N, D), W (V, D), targets (N,), loss_fn) -> scalar                 the losses, 3 GEMMs
+   `token_loss` is the seam: `loss_fn(logp_chunk, rows)` is any sum of per-token terms of log p (train.py's
+   GRPO and SFT losses); its gradient is formed inside the forward, chunk by chunk (Liger-Kernel's fused
+   linear cross-entropy, arXiv 2410.10989; Cut Cross-Entropy, arXiv 2411.09009).
+   `policy_rows` gathers the policy tokens of (B, L) batches into the (N, ...) rows the kernels take.
+2. TDAM (Video-o3, arXiv 2601.23224), the tensor side: `tdam_rects` states the two masking rules as rectangles
+   of (query, key) ranges; `tdam_mask` / `to_additive_mask` build the dense (L, L) form from them (tests, small
+   inputs); `TdamSpec` + `tdam_attention` (registered as the attention implementation "paravt_tdam") attend by
+   query blocks, each block's mask built from the rectangles, so no L x L tensor ever exists. Which spans of a
+   trajectory the rules apply to is found from its text in train.py (`tdam_spans`).
+
+Sizes that choose a path (shrunk in tests so every path runs): _MIN_CHUNK_LOGITS (token_loss's plain path
+below it), MAX_CHUNKS (the default chunk rule), the chunk size itself (padding of the last chunk), TdamSpec.block.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+# -----------------------------------------------------------------------------
+# 1. Chunked log-probabilities: hidden states x lm_head -> log p(token), never the (N, V) matrix
+
+# `TOKEN_LOGPROBS_COMPILE=0` runs the chunk kernels of token_logprobs and token_loss eagerly everywhere
+# (for debugging and pdb). `TORCH_COMPILE_DISABLE=1` does the same for every torch.compile in the process.
+_compiled_kernels: dict = {}
+_MIN_CHUNK_LOGITS = 1 << 23   # token_loss's smallest chunk buffer, in elements (32 MB fp32); below it, no chunks
+MAX_CHUNKS = 8                  # the default chunk rule splits a loss into at most this many chunks (_auto_chunk)
+
+# Layout: a chunk of C tokens has its logits vocab-major, logits^T = W h_c^T of shape (V, C), in one reused buffer,
+# so the GEMMs are (V, D) x (D, C), (D, V) x (V, C) and (V, C) x (C, D). `python bench/chunk_layout.py` (CPU, MKL,
+# fp32, N = 1,024, D = 4,096, V = 151,936): the three GEMMs chunk by chunk took 1.31x / 1.12x / 1.05x the time of
+# the whole-batch GEMMs at C = 128 / 256 / 512 token-major (C, V), 1.09x / 1.01x / 1.00x vocab-major. The softmax
+# reductions then run over the buffer's outer axis.
+
+
+def _kernel(fn, use_compile: bool):
+    """The chunk kernel `fn`, compiled on first use with fixed shapes, or `fn` itself when compile is off."""
+    if not use_compile or os.environ.get("TOKEN_LOGPROBS_COMPILE", "1") == "0":
+        return fn
+    if fn not in _compiled_kernels:
+        _compiled_kernels[fn] = torch.compile(fn, dynamic=False)
+    return _compiled_kernels[fn]
+
+
+def _chunk_logprobs(logits_t, targets, temperature: float = 1.0):
+    """One chunk forward: logits^T (V, C) -> log p(target) (C,) and logsumexp (C,) of logits / T, both fp32."""
+    z = logits_t.float()                                          # the upcast fuses into the reductions
+    if temperature != 1.0:                                        # (T = 1 skips it: bit-for-bit the plain model)
+        z = z / temperature
+    if torch.compiler.is_compiling():
+        # compiled, the sum over the vocab (the buffer's outer axis) runs serially per column: in fp32 it is off
+        # by ~1.6e-5 at V = 151,936, summed in fp64 by ~1.2e-6, at the same speed
+        m = z.amax(dim=0)                                         # (C,)
+        lse = m + torch.log(torch.exp(z - m).sum(dim=0, dtype=torch.float64)).float()
+    else:
+        lse = torch.logsumexp(z, dim=0)                           # (C,); eager ATen's sum: ~1.1e-6 in fp32
+    target_logit = z.gather(0, targets[None, :]).squeeze(0)       # (C,)
+    return target_logit - lse, lse
+
+
+def _chunk_grad_logits_(logits_t, targets, lse, grad_out, temperature: float = 1.0):
+    """One chunk backward, in place: logits^T (V, C) <- (g / T) (onehot(t) - softmax(logits / T)), vocab-major."""
+    z = logits_t.float() if temperature == 1.0 else logits_t.float() / temperature
+    probs = torch.exp(z - lse[None, :])                           # softmax from the saved logsumexp, fp32
+    vocab = torch.arange(logits_t.shape[0], device=logits_t.device)
+    onehot = (vocab[:, None] == targets[None, :]).float()
+    logits_t.copy_((grad_out / temperature)[None, :] * (onehot - probs))  # compiled: one fused kernel, no new (V, C)
+
+
+def _chunk(x: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
+    """Rows [start, start + chunk) of x, zero-padded at the end so every chunk has `chunk` rows."""
+    part = x[start:start + chunk]
+    pad = chunk - part.shape[0]
+    if pad == 0:
+        return part
+    return torch.cat([part, part.new_zeros((pad, *part.shape[1:]))])
+
+
+def _accumulate_grad_weight(grad_weight, grad_logits_t, h) -> None:
+    """grad_W (V, D) fp32 += grad_logits^T (V, C) @ h (C, D): in place in fp32; bf16 GEMM summed in fp32 otherwise."""
+    if grad_logits_t.dtype == torch.float32:
+        grad_weight.addmm_(grad_logits_t, h)                   # no (V, D) temporary
+    else:
+        grad_weight += grad_logits_t @ h
+
+
+def _check_head(name: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    """Shapes, dtypes and target ids of a (hidden, lm_head weight, targets) triple, with a clear message."""
+    vocab, dim = weight.shape
+    if hidden.shape[-1] != dim:
+        raise ValueError(f"{name}: hidden has size {hidden.shape[-1]} in its last dim, "
+                         f"lm_head_weight is {tuple(weight.shape)}; expected (V, {hidden.shape[-1]})")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"{name}: hidden is {hidden.dtype} but lm_head_weight is {weight.dtype}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"{name}: targets shape {tuple(targets.shape)} != hidden shape "
+                         f"{tuple(hidden.shape)} without its last dim")
+    if targets.numel() and bool(((targets < 0) | (targets >= vocab)).any()):  # one host sync; else garbage reads
+        raise ValueError(f"{name}: targets must lie in [0, {vocab}), got min {int(targets.min())} "
+                         f"max {int(targets.max())} (mask pads with a valid id, not -100)")
+
+
+def _check_temperature(name: str, temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"{name}: temperature must be > 0, got {temperature}")
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Chunked log p(target) with a hand-written backward; see `token_logprobs`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, temperature, use_compile):
+        n = hidden.shape[0]
+        forward_kernel = _kernel(_chunk_logprobs, use_compile)
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)       # (N,), the only saved activation
+        buf = hidden.new_empty((weight.shape[0], chunk))                        # (V, C): logits^T, reused
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            torch.mm(weight, _chunk(hidden, start, chunk).T, out=buf)           # GEMM in the input dtype
+            lp, ls = forward_kernel(buf, _chunk(targets, start, chunk), temperature)
+            logprobs[start:stop] = lp[:stop - start]
+            lse[start:stop] = ls[:stop - start]
+        del buf
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.temperature, ctx.use_compile = chunk, temperature, use_compile
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        chunk, n = ctx.chunk, hidden.shape[0]
+        backward_kernel = _kernel(_chunk_grad_logits_, ctx.use_compile)
+        grad_out = grad_out.float()
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None       # (N, D)
+        grad_weight = None
+        if need_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, D) fp32 sum
+        buf = hidden.new_empty((weight.shape[0], chunk))                        # (V, C), reused
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            h = _chunk(hidden, start, chunk)                                   # (C, D)
+            # the logits again, exactly as in forward, then overwritten with d loss / d logits;
+            # padded columns carry g = 0, so their columns of grad_logits^T are exactly zero
+            torch.mm(weight, h.T, out=buf)                                     # logits^T (V, C)
+            backward_kernel(buf, _chunk(targets, start, chunk), _chunk(lse, start, chunk),
+                            _chunk(grad_out, start, chunk), ctx.temperature)
+            if need_hidden:
+                grad_hidden[start:stop] = (weight.T @ buf).T[:stop - start]    # (D, V) @ (V, C), transposed
+            if need_weight:
+                _accumulate_grad_weight(grad_weight, buf, h)                   # += (V, C) @ (C, D)
+        del buf
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
+                   chunk_size: int = 1024, compile: bool = True, temperature: float = 1.0) -> torch.Tensor:
+    """
+    log p(target) for each token from final hidden states, at temperature T, without materialising the logits.
+
+        z_i = h_i W^T / T                              (T = temperature; T = 1 is the plain model)
+        logp_i = z_i[t_i] - logsumexp_v(z_i[v])
+        d logp_i / d (h_i W^T) = (onehot(t_i) - softmax(z_i)) / T
+        grad_h_i = (g_i / T) (onehot(t_i) - p_i) W      grad_W = sum_i (g_i / T) (onehot(t_i) - p_i)^T h_i
+
+    Shapes: hidden (..., D), lm_head_weight (V, D), targets (...) int64 in [0, V) -> (...) float32.
+    Forward walks the tokens in chunks of C = chunk_size rows: a chunk's logits come from one GEMM
+    into a (V, C) buffer (vocab-major: see "Layout" above), are reduced in fp32 to the target logit and
+    the logsumexp, and dropped; only lse (N,) is saved. Backward recomputes each chunk's logits with
+    the same GEMM, overwrites them in place with grad_logits = (g / T) (onehot - exp(logits / T - lse)),
+    then grad_hidden chunk = grad_logits @ W and grad_W += grad_logits^T h_chunk (an fp32
+    accumulator, cast to W's dtype at the end).
+    Temperature: the RL loop samples from softmax(logits / T); the log-probs that enter its loss (old,
+    reference and current) must be those of the same distribution, so they pass the sampling T here.
+
+    Memory: O(C V) working memory instead of O(N V). With Qwen's vocab V = 151,936 the naive path
+    at N = 8192 tokens holds 5 GB of fp32 logits, and autograd keeps two to three such (N, V)
+    tensors alive in backward; here one (V, C) buffer, 0.6 GB for C = 1024 in fp32, whatever N is.
+    The price is one extra GEMM (the logits recomputed in backward): 4 GEMMs of N x D x V instead
+    of 3 (bench/logprob_bench.py, method `logprobs`; figures in docs/experiments.md). A loss that is a sum of per-token
+    terms should use `token_loss` instead (3 GEMMs, gradients formed in the forward); this function
+    is for the no-grad uses (old and reference log-probs, evaluation) and for losses that are not.
+    bf16/fp16 inputs: the GEMMs run in the input dtype (fp32 accumulation inside the GEMM), the
+    softmax math in fp32, and grad_W sums the chunks in fp32.
+
+    The softmax math of a chunk (forward: logsumexp and gather; backward: the in-place gradient) runs
+    under `torch.compile(dynamic=False)`, compiled lazily on first use, which fuses it into one pass
+    over the buffer; the GEMMs are library calls either way. The last chunk is zero-padded to
+    C tokens so one shape is compiled; when N < chunk_size the chunk shrinks to the next power of two
+    >= N. `compile=False` or env TOKEN_LOGPROBS_COMPILE=0 runs the same code eagerly (with a few
+    (V, C) temporaries). Call it outside any compiled region: its Python loop is the point.
+    Source: the fused "linear + cross-entropy" of Liger-Kernel (arXiv 2410.10989), here returning
+    per-token log-probs (GRPO needs those, not one summed loss), hence the recompute in backward.
+    """
+    _check_head("token_logprobs", hidden, lm_head_weight, targets)
+    _check_temperature("token_logprobs", temperature)
+    if chunk_size < 1:
+        raise ValueError(f"token_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    lead_shape, dim = targets.shape, lm_head_weight.shape[1]
+    hidden, targets = hidden.reshape(-1, dim), targets.reshape(-1).long()  # (N, D), (N,)
+    n = targets.shape[0]
+    chunk = min(chunk_size, 1 << max(n - 1, 0).bit_length())  # a few fixed shapes, so dynamic=False stays cheap
+    return _TokenLogprobs.apply(hidden, lm_head_weight, targets, chunk, float(temperature),
+                                compile).reshape(lead_shape)
+
+
+def _liger_chunk(n: int, dim: int, vocab: int) -> int:
+    """
+    Liger-Kernel's chunk size (arXiv 2410.10989, fused linear cross-entropy): C = next_pow2(ceil(N / ceil(V / D))),
+    so the (C, V) logits buffer is about the size of the (N, D) hidden states; here at least
+    _MIN_CHUNK_LOGITS / V rows (a tiny D would otherwise give chunks of one row and a Python loop of N).
+    """
+    chunk = -(-n // -(-vocab // dim))                              # ceil(N / ceil(V / D))
+    chunk = max(chunk, -(-_MIN_CHUNK_LOGITS // vocab), 1)
+    return 1 << (chunk - 1).bit_length()                           # the next power of two
+
+
+def _auto_chunk(n: int, dim: int, vocab: int) -> int:
+    """
+    token_loss's default chunk: Liger's (`_liger_chunk`), but at most MAX_CHUNKS chunks:
+    C = next_pow2(max(ceil(N / ceil(V / D)), ceil(N / MAX_CHUNKS))).
+    Departure from Liger: every chunk reads W twice (GEMMs 1 and 2) and reads and writes the fp32 grad_W once
+    (GEMM 3), and each GEMM's fixed cost is paid once per chunk. Measured side by side (bench/logprob_bench.py,
+    the GRPO loss, fp32, N = D = 4,096, V = 151,936, 2-core CPU, 2026-12-01): 8 chunks of 512 rows 0.92x naive's
+    time at 0.080x its working memory; Liger's 32 chunks of 128 rows 1.01x at 0.029x. At most 8 chunks keep the
+    buffer <= 1/8 of the naive (N, V) logits. The bench runs both rules (methods `fused` and `fused_liger`).
+    """
+    chunk = max(_liger_chunk(n, dim, vocab), -(-n // MAX_CHUNKS))
+    return 1 << (chunk - 1).bit_length()
+
+
+class _TokenLoss(torch.autograd.Function):
+    """sum_i loss over chunks with the gradients formed in the forward; see `token_loss`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, loss_fn, chunk, temperature, use_compile, need_hidden, need_weight):
+        n, (vocab, dim) = hidden.shape[0], weight.shape
+        forward_kernel = _kernel(_chunk_logprobs, use_compile)
+        grad_kernel = _kernel(_chunk_grad_logits_, use_compile)
+        buf = hidden.new_empty((vocab, chunk))                          # (V, C): the one logits^T buffer, reused
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None                     # (N, D)
+        grad_weight = torch.zeros((vocab, dim), dtype=torch.float32, device=weight.device) if need_weight else None
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            rows = stop - start
+            h, t = _chunk(hidden, start, chunk), _chunk(targets, start, chunk)               # (C, D), (C,)
+            torch.mm(weight, h.T, out=buf)                                                   # GEMM 1: logits^T
+            logp, lse = forward_kernel(buf, t, temperature)                                  # (C,), (C,) fp32
+            with torch.enable_grad():           # autograd on the small (rows,) tensor only: d loss / d logp
+                lp = logp[:rows].detach().requires_grad_()
+                loss = loss_fn(lp, slice(start, stop))
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ValueError(f"token_loss: loss_fn must return a scalar tensor, got {loss!r:.80}")
+                g = None
+                if (need_hidden or need_weight) and loss.requires_grad:
+                    g = torch.autograd.grad(loss, lp, allow_unused=True)[0]                  # (rows,)
+            total += loss.detach().float()
+            if not (need_hidden or need_weight):
+                continue
+            g_pad = torch.zeros(chunk, dtype=torch.float32, device=hidden.device)            # padded rows: g = 0
+            if g is not None:
+                g_pad[:rows] = g
+            grad_kernel(buf, t, lse, g_pad, temperature)       # buf <- (g / T)(onehot - softmax(logits / T))^T
+            if need_hidden:
+                grad_hidden[start:stop] = (weight.T @ buf).T[:rows]                          # GEMM 2: (D, V) @ (V, C)
+            if need_weight:
+                _accumulate_grad_weight(grad_weight, buf, h)                                 # GEMM 3: (V, C) @ (C, D)
+        del buf
+        if need_weight and grad_weight.dtype != weight.dtype:
+            grad_weight = grad_weight.to(weight.dtype)
+        ctx.grads = (grad_hidden, grad_weight)                 # nothing else is kept: not h, not W, not logits
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.grads is None:
+            raise RuntimeError("token_loss: backward through the same loss twice; its gradients were formed in "
+                               "the forward and handed over by the first backward (call token_loss again)")
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None        # handed over to autograd, which owns (and may accumulate into) them now
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                grad.mul_(grad_out)                            # d total / d loss = upstream gradient, in place
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def token_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss_fn,
+               chunk_size: int | None = None, temperature: float = 1.0, compile: bool = True) -> torch.Tensor:
+    """
+    A loss that is a sum of per-token terms of log p(target), with the gradients formed in the forward.
+
+        logp_i = log_softmax(h_i W^T / T)[t_i]                              (T = temperature)
+        loss   = sum over chunks c of loss_fn(logp_c, rows_c)               (a scalar, fp32)
+        g_i    = d loss / d logp_i                                          (autograd on the (C,) tensor)
+        grad_logits_i = (g_i / T) (onehot(t_i) - softmax(h_i W^T / T))
+        grad_h_i = grad_logits_i W          grad_W = sum_i grad_logits_i^T h_i
+
+    Shapes: hidden (N, D), weight (V, D), targets (N,) int64 in [0, V) -> scalar float32.
+    loss_fn(logp (n,) float32, rows: slice) -> scalar tensor: the loss of one chunk of rows, where
+    `rows` is the Python slice of those rows in the flattened batch, so loss_fn can index per-token
+    tensors (old and reference log-probs, advantages, mask); every other tensor it reads is a
+    constant (no gradient reaches it). Each token's term must depend on its own log-prob only (GRPO's
+    clipped ratio, a KL to a reference, cross-entropy): that is what lets the gradient be known as
+    soon as the chunk's log-probs are.
+
+    Per chunk of C rows, in the forward: the logits by one GEMM into a reused (V, C) buffer, the
+    log-sum-exp and log-probs, g by autograd on the small (C,) tensor, grad_logits written in place
+    over the logits, then grad_h for the chunk (GEMM 2) and grad_W accumulated in fp32 (GEMM 3).
+    The backward only scales the stored grad_h and grad_W by the upstream gradient: 3 GEMMs of
+    N x D x V in all, as the naive path, where `token_logprobs` needs 4 (it recomputes the logits).
+    Nothing of the forward is saved but the two gradients, not even W (so on this path FSDP may free the
+    unsharded lm_head weight after the forward); backward through one result twice is refused.
+    Chunk size: by default Liger's rule with at most 8 chunks (`_auto_chunk`: 512 rows for N = 4096, D = 4096,
+    V = 151,936, where Liger's alone gives 128), and when the whole (N, V) logits are no bigger
+    than that smallest buffer, the plain path (log_softmax over all logits, ordinary autograd). An
+    explicit chunk_size always takes the fused path (shrunk to the next power of two >= N when N is
+    smaller). The softmax math of a chunk runs under torch.compile(dynamic=False) on the padded (V, C)
+    shape as in `token_logprobs` (env TOKEN_LOGPROBS_COMPILE=0 or compile=False: eager); the GEMMs are
+    library calls. bf16: GEMMs in bf16, softmax math in fp32, grad_W summed in fp32, cast to W's dtype.
+    Measured (bench/logprob_bench.py, the GRPO loss, fp32, 2-core CPU): see docs/experiments.md.
+    Sources: Liger-Kernel's fused linear losses (arXiv 2410.10989) and Cut Cross-Entropy (arXiv
+    2411.09009) form the gradient inside the forward the same way; here the per-token loss is any
+    function of log p, so one kernel serves GRPO and SFT.
+    """
+    _check_head("token_loss", hidden, weight, targets)
+    _check_temperature("token_loss", temperature)
+    if hidden.dim() != 2:
+        raise ValueError(f"token_loss: hidden must be (N, D), got {tuple(hidden.shape)}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"token_loss: chunk_size must be >= 1 or None, got {chunk_size}")
+    (n, dim), vocab = hidden.shape, weight.shape[0]
+    targets = targets.long()
+    if chunk_size is None and n * vocab <= _MIN_CHUNK_LOGITS:     # small logits: plain autograd, no chunks
+        logits = (hidden @ weight.T).float() / temperature
+        logp = F.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
+        return loss_fn(logp, slice(0, n)).float()
+    chunk = _auto_chunk(n, dim, vocab) if chunk_size is None else chunk_size
+    chunk = min(chunk, 1 << max(n - 1, 0).bit_length())          # N < C: the next power of two >= N
+    grad_on = torch.is_grad_enabled()
+    return _TokenLoss.apply(hidden, weight, targets, loss_fn, chunk, float(temperature), compile,
+                            grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+
+
+def policy_rows(name: str, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, **per_token):
+    """Policy rows of (B, L, D) hidden / (B, L) targets and of each (B, L) or (B,) per-token tensor, flattened."""
+    if hidden.dim() != 3 or targets.shape != hidden.shape[:2] or mask.shape != targets.shape:
+        raise ValueError(f"{name}: hidden {tuple(hidden.shape)} must be (B, L, D), targets {tuple(targets.shape)} "
+                         f"and mask {tuple(mask.shape)} (B, L)")
+    mask = mask.to(hidden.device).bool()
+    rows = {}
+    for key, x in per_token.items():
+        if x is None:
+            rows[key] = None
+            continue
+        if x.shape not in (mask.shape, mask.shape[:1]):
+            raise ValueError(f"{name}: {key} {tuple(x.shape)} must be (B, L) or (B,) for mask {tuple(mask.shape)}")
+        x = x.to(hidden.device).detach()
+        rows[key] = (x[:, None].expand(mask.shape) if x.dim() == 1 else x)[mask].float()   # (N,)
+    return hidden[mask], targets.to(hidden.device)[mask], mask, rows
+
+
+# -----------------------------------------------------------------------------
+# 2. TDAM: Task-Decoupled Attention Masking (Video-o3 SFT), the tensor side
+
+def tdam_rects(seq_len: int, overview_span: tuple[int, int] | None, answer_span: tuple[int, int] | None,
+               call_spans: list[tuple[int, int]], obs_spans: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """TDAM's two rules as the rectangles (q0, q1, k0, k1) of queries [q0, q1) that may not see keys [k0, k1),
+    on top of the causal mask: the whole rule set in O(#rules), for the dense mask (`tdam_mask`) and the
+    blocked attention (`tdam_attention`, which never builds L x L) alike."""
+    obs = [_check_span("obs_span", s, seq_len) for s in obs_spans]
+    calls = sorted(_check_span("call_span", s, seq_len) for s in call_spans)
+    rects = []
+    if overview_span is not None and answer_span is not None and obs:
+        v0, v1 = _check_span("overview_span", overview_span, seq_len)
+        a0, a1 = _check_span("answer_span", answer_span, seq_len)
+        if a0 < v1 and a1 > v0:
+            raise ValueError(f"tdam_mask: answer_span {answer_span} overlaps overview_span {overview_span}")
+        rects.append((a0, a1, v0, v1))                            # rule (1)
+    rects += [(c0, c1, o0, o1) for c0, c1 in calls[1:] for o0, o1 in obs if o1 <= c0]   # rule (2)
+    return rects
+
+
+def _check_span(name: str, span: tuple[int, int], seq_len: int) -> tuple[int, int]:
+    start, end = span
+    if not 0 <= start <= end <= seq_len:
+        raise ValueError(f"tdam_mask: {name} {span} is not a [start, end) span inside a sequence of {seq_len} tokens")
+    return start, end
+
+
+def tdam_mask(seq_len: int, overview_span: tuple[int, int] | None, answer_span: tuple[int, int] | None,
+              call_spans: list[tuple[int, int]], obs_spans: list[tuple[int, int]]) -> torch.Tensor:
+    """
+    Video-o3's Task-Decoupled Attention Masking (arXiv 2601.23224, used on 10% of SFT batches).
+
+    Start from the causal mask M[i, j] = (j <= i), True = query i may attend to key j, then:
+      (1) rows of the final answer span may not see columns of the overview video span, when the
+          sequence holds more than one video (obs_spans non-empty), so the answer must rest on the
+          cropped evidence;
+      (2) rows of every tool-call span after the first may not see columns of the tool-observation
+          video spans that end before that call starts, so each new call plans from the overview
+          rather than copying the last crop.
+    Every other entry stays causal. Spans are [start, end) token indices; `answer_span` is the text
+    after `<answer>`. Returns (L, L) bool; `to_additive_mask` turns it into HF's 4-D float form.
+    """
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()  # (L, L) causal
+    for q0, q1, k0, k1 in tdam_rects(seq_len, overview_span, answer_span, call_spans, obs_spans):
+        mask[q0:q1, k0:k1] = False
+    return mask
+
+
+def to_additive_mask(bool_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """
+    Bool mask (True = attend) -> HF's 4-D additive float mask: 0 where allowed, finfo(dtype).min elsewhere.
+    (L, L) -> (1, 1, L, L); (B, L, L) -> (B, 1, L, L), the head dim broadcast.
+    """
+    if bool_mask.dim() not in (2, 3) or bool_mask.shape[-1] != bool_mask.shape[-2]:
+        raise ValueError(f"to_additive_mask: expected (L, L) or (B, L, L), got {tuple(bool_mask.shape)}")
+    additive = torch.zeros(bool_mask.shape, dtype=dtype, device=bool_mask.device)
+    additive = additive.masked_fill(~bool_mask.bool(), torch.finfo(dtype).min)
+    return additive[None, None] if bool_mask.dim() == 2 else additive[:, None]
+
+
+@dataclass
+class TdamSpec:
+    """TDAM for a batch without an L x L mask: each row's length (B,) and its blocked rectangles (B, M, 4) =
+    (q0, q1, k0, k1), empty ones (0, 0, 0, 0) padding M. Passed to the model as the `tdam` keyword, read by
+    `tdam_attention`."""
+    lengths: torch.Tensor
+    rects: torch.Tensor
+    block: int = 256                     # query rows per block: memory O(block x L) per head, not O(L x L)
+
+    def allowed(self, q0: int, q1: int, kv_len: int, device) -> torch.Tensor:
+        """(B, 1, q1 - q0, kv_len) bool: causal, padding (a pad row sees only itself), minus the rectangles."""
+        q = torch.arange(q0, q1, device=device)[None, :, None]
+        k = torch.arange(kv_len, device=device)[None, None, :]
+        n = self.lengths.to(device)[:, None, None]
+        ok = torch.where(q < n, k <= q, k == q)                  # causal; a pad row sees itself only
+        for r in self.rects.to(device).unbind(1):                # (B, 4) each
+            ok &= ~((q >= r[:, 0, None, None]) & (q < r[:, 1, None, None]) &
+                    (k >= r[:, 2, None, None]) & (k < r[:, 3, None, None]))
+        return ok[:, None]
+
+
+def _tdam_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TdamSpec, q0: int, scaling: float):
+    allowed = spec.allowed(q0, q0 + q.shape[2], k.shape[2], q.device)      # built here: never saved for backward
+    scores = (q @ k.transpose(-1, -2)).float() * scaling                  # (B, H, b, L)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return probs.to(v.dtype) @ v                                          # (B, H, b, d)
+
+
+def tdam_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, tdam: TdamSpec = None,
+                   **kwargs):
+    """The attention function registered as "paravt_tdam": softmax(q k^T / sqrt(d) + TDAM) v by blocks of
+    queries, each block's mask built from the spec's rectangles and its scores recomputed in backward
+    (activation checkpointing), so neither the mask nor the scores ever exist as L x L: O(block x L) memory
+    per head. The same rows are masked as by the dense `tdam_mask` (tests/test_rl_correctness.py checks).
+    Shapes: query (B, H, L, d), key / value (B, H_kv, L, d) -> (B, L, H, d). Without `tdam`: plain SDPA."""
+    if tdam is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rep = query.shape[1] // key.shape[1]                                  # grouped-query attention
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    scaling = module.scaling if scaling is None else scaling
+    L = query.shape[2]
+    blocks = []
+    for q0 in range(0, L, tdam.block):
+        blocks.append(torch.utils.checkpoint.checkpoint(_tdam_block, query[:, :, q0:q0 + tdam.block], key, value, tdam,
+                                                        q0, scaling, use_reentrant=False))
+    return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("paravt_tdam", tdam_attention)
+AttentionMaskInterface.register("paravt_tdam", lambda *a, **k: None)    # the spec is the mask: no L x L tensor

@@ -1,0 +1,678 @@
+"""
+The run and its processes: everything a training run needs around the method, none of the method itself
+(nanochat's common + checkpoint manager). train.py calls these; eval.py uses the distributed helpers.
+
+    Run                     a run directory as the loops see it: metrics rows, counters kept across resumes,
+                            atomic checkpoints, --keep-last pruning, the best-by-eval checkpoint, skip-and-count
+    checkpoints             save_checkpoint / load_train_state (torch.distributed.checkpoint + a Hugging Face
+                            export), checkpoints / latest_checkpoint / prune_checkpoints, truncate_metrics
+    curves                  plot_run: RUN_DIR/curves.png from metrics.jsonl
+    processes               setup_distributed (gloo on CPU, nccl on CUDA), shard_model (FSDP2), full_weights,
+                            all_sum / all_max / all_mean / barrier, die_with_parent, launch(main, args)
+    the run directory lock  RunLock, stale_run
+
+Layout of a run directory: metrics.jsonl, curves.png, best.json, ckpt-<stage>-<step>/ (model.safetensors +
+config + processor, train_state/ (DCP), trainer.pt), eval/, report/, .lock.
+"""
+import argparse
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import threading
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import model as model_lib
+import rewards
+import rollout
+
+# -----------------------------------------------------------------------------
+# the run directory as the loops see it
+
+STAGE_ORDER = {"sft": 0, "rl": 1}
+
+
+class Run:
+    """A run directory as the loops see it: metrics rows, counters kept across resumes, atomic checkpoints
+    (torch.distributed.checkpoint for model + optimizer, resumable on any number of ranks, and a Hugging Face
+    export of the weights beside it), --keep-last pruning, the best-by-eval checkpoint, skip-and-count."""
+
+    def __init__(self, run_dir: str, rank: int, world: int, seed: int, save_every: int, keep_last: int,
+                 strict: bool, max_bad_fraction: float, report_to: str = "none"):
+        self.run_dir, self.rank, self.world, self.seed = run_dir, rank, world, seed
+        self.save_every, self.keep_last, self.strict = save_every, keep_last, strict
+        self.max_bad_fraction = max_bad_fraction
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.counters = {"skipped_steps": 0, "bad_samples": 0}
+        self.static, self.best, self.warned, self.processor = {}, None, set(), None
+        self.tracker = make_tracker(report_to, run_dir) if rank == 0 else None
+        os.makedirs(run_dir, exist_ok=True)
+
+    def log(self, stage: str, step: int, row: dict) -> None:
+        """One JSON line per step, flushed at once (a killed run loses at most the step in flight)."""
+        if self.rank != 0:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"stage": stage, "step": step, **row, **self.counters, **self.static}) + "\n")
+        if self.tracker is not None:
+            self.tracker(stage, step, row)
+
+    def optimizer_step(self, model, optimizer, loss: torch.Tensor, stage: str, step: int, sample_ids: list) -> float:
+        """Clip to norm 1 and step; a non-finite loss or gradient skips the step (counted), or raises with --strict.
+        Returns the gradient norm (nan when skipped)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            msg = f"non-finite loss/grad at {stage} step {step} (samples {sample_ids[:8]})"
+            if self.strict:
+                raise FloatingPointError(msg)
+            print0(self.rank, "skipped:", msg)
+            self.counters["skipped_steps"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            return float("nan")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)                      # .item() sync, once per step
+
+    def warn_sample(self, traj, step: int) -> None:
+        if traj.error is not None and traj.record_id not in self.warned:
+            self.warned.add(traj.record_id)
+            tqdm.write(f"skipped sample {traj.record_id} (rl step {step}, rank {self.rank}): {traj.error}")
+
+    def save(self, stage: str, step: int, model, optimizer) -> str:
+        path = save_checkpoint(self.run_dir, step, model, self.processor, optimizer,
+                               {"stage": stage, "counters": self.counters}, rank=self.rank, world=self.world)
+        if self.rank == 0 and self.keep_last > 0:
+            prune_checkpoints(self.run_dir, self.keep_last)
+        return path
+
+    def resume(self, ckpt: str, model) -> dict:
+        """The trainer state of `ckpt` (the weights were loaded from its export); metrics after it are dropped."""
+        state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=True)   # tensors and plain data only
+        self.counters.update(state.get("counters", {}))
+        torch.set_rng_state(state["rng_torch"])
+        random.setstate(state["rng_random"])
+        if self.rank == 0:
+            truncate_metrics(self.metrics_path, state["stage"], state["step"])
+        print0(self.rank, f"resumed from {ckpt} ({state['stage']} step {state['step']})")
+        return state
+
+    def load_optimizer(self, ckpt: str | None, model, optimizer, state: dict | None, stage: str) -> None:
+        """AdamW's moments from the checkpoint's distributed state, when it was saved in this stage."""
+        if ckpt and state and state["stage"] == stage:
+            load_train_state(ckpt, model, optimizer)
+
+    def is_best(self, result: dict) -> bool:
+        score = result.get("r_acc", result.get("accuracy"))
+        return score is not None and (self.best is None or score > self.best[1])
+
+    def mark_best(self, stage: str, step: int, result: dict) -> None:
+        self.best = (f"ckpt-{stage}-{step:06d}", result.get("r_acc", result.get("accuracy")))
+        if self.rank == 0:
+            atomic_write_json(os.path.join(self.run_dir, "best.json"), {"checkpoint": self.best[0], "eval": result})
+
+
+def make_tracker(report_to: str, run_dir: str):
+    """--report-to: metrics also go to TensorBoard or Weights & Biases (imported only when asked for)."""
+    if report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        return lambda stage, step, row: [writer.add_scalar(f"{stage}/{k}", v, step) for k, v in row.items()
+                                         if isinstance(v, (int, float))] and writer.flush()
+    if report_to == "wandb":
+        import wandb
+        wandb.init(dir=run_dir, config={"run_dir": run_dir})
+        return lambda stage, step, row: wandb.log({f"{stage}/{k}": v for k, v in row.items()
+                                                   if isinstance(v, (int, float))})
+    return None
+
+
+def atomic_write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: atomic, resumable on any number of ranks
+
+def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra: dict, rank: int = 0,
+                    world: int = 1) -> str:
+    """RUN_DIR/ckpt-<stage>-<step>: `train_state/` (torch.distributed.checkpoint: model and optimizer, each rank
+    its shard, loadable on any number of ranks), the Hugging Face export (model.safetensors + config + processor,
+    gathered on rank 0) and `trainer.pt` (step, counters, RNG: tensors and plain data, no pickled code).
+    Atomic: everything goes to `.tmp`, and one rename makes it visible; trainer.pt is written last."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    final = os.path.join(run_dir, f"ckpt-{extra['stage']}-{step:06d}")   # SFT step 2 and RL step 2 are two models
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier(world)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():             # one process, no process group: DCP says so, rightly
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "train_state"))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+        if world > 1 else None
+    if rank == 0:
+        if full is None:
+            model_lib.save_model(model, processor, tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+            processor.save_pretrained(tmp)
+        torch.save({"step": step, "rng_torch": torch.get_rng_state(), "rng_random": random.getstate(),
+                    **{k: v for k, v in extra.items()}}, os.path.join(tmp, "trainer.pt"))
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        if os.path.exists(final):                # saving a step again: move the old one aside whole
+            os.replace(final, final + ".old")
+        os.replace(tmp, final)                   # the only moment a checkpoint becomes visible
+        shutil.rmtree(final + ".old", ignore_errors=True)
+    barrier(world)
+    return final
+
+
+def load_train_state(ckpt: str, model, optimizer) -> None:
+    """Model and optimizer from a checkpoint's `train_state/`, resharded to this run's ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    path = os.path.join(ckpt, "train_state")
+    if not os.path.isdir(path):
+        raise ValueError(f"{ckpt} has no train_state/ (written by an older train.py): resume needs it for AdamW's state")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    # partial: a parameter that never had a gradient has no AdamW state in the file and keeps fresh zeros
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def checkpoints(run_dir: str) -> list[tuple[int, int, str]]:
+    """(stage order, step, name) of the complete checkpoints (a `.tmp` dir or one without trainer.pt is not)."""
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted((STAGE_ORDER[m[1]], int(m[2]), d) for d in os.listdir(run_dir)
+                  if (m := re.fullmatch(r"ckpt-(sft|rl)-(\d{6})", d)) and os.path.exists(os.path.join(run_dir, d, "trainer.pt")))
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """Newest complete checkpoint, RL after SFT, then by step."""
+    done = checkpoints(run_dir)
+    return os.path.join(run_dir, done[-1][2]) if done else None
+
+
+def prune_checkpoints(run_dir: str, keep_last: int) -> list[str]:
+    """Delete all but the newest `keep_last` checkpoints of each stage; the last SFT checkpoint (the RL start and
+    reference) and the best-by-eval one (best.json) are always kept. Returns the deleted names."""
+    best = None
+    if os.path.exists(os.path.join(run_dir, "best.json")):
+        best = json.load(open(os.path.join(run_dir, "best.json"))).get("checkpoint")
+    done = checkpoints(run_dir)
+    deleted = []
+    for order in STAGE_ORDER.values():
+        stage = [d for o, _, d in done if o == order]
+        for d in stage[:-keep_last] if keep_last else []:
+            if d != best:
+                shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+                deleted.append(d)
+    return deleted
+
+
+def truncate_metrics(path: str, stage: str, step: int) -> None:
+    """On resume: drop rows logged after the checkpoint, so no step appears twice."""
+    if not os.path.exists(path):
+        return
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    order = {**STAGE_ORDER, "eval": STAGE_ORDER["rl"]}
+    keep = [r for r in rows if (order.get(r.get("stage"), 0), r.get("step", 0)) <= (order[stage], step)]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# curves
+
+def plot_run(run_dir: str) -> str | None:
+    """RUN_DIR/curves.png from metrics.jsonl: the SFT loss, then reward, format compliance and tool-call ratio
+    against RL step (ParaVT's training curves): faint raw points, a moving average, ratios on a fixed [0, 1]
+    axis, held-out evaluations as markers. None when the run logged no step (e.g. --rl-steps 0)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    rows = [json.loads(l) for l in open(path) if l.strip()] if os.path.exists(path) else []
+    if not any(r.get("stage") in ("sft", "rl") for r in rows):
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [("sft", "loss", None), ("rl", "reward", None), ("rl", "format_compliance", (0, 1.02)),
+              ("rl", "tool_call_ratio", (0, 1.02))]
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.2))
+    for ax, (stage, key, ylim) in zip(axes, panels):
+        pts = [(r["step"], r[key]) for r in rows if r.get("stage") == stage and isinstance(r.get(key), (int, float))]
+        if pts:
+            x, y = np.array(pts, dtype=float).T
+            w = max(1, len(y) // 10)
+            smooth = np.convolve(y, np.ones(w) / w, mode="valid")
+            ax.plot(x, y, ".", alpha=0.25, color="C0")
+            ax.plot(x[w - 1:], smooth, color="C0", label=f"mean of {w}")
+        evals = [(r["step"], r[key]) for r in rows if r.get("stage") == "eval" and isinstance(r.get(key), (int, float))]
+        if evals:
+            ax.plot(*zip(*evals), "D", color="C3", label="held-out")
+        if ylim:
+            ax.set_ylim(*ylim)
+        ax.set_title(f"{stage}: {key}")
+        ax.set_xlabel(f"{stage.upper()} step")
+        if pts or evals:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = os.path.join(run_dir, "curves.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# processes: launch, process group, FSDP2, collectives
+
+def print0(rank: int, *a, **k) -> None:
+    if rank == 0:
+        tqdm.write(" ".join(str(x) for x in a), **k)
+
+
+def launch(main, args, lock_dir: str | None = None) -> None:
+    """Run `main(rank, args)` on every rank: under torchrun's environment, as `args.gpus` processes spawned here
+    (`args.device` cuda: one per GPU; cpu: gloo), or in this process. `lock_dir`: held under RunLock for the
+    whole run (a second run on it is refused). A bad device request is a ValueError before anything starts."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)")
+    if args.gpus is None:   # default: every visible CUDA device, or one CPU process
+        args.gpus = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 1
+    spawn = "RANK" not in os.environ and (args.gpus or 1) > 1
+    if spawn and args.device != "cpu" and args.gpus > torch.cuda.device_count():
+        raise ValueError(f"--gpus {args.gpus} but only {torch.cuda.device_count()} CUDA devices are visible "
+                         f"(use --device cpu for a gloo run on CPU)")
+    first = os.environ.get("RANK", "0") == "0"       # under torchrun, rank 0 holds the lock
+    lock = RunLock(lock_dir) if first and lock_dir else None
+    try:
+        if "RANK" in os.environ:                      # started by torchrun (multi-node, or habit)
+            main(int(os.environ.get("LOCAL_RANK", 0)), args)
+        elif spawn:                                   # python train.py --gpus 8
+            os.environ.setdefault("MASTER_ADDR", "localhost")
+            os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+            torch.multiprocessing.spawn(main, args=(args,), nprocs=args.gpus)
+        else:                                         # one GPU or CPU: no process group
+            main(0, args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def die_with_parent() -> None:
+    """A spawned rank dies with its launcher: the kernel sends SIGKILL when the parent goes (Linux prctl
+    PR_SET_PDEATHSIG), and a watchdog thread checks the parent's pid elsewhere. Orphaned ranks would train on,
+    alongside a --resume started meanwhile."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(1.0)
+    threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:                           # the parent died before the signal was armed
+        os._exit(1)
+
+
+def setup_distributed(rank: int, gpus: int | None, device: str, threads: int) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). One process: no process group. Several: nccl on CUDA, gloo on CPU."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    world = int(os.environ.get("WORLD_SIZE", gpus or 1))
+    if world > 1:
+        if "RANK" not in os.environ:                     # spawned by this launcher (not torchrun)
+            die_with_parent()
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world))
+        if use_cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=int(os.environ["RANK"]), world_size=world)
+        rank = dist.get_rank()
+    if threads or (world > 1 and not use_cuda):          # CPU ranks split the cores
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+    return rank, world, torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
+
+
+def shard_model(model) -> None:
+    """FSDP2: each decoder layer its own unit, the final norm with the lm_head (token_logprobs reads
+    lm_head.weight directly), and the root (the vision tower and embeddings), which every forward enters."""
+    from torch.distributed.fsdp import fully_shard
+    # The root returns the visual features beside the hidden states (video_outputs.pooler_output: per-video
+    # torch.split views), and the final-norm unit's output is a view on some torch versions; FSDP2 warns that an
+    # in-place op on such a view would skip its hook. Nothing here writes into them (the loss slices and gathers
+    # last_hidden_state out of place); tests/test_rl_correctness.py checks the 2-rank gradients against one
+    # process's.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDPQwen3VLModel|FSDPQwen3VLTextRMSNorm, "
+                                              r"FSDPLinear)\) returned a view tensor")
+    for layer in model.model.language_model.layers:
+        fully_shard(layer)
+    fully_shard([model.model.language_model.norm, model.lm_head])
+    fully_shard(model.model)
+
+
+@contextlib.contextmanager
+def full_weights(model):
+    """FSDP: all-gather every shard once and keep the full weights for a block of no-grad forwards whose
+    number differs between ranks (rollouts, evaluation), so no rank waits in an all-gather that another
+    never reaches; resharded on exit. A model without FSDP units passes through untouched."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model.model]
+    root = [model.model] if isinstance(model.model, FSDPModule) else []
+    for m in root + units:
+        m.unshard()
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in units:
+            m.set_reshard_after_forward(True, recurse=False)
+        for m in root + units:
+            m.reshard()
+
+
+def finish(world: int) -> None:
+    """The end of a rank: no rank tears the process group down while another still talks to it."""
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def _all_reduce(values: list[float], op) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def all_sum(value: int) -> int:
+    return int(_all_reduce([value], dist.ReduceOp.SUM)[0])
+
+
+def all_sum_float(value: float) -> float:
+    return _all_reduce([value], dist.ReduceOp.SUM)[0]
+
+
+def all_max(value: int) -> int:
+    return int(_all_reduce([value], dist.ReduceOp.MAX)[0])
+
+
+def all_mean(values: dict, world: int) -> dict:
+    """Average scalar metrics across ranks (each rank rolled out its own prompts)."""
+    if world == 1:
+        return {k: float(v) for k, v in values.items()}
+    keys = sorted(values)
+    return {k: v / world for k, v in zip(keys, _all_reduce([float(values[k]) for k in keys], dist.ReduceOp.SUM))}
+
+
+def find_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+# -----------------------------------------------------------------------------
+# the run directory: one run at a time
+
+class RunLock:
+    """An exclusive fcntl lock on RUN_DIR/.lock for the life of the launcher: a second run on the same directory
+    is refused with the holder's pid. The kernel drops the lock when the holder dies, even by SIGKILL."""
+
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, ".lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise ValueError(f"{run_dir} is in use by another run (pid {holder}); wait for it, stop it, or use "
+                             f"another --run-dir") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
+    """Why a run must not start in run_dir, or None. Without --resume, a stage whose checkpoints (or, for
+    SFT, whose metrics.jsonl) are already there would append to another run's curves and leave its
+    checkpoints for a later --resume to pick up; nothing is deleted for the user."""
+    if resume or not os.path.isdir(run_dir):
+        return None
+    stages = ("sft", "rl") if stage == "all" else (stage,)
+    found = sorted(d for d in os.listdir(run_dir) if re.fullmatch(rf"ckpt-({'|'.join(stages)})-\d{{6}}", d))
+    if "sft" in stages and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        found.append("metrics.jsonl")
+    if not found:
+        return None
+    return (f"{run_dir} already holds a run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): pass --resume "
+            f"to continue it, or another --run-dir (or delete this one)")
+
+
+# -----------------------------------------------------------------------------
+# the run's flags: parsed, checked and resolved once (train.py's command line)
+
+# The embedded tiny model's settings; a real checkpoint without --preset gets paravt's (rollout.PRESETS).
+TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
+                     max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="combined", group_size=8,
+                     prompts_per_step=4, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
+                     kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
+                     mask_truncated=1, vision_lr_scale=0.0)
+
+
+# The embedded default (`python train.py` with no arguments): sizes chosen for a 2-core CPU
+# (frame sizes and prompt settings of the tiny model: rollout.TINY_ROLLOUT).
+TINY_TASK = dict(n_train=256, n_eval=48, duration=64.0)
+
+
+def parse_args(argv=None, description: str = "") -> argparse.Namespace:
+    """Flags -> the run's effective settings: every default that depends on another flag (the preset, the
+    model, the recipe, the device) is settled here, and combinations that cannot work are refused."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("run")
+    g.add_argument("--stage", choices=("all", "sft", "rl"), default="all",
+                   help="all = the default pipeline: SFT warm start, then RL, then held-out evaluation")
+    g.add_argument("--run-dir", default="runs/default", help="checkpoints, metrics.jsonl, curves.png")
+    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --run-dir")
+    g.add_argument("--seed", type=int, default=0, help="seeds the model init, the data draws and the sampling")
+    g.add_argument("--strict", action="store_true", help="raise on a non-finite loss/grad instead of skipping the step")
+    g.add_argument("--plot", metavar="RUN_DIR", default=None, help="only draw RUN_DIR/curves.png from its metrics.jsonl")
+    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--keep-last", type=int, default=3,
+                   help="keep the newest N checkpoints of each stage (0 = all); the last SFT one and the best "
+                        "by evaluation are always kept")
+    g.add_argument("--report-to", choices=("none", "tensorboard", "wandb"), default="none",
+                   help="also send the metrics there (metrics.jsonl and curves.png are always written)")
+    g.add_argument("--debug", action="store_true", help="show the traceback of a bad-input error")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--gpus", type=int, default=None, help="processes on this node (default: visible CUDA devices, or 1)")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto = cuda when visible")
+    g.add_argument("--threads", type=int, default=0,
+                   help="CPU threads per process (0 = torch's default; 1 is far faster on a busy or shared CPU)")
+    g.add_argument("--compile", type=int, default=None, help="torch.compile the log-prob kernels (default: 1 on CUDA, 0 on CPU)")
+    g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward (large models)")
+    g.add_argument("--decode-workers", type=int, default=2, help="threads decoding overviews and crops (per rank)")
+    g.add_argument("--decode-timeout", type=float, default=120.0,
+                   help="seconds a video decode may take before the sample is an error (never a hang)")
+    g.add_argument("--frame-cache-gb", type=float, default=2.0, help="in-memory cache of decoded overviews (per rank)")
+    g.add_argument("--frame-cache", metavar="DIR", default=None,
+                   help="also keep decoded overviews on disk here (written atomically, size-capped)")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a Qwen3-VL / Qwen2.5-VL checkpoint dir")
+    g.add_argument("--preset", choices=sorted(rollout.PRESETS), default=None,
+                   help="a paper's recipe (overview, limits, clip, KL, temperature, learning rates); default: "
+                        "paravt for a real checkpoint, the tiny settings for the embedded model")
+    g.add_argument("--data", default=None, help="RL prompt records JSONL (docs/data.md); default: the synthetic task")
+    g.add_argument("--sft-data", default=None, help="SFT trajectory records JSONL (docs/data.md); needs --data")
+    g.add_argument("--video-root", default=None, help="folder the records' video paths are relative to (needs --data)")
+    g.add_argument("--eval-data", default=None, help="held-out prompt records (default: --held-out records split off --data)")
+    g.add_argument("--held-out", type=int, default=32,
+                   help="with --data and no --eval-data: records held out of training for evaluation (at most 20%%)")
+    g.add_argument("--max-bad-fraction", type=float, default=0.2, help="stop if more than this fraction of samples is bad")
+    g.add_argument("--keep-bad-calls", action="store_true",
+                   help="train on SFT trajectories whose tool calls the environment would refuse (default: skip them)")
+    g.add_argument("--n-train", type=int, default=TINY_TASK["n_train"], help="synthetic task: training prompts")
+    g.add_argument("--n-eval", type=int, default=TINY_TASK["n_eval"], help="synthetic task: held-out prompts")
+    g.add_argument("--task-duration", type=float, default=TINY_TASK["duration"], help="synthetic task: video seconds")
+    g.add_argument("--task-mix", default=None, help="synthetic task: kind=weight,... (default: data.DEFAULT_MIX)")
+    g.add_argument("--direct-crop", type=float, default=0.0,
+                   help="synthetic SFT: chance the oracle crops a direct clue it could read off the overview")
+    g.add_argument("--sft-budget-fraction", type=float, default=0.1,
+                   help="synthetic SFT: chance a trajectory that calls the tool is also recorded at a smaller tool-turn "
+                        "budget (forced answer from what was seen), so budget-limited evaluation finds a trained model")
+    g.add_argument("--sft-gated-overviews", type=int, default=0,
+                   help="synthetic SFT: each record also with a K-frame overview, K drawn from --gating-choices")
+    g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
+    g = p.add_argument_group("SFT")
+    g.add_argument("--sft-steps", type=int, default=600, help="SFT optimizer steps")
+    g.add_argument("--sft-batch", type=int, default=8, help="trajectories per SFT step (per rank)")
+    g.add_argument("--sft-micro-batch", type=int, default=2,
+                   help="rows per forward, grouped by length within the batch (same gradient, fewer pad tokens)")
+    g.add_argument("--sft-lr", type=float, default=None, help="SFT peak learning rate (tiny: 2e-3; presets: 1e-5)")
+    g.add_argument("--tdam-ratio", type=float, default=0.1, help="fraction of SFT batches trained with TDAM masks")
+    g.add_argument("--vision-lr-scale", type=float, default=None,
+                   help="learning rate of the vision tower, as a multiple of --sft-lr / --lr (SFT and RL; 0 freezes "
+                        "it); tiny: 0 (its random features keep colours apart), else 1.0")
+    g = p.add_argument_group("RL (defaults: the preset's, or the tiny model's)")
+    g.add_argument("--rl-steps", type=int, default=20, help="RL optimizer steps")
+    g.add_argument("--recipe", choices=rewards.RECIPES + tuple(rewards.RECIPE_ALIASES), default=None,
+                   help="reward recipe: para_grpo (ParaVT's PARA-GRPO; old name paravt), vtgr (Video-o3), combined, "
+                        "vanilla (see train.py's docstring)")
+    g.add_argument("--group-size", type=int, default=None, help="G: samples per prompt (>= 2)")
+    g.add_argument("--prompts-per-step", type=int, default=None, help="groups per step and rank")
+    g.add_argument("--lr", type=float, default=None, help="RL peak learning rate")
+    g.add_argument("--warmup-steps", type=int, default=0, help="RL linear warmup steps")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer passes per batch (old log-probs recomputed first)")
+    g.add_argument("--micro-batch", type=int, default=8, help="trajectories per training forward")
+    g.add_argument("--clip-low", type=float, default=None, help="PPO clip eps_low")
+    g.add_argument("--clip-high", type=float, default=None, help="PPO clip eps_high (Video-o3's clip higher: 0.3)")
+    g.add_argument("--kl-coef", type=float, default=None, help="beta of the KL to the frozen reference (0 = off)")
+    g.add_argument("--kl-estimator", choices=("k1", "k3"), default=None, help="per-token KL estimator")
+    g.add_argument("--kl-in-reward", type=int, default=None,
+                   help="1: fold beta * sum_t k1 into the reward (ParaVT); 0: a KL loss term (k3)")
+    g.add_argument("--shaping", type=int, default=None, help="1: ParaVT reward shaping clip(10 (R - 0.2), +-20)")
+    g.add_argument("--dynamic-sampling", type=int, default=None,
+                   help="1: drop zero-variance groups and draw more prompts until the batch is full (DAPO)")
+    g.add_argument("--max-draws", type=int, default=4, help="dynamic sampling: rollout rounds per step at most")
+    g.add_argument("--mask-truncated", type=int, default=None, help="1: exclude trajectories cut by a limit from the loss")
+    g.add_argument("--train-subagents", action="store_true", help="train sub-agent tokens with their caller's advantage")
+    g.add_argument("--tool-mode", choices=("interleaved", "subagent"), default=None,
+                   help="crops interleaved into the context (Video-o3) or summarised by sub-agents (ParaVT)")
+    g.add_argument("--max-turns", type=int, default=None, help="tool rounds before the forced answer")
+    g.add_argument("--max-calls-per-turn", type=int, default=None, help="parallel calls executed per turn")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per assistant turn")
+    g.add_argument("--temperature", type=float, default=None, help="RL sampling temperature (ParaVT: 0.7)")
+    g.add_argument("--overview-nframes", type=int, default=None,
+                   help="overview frames when gating is off (0 = the fps rule; default: the preset's, 8 on the tiny model)")
+    g.add_argument("--overview-fps", type=float, default=None, help="overview fps when no frame count is set")
+    g.add_argument("--overview-max-frames", type=int, default=None, help="overview frame cap of the fps rule")
+    g.add_argument("--gating", type=int, default=None,
+                   help="nFrames gating on/off (default: on for paravt/combined on real data (--data) or with "
+                        "--sft-gated-overviews)")
+    g.add_argument("--gating-choices", default="4,8,16,32,64", help="overview frame counts K is drawn from")
+    g.add_argument("--anchoring", choices=("sequence", "token", "none"), default=None,
+                   help="exploration anchoring (default: sequence for paravt/combined, none for vanilla/vtgr)")
+    g.add_argument("--released-scoring", action="store_true",
+                   help="score generated tokens only, as the ParaVT release did (forced prefix/tool responses unseen)")
+    g.add_argument("--final-eval", action="store_true", help="held-out evaluation at the end (always on for --stage all)")
+    g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N RL steps (0 = only at the end)")
+    g.add_argument("--logprob-chunk", type=int, default=1024,
+                   help="tokens per chunk of token_logprobs (old and reference log-probs, no grad)")
+    g.add_argument("--loss-chunk", type=int, default=0,
+                   help="tokens per chunk of the fused SFT and GRPO loss (token_loss); 0: its own rule")
+    args = p.parse_args(argv)
+    try:
+        resolve(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def is_tiny(name_or_path: str) -> bool:
+    """The embedded tiny model, fresh ('tiny', 'tiny-qwen') or trained (its config.json says so)."""
+    if name_or_path in ("tiny", "tiny-qwen"):
+        return True
+    config = os.path.join(name_or_path, "config.json")
+    return os.path.isfile(config) and "tiny_model_config" in json.load(open(config))
+
+
+def resolve(args) -> None:
+    """Fill every None default from the preset (or the tiny settings), then refuse what cannot work."""
+    args.tiny = is_tiny(args.model)
+    if args.preset is None and not args.tiny:
+        args.preset = "paravt"                           # a real checkpoint never inherits the tiny settings
+    base = {**rollout.PRESETS[args.preset]["rollout"], **rollout.PRESETS[args.preset]["train"]} if args.preset \
+        else TINY_DEFAULTS
+    for k, v in base.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    args.recipe = rewards.RECIPE_ALIASES.get(args.recipe, args.recipe)
+    if args.vision_lr_scale is None:
+        args.vision_lr_scale = 1.0
+    if args.vision_lr_scale < 0:
+        raise ValueError(f"--vision-lr-scale must be >= 0 (0 freezes the vision tower), got {args.vision_lr_scale}")
+    try:
+        args.gating_choices = [int(c) for c in args.gating_choices.split(",")]
+    except ValueError:
+        raise ValueError(f"--gating-choices: expected comma-separated frame counts, got {args.gating_choices!r}") from None
+    if args.gating is None:  # the synthetic SFT shows K = 8 overviews only, unless --sft-gated-overviews: gated
+        # RL would then sample on overview sizes the tiny model never saw (measured: format 0.0-0.6 vs 0.94-1.0)
+        args.gating = int(args.recipe in ("para_grpo", "combined") and (args.data is not None or args.sft_gated_overviews))
+    if args.anchoring is None:
+        args.anchoring = "sequence" if args.recipe in ("para_grpo", "combined") else "none"
+    if args.compile is None:
+        args.compile = int(args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()))
+    for flag in ("kl_in_reward", "shaping", "dynamic_sampling", "mask_truncated", "gating"):
+        setattr(args, flag, bool(getattr(args, flag)))
+    if args.group_size < 2:
+        raise ValueError("--group-size must be >= 2 (group advantages need a group)")
+    if args.recipe == "vtgr" and args.anchoring == "sequence":
+        raise ValueError("--recipe vtgr --anchoring sequence: VTGR's strict format reward has no anchor term to "
+                         "weight; use --anchoring token (credit on the closing tags) or --anchoring none")
+    if args.kl_coef and args.kl_estimator == "k1" and not args.kl_in_reward:
+        raise ValueError("--kl-estimator k1 as a loss term has zero expected gradient on-policy (it regularises "
+                         "nothing); use --kl-in-reward 1 (ParaVT) or --kl-estimator k3")
+    if args.video_root and not (args.data or args.eval_data):
+        raise ValueError("--video-root without --data: the synthetic task renders its own videos and ignores it; "
+                         "pass --data RECORDS.jsonl with it")
+    if args.sft_data and not args.data:
+        raise ValueError("--sft-data without --data: RL and the held-out evaluation would run on the synthetic task, "
+                         "not on the records the trajectories belong to; pass --data too")
