@@ -36,12 +36,29 @@ import codecs
 import copy
 import functools
 import hashlib
+import importlib.metadata
 import importlib.resources
 import json
 import os
 from dataclasses import asdict, dataclass
 
 import torch
+
+# The first transformers whose Qwen3-VL forward takes `cache=` (5.23 names it past_key_values and would
+# drop our `cache=` into **kwargs, silently decoding without the engine's K/V store); requirements.txt pins it.
+MIN_TRANSFORMERS = "5.24.0"
+
+
+def check_transformers(version: str) -> None:
+    """Raise a one-line RuntimeError if transformers `version` is below MIN_TRANSFORMERS (run at import,
+    so an old install fails at once instead of producing wrong rollouts)."""
+    from packaging.version import Version
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise RuntimeError(f"transformers {version} is installed; this code needs transformers>={MIN_TRANSFORMERS} "
+                           f"(Qwen3-VL forward with the `cache=` argument): pip install 'transformers>={MIN_TRANSFORMERS},<6'")
+
+
+check_transformers(importlib.metadata.version("transformers"))
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",

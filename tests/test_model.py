@@ -285,3 +285,40 @@ def test_special_token_ids(tiny):
     assert ids["<|vision_start|>"] == model.config.vision_start_token_id
     assert ids["<|im_end|>"] == model.generation_config.eos_token_id
     assert ids["<|endoftext|>"] == model.generation_config.pad_token_id
+
+
+# ----------------------------------------------------------------------------- the transformers floor
+
+@pytest.mark.parametrize("version", ["4.57.6", "5.0.0", "5.20.0", "5.23.0", "5.24.0.dev0"])
+def test_check_transformers_below_floor_raises(version):
+    """Below 5.24 Qwen3-VL's forward has no `cache=` argument: the engine's K/V store would be silently
+    ignored (the keyword lands in **kwargs), so importing model.py must refuse such a version."""
+    with pytest.raises(RuntimeError, match=re.escape(version) + ".*" + re.escape(model_lib.MIN_TRANSFORMERS)):
+        model_lib.check_transformers(version)
+
+
+@pytest.mark.parametrize("version", ["5.24.0", "5.24.1", "5.30.0"])
+def test_check_transformers_at_or_above_floor_passes(version):
+    model_lib.check_transformers(version)
+
+
+def test_import_model_below_floor_fails(tmp_path):
+    """Importing model.py under an older transformers (its version as importlib.metadata reports it,
+    faked here in a fresh interpreter) fails at once with one line naming both versions."""
+    import os
+    import subprocess
+    import sys
+    code = ("import importlib.metadata as m; real = m.version; "
+            "m.version = lambda name: '5.23.0' if name == 'transformers' else real(name); import model")
+    root = os.path.dirname(model_lib.__file__)
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError") and "5.23.0" in last and model_lib.MIN_TRANSFORMERS in last
+
+
+def test_requirements_floor_is_the_checked_floor():
+    """requirements.txt's `transformers>=X` is the floor model.py enforces."""
+    with open(f"{model_lib.__file__.rsplit('/', 1)[0]}/requirements.txt") as f:
+        pins = [line.split(",")[0].strip() for line in f if line.startswith("transformers")]
+    assert pins == [f"transformers>={model_lib.MIN_TRANSFORMERS}"]
