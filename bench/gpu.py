@@ -55,11 +55,11 @@ def build(args, device):
     if args.dry_run:
         model, processor = build_tiny(ModelConfig(layers=2), corpus=rollout.prompt_corpus())
         return model.to(device), processor
-    from model import qwen3vl_config, qwen_tokenizer
+    from model import qwen3vl_config, qwen_tokenizer, use_linear_patch_embed
     from transformers import Qwen3VLForConditionalGeneration
     config, processor = qwen3vl_config("8b"), qwen_tokenizer()
     with torch.device(device):
-        model = Qwen3VLForConditionalGeneration(config)
+        model = use_linear_patch_embed(Qwen3VLForConditionalGeneration(config))
     return model.to(torch.bfloat16).eval(), processor
 
 
