@@ -36,12 +36,29 @@ import codecs
 import copy
 import functools
 import hashlib
+import importlib.metadata
 import importlib.resources
 import json
 import os
 from dataclasses import asdict, dataclass
 
 import torch
+
+# The first transformers whose Qwen3-VL forward takes `cache=` (5.23 names it past_key_values and would
+# drop our `cache=` into **kwargs, silently decoding without the engine's K/V store); requirements.txt pins it.
+MIN_TRANSFORMERS = "5.24.0"
+
+
+def check_transformers(version: str) -> None:
+    """Raise a one-line RuntimeError if transformers `version` is below MIN_TRANSFORMERS (run at import,
+    so an old install fails at once instead of producing wrong rollouts)."""
+    from packaging.version import Version
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise RuntimeError(f"transformers {version} is installed; this code needs transformers>={MIN_TRANSFORMERS} "
+                           f"(Qwen3-VL forward with the `cache=` argument): pip install 'transformers>={MIN_TRANSFORMERS},<6'")
+
+
+check_transformers(importlib.metadata.version("transformers"))
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -462,6 +479,49 @@ def tag_token_mask(tokenizer, ids, tags: tuple[str, ...] = ("</think>", "</tool_
 
 
 # -----------------------------------------------------------------------------
+# the vision patch embedding as one matmul
+
+class LinearPatchEmbed(torch.nn.Module):
+    """
+    Qwen-VL's vision patch embedding (Qwen3-VL, Qwen2.5-VL, Qwen2-VL) run as one matmul. The Hugging Face
+    module views each row of pixel_values as a (C, T, P, P) patch and applies a Conv3d whose kernel equals
+    its stride and the patch: one output per patch, the dot product of the flattened patch with each
+    flattened filter plus the bias, i.e. F.linear(x, weight.view(out, C*T*P*P), bias). Why: PyTorch 2.9's
+    CUDA Conv3d made this 10-20x slower (pytorch#166122, #174051). The Conv3d itself is kept as `proj`, so
+    the state dict (keys, 5-D weight) stays the Hugging Face layout and save_pretrained output loads anywhere.
+    """
+
+    def __init__(self, embed: torch.nn.Module):
+        super().__init__()
+        self.proj = embed.proj
+        self.in_channels, self.temporal_patch_size = embed.in_channels, embed.temporal_patch_size
+        self.patch_size, self.embed_dim = embed.patch_size, embed.embed_dim
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight                                       # (out, C, T, P, P)
+        x = hidden_states.view(-1, w[0].numel()).to(w.dtype)      # (patches, C*T*P*P), as the HF view orders it
+        return torch.nn.functional.linear(x, w.view(w.shape[0], -1), self.proj.bias)
+
+
+def _is_patch_conv(embed: torch.nn.Module) -> bool:
+    """A Hugging Face Qwen-VL patch embedding: a Conv3d `proj` whose windows neither overlap nor skip."""
+    proj = getattr(embed, "proj", None)
+    return (isinstance(proj, torch.nn.Conv3d) and proj.stride == proj.kernel_size and proj.padding == (0, 0, 0)
+            and proj.dilation == (1, 1, 1) and proj.groups == 1
+            and all(hasattr(embed, a) for a in ("in_channels", "temporal_patch_size", "patch_size", "embed_dim")))
+
+
+def use_linear_patch_embed(model):
+    """Swap every vision tower's Conv3d patch embedding (a submodule named `patch_embed`) for
+    `LinearPatchEmbed` around the same parameters; returns `model`. Applied to every model we build or load."""
+    for parent in list(model.modules()):
+        embed = getattr(parent, "patch_embed", None)
+        if isinstance(embed, torch.nn.Module) and not isinstance(embed, LinearPatchEmbed) and _is_patch_conv(embed):
+            parent.patch_embed = LinearPatchEmbed(embed)
+    return model
+
+
+# -----------------------------------------------------------------------------
 # the tiny model and Qwen3-VL at published shapes
 
 def _tiny_qwen3vl(cfg: ModelConfig, tokenizer, vocab_size: int, seed: int):
@@ -489,7 +549,7 @@ def _tiny_qwen3vl(cfg: ModelConfig, tokenizer, vocab_size: int, seed: int):
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.config.tiny_model_config = asdict(cfg)   # recorded so a saved tiny checkpoint says what it is
-    return model.float().eval()
+    return use_linear_patch_embed(model).float().eval()
 
 
 def build_tiny(cfg: ModelConfig | None = None, seed: int = 0, corpus: tuple[str, ...] = ()):
@@ -581,7 +641,7 @@ def build_qwen3vl(config, dtype: torch.dtype = torch.float32, seed: int = 0):
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     v = config.vision_config
     shapes = ModelConfig(patch_size=v.patch_size, spatial_merge=v.spatial_merge_size, temporal_patch=v.temporal_patch_size)
-    return model.eval(), build_processor(qwen_tokenizer(), shapes)
+    return use_linear_patch_embed(model).eval(), build_processor(qwen_tokenizer(), shapes)
 
 
 # -----------------------------------------------------------------------------
@@ -598,7 +658,8 @@ def load_model(name_or_path: str = "tiny", device: str | torch.device | None = N
     on the real Qwen tokenizer and vocab (`build_tiny_qwen`); a directory or hub id goes
     through the Auto classes (Qwen3-VL, Qwen2.5-VL, ...). bf16 on CUDA, fp32 on CPU unless `dtype`.
     `attn_implementation`: None (library default), "sdpa", "eager" (needed for TDAM's 4-D masks on
-    some versions) or "flash_attention_2". `tiny_corpus` / `tiny_config`: see `build_tokenizer` / `ModelConfig`."""
+    some versions) or "flash_attention_2". `tiny_corpus` / `tiny_config`: see `build_tokenizer` / `ModelConfig`.
+    Every model's vision patch embedding runs as one matmul (`use_linear_patch_embed`; same state dict)."""
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if name_or_path in ("tiny", "tiny-qwen"):
@@ -613,7 +674,7 @@ def load_model(name_or_path: str = "tiny", device: str | torch.device | None = N
         kwargs = dict(dtype=dtype)
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
-        model = AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs)
+        model = use_linear_patch_embed(AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs))
         processor = AutoProcessor.from_pretrained(name_or_path)
     return model.to(device=device, dtype=dtype).eval(), processor
 

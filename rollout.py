@@ -147,12 +147,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """(B, V) uniforms in (0, 1) from a counter-based hash of (row seed, draw index, token id), computed
     on the seeds' device: row b's numbers depend on (seeds[b], counters[b]) only, never on which other
-    rows share the batch, and no torch.Generator is involved (a CPU generator cannot drive CUDA draws)."""
+    rows share the batch, and no torch.Generator is involved (a CPU generator cannot drive CUDA draws).
+    u = (k + 0.5) / 2**23 with k the hash's top 23 bits: k + 0.5 has at most 24 significant bits, so every
+    value is exact in fp32 and u lies in [2**-24, 1 - 2**-24], strictly inside (0, 1); the Gumbel term
+    -log(-log u) is then finite (in about [-2.81, 16.64]). With 24 bits, (2**24 - 0.5) / 2**24 rounded up to 1.0."""
     s = seeds.long()
     key = _mix32(_mix32(_mix32(s & _M32) ^ ((s >> 32) & _M32)) ^ (counters.long() & _M32))      # (B,)
     tok = _mix32((torch.arange(vocab, device=seeds.device) * 0x9E3779B1 + 0x7F4A7C15) & _M32)   # (V,)
     x = _mix32(_mix32(key[:, None] ^ tok[None]) ^ key[:, None])                                 # (B, V)
-    return ((x >> 8).float() + 0.5) / 2.0 ** 24
+    return ((x >> 9).float() + 0.5) / 2.0 ** 23
 
 
 def sample_tokens(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, temperature: float,
@@ -161,7 +164,10 @@ def sample_tokens(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Ten
     temperature == 0; else softmax(logits / T) restricted to the nucleus (the smallest set of top
     tokens whose mass reaches top_p; the top token always stays), drawn by Gumbel-max:
         token = argmax_v (logits_v / T + g_v),  g_v = -log(-log u_v),  u = uniform_noise(seed, counter)
-    which is an exact draw from that distribution (Gumbel 1954; the trick of Maddison et al. 2014)."""
+    which is an exact draw from that distribution (Gumbel 1954; the trick of Maddison et al. 2014).
+    A banned token (logit -inf, or outside the nucleus) keeps score -inf whatever its noise, so it is never
+    drawn: the noise is finite by construction, and the where() below holds even if it were not (-inf + inf
+    would be NaN, which argmax picks)."""
     if temperature <= 0:
         return logits.argmax(-1)
     scores = logits.float() / temperature
@@ -171,7 +177,8 @@ def sample_tokens(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Ten
         drop = p.cumsum(-1) - p >= top_p                   # mass before this token already reaches top_p
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_s.masked_fill(drop, float("-inf")))
     u = uniform_noise(seeds.to(logits.device), counters.to(logits.device), logits.shape[-1])
-    return (scores - torch.log(-torch.log(u))).argmax(-1)
+    noisy = scores - torch.log(-torch.log(u))
+    return torch.where(scores == float("-inf"), scores, noisy).argmax(-1)
 
 
 def row_seed(seed: int, record_index: int, sample: int) -> int:

@@ -529,6 +529,7 @@ class FrameCache:
     A bounded in-memory LRU (max_bytes of frame data) keyed by (real path, size, mtime_ns, stream, frame rule
     (K, or fps and max_frames), max_pixels, factor), optionally backed by disk_dir: one torch.save file per
     entry, written atomically (temporary file + os.replace), oldest-used files deleted past disk_max_bytes.
+    Ranks may share disk_dir: a file another process prunes mid-operation is a miss, never an error.
     Thread-safe; a key being decoded by one thread is waited for, not decoded twice. Hits return the cached
     tensors themselves (one copy per overview, whoever asks): never modify them in place.
     `stats()`: hits (memory), disk_hits, misses, hit_rate, decode_seconds (spent on misses), seconds_saved
@@ -617,19 +618,23 @@ class FrameCache:
         return os.path.join(self.disk_dir, hashlib.sha1(repr(key).encode()).hexdigest() + ".pt")
 
     def _load(self, key: tuple, path: str) -> Clip | None:
-        """The disk copy of key, or None; an unreadable or foreign file is deleted and counts as absent."""
+        """The disk copy of key, or None; an unreadable or foreign file is deleted and counts as absent.
+        Ranks may share disk_dir: a file another one prunes before the read is a miss, after it a hit."""
         if not self.disk_dir or not os.path.exists(file := self._file(key)):
             return None
         try:
             d = torch.load(file, weights_only=True)
             ok = isinstance(d, dict) and d.get("key") == repr(key)
+        except FileNotFoundError:  # pruned since the exists(): a miss (and nothing of ours to delete)
+            return None
         except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):  # torn or foreign file
             ok = False
         if not ok:  # a cache miss, not an error: drop the file, decode again
             with contextlib.suppress(FileNotFoundError):
                 os.remove(file)
             return None
-        os.utime(file)  # most recently used
+        with contextlib.suppress(FileNotFoundError):  # most recently used (pruned since the read: still a hit)
+            os.utime(file)
         clip = Clip(d["frames"], d["times"].numpy(), path, 0)
         with self._lock:
             self._stats["disk_hits"] += 1
@@ -650,10 +655,21 @@ class FrameCache:
         except BaseException:
             os.remove(tmp)
             raise
-        files = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(self.disk_dir)
-                       if e.name.endswith(".pt"))
+        self._prune()
+
+    def _prune(self) -> None:
+        """Delete the oldest-used files of disk_dir until it holds at most disk_max_bytes. Other ranks prune
+        the same folder at the same time: a file gone between the listing and its stat or remove is skipped."""
+        files = []
+        for e in os.scandir(self.disk_dir):
+            if e.name.endswith(".pt"):
+                try:
+                    st = e.stat()
+                except FileNotFoundError:  # another process deleted it after the listing
+                    continue
+                files.append((st.st_mtime, st.st_size, e.path))
         total = sum(s for _, s, _ in files)
-        for _, size, file in files:  # oldest-used first, until under the cap
+        for _, size, file in sorted(files):  # oldest-used first, until under the cap
             if total <= self.disk_max_bytes:
                 break
             with contextlib.suppress(FileNotFoundError):  # another process deleted it first

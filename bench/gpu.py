@@ -58,10 +58,10 @@ def build(args, device):
         return model.to(device), processor
     from transformers import Qwen3VLForConditionalGeneration
 
-    from model import qwen3vl_config, qwen_tokenizer
+    from model import qwen3vl_config, qwen_tokenizer, use_linear_patch_embed
     config, processor = qwen3vl_config("8b"), qwen_tokenizer()
     with torch.device(device):
-        model = Qwen3VLForConditionalGeneration(config)
+        model = use_linear_patch_embed(Qwen3VLForConditionalGeneration(config))
     return model.to(torch.bfloat16).eval(), processor
 
 

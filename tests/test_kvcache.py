@@ -79,6 +79,47 @@ def test_sample_reproducible_and_independent_of_batch():
     assert len(set(by_seed)) > 20 and len(set(by_counter)) > 20
 
 
+QWEN_V = 151_936    # the real vocabulary: the old noise hit u == 1.0 on ~0.9 % of rows (V / 2**24)
+
+
+def _qwen_rows(counters):
+    """(seeds, counters) batches of 64 rows at each counter: the sweep over (row seed, draw index)."""
+    for c in counters:
+        yield torch.arange(64), torch.full((64,), c)
+
+
+def test_uniform_noise_open_interval_at_qwen_vocab():
+    """Noise lies strictly inside (0, 1) in fp32 and its Gumbel term is finite, on 1,024 rows of 151,936:
+    the old 24-bit form rounded (2**24 - 0.5) / 2**24 up to 1.0 (5 of these rows), making -log(-log u) = +inf."""
+    for seeds, counters in _qwen_rows(range(16)):
+        u = rollout.uniform_noise(seeds, counters, QWEN_V)
+        assert u.dtype == torch.float32 and float(u.min()) > 0 and float(u.max()) < 1
+        assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_sample_near_certain_token_always_drawn_at_qwen_vocab():
+    """A token 30 nats above every other (miss probability ~ V e^-30 ~ 1e-8 per draw) is drawn on every one
+    of 256 rows at the real vocabulary: an infinite Gumbel term on another token must never outbid it."""
+    logits = torch.zeros(64, QWEN_V)
+    logits[:, 1234] = 30.0
+    for seeds, counters in _qwen_rows(range(4)):
+        assert rollout.sample_tokens(logits, seeds, counters, 1.0, 1.0).tolist() == [1234] * 64
+
+
+def test_sample_never_draws_banned_token_at_qwen_vocab():
+    """A banned token (logit -inf, or outside the top-p nucleus) is never drawn, on 256 rows at the real
+    vocabulary: -inf + noise stays -inf (with u == 1.0 it was -inf + inf = NaN, and argmax picks NaN)."""
+    allowed = torch.tensor([7, 70_000, 151_000])
+    banned = torch.full((64, QWEN_V), float("-inf"))
+    banned[:, allowed] = torch.tensor([0.0, 1.0, -1.0])
+    nucleus = torch.zeros(64, QWEN_V)
+    nucleus[:, 4321] = 20.0          # holds all but ~1e-3 of the mass: top_p 0.9 keeps it alone
+    for seeds, counters in _qwen_rows(range(4)):
+        tok = rollout.sample_tokens(banned, seeds, counters, 1.0, 1.0)
+        assert torch.isin(tok, allowed).all(), tok[~torch.isin(tok, allowed)]
+        assert rollout.sample_tokens(nucleus, seeds, counters, 1.0, 0.9).tolist() == [4321] * 64
+
+
 def test_decode_turn_one_host_sync_per_step(tiny, split):
     model, processor = tiny
     root, recs = split

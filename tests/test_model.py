@@ -250,7 +250,9 @@ def test_reload_with_auto_classes(tiny, saved, clip):
     assert model_lib.special_token_ids(processor2) == model_lib.special_token_ids(processor)
     assert processor2.tokenizer.apply_chat_template(CONVERSATION, tools=[video.CROP_VIDEO_TOOL], tokenize=False) == \
         processor.tokenizer.apply_chat_template(CONVERSATION, tools=[video.CROP_VIDEO_TOOL], tokenize=False)
-    assert torch.equal(logits(model2, kw), logits(model, kw))
+    # the plain Hugging Face class (Conv3d patch embedding) agrees to rounding; with our matmul, exactly
+    torch.testing.assert_close(logits(model2, kw), logits(model, kw), atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits(model_lib.use_linear_patch_embed(model2), kw), logits(model, kw))
 
 
 def test_load_model_from_directory(tiny, saved, clip):
@@ -285,3 +287,92 @@ def test_special_token_ids(tiny):
     assert ids["<|vision_start|>"] == model.config.vision_start_token_id
     assert ids["<|im_end|>"] == model.generation_config.eos_token_id
     assert ids["<|endoftext|>"] == model.generation_config.pad_token_id
+
+
+# ----------------------------------------------------------------------------- the transformers floor
+
+@pytest.mark.parametrize("version", ["4.57.6", "5.0.0", "5.20.0", "5.23.0", "5.24.0.dev0"])
+def test_check_transformers_below_floor_raises(version):
+    """Below 5.24 Qwen3-VL's forward has no `cache=` argument: the engine's K/V store would be silently
+    ignored (the keyword lands in **kwargs), so importing model.py must refuse such a version."""
+    with pytest.raises(RuntimeError, match=re.escape(version) + ".*" + re.escape(model_lib.MIN_TRANSFORMERS)):
+        model_lib.check_transformers(version)
+
+
+@pytest.mark.parametrize("version", ["5.24.0", "5.24.1", "5.30.0"])
+def test_check_transformers_at_or_above_floor_passes(version):
+    model_lib.check_transformers(version)
+
+
+def test_import_model_below_floor_fails(tmp_path):
+    """Importing model.py under an older transformers (its version as importlib.metadata reports it,
+    faked here in a fresh interpreter) fails at once with one line naming both versions."""
+    import os
+    import subprocess
+    import sys
+    code = ("import importlib.metadata as m; real = m.version; "
+            "m.version = lambda name: '5.23.0' if name == 'transformers' else real(name); import model")
+    root = os.path.dirname(model_lib.__file__)
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError") and "5.23.0" in last and model_lib.MIN_TRANSFORMERS in last
+
+
+def test_requirements_floor_is_the_checked_floor():
+    """requirements.txt's `transformers>=X` is the floor model.py enforces."""
+    with open(f"{model_lib.__file__.rsplit('/', 1)[0]}/requirements.txt") as f:
+        pins = [line.split(",")[0].strip() for line in f if line.startswith("transformers")]
+    assert pins == [f"transformers>={model_lib.MIN_TRANSFORMERS}"]
+
+
+# ----------------------------------------------------------------------------- the vision patch embedding as one matmul
+
+def _patch_embeds():
+    """(name, HF patch embedding, patch volume) with random weights: the tiny Qwen3-VL's, Qwen3-VL-8B's
+    (3 channels x 2 frames x 16 x 16 -> 1152, with bias) and Qwen2.5-VL's (3 x 2 x 14 x 14 -> 1280, no bias)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionPatchEmbed
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchEmbed
+    torch.manual_seed(0)
+    tiny_vision = model_lib.build_tiny()[0].config.vision_config
+    out = [("tiny", Qwen3VLVisionPatchEmbed(tiny_vision)),
+           ("qwen3vl-8b", Qwen3VLVisionPatchEmbed(model_lib.qwen3vl_config("8b").vision_config)),
+           ("qwen2.5vl", Qwen2_5_VisionPatchEmbed(patch_size=14, temporal_patch_size=2, in_channels=3, embed_dim=1280))]
+    for _, m in out:
+        torch.nn.init.normal_(m.proj.weight, std=0.02)
+        if m.proj.bias is not None:
+            torch.nn.init.normal_(m.proj.bias)
+    return [(name, m, m.in_channels * m.temporal_patch_size * m.patch_size ** 2) for name, m in out]
+
+
+def test_linear_patch_embed_equals_conv3d():
+    """The Conv3d (kernel == stride, input already cut into patches) is one linear map of each flattened
+    patch: LinearPatchEmbed gives the Conv3d's output to 1e-5, in fp32, keeping the same parameters; in
+    bf16 (fp32 pixels cast to the weight dtype, as the HF forward does) to bf16 rounding."""
+    for name, conv, volume in _patch_embeds():
+        x = torch.randn(300, volume, generator=torch.Generator().manual_seed(1))
+        lin = model_lib.LinearPatchEmbed(conv)
+        assert lin.proj is conv.proj and type(lin.proj) is torch.nn.Conv3d
+        with torch.no_grad():
+            torch.testing.assert_close(lin(x), conv(x), atol=1e-5, rtol=1e-5, msg=name)
+            conv.to(torch.bfloat16)
+            got, want = lin(x), conv(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (300, conv.embed_dim)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, msg=name)
+
+
+def test_models_run_the_linear_patch_embed(tiny, saved):
+    """Built and loaded models (tiny; a checkpoint through load_model; Qwen3-VL at published shapes) run
+    the patch embedding as a matmul, and their state dict keeps the Hugging Face layout (a 5-D Conv3d weight
+    under ...patch_embed.proj.weight), so save_pretrained output reloads with the Auto classes."""
+    from transformers import Qwen3VLForConditionalGeneration
+    reference = Qwen3VLForConditionalGeneration(tiny[0].config).state_dict()
+    loaded = model_lib.load_model(str(saved), device="cpu")[0]
+    shaped = model_lib.build_qwen3vl(model_lib.qwen3vl_config("8b", text_layers=1, vision_depth=1,
+                                                                text_overrides=dict(hidden_size=256, intermediate_size=256,
+                                                                                    num_attention_heads=2, num_key_value_heads=1)))[0]
+    for m in (tiny[0], loaded, shaped):
+        assert type(m.model.visual.patch_embed) is model_lib.LinearPatchEmbed
+    sd = tiny[0].state_dict()
+    assert {k: v.shape for k, v in sd.items()} == {k: v.shape for k, v in reference.items()}
+    assert sd["model.visual.patch_embed.proj.weight"].dim() == 5

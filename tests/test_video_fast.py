@@ -9,7 +9,9 @@ the same times and the same pixels, on the real files of ../shared/real_videos (
 B-frames), a generated long-GOP file (keyframe every 250 frames, as x264 writes by default) and a
 generated file with B-frames and open GOPs.
 """
+import contextlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -205,6 +207,97 @@ def test_disk_cache_round_trip_corruption_and_cap(long_gop, tmp_path):
     fresh = video.FrameCache(disk_dir=str(d))
     video.sample_overview(long_gop, nframes=8, max_pixels=10**7, cache=fresh)
     assert fresh.stats()["disk_hits"] == 1
+
+
+def _entry(i: int) -> tuple[tuple, video.Clip]:
+    """A FrameCache key and a small clip whose pixels say which key it belongs to (for the disk-race tests)."""
+    frames = torch.full((2, 3, 16, 16), i, dtype=torch.uint8)
+    return ("v.mp4", 1000, 1, None, ("K", i), None, 32), video.Clip(frames, np.array([0.5, 1.5]), "v.mp4", 2)
+
+
+def _store_one(d: str) -> str:
+    """Path of the disk file of entry 0 (written by a throwaway cache): the size of every entry's file."""
+    cache = video.FrameCache(disk_dir=d)
+    cache._store(*_entry(0), 0.1)
+    return cache._file(_entry(0)[0])
+
+
+def test_disk_cache_file_pruned_by_another_rank_is_a_miss_not_an_error(tmp_path, monkeypatch):
+    """Ranks share disk_dir: a file another rank prunes between this one's steps (after the read, before
+    marking it used; during the read) is a hit already read or a miss, never FileNotFoundError."""
+    d = str(tmp_path)
+    key, clip = _entry(7)
+    video.FrameCache(disk_dir=d)._store(key, clip, 0.5)
+    utime, load = os.utime, torch.load
+
+    def pruned_then(real):
+        def call(path, *a, **k):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)          # the other rank's prune lands just before this call
+            return real(path, *a, **k)
+        return call
+
+    monkeypatch.setattr(os, "utime", pruned_then(utime))
+    fresh = video.FrameCache(disk_dir=d)
+    got = fresh._load(key, "v.mp4")       # read before the prune: a disk hit
+    assert got is not None and torch.equal(got.frames, clip.frames) and fresh.stats()["disk_hits"] == 1
+    monkeypatch.undo()
+    video.FrameCache(disk_dir=d)._store(key, clip, 0.5)
+    monkeypatch.setattr(torch, "load", pruned_then(load))
+    fresh = video.FrameCache(disk_dir=d)
+    assert fresh._load(key, "v.mp4") is None and fresh.stats()["disk_hits"] == 0   # gone before the read: a miss
+
+
+def test_disk_cache_prune_tolerates_files_vanishing_after_listing(tmp_path, monkeypatch):
+    """Pruning lists disk_dir, then stats and removes: a file another rank removes in between is skipped."""
+    d = str(tmp_path)
+    for i in range(3):
+        video.FrameCache(disk_dir=d)._store(*_entry(i), 0.1)
+    size = os.path.getsize(video.FrameCache(disk_dir=d)._file(_entry(0)[0]))
+    scandir = os.scandir
+
+    def racing(path):
+        entries = list(scandir(path))
+        os.remove(next(e.path for e in entries if e.name.endswith(".pt")))   # pruned by another rank
+        return iter(entries)
+
+    monkeypatch.setattr(os, "scandir", racing)
+    capped = video.FrameCache(disk_dir=d, disk_max_bytes=2 * size)
+    capped._store(*_entry(3), 0.1)
+    monkeypatch.undo()
+    assert sum(f.stat().st_size for f in tmp_path.glob("*.pt")) <= 2 * size
+
+
+def test_disk_cache_shared_by_concurrent_writers(tmp_path):
+    """Two caches (two ranks) on one disk_dir, capped below three files, storing and reading eight keys from
+    four threads: every read is the right clip or a miss, and nothing raises."""
+    d = str(tmp_path)
+    size = os.path.getsize(_store_one(d))
+    caches = [video.FrameCache(max_bytes=0, disk_dir=d, disk_max_bytes=int(2.5 * size)) for _ in range(2)]
+    errors, hits = [], [0]
+
+    def hammer(cache, seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(300):
+                i = int(rng.integers(8))
+                key, clip = _entry(i)
+                got = cache._load(key, "v.mp4")
+                if got is None:
+                    cache._store(key, clip, 0.1)
+                else:
+                    assert torch.equal(got.frames, clip.frames)
+                    hits[0] += 1
+        except BaseException as e:        # noqa: BLE001 -- a thread's exception, reported by the assert below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=hammer, args=(caches[t % 2], t)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and hits[0] > 0
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_cache_missing_file_is_a_video_error(tmp_path):
