@@ -72,7 +72,7 @@ GRPO_CASES = [
 
 
 @pytest.mark.parametrize("case", GRPO_CASES)
-def test_grpo_token_loss_matches_naive(case):
+def test_fused_grpo_loss_matches_naive(case):
     hidden, weight, targets, mask, old, ref, adv = make_batch(per_token_adv=case["per_token_adv"], seed=1)
     old = old if case["old"] else None
     kw = dict(clip_low=0.2, clip_high=0.3, kl_coef=case["kl_coef"], ref_logprobs=ref,
@@ -102,7 +102,7 @@ def test_grpo_token_loss_matches_naive(case):
         assert 0 < stats["clip_frac"] < 1       # the case really exercises the clip
 
 
-def test_grpo_token_loss_global_normaliser_adds_up():
+def test_fused_grpo_loss_global_normaliser_adds_up():
     """Two micro-batches with num_tokens = the whole batch's count sum to one call over the whole batch."""
     hidden, weight, targets, mask, old, ref, adv = make_batch(B=4, seed=2)
     kw = dict(clip_low=0.2, clip_high=0.2, temperature=0.7, chunk_size=4, compile=False)
@@ -241,7 +241,7 @@ def test_token_loss_rejects_a_non_scalar_loss_fn():
     (dict(kl_coef=0.1, ref_logprobs=None), "needs ref_logprobs"),  # KL asked for without a reference
     (dict(temperature=0.0), "temperature must be > 0"),           # greedy has no log-probs
 ])
-def test_grpo_token_loss_rejects_bad_input(kwargs, message):
+def test_fused_grpo_loss_rejects_bad_input(kwargs, message):
     hidden, weight, targets, mask, old, ref, adv = make_batch(seed=8)
     args = dict(hidden=hidden, lm_head_weight=weight, targets=targets, old_logprobs=old, advantages=adv, mask=mask,
                 clip_low=0.2, clip_high=0.2, ref_logprobs=ref, compile=False)
@@ -249,7 +249,7 @@ def test_grpo_token_loss_rejects_bad_input(kwargs, message):
         grpo_loss(**{**args, **kwargs})
 
 
-def test_grpo_token_loss_no_policy_tokens():
+def test_fused_grpo_loss_no_policy_tokens():
     """An empty mask (a rank with nothing to learn): loss 0, zero gradients that still reach W, no NaN."""
     hidden, weight, targets, mask, old, ref, adv = make_batch(seed=9)
     w = weight.clone().requires_grad_()
@@ -342,7 +342,7 @@ def check_bf16(device: str, use_compile: bool) -> None:
         assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
 
 
-def test_grpo_token_loss_bf16_cpu():
+def test_fused_grpo_loss_bf16_cpu():
     """The bf16 path (bf16 GEMMs into the fp32 grad_W sum, `_accumulate_grad_weight`) on the CPU, eager kernels."""
     check_bf16("cpu", use_compile=False)
 
@@ -350,7 +350,7 @@ def test_grpo_token_loss_bf16_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("use_compile", [False, True])
-def test_grpo_token_loss_bf16_cuda(use_compile):
+def test_fused_grpo_loss_bf16_cuda(use_compile):
     check_bf16("cuda", use_compile)
 
 

@@ -47,7 +47,7 @@ def nan_on_first_call(fn):
 
 STAGES = [  # (stage flags, the loss function made to return NaN once)
     (["--stage", "sft", "--sft-batch", "2", "--n-train", "4"], "sft_loss"),
-    (["--stage", "rl", "--mask-truncated", "0", "--prompts-per-step", "1"], "grpo_token_loss"),
+    (["--stage", "rl", "--mask-truncated", "0", "--prompts-per-step", "1"], "grpo_loss"),
 ]
 
 
