@@ -10,6 +10,8 @@ The run and its processes: everything a training run needs around the method, no
     processes               setup_distributed (gloo on CPU, nccl on CUDA), shard_model (FSDP2), full_weights,
                             all_sum / all_max / all_mean / barrier, die_with_parent, launch(main, args)
     the run directory lock  RunLock, stale_run
+    flags                   parse_args / resolve: train.py's command line, every default that depends on another
+                            flag (the preset, the tiny model, the recipe, the device) settled once
 
 Layout of a run directory: metrics.jsonl, curves.png, best.json, ckpt-<stage>-<step>/ (model.safetensors +
 config + processor, train_state/ (DCP), trainer.pt), eval/, report/, .lock.
