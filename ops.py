@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 # -----------------------------------------------------------------------------
 # 1. Chunked log-probabilities: hidden states x lm_head -> log p(token), never the (N, V) matrix
@@ -484,5 +484,18 @@ def tdam_attention(module, query, key, value, attention_mask, scaling=None, drop
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register("paravt_tdam", tdam_attention)
-AttentionMaskInterface.register("paravt_tdam", lambda *a, **k: None)    # the spec is the mask: no L x L tensor
+TDAM_ATTENTION = "paravt_tdam"
+AttentionInterface.register(TDAM_ATTENTION, tdam_attention)
+AttentionMaskInterface.register(TDAM_ATTENTION, sdpa_mask)   # SDPA's masks: forwards without `tdam` are plain SDPA
+
+
+def use_tdam_attention(config) -> None:
+    """Run the decoder of `config` under "paravt_tdam" from now on. Permanent, not switched per forward: gradient
+    checkpointing recomputes each decoder layer in BACKWARD, where it must find the same attention function (it
+    keeps the `tdam` keyword of the forward's call). Forwards without `tdam` are unchanged: "paravt_tdam" builds
+    SDPA's masks and calls SDPA. A forward with `tdam` should pass no 2-D attention mask (the spec holds each
+    row's length; the mask would only make SDPA's (B, 1, L, L) padding mask)."""
+    impl = config._attn_implementation
+    if impl not in ("sdpa", TDAM_ATTENTION):
+        raise ValueError(f"TDAM runs on a model with sdpa attention (the library default); this one uses {impl!r}")
+    config._attn_implementation = TDAM_ATTENTION
