@@ -408,8 +408,8 @@ def test_tdam_mask_reaches_attention(tiny, tdam_batch):
 
 
 def test_blocked_tdam_attention_equals_the_dense_mask(tiny, tdam_batch):
-    """tdam_attention (query blocks, masks from the rectangles, scores recomputed in backward) gives the loss
-    and gradients of the dense (B, 1, L, L) mask, with blocks that split the rows; and the rules cut something."""
+    """tdam_attention in the model (block-sparse tiles from the rectangles, the CPU's blocked kernel) gives the loss
+    and gradients of the dense (B, 1, L, L) mask, with tiles that split the rows; and the rules cut something."""
     model, processor = tiny
     trajs, batch = tdam_batch
     spec = train.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
