@@ -12,21 +12,28 @@ Plain PyTorch plus `torch.compile` on the per-chunk softmax math; train.py holds
    `policy_rows` gathers the policy tokens of (B, L) batches into the (N, ...) rows the kernels take.
 2. TDAM (Video-o3, arXiv 2601.23224), the tensor side: `tdam_rects` states the two masking rules as rectangles
    of (query, key) ranges; `tdam_mask` / `to_additive_mask` build the dense (L, L) form from them (tests, small
-   inputs); `TdamSpec` + `tdam_attention` (registered as the attention implementation "paravt_tdam") attend by
-   query blocks, each block's mask built from the rectangles, so no L x L tensor ever exists. Which spans of a
-   trajectory the rules apply to is found from its text in train.py (`tdam_spans`).
+   inputs); `TdamSpec` + `tdam_attention` (the attention implementation "paravt_tdam", which a model keeps once
+   `use_tdam_attention` sets it; SDPA for any forward without the `tdam` keyword) attend block-sparse:
+   `tdam_tiles` sorts (query tile, key tile) pairs into skipped / unmasked / causal / masked from the rectangles,
+   and one of two kernels attends the rest, flex_attention (CUDA) or a blocked CPU flash kernel; no L x L tensor
+   ever exists. Which spans of a trajectory the rules apply to is found from its text in train.py (`tdam_spans`).
+     tdam_attention(module, q (B, H, L, d), k / v (B, H_kv, L, d), ..., tdam=TdamSpec) -> (B, L, H, d)
 
-Sizes that choose a path (shrunk in tests so every path runs): _MIN_CHUNK_LOGITS (token_loss's plain path
-below it), MAX_CHUNKS (the default chunk rule), the chunk size itself (padding of the last chunk), TdamSpec.block.
+Sizes and devices that choose a path (each path runs in tests, sizes shrunk): _MIN_CHUNK_LOGITS (token_loss's
+plain path below it), MAX_CHUNKS (the default chunk rule), the chunk size itself (padding of the last chunk);
+TdamSpec.block (the tile side: how many tiles, which ones a rectangle's edge crosses), `tdam_kernel` (flex on
+FLEX_DEVICES, blocked elsewhere, or TdamSpec.kernel).
 """
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 # -----------------------------------------------------------------------------
 # 1. Chunked log-probabilities: hidden states x lm_head -> log p(token), never the (N, V) matrix
@@ -437,17 +444,20 @@ def to_additive_mask(bool_mask: torch.Tensor, dtype: torch.dtype = torch.float32
 
 @dataclass
 class TdamSpec:
-    """TDAM for a batch without an L x L mask: each row's length (B,) and its blocked rectangles (B, M, 4) =
+    """TDAM for a batch without an L x L mask: each row's length (B,) and its masked rectangles (B, M, 4) =
     (q0, q1, k0, k1), empty ones (0, 0, 0, 0) padding M. Passed to the model as the `tdam` keyword, read by
-    `tdam_attention`."""
+    `tdam_attention`. `block`: the side of the square tiles the kernels skip or attend (query rows = key columns;
+    memory O(block x L) per head at most, never O(L x L)); `kernel`: "auto" (`tdam_kernel`), "flex" or "blocked"."""
     lengths: torch.Tensor
     rects: torch.Tensor
-    block: int = 256                     # query rows per block: memory O(block x L) per head, not O(L x L)
+    block: int = 256
+    kernel: str = "auto"
 
-    def allowed(self, q0: int, q1: int, kv_len: int, device) -> torch.Tensor:
-        """(B, 1, q1 - q0, kv_len) bool: causal, padding (a pad row sees only itself), minus the rectangles."""
+    def allowed(self, q0: int, q1: int, kv_len: int, device, k0: int = 0) -> torch.Tensor:
+        """(B, 1, q1 - q0, kv_len - k0) bool, queries [q0, q1) x keys [k0, kv_len): causal, padding (a pad row sees
+        only itself), minus the rectangles."""
         q = torch.arange(q0, q1, device=device)[None, :, None]
-        k = torch.arange(kv_len, device=device)[None, None, :]
+        k = torch.arange(k0, kv_len, device=device)[None, None, :]
         n = self.lengths.to(device)[:, None, None]
         ok = torch.where(q < n, k <= q, k == q)                  # causal; a pad row sees itself only
         for r in self.rects.to(device).unbind(1):                # (B, 4) each
@@ -456,33 +466,241 @@ class TdamSpec:
         return ok[:, None]
 
 
-def _tdam_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TdamSpec, q0: int, scaling: float):
-    allowed = spec.allowed(q0, q0 + q.shape[2], k.shape[2], q.device)      # built here: never saved for backward
-    scores = (q @ k.transpose(-1, -2)).float() * scaling                  # (B, H, b, L)
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    return probs.to(v.dtype) @ v                                          # (B, H, b, d)
+EMPTY, MASKED, FULL, CAUSAL = 0, 1, 2, 3   # tile kinds: skipped, own small mask, no mask, is_causal (the diagonal)
+
+
+def tdam_tiles(spec: TdamSpec, seq_len: int) -> torch.Tensor:
+    """
+    (B, T, T) int8: the kind of each (query tile, key tile) pair, tiles of `spec.block` positions, T = ceil(L / block),
+    from the lengths and rectangles alone (O(B T^2 M) work, never L x L). Row b of length n, query tile [qs, qe),
+    key tile [ks, ke), real rows [qs, min(qe, n)):
+      EMPTY   no query of the tile may see a key of it: all keys after every real row, or one rectangle covers the
+              real rows x keys; and no pad row (which sees only itself) has its own key there
+      FULL    every query sees every key: ke - 1 <= qs, no rectangle meets the tile, no pad row
+      CAUSAL  a diagonal tile (ks = qs) that only the causal rule cuts: attended with is_causal, no mask
+      MASKED  the rest (rectangle edges, pad rows): attended with the tile's own mask from `TdamSpec.allowed`
+    Only FULL and EMPTY claim anything, and each is exact; MASKED is always correct, just slower.
+    """
+    b = spec.block
+    starts = torch.arange(0, seq_len, b)
+    ends = (starts + b).clamp(max=seq_len)
+    qs, qe = starts[None, :, None], ends[None, :, None]                   # (1, T, 1)
+    ks, ke = starts[None, None, :], ends[None, None, :]                   # (1, 1, T)
+    n = spec.lengths.cpu()[:, None, None]                                 # (B, 1, 1)
+    real_end, has_pad = torch.minimum(qe, n), qe > n                      # (B, T, 1)
+    r0, r1, r2, r3 = spec.rects.cpu()[:, None, None].unbind(-1)          # (B, 1, 1, M) each
+    meets = ((r0 < real_end[..., None]) & (r1 > qs[..., None]) & (r2 < ke[..., None]) & (r3 > ks[..., None])).any(-1)
+    covers = ((r0 <= qs[..., None]) & (r1 >= real_end[..., None]) & (r2 <= ks[..., None]) &
+              (r3 >= ke[..., None])).any(-1)                              # (B, T, T)
+    sees = ks < real_end                                                  # a real row sees a key causally
+    pad_self = has_pad & (torch.maximum(qs, n) < ke) & (ks < qe)          # a pad row's own key is in the tile
+    clean = ~meets & ~has_pad
+    kind = torch.full(meets.shape, MASKED, dtype=torch.int8)
+    kind[clean & (ke - 1 <= qs)] = FULL
+    kind[clean & (ks == qs)] = CAUSAL
+    kind[(~sees | covers) & ~pad_self] = EMPTY
+    return kind
+
+
+FLEX_DEVICES = ("cuda",)   # where flex_attention has a backward (torch 2.14: not on CPU or MPS, forward only)
+
+
+def tdam_kernel(spec: TdamSpec, device) -> str:
+    """The kernel `tdam_attention` runs: spec.kernel, or for "auto" "flex" on FLEX_DEVICES, "blocked" elsewhere."""
+    if spec.kernel not in ("auto", "flex", "blocked"):
+        raise ValueError(f"TdamSpec.kernel must be 'auto', 'flex' or 'blocked', got {spec.kernel!r}")
+    if spec.kernel != "auto":
+        return spec.kernel
+    return "flex" if torch.device(device).type in FLEX_DEVICES else "blocked"
+
+
+# The blocked kernel (CPU): per query tile, ATen's CPU flash attention over each run of key tiles (no mask on FULL
+# runs, is_causal on the diagonal, a (block x width) mask on MASKED runs, EMPTY skipped), merged by log-sum-exp.
+# Backward: each run through the flash backward given the MERGED output and log-sum-exp, which makes its
+# probabilities exp(s - lse) those of the whole row, so the per-run gradients add up. Saved: q, k, v, out, lse.
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _runs(kinds: list[int], block: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """One query tile's key tiles [0, i] -> (k0, k1, kind) runs: EMPTY dropped, neighbouring FULL or MASKED joined."""
+    runs = []
+    for j, kind in enumerate(kinds):
+        k0, k1 = j * block, min((j + 1) * block, seq_len)
+        if kind == EMPTY:
+            continue
+        if runs and runs[-1][2] == kind != CAUSAL and runs[-1][1] == k0:
+            runs[-1] = (runs[-1][0], k1, kind)
+        else:
+            runs.append((k0, k1, kind))
+    return runs
+
+
+def _run_mask(spec: TdamSpec, q0: int, q1: int, k0: int, k1: int, kind: int, dtype, device):
+    """The additive (B, 1, q1 - q0, k1 - k0) mask of a MASKED run (finfo.min, so a row that sees nothing in the
+    run gets a log-sum-exp near finfo.min and weight 0 in the merge), None otherwise."""
+    if kind != MASKED:
+        return None
+    ok = spec.allowed(q0, q1, k1, device, k0)
+    return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, torch.finfo(dtype).min)
+
+
+class _TdamBlocked(torch.autograd.Function):
+    """Block-sparse TDAM attention on the CPU; see `tdam_attention`. q (B, H, L, d), k / v (B, H_kv, L, d)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, plan, scale):
+        out = torch.empty_like(q)                                                    # (B, H, L, d)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)         # (B, H, L)
+        for q0, q1, runs in plan:
+            outs, lses = [], []
+            for k0, k1, kind in runs:
+                mask = _run_mask(spec, q0, q1, k0, k1, kind, q.dtype, q.device)
+                o, s = _flash(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], 0.0, kind == CAUSAL,
+                              attn_mask=mask, scale=scale)
+                outs.append(o)
+                lses.append(s)
+            if len(runs) == 1:
+                out[:, :, q0:q1], lse[:, :, q0:q1] = outs[0], lses[0]
+                continue
+            s = torch.stack(lses)                                                    # (R, B, H, b)
+            total = torch.logsumexp(s, dim=0)                                        # (B, H, b)
+            w = torch.exp(s - total)[..., None]                                      # (R, B, H, b, 1)
+            out[:, :, q0:q1] = sum(w[r] * o.float() for r, o in enumerate(outs))
+            lse[:, :, q0:q1] = total
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.plan, ctx.scale = spec, plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        spec, scale = ctx.spec, ctx.scale
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v))
+        for q0, q1, runs in ctx.plan:
+            rows = (grad_out[:, :, q0:q1], q[:, :, q0:q1])
+            saved = (out[:, :, q0:q1], lse[:, :, q0:q1].contiguous())
+            for k0, k1, kind in runs:
+                mask = _run_mask(spec, q0, q1, k0, k1, kind, q.dtype, q.device)
+                gq, gk, gv = _flash_backward(*rows, k[:, :, k0:k1], v[:, :, k0:k1], *saved, 0.0, kind == CAUSAL,
+                                             attn_mask=mask, scale=scale)
+                dq[:, :, q0:q1] += gq
+                dk[:, :, k0:k1] += gk
+                dv[:, :, k0:k1] += gv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _tdam_blocked(query, key, value, spec: TdamSpec, scaling: float) -> torch.Tensor:
+    if query.device.type != "cpu":
+        raise ValueError(f"TDAM's blocked kernel runs on the CPU (ATen's CPU flash attention); on "
+                         f"{query.device.type} use TdamSpec.kernel='flex'")
+    L, block = query.shape[2], spec.block
+    tiles = tdam_tiles(spec, L)                                           # (B, T, T)
+    kinds = torch.where((tiles == tiles[:1]).all(0), tiles[0], MASKED)    # one kind for the batch, else MASKED
+    plan = [(q0, min(q0 + block, L), _runs(row[:i + 1], block, L))
+            for i, (q0, row) in enumerate(zip(range(0, L, block), kinds.tolist()))]
+    return _TdamBlocked.apply(query, key, value, spec, plan, scaling)
+
+
+# The flex kernel: torch's flex_attention (compiled; block-sparse in forward and backward) with a BlockMask whose
+# block lists come from `tdam_tiles` (FULL tiles skip the mask function, MASKED and CAUSAL ones apply it, EMPTY ones
+# are absent), so neither the mask nor its block lists are built by evaluating L x L positions (as
+# create_block_mask would).
+
+
+def _rect_table(spec: TdamSpec, seq_len: int, device):
+    """The rectangles as one lookup per (q, k), whatever their number M: each position's segment between the
+    rectangles' query edges, qseg (B, L), and key edges, kseg (B, L), and cut (B, S, S), S = 2M + 2: True where a
+    rectangle covers the (query segment, key segment) pair. O(L + M^2) memory."""
+    S, pos = 2 * spec.rects.shape[1] + 2, torch.arange(seq_len)
+    qseg, kseg = (torch.zeros(len(spec.lengths), seq_len, dtype=torch.int32) for _ in range(2))
+    cut = torch.zeros(len(spec.lengths), S, S, dtype=torch.bool)
+    for b, row in enumerate(spec.rects.tolist()):
+        row = [r for r in row if r[1] > r[0] and r[3] > r[2]]
+        q_edges = sorted({0, *(x for r in row for x in r[:2])})
+        k_edges = sorted({0, *(x for r in row for x in r[2:])})
+        qseg[b] = torch.searchsorted(torch.tensor(q_edges), pos, right=True) - 1
+        kseg[b] = torch.searchsorted(torch.tensor(k_edges), pos, right=True) - 1
+        for q0, q1, k0, k1 in row:
+            cut[b, q_edges.index(q0):q_edges.index(q1), k_edges.index(k0):k_edges.index(k1)] = True
+    return qseg.to(device), kseg.to(device), cut.to(device)
+
+
+def tdam_block_mask(spec: TdamSpec, seq_len: int, device) -> BlockMask:
+    """flex_attention's BlockMask of the spec: mask_mod(b, h, q, k) = causal & no rectangle holds (q, k) (a table
+    lookup, `_rect_table`), and a pad row sees only itself; its partial and full block lists from `tdam_tiles`
+    (spec.block on both sides)."""
+    tiles = tdam_tiles(spec, seq_len)                                     # (B, T, T)
+
+    def block_lists(sel):      # (B, T, T) bool -> counts (B, 1, T), indices (B, 1, T, T), selected tiles first
+        order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True)
+        return sel.sum(-1)[:, None].to(device, torch.int32), order[:, None].to(device, torch.int32)
+
+    lengths, (qseg, kseg, cut) = spec.lengths.to(device), _rect_table(spec, seq_len, device)
+
+    def mask_mod(b, h, q, k):
+        return torch.where(q < lengths[b], (k <= q) & ~cut[b, qseg[b, q], kseg[b, k]], k == q)
+
+    return BlockMask.from_kv_blocks(*block_lists((tiles == MASKED) | (tiles == CAUSAL)), *block_lists(tiles == FULL),
+                                    BLOCK_SIZE=spec.block, mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention)          # compiled on first use; a new length recompiles once, then dynamic
+
+
+def _tdam_flex(query, key, value, spec: TdamSpec, scaling: float) -> torch.Tensor:
+    mask = tdam_block_mask(spec, query.shape[2], query.device)
+    return _compiled_flex()(query, key, value, block_mask=mask, scale=scaling,
+                             enable_gqa=query.shape[1] != key.shape[1])
 
 
 def tdam_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, tdam: TdamSpec = None,
                    **kwargs):
-    """The attention function registered as "paravt_tdam": softmax(q k^T / sqrt(d) + TDAM) v by blocks of
-    queries, each block's mask built from the spec's rectangles and its scores recomputed in backward
-    (activation checkpointing), so neither the mask nor the scores ever exist as L x L: O(block x L) memory
-    per head. The same rows are masked as by the dense `tdam_mask` (tests/test_rl_correctness.py checks).
-    Shapes: query (B, H, L, d), key / value (B, H_kv, L, d) -> (B, L, H, d). Without `tdam`: plain SDPA."""
+    """
+    The attention function registered as "paravt_tdam": TDAM's masked attention, block-sparse.
+
+        out_i = sum_j P_ij v_j,   P_ij = exp(s_ij - lse_i) over the keys j that row i may see (TdamSpec.allowed),
+        s_ij = q_i k_j / sqrt(d),  lse_i = log sum_j exp(s_ij)
+    split over the (query tile, key tile) pairs of `tdam_tiles`: EMPTY pairs are skipped, FULL ones attended with no
+    mask, the diagonal with is_causal, and only tiles that a rectangle's edge (or padding) crosses get a small mask,
+    so neither a mask nor scores ever exist as L x L. Two kernels, chosen by `tdam_kernel` (explicit in
+    TdamSpec.kernel, "auto" by device):
+      "flex"     torch's flex_attention (compiled) with the BlockMask of `tdam_block_mask` (CUDA; arXiv 2412.05496)
+      "blocked"  per query tile, ATen's CPU flash attention over each run r of key tiles, merged
+                 lse = log sum_r exp(lse_r),  out = sum_r exp(lse_r - lse) out_r;
+                 backward per run with the merged out and lse: dS = P * (dO v^T - rowsum(dO * out)), summed
+                 (FlashAttention-2's split-KV rule, arXiv 2307.08691)
+    Departures from the dense mask: none in the values (tests/test_ops.py: outputs and gradients to 1e-5 in fp32);
+    the blocked kernel shares one tile plan across the batch (a tile whose kind differs between rows is MASKED).
+    Measured (bench/tdam_bench.py, docs/experiments.md): the blocked kernel's fwd+bwd at 16,384 tokens vs plain causal
+    SDPA. Shapes: query (B, H, L, d), key / value (B, H_kv, L, d) (grouped-query heads) -> (B, L, H, d).
+    Without `tdam`: plain SDPA, with the mask the "paravt_tdam" mask interface (SDPA's) built.
+    """
     if tdam is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    rep = query.shape[1] // key.shape[1]                                  # grouped-query attention
-    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    if dropout:
+        raise ValueError(f"tdam_attention: attention dropout {dropout} is not supported (Qwen-VL trains with 0)")
     scaling = module.scaling if scaling is None else scaling
-    L = query.shape[2]
-    blocks = []
-    for q0 in range(0, L, tdam.block):
-        blocks.append(torch.utils.checkpoint.checkpoint(_tdam_block, query[:, :, q0:q0 + tdam.block], key, value, tdam,
-                                                        q0, scaling, use_reentrant=False))
-    return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
+    kernel = _tdam_flex if tdam_kernel(tdam, query.device) == "flex" else _tdam_blocked
+    return kernel(query, key, value, tdam, scaling).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register("paravt_tdam", tdam_attention)
-AttentionMaskInterface.register("paravt_tdam", lambda *a, **k: None)    # the spec is the mask: no L x L tensor
+TDAM_ATTENTION = "paravt_tdam"
+AttentionInterface.register(TDAM_ATTENTION, tdam_attention)
+AttentionMaskInterface.register(TDAM_ATTENTION, sdpa_mask)   # SDPA's masks: forwards without `tdam` are plain SDPA
+
+
+def use_tdam_attention(config) -> None:
+    """Run the decoder of `config` under "paravt_tdam" from now on. Permanent, not switched per forward: gradient
+    checkpointing recomputes each decoder layer in BACKWARD, where it must find the same attention function (it
+    keeps the `tdam` keyword of the forward's call). Forwards without `tdam` are unchanged: "paravt_tdam" builds
+    SDPA's masks and calls SDPA. A forward with `tdam` should pass no 2-D attention mask (the spec holds each
+    row's length; the mask would only make SDPA's (B, 1, L, L) padding mask)."""
+    impl = config._attn_implementation
+    if impl not in ("sdpa", TDAM_ATTENTION):
+        raise ValueError(f"TDAM runs on a model with sdpa attention (the library default); this one uses {impl!r}")
+    config._attn_implementation = TDAM_ATTENTION

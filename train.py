@@ -74,7 +74,8 @@ import rewards
 import rollout
 import runtime
 import video
-from ops import TdamSpec, policy_rows, tdam_rects, to_additive_mask, token_logprobs, token_loss
+from ops import (TdamSpec, policy_rows, tdam_rects, to_additive_mask, token_logprobs, token_loss,
+                 use_tdam_attention)
 from runtime import Run, all_max, all_mean, all_sum, all_sum_float, full_weights, print0
 
 # -----------------------------------------------------------------------------
@@ -509,7 +510,9 @@ def forward_hidden(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None 
     """(hidden (B, L-1, D), targets (B, L-1), policy mask (B, L-1)): the final hidden states that predict each
     next token, for the fused kernels. A batch collated with share_videos=True runs the vision tower once per
     distinct video (the G samples of a prompt share its overview), as the rollout did. `tdam`: the decoder's
-    attention is `tdam_attention` for this forward (no L x L mask); `attn_mask_4d`: a dense 4-D mask instead.
+    attention is `tdam_attention` (no L x L mask), selected by the `tdam` keyword under the "paravt_tdam"
+    implementation the model keeps from then on (so gradient checkpointing's recompute in backward attends
+    the same way); `attn_mask_4d`: a dense 4-D mask instead.
     FSDP: the lm_head unit is gathered here, since the kernels read lm_head.weight directly (its gradient is
     reduce-scattered with the final norm's, in backward)."""
     device = next(model.parameters()).device
@@ -518,14 +521,11 @@ def forward_hidden(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None 
         kw["pixel_values_videos"] = kw["pixel_values_videos"].to(next(model.parameters()).dtype)
     if attn_mask_4d is not None:
         kw["attention_mask"] = attn_mask_4d.to(device)
-    lm = model.model.language_model.config
-    impl = lm._attn_implementation
-    if tdam is not None:
-        lm._attn_implementation, kw["tdam"] = "paravt_tdam", tdam
-    try:
-        hidden = rollout.forward_hidden(model, kw)[:, :-1]      # (B, L-1, D); vision once per distinct video
-    finally:
-        lm._attn_implementation = impl
+    if tdam is not None:                  # the spec is the mask (padding included); positions come from collate
+        use_tdam_attention(model.model.language_model.config)
+        kw.pop("attention_mask", None)
+        kw["tdam"] = tdam
+    hidden = rollout.forward_hidden(model, kw)[:, :-1]          # (B, L-1, D); vision once per distinct video
     if hasattr(model.lm_head, "unshard"):
         model.lm_head.unshard()
     return hidden, batch["input_ids"][:, 1:].to(device), policy_mask(batch["roles"]).to(device)

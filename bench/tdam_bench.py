@@ -1,29 +1,38 @@
 """
-TDAM at the papers' lengths: one forward + backward of a small Qwen3-VL decoder with Video-o3's TDAM, the dense
-(B, 1, L, L) additive mask through SDPA (what train.py built before) vs `ops.tdam_attention` (query blocks,
-masks from the rule rectangles, scores recomputed in backward), at L = 16,384 tokens by default.
+TDAM at the papers' lengths: one forward + backward of a small Qwen3-VL decoder at L = 16,384 tokens, three ways:
+  causal  plain causal attention, the model's default (SDPA with is_causal, no mask tensor): the time to match
+  dense   TDAM as a dense (1, 1, L, L) additive mask through SDPA (what train.py built before)
+  tdam    TDAM through `ops.tdam_attention` (block-sparse tiles; here on the CPU its "blocked" kernel)
 
-Each side runs in its own process, so one side's freed memory cannot hide the other's peak; peak memory is
-the resident memory above the level after the model is built (bench/common.PeakRSS). The sequence is a
-Video-o3-like layout: a 4,096-token overview, two tool calls each followed by a 1,024-token clip, an answer.
+Each run of a side is its own process (one untimed warm-up forward + backward, then one timed), so one side's freed
+memory cannot hide another's peak; peak memory is the resident memory above the level after the model is built
+(bench/common.PeakRSS). The processes run interleaved (causal, dense, tdam, causal, ...) `--repeats` times and each
+side reports the median of its times (wall and CPU seconds). The first dense and tdam runs also save every
+parameter's gradient, compared here. The sequence is a Video-o3-like layout: a 4,096-token overview, two tool
+calls each followed by a 1,024-token clip, an answer.
 
-    python bench/tdam_bench.py                       # L = 16,384, 1 decoder layer of the tiny model's widths
+    python bench/tdam_bench.py                             # L = 16,384, 1 decoder layer of the tiny model's widths
     python bench/tdam_bench.py --length 4096 --layers 2
 
-Last line: one JSON object with each side's seconds and peak MB and the ratios.
+Last line: one JSON object: each side's median seconds and peak MB, time_vs_causal (tdam / causal, wall; target
+<= 1.5), cpu_time_vs_causal, time_vs_dense, memory_ratio (dense peak / tdam peak) and grad_max_diff (the largest
+|tdam - dense| gradient entry over the largest dense entry).
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
-from common import PeakRSS, print_json, set_threads, table  # bench/common.py (puts the repo on sys.path)
+from common import PeakRSS, median, print_json, set_threads, table  # bench/common.py (puts the repo on sys.path)
 
 import model as model_lib
 import ops
-import train
+
+SIDES = ("causal", "dense", "tdam")
 
 
 def layout(L: int) -> dict:
@@ -34,55 +43,73 @@ def layout(L: int) -> dict:
                 obs=[(at(4500), at(5524)), (at(5700), at(6724))], answer=(at(16000), L))
 
 
-def side(name: str, L: int, layers: int, block: int) -> dict:
+def side(name: str, L: int, layers: int, block: int, grad_file: str | None) -> dict:
+    """One warm-up and one timed forward + backward of side `name`; the gradients saved to grad_file if given."""
     torch.manual_seed(0)
-    cfg = model_lib.ModelConfig(layers=layers)
-    model, _ = model_lib.build_tiny(cfg, seed=0)
+    model, _ = model_lib.build_tiny(model_lib.ModelConfig(layers=layers), seed=0)
     lm = model.model.language_model
     sp = layout(L)
     ids = torch.randint(0, 1000, (1, L))
-    with PeakRSS() as mem:
-        t0 = time.perf_counter()
+    rects = ops.tdam_rects(L, sp["overview"], sp["answer"], sp["calls"], sp["obs"])
+    if name == "tdam":
+        ops.use_tdam_attention(lm.config)
+
+    def step():
         kw = dict(input_ids=ids, use_cache=False)
-        if name == "dense":
-            allowed = ops.tdam_mask(L, sp["overview"], sp["answer"], sp["calls"], sp["obs"])
-            kw["attention_mask"] = ops.to_additive_mask(allowed)
-            lm.config._attn_implementation = "sdpa"
-        else:
-            spec = ops.TdamSpec(torch.tensor([L]), torch.tensor(
-                [ops.tdam_rects(L, sp["overview"], sp["answer"], sp["calls"], sp["obs"])]), block=block)
-            kw["tdam"] = spec
-            lm.config._attn_implementation = "paravt_tdam"
-        hidden = lm(**kw).last_hidden_state
-        hidden.float().pow(2).mean().backward()
-        seconds = time.perf_counter() - t0
-    grad = torch.cat([p.grad.flatten() for p in lm.parameters() if p.grad is not None])
-    return dict(side=name, seconds=seconds, peak_mb=mem.mb, grad_norm=float(grad.norm()))
+        if name == "dense":            # built in the step: the dense path builds its mask every batch
+            kw["attention_mask"] = ops.to_additive_mask(ops.tdam_mask(L, sp["overview"], sp["answer"], sp["calls"],
+                                                                      sp["obs"]))
+        elif name == "tdam":
+            kw["tdam"] = ops.TdamSpec(torch.tensor([L]), torch.tensor([rects]), block=block)
+        model.zero_grad(set_to_none=True)
+        lm(**kw).last_hidden_state.float().pow(2).mean().backward()
+
+    with PeakRSS() as mem:
+        step()
+        w0, c0 = time.perf_counter(), time.process_time()
+        step()
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    if grad_file:
+        torch.save(torch.cat([p.grad.flatten() for p in lm.parameters() if p.grad is not None]), grad_file)
+    return dict(side=name, seconds=wall, cpu_seconds=cpu, peak_mb=mem.mb)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--length", type=int, default=16384, help="tokens in the sequence")
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the tiny model's widths")
-    p.add_argument("--block", type=int, default=256, help="query rows per block of tdam_attention")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--side", choices=("dense", "blocked"), default=None, help="(internal) run one side")
+    p.add_argument("--block", type=int, default=256, help="tile side of tdam_attention (TdamSpec.block)")
+    p.add_argument("--repeats", type=int, default=3, help="processes per side, run interleaved")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--side", choices=SIDES, default=None, help="(internal) run one side in this process")
+    p.add_argument("--grad-file", default=None, help="(internal) save the side's gradients here")
     args = p.parse_args()
     set_threads(args.threads)
     if args.side:
-        print(json.dumps(side(args.side, args.length, args.layers, args.block)))
+        print(json.dumps(side(args.side, args.length, args.layers, args.block, args.grad_file)))
         return
-    res = {}
-    for name in ("dense", "blocked"):
-        cmd = [sys.executable, __file__, "--side", name, "--length", str(args.length), "--layers", str(args.layers),
-               "--block", str(args.block), "--threads", str(args.threads)]
-        res[name] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
-    d, b = res["dense"], res["blocked"]
-    print(table([[n, f"{r['seconds']:.1f}", f"{r['peak_mb']:.0f}", f"{r['grad_norm']:.6g}"] for n, r in res.items()],
-                ["TDAM form", "fwd+bwd s", "peak MB", "grad norm"]))
-    print_json(dict(length=args.length, layers=args.layers, block=args.block, dense=d, blocked=b,
-                    memory_ratio=d["peak_mb"] / b["peak_mb"], time_ratio=b["seconds"] / d["seconds"],
-                    grad_rel_diff=abs(d["grad_norm"] - b["grad_norm"]) / d["grad_norm"]))
+    runs = {name: [] for name in SIDES}
+    with tempfile.TemporaryDirectory() as tmp:
+        grads = {name: os.path.join(tmp, f"{name}.pt") for name in ("dense", "tdam")}
+        for r in range(args.repeats):
+            for name in SIDES:
+                cmd = [sys.executable, __file__, "--side", name, "--length", str(args.length), "--layers",
+                       str(args.layers), "--block", str(args.block), "--threads", str(args.threads)]
+                if r == 0 and name in grads:
+                    cmd += ["--grad-file", grads[name]]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                runs[name].append(json.loads(out.strip().splitlines()[-1]))
+        dense_grad, tdam_grad = torch.load(grads["dense"]), torch.load(grads["tdam"])
+    res = {name: dict(seconds=median([r["seconds"] for r in rs]), cpu_seconds=median([r["cpu_seconds"] for r in rs]),
+                      peak_mb=median([r["peak_mb"] for r in rs])) for name, rs in runs.items()}
+    c, d, t = res["causal"], res["dense"], res["tdam"]
+    print(table([[n, r["seconds"], r["cpu_seconds"], r["peak_mb"], r["seconds"] / c["seconds"]] for n, r in res.items()],
+                ["attention", "fwd+bwd s", "CPU s", "peak MB", "x causal"]))
+    print_json(dict(length=args.length, layers=args.layers, block=args.block, threads=args.threads,
+                    repeats=args.repeats, causal=c, dense=d, tdam=t,
+                    time_vs_causal=t["seconds"] / c["seconds"], cpu_time_vs_causal=t["cpu_seconds"] / c["cpu_seconds"],
+                    time_vs_dense=t["seconds"] / d["seconds"], memory_ratio=d["peak_mb"] / t["peak_mb"],
+                    grad_max_diff=float((tdam_grad - dense_grad).abs().max() / dense_grad.abs().max())))
 
 
 if __name__ == "__main__":

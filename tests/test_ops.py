@@ -1,10 +1,11 @@
 """
 Tests for ops.py: the fused linear loss (ops.token_loss: gradients formed in the forward) with its two entry
 points train.grpo_loss and train.sft_token_loss, against the naive path log_softmax(h W^T / T).gather then the
-loss; the chunked log-prob gather (ops.token_logprobs); TDAM's dense mask (ops.tdam_mask, to_additive_mask).
+loss; the chunked log-prob gather (ops.token_logprobs); TDAM's dense mask (ops.tdam_mask, to_additive_mask) and its
+block-sparse attention (ops.tdam_tiles, the blocked and flex kernels of ops.tdam_attention) against that mask.
 
-    python -m pytest tests/test_ops.py -q          # CPU, well under a minute
-    python -m pytest tests/test_ops.py -q -m gpu   # the bf16 checks, on a CUDA machine
+    python -m pytest tests/test_ops.py -q          # CPU, about a minute (the flex kernel compiles once)
+    python -m pytest tests/test_ops.py -q -m gpu   # the bf16 checks and the flex backward, on a CUDA machine
 """
 import math
 
@@ -584,3 +585,146 @@ def test_to_additive_mask_batched():
     assert torch.equal(additive[:, 0] == 0, masks)
     with pytest.raises(ValueError, match="to_additive_mask"):
         to_additive_mask(torch.ones(2, 3, 4, dtype=torch.bool))  # not square
+
+
+# -----------------------------------------------------------------------------
+# TDAM without an L x L mask (ops.tdam_attention): the tiles, the blocked CPU kernel, the flex kernel
+
+def two_row_spec(block: int, kernel: str = "auto") -> ops.TdamSpec:
+    """Two rows, the second padded (57 of 70 tokens), whose rectangles cross tile edges at every block used here."""
+    r0 = ops.tdam_rects(70, (3, 21), (60, 70), [(22, 25), (33, 36), (48, 50)], [(25, 31), (36, 45), (50, 56)])
+    r1 = ops.tdam_rects(57, (2, 14), (50, 57), [(15, 17), (28, 30)], [(17, 27)])
+    m = max(len(r0), len(r1))
+    rects = torch.tensor([r + [(0, 0, 0, 0)] * (m - len(r)) for r in (r0, r1)])
+    return ops.TdamSpec(torch.tensor([70, 57]), rects, block=block, kernel=kernel)
+
+
+def qkv(L=70, B=2, heads=4, kv_heads=2, dim=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, L, dim, generator=gen).to(dtype).requires_grad_() for h in (heads, kv_heads, kv_heads)]
+
+
+def dense_attention(q, k, v, spec):
+    """The reference: SDPA with the dense (B, 1, L, L) mask of the spec, output (B, L, H, d) like tdam_attention."""
+    mask = spec.allowed(0, q.shape[2], q.shape[2], "cpu")
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+
+def tdam_call(q, k, v, spec):
+    module = torch.nn.Module()
+    module.scaling = q.shape[-1] ** -0.5
+    return ops.tdam_attention(module, q, k, v, None, tdam=spec)[0]
+
+
+@pytest.mark.parametrize("block", [1, 5, 8, 16, 70, 128])
+def test_tdam_tiles_are_exact(block):
+    """FULL tiles are all allowed, EMPTY ones all masked, CAUSAL ones the causal triangle, in the dense mask; every
+    all-allowed tile below the diagonal is found FULL; tiles of every kind occur once the blocks split the rows."""
+    spec, L = two_row_spec(block), 70
+    tiles, allowed = ops.tdam_tiles(spec, L), spec.allowed(0, L, L, "cpu")[:, 0]
+    T = -(-L // block)
+    assert tiles.shape == (2, T, T)
+    for b, i, j in torch.cartesian_prod(torch.arange(2), torch.arange(T), torch.arange(T)).tolist():
+        tile = allowed[b, i * block:(i + 1) * block, j * block:(j + 1) * block]
+        kind = int(tiles[b, i, j])
+        assert kind != ops.FULL or tile.all(), (b, i, j)
+        assert kind != ops.EMPTY or not tile.any(), (b, i, j)
+        assert kind != ops.CAUSAL or (i == j and torch.equal(tile, torch.ones_like(tile).tril())), (b, i, j)
+        assert not (j < i and tile.all()) or kind == ops.FULL, (b, i, j)
+    if 1 < block < L:
+        assert {ops.EMPTY, ops.MASKED, ops.FULL, ops.CAUSAL} <= set(tiles.flatten().tolist())
+
+
+@pytest.mark.parametrize("block", [5, 8, 16, 70])
+def test_blocked_tdam_attention_equals_the_dense_mask(block):
+    """The blocked kernel (runs of key tiles merged by log-sum-exp, its own backward) gives the dense mask's output
+    and gradients, fp32, grouped-query heads, a padded row, rectangles crossing tile edges."""
+    q, k, v = qkv()
+    spec = two_row_spec(block, "blocked")
+    ref, out = dense_attention(q, k, v, spec), tdam_call(q, k, v, spec)
+    grad = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_tdam_attention_bf16():
+    """bf16 on the CPU: the blocked kernel is no further from the fp32 reference than SDPA's bf16 dense mask is."""
+    spec = two_row_spec(8, "blocked")
+    q, k, v = qkv()
+    grad = torch.randn(2, 70, 4, 16)
+    ref = dense_attention(q, k, v, spec)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    errors = []
+    for fn in (dense_attention, tdam_call):
+        qb, kb, vb = (x.detach().bfloat16().requires_grad_() for x in (q, k, v))
+        out = fn(qb, kb, vb, spec)
+        assert out.dtype == torch.bfloat16
+        grads = torch.autograd.grad(out, (qb, kb, vb), grad.bfloat16())
+        errors.append([float((a.detach().float() - b.detach()).abs().max()) for a, b in zip((out, *grads), (ref, *ref_grads))])
+    for dense_err, blocked_err in zip(*errors):
+        assert blocked_err <= 2 * dense_err + 1e-2
+
+
+def test_blocked_tdam_attention_saves_no_square_tensor():
+    """Nothing the blocked kernel keeps for backward has L x L elements (the dense mask keeps one)."""
+    L, spec = 256, ops.TdamSpec(torch.tensor([256]), torch.tensor([ops.tdam_rects(
+        256, (10, 90), (230, 256), [(100, 104), (150, 154)], [(104, 140), (154, 200)])]), block=32, kernel="blocked")
+    sizes = {}
+    for name, fn in (("dense", dense_attention), ("blocked", tdam_call)):
+        q, k, v = qkv(L=L, B=1, heads=2, kv_heads=1, dim=4)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            fn(q, k, v, spec).sum().backward()
+        sizes[name] = max(saved)
+    assert sizes["dense"] >= L * L > sizes["blocked"]
+
+
+def test_flex_tdam_attention_equals_the_dense_mask_on_cpu():
+    """The flex kernel (compiled flex_attention with the BlockMask from the tiles and the rectangle table) gives the
+    dense mask's output. Forward only: torch 2.14 has no CPU backward for flex_attention (the gpu test has it)."""
+    for L in (70, 64):                                   # a second length: the compiled kernel takes it too
+        q, k, v = (x.detach() for x in qkv(L=L))
+        spec = two_row_spec(8, "flex")
+        spec.lengths = spec.lengths.clamp(max=L)
+        with torch.no_grad():
+            torch.testing.assert_close(tdam_call(q, k, v, spec), dense_attention(q, k, v, spec), rtol=1e-5, atol=1e-5)
+
+
+def test_tdam_kernel_choice(monkeypatch):
+    """"auto" is flex on CUDA and blocked elsewhere; an explicit kernel is kept; a bad name or the blocked kernel
+    off the CPU is refused; "auto" on the CPU never reaches the flex kernel."""
+    spec = two_row_spec(8)
+    assert ops.tdam_kernel(spec, "cpu") == "blocked" and ops.tdam_kernel(spec, torch.device("cuda", 0)) == "flex"
+    for kernel in ("flex", "blocked"):
+        spec.kernel = kernel
+        assert ops.tdam_kernel(spec, "cpu") == ops.tdam_kernel(spec, "cuda") == kernel
+    spec.kernel = "triton"
+    with pytest.raises(ValueError, match="TdamSpec.kernel"):
+        ops.tdam_kernel(spec, "cpu")
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        tdam_call(*(torch.empty(2, 2, 70, 16, device="meta") for _ in range(3)), two_row_spec(8, "blocked"))
+
+    def no_flex(*args):
+        raise AssertionError("flex kernel called on the CPU")
+
+    monkeypatch.setattr(ops, "_tdam_flex", no_flex)
+    q, k, v = qkv()
+    spec = two_row_spec(8)
+    torch.testing.assert_close(tdam_call(q, k, v, spec), dense_attention(q, k, v, spec), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("L", [300, 2048])
+def test_flex_tdam_attention_cuda(L):
+    """The flex kernel on CUDA, forward and backward, against the dense mask (fp32), at its default tile size."""
+    spec = ops.TdamSpec(torch.tensor([L, L - 37]), torch.tensor([ops.tdam_rects(
+        L, (5, L // 3), (L - 20, L), [(L // 3 + 4, L // 3 + 9), (L // 2, L // 2 + 7)], [(L // 3 + 9, L // 2)]),
+        [(0, 0, 0, 0)]]), kernel="flex")
+    q, k, v = (x.detach().cuda().requires_grad_() for x in qkv(L=L, dim=64))
+    ref, out = dense_attention(q, k, v, spec), tdam_call(q, k, v, spec)
+    grad = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -408,8 +408,8 @@ def test_tdam_mask_reaches_attention(tiny, tdam_batch):
 
 
 def test_blocked_tdam_attention_equals_the_dense_mask(tiny, tdam_batch):
-    """tdam_attention (query blocks, masks from the rectangles, scores recomputed in backward) gives the loss
-    and gradients of the dense (B, 1, L, L) mask, with blocks that split the rows; and the rules cut something."""
+    """tdam_attention in the model (block-sparse tiles from the rectangles, the CPU's blocked kernel) gives the loss
+    and gradients of the dense (B, 1, L, L) mask, with tiles that split the rows; and the rules cut something."""
     model, processor = tiny
     trajs, batch = tdam_batch
     spec = train.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
@@ -426,7 +426,57 @@ def test_blocked_tdam_attention_equals_the_dense_mask(tiny, tdam_batch):
     model.zero_grad(set_to_none=True)
     assert abs(losses[0] - losses[1]) < 1e-5
     assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < 1e-4
-    assert model.model.language_model.config._attn_implementation != "paravt_tdam"   # switched back after
+
+
+def test_tdam_attention_is_sdpa_without_the_keyword(tiny, tdam_batch):
+    """After a TDAM forward the decoder stays on "paravt_tdam" (so a recompute in backward finds it), and a forward
+    without the `tdam` keyword there is exactly SDPA's, padding mask included; a non-SDPA model is refused."""
+    model, processor = tiny
+    _, batch = tdam_batch
+    lm = model.model.language_model.config
+    impl = lm._attn_implementation
+    losses = []
+    try:
+        for name in ("sdpa", ops.TDAM_ATTENTION):
+            lm._attn_implementation = name
+            with torch.no_grad():
+                losses.append(train.sft_loss(model, batch, None, compile=False)[0])
+        lm._attn_implementation = "eager"
+        with pytest.raises(ValueError, match="sdpa attention"):
+            ops.use_tdam_attention(lm)
+    finally:
+        lm._attn_implementation = impl
+    assert torch.equal(losses[0], losses[1])
+    spec = train.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
+    with torch.no_grad():
+        train.sft_loss(model, batch, None, compile=False, tdam=spec)
+    assert lm._attn_implementation == ops.TDAM_ATTENTION
+
+
+def test_tdam_gradients_equal_with_gradient_checkpointing(tiny, tdam_batch):
+    """`--grad-checkpointing` recomputes each decoder layer in backward: a TDAM forward must be recomputed with
+    the same attention and spec, so every parameter's gradient equals the one without checkpointing (fp32)."""
+    model, processor = tiny
+    _, batch = tdam_batch
+    spec = train.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
+    spec.block = 16
+    grads = []
+    model.train()
+    try:
+        for checkpointing in (False, True):
+            if checkpointing:
+                model.gradient_checkpointing_enable()                  # as train.main does
+            model.zero_grad(set_to_none=True)
+            loss, _ = train.sft_loss(model, batch, None, compile=False, tdam=spec)
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    assert len(grads[0]) > 10 and grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, rtol=1e-5, atol=1e-5), name
 
 
 def test_sft_step_with_tdam_on_every_batch(tmp_path):
