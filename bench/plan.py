@@ -16,9 +16,18 @@ Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x
   forward (6 N with backward, 8 N with gradient checkpointing) plus attention 4 L d_model per token
   per context token (x3 for backward);
 - the reference (frozen) and old-policy forwards add 2 N per token each where the recipe needs them.
+- the rollout runs under a memory budget (`--rollout-memory-gb`, the engine's admission rule): per GPU, HBM minus
+  the full bf16 weights (held during the rollout) minus --workspace-gb for activations and logits; a prompt group
+  is admitted while its prompt K/V plus the suffix K/V its G rows may grow to (every round at its limit) fits,
+  so a GPU's groups run in `waves` = ceil(groups per GPU / groups that fit) rounds of `concurrency` groups.
+  Each wave decodes all its steps; a step reads the weights once plus the wave's visible K/V, so waves cost
+  weight reads (bandwidth), not memory. Continuous batching (a finished row's blocks go to the next group)
+  makes the real schedule no slower than these whole waves: the projection is an upper bound on decode time.
+The batch is global: `prompts` are the papers' prompts per step over all GPUs (train.py --prompts-per-step).
 Reported: ParaVT's ~250 s per step on 8 GPUs (docs/method.md §5). The CPU bench's measured ratio (shared
 prefix memory) enters as the --shared-prefix switch; efficiencies are assumptions, printed with the table.
 """
+import math
 import argparse
 import json
 
@@ -38,39 +47,54 @@ RECIPES = {
 }
 
 
-def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode_batch_eff: float) -> dict:
+def waves(groups_gpu: float, group_kv: float, budget: float) -> tuple[int, int]:
+    """(concurrency, waves): how many prompt groups the budget admits at once (at least one: a group that does
+    not fit alone is refused by the engine, so `fits` is false then), and how many rounds a GPU's groups take."""
+    fit = max(1, int(budget // group_kv))
+    groups = max(1, math.ceil(groups_gpu))
+    return min(fit, groups), math.ceil(groups / fit)
+
+
+def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode_batch_eff: float,
+            workspace_gb: float, budget_gb: float | None) -> dict:
     G, P, gpus = r["group"], r["prompts"], r["gpus"]
     rows = P * G
     rows_gpu = rows / gpus
     prompts_gpu = P / gpus
     suffix = r["rounds"] * (r["turn_tokens"] + r["response_tokens"]) + r["turn_tokens"]
     seq = r["overview_tokens"] + suffix                                # tokens of one trajectory
-    # memory per GPU during the rollout (weights + KV)
-    prompt_copies = prompts_gpu if shared else rows_gpu
-    kv = (prompt_copies * r["overview_tokens"] + rows_gpu * suffix) * KV_BYTES_PER_TOKEN
     weights = PARAMS * 2
+    # the rollout budget and the waves it implies: one group = its prompt (once, or G times unshared) + G suffixes
+    budget = (budget_gb * 2 ** 30) if budget_gb else HBM_GB * 2 ** 30 - weights - workspace_gb * 2 ** 30
+    group_kv = ((1 if shared else G) * r["overview_tokens"] + G * suffix) * KV_BYTES_PER_TOKEN
+    concurrency, n_waves = waves(prompts_gpu, group_kv, budget)
+    # memory per GPU during the rollout (weights + the K/V of the groups in flight)
+    prompt_copies = concurrency if shared else concurrency * G
+    kv = (prompt_copies * r["overview_tokens"] + concurrency * G * suffix) * KV_BYTES_PER_TOKEN
     train_state = PARAMS * (12 + 2) / gpus                              # FSDP-sharded master, moments, grads
     act_ckpt = rows_gpu * seq * D_MODEL * 2 * LAYERS                    # one bf16 hidden per layer per token (checkpointing)
-    mem_rollout = (weights + kv) / 2 ** 30
+    mem_rollout = (weights + kv) / 2 ** 30 + workspace_gb
     mem_train = (weights / gpus + train_state) / 2 ** 30 + act_ckpt / 2 ** 30 / max(1, rows_gpu)   # one sample in flight
     # rollout time: prefill (FLOPs) + decode (bandwidth), per GPU
     attn = lambda n_tokens, ctx: 4 * LAYERS * D_MODEL * n_tokens * ctx
     prefill_tokens = (prompts_gpu if shared else rows_gpu) * r["overview_tokens"] + rows_gpu * r["rounds"] * r["response_tokens"]
     prefill_flops = 2 * TEXT_PARAMS * prefill_tokens + attn(prefill_tokens, r["overview_tokens"] / 2)
     decode_tokens_row = (r["rounds"] + 1) * r["turn_tokens"]
-    steps = decode_tokens_row                                           # all rows of a GPU decode together
-    kv_read_per_step = ((prompt_copies * r["overview_tokens"]) + rows_gpu * suffix / 2) * KV_BYTES_PER_TOKEN
+    steps = decode_tokens_row * n_waves                                 # a wave's rows decode together
+    kv_read_per_step = ((prompt_copies * r["overview_tokens"]) + concurrency * G * suffix / 2) * KV_BYTES_PER_TOKEN
     decode_s = steps * (TEXT_PARAMS * 2 + kv_read_per_step) / (HBM_BW * hbm_eff) / decode_batch_eff
     sub_s = 0.0
     if r["subagent_tokens"]:                                            # sub-agents: one batched generation per round
-        sub_s = r["rounds"] * r["subagent_tokens"] * (TEXT_PARAMS * 2) / (HBM_BW * hbm_eff) / decode_batch_eff
+        sub_s = n_waves * r["rounds"] * r["subagent_tokens"] * (TEXT_PARAMS * 2) / (HBM_BW * hbm_eff) / decode_batch_eff
     rollout_s = prefill_flops / (BF16_FLOPS * mfu) + decode_s + sub_s
     # update: old/ref forwards + forward/backward with checkpointing over every token of every row
     train_tokens = rows_gpu * seq
     fwd = 2 * TEXT_PARAMS * train_tokens + attn(train_tokens, seq / 2)
     update_s = (fwd * 4 + fwd * (1 + r["ref_forward"])) / (BF16_FLOPS * mfu)
-    return dict(recipe=name, gpus=gpus, rows=rows, seq_tokens=seq, kv_gb_per_gpu=kv / 2 ** 30,
-                mem_rollout_gb=mem_rollout, mem_train_gb=mem_train, fits=mem_rollout < HBM_GB and mem_train < HBM_GB,
+    return dict(recipe=name, gpus=gpus, rows=rows, seq_tokens=seq, budget_gb=budget / 2 ** 30,
+                group_kv_gb=group_kv / 2 ** 30, concurrency=concurrency, waves=n_waves, kv_gb_per_gpu=kv / 2 ** 30,
+                mem_rollout_gb=mem_rollout, mem_train_gb=mem_train,
+                fits=group_kv <= budget and mem_rollout < HBM_GB and mem_train < HBM_GB,
                 rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s)
 
 
@@ -81,12 +105,17 @@ def main() -> None:
     p.add_argument("--hbm-efficiency", type=float, default=0.7, help="fraction of HBM bandwidth reached by decode")
     p.add_argument("--decode-batch-efficiency", type=float, default=0.8,
                    help="decode slowdown from ragged rows and the host loop (1 = none)")
+    p.add_argument("--workspace-gb", type=float, default=10.0,
+                   help="per-GPU memory kept for activations, logits and the allocator beside weights and K/V")
+    p.add_argument("--rollout-memory-gb", type=float, default=None,
+                   help="the rollout's K/V budget per GPU (train.py's flag); default: HBM - bf16 weights - workspace")
     args = p.parse_args()
-    rows = [project(n, r, bool(args.shared_prefix), args.mfu, args.hbm_efficiency, args.decode_batch_efficiency)
-            for n, r in RECIPES.items()]
-    head = ["recipe", "GPUs", "rows", "tokens/row", "KV GB/GPU", "rollout GB/GPU", "train GB/GPU", "fits 141 GB",
-            "rollout s", "update s", "step s"]
-    cells = [[r["recipe"], r["gpus"], r["rows"], r["seq_tokens"], f"{r['kv_gb_per_gpu']:.1f}", f"{r['mem_rollout_gb']:.1f}",
+    rows = [project(n, r, bool(args.shared_prefix), args.mfu, args.hbm_efficiency, args.decode_batch_efficiency,
+                    args.workspace_gb, args.rollout_memory_gb) for n, r in RECIPES.items()]
+    head = ["recipe", "GPUs", "rows", "tokens/row", "budget GB", "group KV GB", "groups x waves", "KV GB/GPU",
+            "rollout GB/GPU", "train GB/GPU", "fits 141 GB", "rollout s", "update s", "step s"]
+    cells = [[r["recipe"], r["gpus"], r["rows"], r["seq_tokens"], f"{r['budget_gb']:.1f}", f"{r['group_kv_gb']:.1f}",
+              f"{r['concurrency']} x {r['waves']}", f"{r['kv_gb_per_gpu']:.1f}", f"{r['mem_rollout_gb']:.1f}",
               f"{r['mem_train_gb']:.1f}", r["fits"], f"{r['rollout_s']:.0f}", f"{r['update_s']:.0f}", f"{r['step_s']:.0f}"]
              for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *cells)]
