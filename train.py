@@ -18,8 +18,8 @@ rollout.py (its K/V cache in kvcache.py), the rewards in rewards.py, the run dir
 Algorithm (docs/method.md §4-§6). Per RL step the ranks draw `--prompts-per-step` records, gate each overview to
 K frames (nFrames gating: K ~ Uniform{4..64}, the same K for a prompt's whole group), roll out G samples per
 prompt (parallel crop_video calls, up to --max-turns tool rounds, the K/V cache reused across turns), score every
-trajectory under the chosen recipe, optionally fold a per-token k1 KL into the reward (ParaVT), turn rewards into
-group advantages A = (R - mean) / (std + eps) (dynamic sampling draws more prompts until the batch holds groups
+trajectory under the chosen recipe, optionally shape the task reward and subtract a per-token k1 KL from it
+(ParaVT: shaped first, then the KL), turn rewards into group advantages A = (R - mean) / (std + eps) (dynamic sampling draws more prompts until the batch holds groups
 with signal), optionally add the exploration-anchoring credit on the closing-tag tokens, and take a PPO-clip step
 on the policy's own tokens (token-mean). Every log-prob in the loss is taken at the sampling temperature.
 
@@ -278,7 +278,8 @@ class Groups:
     """What a step's rollouts leave for the update and the log."""
     trajs: list                          # every sampled trajectory of the step (all draws)
     comps: list                          # their reward components
-    rewards: torch.Tensor                # (n,) total rewards, KL folded in when asked
+    rewards: torch.Tensor                # (n,) task rewards R as scored (before shaping and KL)
+    seq_kl: torch.Tensor                 # (n,) sum_t k1 folded into the reward (--kl-in-reward), else 0
     items: list                          # (trajectory, advantage, components) kept for the update
     draws: int                           # rollout rounds it took
     zero_var_frac: float                 # of the groups drawn
@@ -301,7 +302,7 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
     more prompts are drawn until the batch holds s.prompts_per_step groups with signal or s.max_draws rounds
     were rolled out. The caller holds the full weights (one all-gather for every draw of the step)."""
     G, video_id = s.group_size, model.config.video_token_id
-    trajs, comps, R, items, n_groups, n_zero = [], [], [], [], 0, 0
+    trajs, comps, R, KL, items, n_groups, n_zero = [], [], [], [], [], 0, 0
     draws = 0
     while draws < (s.max_draws if s.dynamic_sampling else 1):
         recs, ks = draw_prompts(records, s, run.seed, run.rank, step, draws)
@@ -310,11 +311,15 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
         draws += 1
         scored = [rewards.score_trajectory(t, recs[i // G], s.recipe, s.anchoring, s.released_scoring)
                   for i, t in enumerate(out)]
-        r = torch.tensor([x for x, _ in scored])
+        r = torch.tensor([x for x, _ in scored])         # the task reward R
         zero = rewards.zero_variance_groups(r, G)        # on the task reward, before any KL term
+        kl = torch.zeros_like(r)
         if s.kl_in_reward and s.kl_coef:
-            r = r - s.kl_coef * torch.tensor(sequence_kl(model, ref_model, out, s, pad_id))
-        adv = rewards.group_advantages(r, G, shaping=s.shaping)
+            kl = torch.tensor(sequence_kl(model, ref_model, out, s, pad_id))
+        # shape R first (ParaVT), then subtract beta sum_t k1 (verl's use_kl_in_reward): the KL is never scaled
+        # by the shaping's 10 or clipped with the reward; then normalise within the group
+        total = (rewards.shape_reward(r) if s.shaping else r) - s.kl_coef * kl
+        adv = rewards.group_advantages(total, G)
         keep = torch.tensor([t.error is None and t.token_ids != [] and trainable(t, video_id) for t in out])
         if s.mask_truncated:
             keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in out])
@@ -327,17 +332,19 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
         trajs += out
         comps += [c for _, c in scored]
         R.append(r)
+        KL.append(kl)
         if not s.dynamic_sampling or n_groups >= s.prompts_per_step:
             break
     if s.train_subagents:
         items += [(sub, a, c) for t, a, c in list(items) for sub in t.subagents if trainable(sub, video_id)]
-    return Groups(trajs, comps, torch.cat(R), items, draws, n_zero / max(1, len(trajs) // G))
+    return Groups(trajs, comps, torch.cat(R), torch.cat(KL), items, draws, n_zero / max(1, len(trajs) // G))
 
 
 def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> list[float]:
     """sum_t k1_t = sum_t (log pi(o_t) - log pi_ref(o_t)) over each trajectory's policy tokens, at temperature T
     (0 for a trajectory that cannot be collated): ParaVT's per-token KL folded into the reward (verl's
-    use_kl_in_reward), R_i <- R_i - beta sum_t k1_t, before the group advantages."""
+    use_kl_in_reward), R_i <- shape(R_i) - beta sum_t k1_t after the task reward's shaping, before the group
+    advantages."""
     out = [0.0] * len(trajs)
     ok = [i for i, t in enumerate(trajs) if t.error is None and t.token_ids and trainable(t, model.config.video_token_id)]
     for j in range(0, len(ok), s.micro_batch):
@@ -478,7 +485,7 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
             ps = pool.stats(reset=True)
             m.update(decode_s=ps["decode_seconds"], decode_wait_s=ps["wait_seconds"],
                      frame_cache_hit_rate=pool.cache.stats()["hit_rate"] if pool.cache else 0.0)
-        m.update(reward=float(g.rewards.mean()), zero_var_frac=g.zero_var_frac, kept=len(g.items), draws=g.draws,
+        m.update(reward=float(g.rewards.mean()), reward_kl=float(g.seq_kl.mean()), zero_var_frac=g.zero_var_frac, kept=len(g.items), draws=g.draws,
                  grad_norm=float("nan") if gn is None else gn, lr=step_lr, step_time=time.time() - t0,
                  tokens_per_s=sum(len(t.token_ids) for t in g.trajs) / (time.time() - t0), **stats)
         m = split_accuracy(all_mean(m, run.world))

@@ -96,6 +96,31 @@ def test_logprobs_in_the_loss_use_the_sampling_temperature(tiny, encoded):
     assert not torch.allclose(got[mask], train.forward_logprobs(model, batch, 64, compile=False)[mask])
 
 
+def test_kl_in_the_reward_is_subtracted_after_shaping(monkeypatch):
+    """ParaVT with shaping: the task reward is shaped first, then beta * sum_t k1 is subtracted (verl's
+    use_kl_in_reward), then the group is normalised. Before, the KL was folded in first and then scaled by 10 and
+    clipped along with the reward. By hand, group of 3, R = (1, 0, 0), sum_t k1 = (0, 100, 0), beta = 0.01:
+      shaped = clip(10 (R - 0.2), +-20) = (8, -2, -2);  R' = shaped - 0.01 KL = (8, -3, -2)
+      mean 1, deviations (7, -4, -3), sample std sqrt((49 + 16 + 9) / 2) = sqrt(37)  ->  A = (7, -4, -3) / sqrt(37)
+    (the old order: R - 0.01 KL = (1, -1, 0) -> shaped (8, -12, -2) -> A = (10, -10, 0) / 10)."""
+    G = 3
+
+    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None):
+        return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, []) for r in recs for s in range(G)]
+
+    monkeypatch.setattr(rollout, "run_agent", fake_agent)
+    monkeypatch.setattr(rewards, "score_trajectory", lambda t, *a: (float(t.sample == 0), {"acc": 0.0, "anchor": 0.0}))
+    monkeypatch.setattr(train, "sequence_kl", lambda model, ref, trajs, s, pad: [100.0 * (t.sample == 1) for t in trajs])
+    model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
+    s = train.GRPOSettings(group_size=G, prompts_per_step=1, shaping=True, kl_coef=0.01, kl_in_reward=True,
+                           mask_truncated=False)
+    g = train.collect_groups(SimpleNamespace(seed=0, rank=0, world=1), model, object(), None, [{"id": "r0"}], "",
+                             rollout.RolloutConfig(), s, 1, 0)
+    adv = [a for _, a, _ in g.items]
+    assert adv == pytest.approx([7 / 37 ** 0.5, -4 / 37 ** 0.5, -3 / 37 ** 0.5], abs=1e-5)
+    assert g.rewards.tolist() == [1.0, 0.0, 0.0] and g.seq_kl.tolist() == [0.0, 100.0, 0.0]   # both logged
+
+
 def test_sequence_kl_is_the_sum_of_k1_over_policy_tokens(tiny, encoded):
     model, _ = tiny
     trajs, batch = encoded
