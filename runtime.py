@@ -8,7 +8,8 @@ The run and its processes: everything a training run needs around the method, no
                             export), checkpoints / latest_checkpoint / prune_checkpoints, truncate_metrics
     curves                  plot_run: RUN_DIR/curves.png from metrics.jsonl
     processes               setup_distributed (gloo on CPU, nccl on CUDA), shard_model (FSDP2), full_weights,
-                            all_sum / all_max / all_mean / barrier, die_with_parent, launch(main, args)
+                            all_sum / all_max / all_mean / all_weighted_mean / barrier, die_with_parent,
+                            launch(main, args)
     the run directory lock  RunLock, stale_run
 
 Layout of a run directory: metrics.jsonl, curves.png, best.json, ckpt-<stage>-<step>/ (model.safetensors +
@@ -397,6 +398,30 @@ def full_weights(model):
             m.set_reshard_after_forward(True, recurse=False)
         for m in root + units:
             m.reshard()
+        _forget_forward_order(root + units)
+
+
+def _forget_forward_order(units: list) -> None:
+    """Reset FSDP2's per-iteration forward state after no-grad forwards, as its own post-backward callback does
+    after a training step (which a no-grad pass never reaches): the order the units ran forward (kept to prefetch
+    in backward), which modules of a unit such as [norm, lm_head] have yet to run, the pass's root and the units'
+    training states. A rollout
+    leaves them differing between ranks (the decode calls lm_head alone, so its unit waits for norm and keeps
+    the root; a rank whose share of the prompts was 0 ran nothing), and the next training step would then finish
+    that unit's forward and prefetch in backward at different points on different ranks: mismatched all-gathers,
+    a hang. Through torch's private FSDP state (torch 2.14); the 2-rank run in which one rank rolls out nothing
+    (tests/test_train.py) hung without it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    for m in units:
+        state = m._get_fsdp_state()
+        state._state_ctx.iter_forward_root = None
+        state._modules_to_run_forward.clear()
+        state._training_state = TrainingState.IDLE
+        if hasattr(state._comm_ctx, "post_forward_order"):     # set at the first forward (FSDP's lazy init)
+            state._comm_ctx.post_forward_order.clear()
+        for group in state._fsdp_param_groups:
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
 
 
 def finish(world: int) -> None:
@@ -435,6 +460,20 @@ def all_mean(values: dict, world: int) -> dict:
         return {k: float(v) for k, v in values.items()}
     keys = sorted(values)
     return {k: v / world for k, v in zip(keys, _all_reduce([float(values[k]) for k in keys], dist.ReduceOp.SUM))}
+
+
+def all_weighted_mean(values: dict, weight: float, world: int) -> dict:
+    """Per-sample means across ranks that hold different numbers of samples: sum_k w_k v_k / sum_k w_k per key,
+    w_k = rank k's `weight` (its sample count; a rank with none adds nothing). The keys are the union over ranks
+    (a key a rank lacks counts with weight 0 there; a key no rank weighs is 0)."""
+    if world == 1:
+        return {k: float(v) for k, v in values.items()}
+    names = [None] * world
+    dist.all_gather_object(names, sorted(values))
+    keys = sorted(set().union(*names))
+    sums = _all_reduce([weight * float(values[k]) if k in values else 0.0 for k in keys] +
+                       [float(weight) if k in values else 0.0 for k in keys], dist.ReduceOp.SUM)
+    return {k: sums[i] / sums[len(keys) + i] if sums[len(keys) + i] else 0.0 for i, k in enumerate(keys)}
 
 
 def find_free_port() -> int:
@@ -577,7 +616,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="reward recipe: para_grpo (ParaVT's PARA-GRPO; old name paravt), vtgr (Video-o3), combined, "
                         "vanilla (see train.py's docstring)")
     g.add_argument("--group-size", type=int, default=None, help="G: samples per prompt (>= 2)")
-    g.add_argument("--prompts-per-step", type=int, default=None, help="groups per step and rank")
+    g.add_argument("--prompts-per-step", type=int, default=None,
+                   help="prompts (groups) per step over ALL ranks, the papers' global batch (paravt 7, videoo3 32), "
+                        "split over the ranks (the remainder on the first ranks; a rank with none still joins each "
+                        "update); dynamic sampling fills each rank's share")
     g.add_argument("--lr", type=float, default=None, help="RL peak learning rate")
     g.add_argument("--warmup-steps", type=int, default=0, help="RL linear warmup steps")
     g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer passes per batch (old log-probs recomputed first)")
@@ -664,6 +706,8 @@ def resolve(args) -> None:
         setattr(args, flag, bool(getattr(args, flag)))
     if args.group_size < 2:
         raise ValueError("--group-size must be >= 2 (group advantages need a group)")
+    if args.prompts_per_step < 1:
+        raise ValueError(f"--prompts-per-step must be >= 1 (prompts per step over all ranks), got {args.prompts_per_step}")
     if args.recipe == "vtgr" and args.anchoring == "sequence":
         raise ValueError("--recipe vtgr --anchoring sequence: VTGR's strict format reward has no anchor term to "
                          "weight; use --anchoring token (credit on the closing tags) or --anchoring none")

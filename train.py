@@ -15,13 +15,14 @@ The kernels (fused log-prob gather and loss, TDAM's blocked attention) live in o
 rollout.py (its K/V cache in kvcache.py), the rewards in rewards.py, the run directory and the processes
 (checkpoints, metrics, FSDP2, the launcher) in runtime.py.
 
-Algorithm (docs/method.md §4-§6). Per RL step the ranks draw `--prompts-per-step` records, gate each overview to
-K frames (nFrames gating: K ~ Uniform{4..64}, the same K for a prompt's whole group), roll out G samples per
-prompt (parallel crop_video calls, up to --max-turns tool rounds, the K/V cache reused across turns), score every
-trajectory under the chosen recipe, optionally shape the task reward and subtract a per-token k1 KL from it
-(ParaVT: shaped first, then the KL), turn rewards into group advantages A = (R - mean) / (std + eps) (dynamic sampling draws more prompts until the batch holds groups
-with signal), optionally add the exploration-anchoring credit on the closing-tag tokens, and take a PPO-clip step
-on the policy's own tokens (token-mean). Every log-prob in the loss is taken at the sampling temperature.
+Algorithm (docs/method.md §4-§6). Per RL step the ranks draw `--prompts-per-step` records in all (each its
+share), gate each overview to K frames (nFrames gating: K ~ Uniform{4..64}, the same K for a prompt's whole
+group), roll out G samples per prompt (parallel crop_video calls, up to --max-turns tool rounds, the K/V cache
+reused across turns), score every trajectory under the chosen recipe, optionally shape the task reward and
+subtract a per-token k1 KL from it (ParaVT: shaped first, then the KL), turn rewards into group advantages
+A = (R - mean) / (std + eps) (dynamic sampling draws more prompts until the batch holds groups with signal),
+optionally add the exploration-anchoring credit on the closing-tag tokens, and take a PPO-clip step on the
+policy's own tokens (token-mean). Every log-prob in the loss is taken at the sampling temperature.
 
 Recipes (--recipe, rewards.RECIPES): para_grpo = ParaVT's PARA-GRPO: R_acc + R_fmt with exploration anchoring +
 R_tool, nFrames gating, k1 KL in the reward; vtgr = Video-o3's trajectory-guided reward: R_acc + strict R_fmt +
@@ -75,7 +76,7 @@ import rollout
 import runtime
 import video
 from ops import TdamSpec, policy_rows, tdam_rects, to_additive_mask, token_logprobs, token_loss
-from runtime import Run, all_max, all_mean, all_sum, all_sum_float, full_weights, print0
+from runtime import Run, all_max, all_mean, all_sum, all_sum_float, all_weighted_mean, full_weights, print0
 
 # -----------------------------------------------------------------------------
 # 1. The PARA-GRPO objective (docs/method.md §4-§5): the equations, and the loss training runs
@@ -252,7 +253,7 @@ class GRPOSettings:
     anchoring: str = "sequence"          # sequence | token | none
     released_scoring: bool = False
     group_size: int = 8
-    prompts_per_step: int = 4
+    prompts_per_step: int = 4            # over all ranks (the papers' global batch), split by rank_share
     gating: bool = False
     gating_choices: tuple = (4, 8, 16, 32, 64)
     dynamic_sampling: bool = False
@@ -281,31 +282,42 @@ class Groups:
     rewards: torch.Tensor                # (n,) task rewards R as scored (before shaping and KL)
     seq_kl: torch.Tensor                 # (n,) sum_t k1 folded into the reward (--kl-in-reward), else 0
     items: list                          # (trajectory, advantage, components) kept for the update
+    n_groups: int                        # groups whose samples entered the update
     draws: int                           # rollout rounds it took
     zero_var_frac: float                 # of the groups drawn
 
 
-def draw_prompts(records: list, s: GRPOSettings, seed: int, rank: int, step: int, draw: int = 0) -> tuple[list, list]:
-    """The prompts of a step's draw on a rank, and their overview sizes: K gated per prompt (the same K for its
-    whole group) or None (the rollout's own rule). Seeded by (seed, step, rank, draw) alone, so a resumed run
-    draws the same prompts and the next step's can be prefetched."""
+def rank_share(total: int, rank: int, world: int) -> int:
+    """A rank's part of a global count: total // world, plus one on the first total % world ranks (ParaVT's 7
+    prompts on 8 GPUs: one each on ranks 0-6, none on rank 7)."""
+    return total // world + (rank < total % world)
+
+
+def draw_prompts(records: list, s: GRPOSettings, seed: int, rank: int, world: int, step: int,
+                 draw: int = 0) -> tuple[list, list]:
+    """The prompts of a step's draw on a rank, its share of the global s.prompts_per_step (`rank_share`), and
+    their overview sizes: K gated per prompt (the same K for its whole group) or None (the rollout's own rule).
+    Seeded by (seed, step, rank, draw) alone, so a resumed run draws the same prompts and the next step's can be
+    prefetched."""
     rng = random.Random(f"rl:{seed}:{step}:{rank}" + (f":{draw}" if draw else ""))
-    recs = [records[rng.randrange(len(records))] for _ in range(s.prompts_per_step)]
+    recs = [records[rng.randrange(len(records))] for _ in range(rank_share(s.prompts_per_step, rank, world))]
     return recs, [rewards.gate_nframes(r["id"], step, s.gating_choices, seed=seed) if s.gating else None for r in recs]
 
 
 def collect_groups(run: Run, model, ref_model, processor, records: list, video_root: str,
                    cfg: rollout.RolloutConfig, s: GRPOSettings, step: int, pad_id: int,
                    pool: video.DecodePool | None = None) -> Groups:
-    """Roll out and score groups for one step. Without dynamic sampling: one draw of s.prompts_per_step prompts.
-    With it (DAPO, arXiv 2503.14476): groups whose rewards are all equal carry no signal and are dropped, and
-    more prompts are drawn until the batch holds s.prompts_per_step groups with signal or s.max_draws rounds
-    were rolled out. The caller holds the full weights (one all-gather for every draw of the step)."""
+    """Roll out and score this rank's groups for one step: its share of the global s.prompts_per_step
+    (`rank_share`; a rank whose share is 0 rolls out nothing and joins the update with zero-weight passes).
+    Without dynamic sampling: one draw. With it (DAPO, arXiv 2503.14476): groups whose rewards are all equal carry
+    no signal and are dropped, and more prompts are drawn until the rank holds its share of groups with signal or
+    s.max_draws rounds were rolled out. The caller holds the full weights (one all-gather for every draw)."""
     G, video_id = s.group_size, model.config.video_token_id
+    share = rank_share(s.prompts_per_step, run.rank, run.world)
     trajs, comps, R, KL, items, n_groups, n_zero = [], [], [], [], [], 0, 0
     draws = 0
-    while draws < (s.max_draws if s.dynamic_sampling else 1):
-        recs, ks = draw_prompts(records, s, run.seed, run.rank, step, draws)
+    while share and draws < (s.max_draws if s.dynamic_sampling else 1):
+        recs, ks = draw_prompts(records, s, run.seed, run.rank, run.world, step, draws)
         out = rollout.run_agent(model, processor, recs, video_root, cfg,
                                 seed=run.seed * 1_000_003 + step * 101 + run.rank + draws * 7_919, nframes=ks, pool=pool)
         draws += 1
@@ -325,7 +337,7 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
             keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in out])
         for g in range(len(recs)):
             n_zero += bool(zero[g])
-            if s.dynamic_sampling and (zero[g] or n_groups >= s.prompts_per_step):
+            if s.dynamic_sampling and (zero[g] or n_groups >= share):
                 continue
             n_groups += 1
             items += [(out[i], float(adv[i]), scored[i][1]) for i in range(g * G, (g + 1) * G) if keep[i]]
@@ -333,11 +345,12 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
         comps += [c for _, c in scored]
         R.append(r)
         KL.append(kl)
-        if not s.dynamic_sampling or n_groups >= s.prompts_per_step:
+        if not s.dynamic_sampling or n_groups >= share:
             break
     if s.train_subagents:
         items += [(sub, a, c) for t, a, c in list(items) for sub in t.subagents if trainable(sub, video_id)]
-    return Groups(trajs, comps, torch.cat(R), torch.cat(KL), items, draws, n_zero / max(1, len(trajs) // G))
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)
+    return Groups(trajs, comps, cat(R), cat(KL), items, n_groups, draws, n_zero / max(1, len(trajs) // G))
 
 
 def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> list[float]:
@@ -457,7 +470,7 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
     held-out evaluation every `eval_every` steps (`evaluate(model, name) -> metrics`). With a decode pool the
     next step's overviews decode in its threads while this step trains (first draw; more draws of dynamic
     sampling decode when they come), and each row logs decode seconds, wait seconds and the cache hit rate."""
-    failed, by_id = 0, {str(r["id"]): r for r in records}
+    failed, by_id, spare = 0, {str(r["id"]): r for r in records}, None
     for step in tqdm(range(start + 1, steps + 1), desc="rl", disable=run.rank != 0, initial=start, total=steps):
         t0 = time.time()
         step_lr = set_lr(optimizer, get_lr(step - 1, steps, lr, warmup_steps))
@@ -465,7 +478,7 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
         with full_weights(model):
             g = collect_groups(run, model, ref_model, processor, records, video_root, cfg, s, step, pad_id, pool)
         if pool is not None and step < steps:           # the next step's overviews decode while this one trains
-            upcoming, ks = draw_prompts(records, s, run.seed, run.rank, step + 1)
+            upcoming, ks = draw_prompts(records, s, run.seed, run.rank, run.world, step + 1)
             rollout.prefetch(pool, upcoming, video_root, cfg, rollout.video_factor(processor), ks)
         failed += sum(t.error is not None for t in g.trajs)
         run.counters["bad_samples"] += sum(t.error is not None for t in g.trajs)
@@ -477,18 +490,25 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
         model.train()
         filler = next((t for t in g.trajs if t.error is None and t.token_ids and trainable(t, model.config.video_token_id)),
                       None)
+        if filler is None and run.world > 1:   # nothing sampled here (a share of 0, or every sample failed)
+            spare = spare or filler_trajectory(processor, records, video_root, cfg)
+            filler = spare
         gn, stats = policy_update(model, ref_model, optimizer, g.items, s, pad_id, processor.tokenizer, run.world, filler,
                                   lambda loss: run.optimizer_step(model, optimizer, loss, "rl", step,
                                                                   [t.record_id for t, _, _ in g.items]))
-        m = rollout_metrics(g.trajs, g.comps, by_id)
+        per_sample = rollout_metrics(g.trajs, g.comps, by_id)   # means over this rank's samples (maybe none)
+        per_sample.update(reward=float(g.rewards.mean()) if g.trajs else 0.0, zero_var_frac=g.zero_var_frac,
+                          reward_kl=float(g.seq_kl.mean()) if g.trajs else 0.0)
+        m = {k: per_sample.pop(k) for k in list(per_sample) if k.endswith(("_hits", "_n"))}   # sums
         if pool is not None:
             ps = pool.stats(reset=True)
             m.update(decode_s=ps["decode_seconds"], decode_wait_s=ps["wait_seconds"],
                      frame_cache_hit_rate=pool.cache.stats()["hit_rate"] if pool.cache else 0.0)
-        m.update(reward=float(g.rewards.mean()), reward_kl=float(g.seq_kl.mean()), zero_var_frac=g.zero_var_frac, kept=len(g.items), draws=g.draws,
-                 grad_norm=float("nan") if gn is None else gn, lr=step_lr, step_time=time.time() - t0,
-                 tokens_per_s=sum(len(t.token_ids) for t in g.trajs) / (time.time() - t0), **stats)
-        m = split_accuracy(all_mean(m, run.world))
+        m.update(kept=len(g.items), draws=g.draws, grad_norm=float("nan") if gn is None else gn, lr=step_lr,
+                 step_time=time.time() - t0, tokens_per_s=sum(len(t.token_ids) for t in g.trajs) / (time.time() - t0),
+                 **stats)
+        m = {**all_weighted_mean(per_sample, len(g.trajs), run.world), **split_accuracy(all_mean(m, run.world)),
+             "groups": all_sum(g.n_groups) if run.world > 1 else g.n_groups}
         run.log("rl", step, m)
         if run.rank == 0:
             tqdm.write(f"rl {step}/{steps} | R {m['reward']:.3f} | acc {m['accuracy']:.2f} | "
@@ -549,6 +569,22 @@ def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float = 1
         out[policy] = token_logprobs(hidden[policy], model.lm_head.weight, targets[policy], chunk_size, compile,
                                      temperature=temperature)
     return out
+
+
+def filler_trajectory(processor, records: list, video_root: str, cfg: rollout.RolloutConfig) -> rollout.Trajectory:
+    """A trajectory for the zero-weight passes of a rank that sampled nothing to train on (its share of the step's
+    prompts was 0, or every sample failed): the first record that encodes, with a one-line answer. Its weight is 0;
+    it only makes this rank's forward and backward enter every FSDP unit, the vision tower's included, as the
+    other ranks' do (a text-only filler would leave the tower without gradients here and the reduce-scatters
+    would differ between ranks)."""
+    errors = []
+    for rec in records[:8]:
+        try:
+            return rollout.encode_messages(processor, rec, [{"role": "assistant", "content": "<answer>A</answer>"}],
+                                           video_root, cfg)
+        except (ValueError, KeyError, OSError) as e:      # video.VideoError is a ValueError
+            errors.append(f"{rec.get('id')}: {e}")
+    raise RuntimeError(f"no filler trajectory for this rank's zero-weight passes: {'; '.join(errors)}")
 
 
 def trainable(traj, video_id: int) -> bool:

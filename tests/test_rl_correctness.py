@@ -65,7 +65,7 @@ def test_combinations_that_cannot_work_are_refused(argv, message, capsys):
 def test_paravt_preset_folds_k1_into_the_reward():
     args = runtime.parse_args(["--preset", "paravt"])
     s = train.grpo_settings(args)
-    assert (s.recipe, s.kl_estimator, s.kl_in_reward, s.kl_coef, s.temperature) == ("paravt", "k1", True, 0.01, 0.7)
+    assert (s.recipe, s.kl_estimator, s.kl_in_reward, s.kl_coef, s.temperature) == ("para_grpo", "k1", True, 0.01, 0.7)
     assert runtime.parse_args(["--kl-coef", "0.01", "--kl-estimator", "k1", "--kl-in-reward", "1"]).kl_in_reward
 
 
@@ -153,7 +153,7 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
     monkeypatch.setattr(rewards, "score_trajectory", fake_score)
     model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
     records = [{"id": f"r{i}"} for i in range(10)]
-    run = SimpleNamespace(seed=0, rank=0)
+    run = SimpleNamespace(seed=0, rank=0, world=1)
     s = train.GRPOSettings(group_size=G, prompts_per_step=3, dynamic_sampling=True, max_draws=4, mask_truncated=False)
     g = train.collect_groups(run, model, None, None, records, "", rollout.RolloutConfig(), s, 1, 0)
     assert g.draws == 2 and calls == [3, 3]
@@ -163,6 +163,40 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
     calls.clear()
     g = train.collect_groups(run, model, None, None, records, "", rollout.RolloutConfig(), s, 1, 0)
     assert g.draws == 1 and g.items == []
+
+
+# ----------------------------------------------------------------------------- the global batch split over ranks
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("prompts", [1, 2, 7, 32])
+def test_draw_prompts_splits_the_global_batch_over_ranks(world, prompts):
+    """--prompts-per-step is the papers' global batch (ParaVT 7, Video-o3 32): the ranks' draws add up to it, the
+    remainder on the first ranks (before, every rank drew all of it: --gpus 8 trained on 8x the batch)."""
+    records = [{"id": f"r{i}"} for i in range(50)]
+    s = train.GRPOSettings(prompts_per_step=prompts)
+    counts = [len(train.draw_prompts(records, s, 0, rank, world, step=1)[0]) for rank in range(world)]
+    assert sum(counts) == prompts
+    assert counts == [prompts // world + (rank < prompts % world) for rank in range(world)]
+
+
+@pytest.mark.parametrize("world, rank, prompts, share", [(2, 0, 3, 2), (2, 1, 3, 1), (3, 2, 2, 0)])
+def test_dynamic_sampling_fills_the_ranks_share(world, rank, prompts, share, monkeypatch):
+    """Dynamic sampling draws until the rank holds its share of the global batch with signal; a rank whose share is
+    0 rolls out nothing (and still joins the update through policy_update's zero-weight passes)."""
+    G, calls = 2, []
+
+    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None):
+        calls.append(len(recs))
+        return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, []) for r in recs for s in range(G)]
+
+    monkeypatch.setattr(rollout, "run_agent", fake_agent)
+    monkeypatch.setattr(rewards, "score_trajectory", lambda t, *a: (float(t.sample), {"acc": 0.0, "anchor": 0.0}))
+    model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
+    s = train.GRPOSettings(group_size=G, prompts_per_step=prompts, dynamic_sampling=True, max_draws=4,
+                           mask_truncated=False)
+    g = train.collect_groups(SimpleNamespace(seed=0, rank=rank, world=world), model, None, None,
+                             [{"id": f"r{i}"} for i in range(10)], "", rollout.RolloutConfig(), s, 1, 0)
+    assert calls == ([share] if share else []) and len(g.items) == share * G and g.n_groups == share
 
 
 # ----------------------------------------------------------------------------- two ranks (gloo)

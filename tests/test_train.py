@@ -116,6 +116,7 @@ def test_stage_rl_alone(tmp_path):
     for r in rows:
         assert all(k in r for k in RL_METRICS), [k for k in RL_METRICS if k not in r]
         assert r["lr"] > 0 and r["step_time"] > 0 and r["tokens_per_s"] > 0
+        assert r["groups"] == 2                       # --prompts-per-step 2 on one rank
     assert runtime.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
 
 
@@ -210,10 +211,12 @@ def test_resume_is_exact(tmp_path, monkeypatch):
 def test_fsdp_two_cpu_processes(tmp_path, cache):
     """`--gpus 2 --device cpu`: FSDP2 over gloo trains (SFT and RL steps) end to end, evaluates, and the checkpoint
     rank 0 gathered moved every parameter (their gradients arrived through the shards). The 2-rank update equals
-    one process's: tests/test_rl_correctness.py."""
+    one process's: tests/test_rl_correctness.py. --prompts-per-step is the global batch, as on one rank
+    (test_stage_rl_alone): 1 prompt on 2 ranks is 1 group a step (before: 1 per rank, 2 in all), and rank 1, whose
+    share is 0, rolls out nothing yet joins every collective of the update (zero-weight passes on a filler)."""
     env = {**os.environ, "PARAVT_CACHE": cache, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "train.py", *smoke_argv(tmp_path, "--stage", "all", "--sft-steps", "1", "--sft-batch", "2",
-                                                     "--n-eval", "1", "--mask-truncated", "0"),
+                                                     "--n-eval", "1", "--mask-truncated", "0", "--prompts-per-step", "1"),
            "--gpus", "2", "--device", "cpu", "--vision-lr-scale", "1"]      # the vision tower trains too
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -223,6 +226,7 @@ def test_fsdp_two_cpu_processes(tmp_path, cache):
     unchanged = [n for n, p in init.named_parameters() if torch.equal(saved[n], p.detach())]
     assert not unchanged, f"FSDP training left these untouched (their gradients never arrived): {unchanged}"
     assert [r["step"] for r in metrics(tmp_path) if r["stage"] == "rl"] == [1, 2]
+    assert [r["groups"] for r in metrics(tmp_path) if r["stage"] == "rl"] == [1, 1]
     assert sorted(os.listdir(tmp_path / "ckpt-rl-000002" / "train_state")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
