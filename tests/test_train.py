@@ -576,6 +576,69 @@ def test_vision_lr_scale(scale):
 
 
 # -----------------------------------------------------------------------------
+# mixed precision: bf16 compute on fp32 master weights, fp32 AdamW state
+
+def one_step(model, optimizer, items: list, pad_id: int, precision: str) -> tuple[float, set]:
+    """One SFT step (sft_backward + optimizer.step): the fraction of the weights with a nonzero gradient that the
+    step changed, and the dtypes the first decoder layer's MLP computed in."""
+    seen = set()
+    hook = model.model.language_model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
+    model.train()
+    train.sft_backward(model, items, 2, pad_id, compile=False, precision=precision)
+    hook.remove()
+    has_grad = {n: p.grad != 0 for n, p in model.named_parameters() if p.grad is not None}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    moved = sum(int((before[n] != p.detach())[has_grad[n]].sum()) for n, p in model.named_parameters() if n in has_grad)
+    return moved / sum(int(g.sum()) for g in has_grad.values()), seen
+
+
+def test_bf16_step_moves_the_fp32_master_weights(tdam_batch):
+    """--precision bf16 as a GPU runs it, here on CPU: parameters and AdamW state stay fp32 (master weights), the
+    forward computes in bf16 (autocast), and one AdamW step at lr 1e-6 moves more than 99 % of the weights that
+    have a gradient. The control: pure-bf16 parameters under a bf16 AdamW (the model loaded bf16, as CUDA runs
+    trained before) move a few percent, since an update of 1e-6 is below half a bf16 ulp of almost every weight."""
+    trajs, _ = tdam_batch
+    model, processor = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    pad_id = processor.tokenizer.pad_token_id
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    optimizer = train.make_optimizer(model, 1e-6, vision_lr_scale=1.0)
+    moved, dtypes = one_step(model, optimizer, trajs, pad_id, "bf16")
+    assert dtypes == {torch.bfloat16} and moved > 0.99, (dtypes, moved)
+    assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {torch.float32}
+    pure = model_lib.load_model("tiny", device="cpu", dtype=torch.bfloat16, seed=0, tiny_corpus=rollout.prompt_corpus())[0]
+    moved_pure, _ = one_step(pure, torch.optim.AdamW(pure.parameters(), lr=1e-6, weight_decay=0.0), trajs, pad_id, "bf16")
+    assert moved_pure < 0.1, moved_pure
+    with pytest.raises(ValueError, match="fp32"):            # never an AdamW step on bf16 parameters
+        train.make_optimizer(pure, 1e-6)
+
+
+def test_bf16_checkpoint_exports_bf16_and_resumes_the_fp32_master_weights(tmp_path, tdam_batch):
+    """Trained in bf16, a checkpoint's Hugging Face export (model.safetensors, config dtype) is bf16, what a
+    serving stack loads; its train_state keeps the fp32 master weights and fp32 AdamW moments, and a resumed run
+    takes its weights from there (exactly), not from the bf16 export."""
+    trajs, _ = tdam_batch
+    model, processor = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    optimizer = train.make_optimizer(model, 1e-3, vision_lr_scale=1.0)
+    one_step(model, optimizer, trajs, processor.tokenizer.pad_token_id, "bf16")
+    run_ = runtime.Run(str(tmp_path), 0, 1, 0, 50, 3, False, 0.2, export_dtype=torch.bfloat16)
+    run_.processor = processor
+    ckpt = run_.save("sft", 1, model, optimizer)
+    export = weights(ckpt)
+    assert {t.dtype for t in export.values()} == {torch.bfloat16}
+    assert json.load(open(os.path.join(ckpt, "config.json")))["dtype"] == "bfloat16"
+    master = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert any(not torch.equal(master[n], export[n].float()) for n in master)   # the export is rounded
+    fresh, _ = train.policy_model(ckpt, torch.device("cpu"), "bf16", world=1, seed=0)
+    assert {p.dtype for p in fresh.parameters()} == {torch.float32}
+    runtime.Run(str(tmp_path), 0, 1, 0, 50, 3, False, 0.2).resume(ckpt, fresh)
+    assert all(torch.equal(p.detach(), master[n]) for n, p in fresh.named_parameters())
+    opt2 = train.make_optimizer(fresh, 1e-3, vision_lr_scale=1.0)
+    runtime.load_train_state(ckpt, fresh, opt2)
+    assert {s["exp_avg"].dtype for s in opt2.state.values()} == {torch.float32}
+
+
+# -----------------------------------------------------------------------------
 # the objective: GRPO loss on log-prob tensors, KL estimators, the learning-rate schedule
 
 LN2 = math.log(2.0)
