@@ -169,13 +169,16 @@ def varied_reward(traj, record, recipe, anchoring, released_scoring):
 SCORE = rewards.score_trajectory
 
 
-def test_resume_is_exact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_exact(tmp_path, monkeypatch, precision):
     """Stopped after step 2 and resumed to step 4 == 4 steps in one go, bit for bit (CPU, fixed seeds).
     The stop is an exception in the rollout of step 3 (after checkpoint 2), not `--rl-steps 2`: the
-    cosine schedule depends on --rl-steps, so a 2-step run is a different run."""
+    cosine schedule depends on --rl-steps, so a 2-step run is a different run. bf16 (--device cpu --precision
+    bf16, the GPU's arithmetic): the checkpoints' exports are bf16, and the resumed run takes the fp32 master
+    weights from train_state (from the bf16 export, steps 3-4 would start from rounded weights)."""
     monkeypatch.setattr(rewards, "score_trajectory", varied_reward)
     argv = lambda d: smoke_argv(d, "--stage", "rl", "--rl-steps", "4", "--save-every", "1", "--mask-truncated", "0",
-                                "--prompts-per-step", "1")
+                                "--prompts-per-step", "1", "--device", "cpu", "--precision", precision)
     run(argv(tmp_path / "straight"))
 
     real_run_agent, calls = rollout.run_agent, []
@@ -198,6 +201,7 @@ def test_resume_is_exact(tmp_path, monkeypatch):
     assert not diff, f"resumed run differs from the straight run: {diff}"
     moved = weights(tmp_path / "straight" / "ckpt-rl-000002")
     assert any(not torch.equal(a[k], moved[k]) for k in a), "steps 3-4 did not change the weights"
+    assert {t.dtype for t in a.values()} == {dict(fp32=torch.float32, bf16=torch.bfloat16)[precision]}
     rows_a, rows_b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
     for ra, rb in zip(rows_a, rows_b):                   # same rewards, same gradients, step by step
