@@ -621,16 +621,23 @@ def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor
     return (r == r[:, :1]).all(dim=1)
 
 
+def shape_reward(rewards: torch.Tensor) -> torch.Tensor:
+    """ParaVT's reward shaping, elementwise: R <- clip(10 (R - 0.2), -20, 20) (docs/method.md §5). Applied to the
+    task reward only; a KL folded into the reward is subtracted after it (train.collect_groups)."""
+    r = rewards.float() if not rewards.is_floating_point() else rewards
+    return (10 * (r - 0.2)).clamp(-20.0, 20.0)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, shaping: bool = False) -> torch.Tensor:
     """GRPO advantage (DeepSeekMath, arXiv 2402.03300): A_i = (R_i - mean_g) / (std_g + eps).
 
     rewards: (B,), groups contiguous. Returns (B,) float, same order. std is the unbiased (sample) std,
     so group_size >= 2. A group of identical rewards gets exactly 0 (never NaN).
-    shaping=True: ParaVT's R <- clip(10 (R - 0.2), -20, 20) first (docs/method.md §5).
+    shaping=True: `shape_reward` first (training shapes before subtracting the KL and passes shaping=False).
     """
     assert group_size >= 2, f"group_size must be >= 2 for an unbiased std, got {group_size}"
     r = _groups(rewards.float() if not rewards.is_floating_point() else rewards, group_size)
     if shaping:
-        r = (10 * (r - 0.2)).clamp(-20.0, 20.0)
+        r = shape_reward(r)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
     return torch.where((r == r[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv).view(-1)

@@ -8,7 +8,8 @@ The run and its processes: everything a training run needs around the method, no
                             export), checkpoints / latest_checkpoint / prune_checkpoints, truncate_metrics
     curves                  plot_run: RUN_DIR/curves.png from metrics.jsonl
     processes               setup_distributed (gloo on CPU, nccl on CUDA), shard_model (FSDP2), full_weights,
-                            all_sum / all_max / all_mean / barrier, die_with_parent, launch(main, args)
+                            all_sum / all_max / all_mean / all_weighted_mean / barrier, die_with_parent,
+                            launch(main, args)
     the run directory lock  RunLock, stale_run
     flags                   parse_args / resolve: train.py's command line, every default that depends on another
                             flag (the preset, the tiny model, the recipe, the device) settled once
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import ctypes
 import fcntl
+import functools
 import json
 import os
 import random
@@ -52,8 +54,9 @@ class Run:
     export of the weights beside it), --keep-last pruning, the best-by-eval checkpoint, skip-and-count."""
 
     def __init__(self, run_dir: str, rank: int, world: int, seed: int, save_every: int, keep_last: int,
-                 strict: bool, max_bad_fraction: float, report_to: str = "none"):
+                 strict: bool, max_bad_fraction: float, report_to: str = "none", export_dtype: torch.dtype | None = None):
         self.run_dir, self.rank, self.world, self.seed = run_dir, rank, world, seed
+        self.export_dtype = export_dtype             # the Hugging Face export's dtype (None: the parameters')
         self.save_every, self.keep_last, self.strict = save_every, keep_last, strict
         self.max_bad_fraction = max_bad_fraction
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -94,14 +97,17 @@ class Run:
 
     def save(self, stage: str, step: int, model, optimizer) -> str:
         path = save_checkpoint(self.run_dir, step, model, self.processor, optimizer,
-                               {"stage": stage, "counters": self.counters}, rank=self.rank, world=self.world)
+                               {"stage": stage, "counters": self.counters}, rank=self.rank, world=self.world,
+                               export_dtype=self.export_dtype)
         if self.rank == 0 and self.keep_last > 0:
             prune_checkpoints(self.run_dir, self.keep_last)
         return path
 
     def resume(self, ckpt: str, model) -> dict:
-        """The trainer state of `ckpt` (the weights were loaded from its export); metrics after it are dropped."""
+        """The trainer state of `ckpt` and its master weights (train_state/, fp32 where training keeps fp32 weights;
+        the Hugging Face export may be bf16); metrics after it are dropped."""
         state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=True)   # tensors and plain data only
+        load_train_state(ckpt, model, None)
         self.counters.update(state.get("counters", {}))
         torch.set_rng_state(state["rng_torch"])
         random.setstate(state["rng_random"])
@@ -151,11 +157,13 @@ def atomic_write_json(path: str, obj) -> None:
 # checkpoints: atomic, resumable on any number of ranks
 
 def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra: dict, rank: int = 0,
-                    world: int = 1) -> str:
-    """RUN_DIR/ckpt-<stage>-<step>: `train_state/` (torch.distributed.checkpoint: model and optimizer, each rank
-    its shard, loadable on any number of ranks), the Hugging Face export (model.safetensors + config + processor,
-    gathered on rank 0) and `trainer.pt` (step, counters, RNG: tensors and plain data, no pickled code).
-    Atomic: everything goes to `.tmp`, and one rename makes it visible; trainer.pt is written last."""
+                    world: int = 1, export_dtype: torch.dtype | None = None) -> str:
+    """RUN_DIR/ckpt-<stage>-<step>: `train_state/` (torch.distributed.checkpoint: model and optimizer as trained,
+    fp32 master weights and AdamW moments, each rank its shard, loadable on any number of ranks), the Hugging Face
+    export (model.safetensors + config + processor, gathered on rank 0; in `export_dtype` when given, e.g. bf16
+    for a bf16 run, the dtype its config.json names) and `trainer.pt` (step, counters, RNG: tensors and plain
+    data, no pickled code). Atomic: everything goes to `.tmp`, and one rename makes it visible; trainer.pt is
+    written last."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
     final = os.path.join(run_dir, f"ckpt-{extra['stage']}-{step:06d}")   # SFT step 2 and RL step 2 are two models
@@ -169,13 +177,16 @@ def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "train_state"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
-        if world > 1 else None
+        if world > 1 or export_dtype is not None else None
     if rank == 0:
         if full is None:
             model_lib.save_model(model, processor, tmp)
         else:
-            model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+            cast = (lambda t: t.to(export_dtype) if t.is_floating_point() else t) if export_dtype else (lambda t: t)
+            model.save_pretrained(tmp, state_dict={k: cast(v) for k, v in full.items()}, safe_serialization=True)
             processor.save_pretrained(tmp)
+            if export_dtype is not None:          # save_pretrained names the parameters' dtype (fp32 masters)
+                _set_config_dtype(tmp, export_dtype)
         torch.save({"step": step, "rng_torch": torch.get_rng_state(), "rng_random": random.getstate(),
                     **{k: v for k, v in extra.items()}}, os.path.join(tmp, "trainer.pt"))
         shutil.rmtree(final + ".old", ignore_errors=True)
@@ -187,21 +198,43 @@ def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra:
     return final
 
 
+def _set_config_dtype(folder: str, dtype: torch.dtype) -> None:
+    """config.json's "dtype" (and each sub-config's): the dtype loaders with dtype="auto" and servers use."""
+    path = os.path.join(folder, "config.json")
+    config = json.load(open(path))
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    for sub in config.values():
+        if isinstance(sub, dict) and "dtype" in sub:
+            sub["dtype"] = name
+    with open(path, "w") as f:                  # inside the checkpoint's .tmp folder: not visible yet
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
 def load_train_state(ckpt: str, model, optimizer) -> None:
-    """Model and optimizer from a checkpoint's `train_state/`, resharded to this run's ranks."""
+    """Model and optimizer (None: the model alone) from a checkpoint's `train_state/`, resharded to this run's
+    ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
     path = os.path.join(ckpt, "train_state")
     if not os.path.isdir(path):
-        raise ValueError(f"{ckpt} has no train_state/ (written by an older train.py): resume needs it for AdamW's state")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+        raise ValueError(f"{ckpt} has no train_state/ (written by an older train.py): resume needs it for the master "
+                         f"weights and AdamW's state")
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
     # partial: a parameter that never had a gradient has no AdamW state in the file and keeps fresh zeros
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def checkpoints(run_dir: str) -> list[tuple[int, int, str]]:
@@ -363,10 +396,19 @@ def setup_distributed(rank: int, gpus: int | None, device: str, threads: int) ->
     return rank, world, torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
 
 
-def shard_model(model) -> None:
+def shard_model(model, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2: each decoder layer its own unit, the final norm with the lm_head (token_logprobs reads
-    lm_head.weight directly), and the root (the vision tower and embeddings), which every forward enters."""
-    from torch.distributed.fsdp import fully_shard
+    lm_head.weight directly), and the root (the vision tower and embeddings), which every forward enters.
+    param_dtype bf16 (--precision bf16): the parameters stay fp32 (each rank's shard is the master copy AdamW
+    updates), are all-gathered in bf16 for compute, and gradients are reduce-scattered in fp32
+    (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if param_dtype is not None and param_dtype != torch.float32:
+        if {p.dtype for p in model.parameters()} != {torch.float32}:
+            raise ValueError(f"shard_model: mixed precision needs fp32 parameters (the master weights), got "
+                             f"{sorted({str(p.dtype) for p in model.parameters()})}")
+        fully_shard = functools.partial(fully_shard, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                                                    reduce_dtype=torch.float32))
     # The root returns the visual features beside the hidden states (video_outputs.pooler_output: per-video
     # torch.split views), and the final-norm unit's output is a view on some torch versions; FSDP2 warns that an
     # in-place op on such a view would skip its hook. Nothing here writes into them (the loss slices and gathers
@@ -399,6 +441,30 @@ def full_weights(model):
             m.set_reshard_after_forward(True, recurse=False)
         for m in root + units:
             m.reshard()
+        _forget_forward_order(root + units)
+
+
+def _forget_forward_order(units: list) -> None:
+    """Reset FSDP2's per-iteration forward state after no-grad forwards, as its own post-backward callback does
+    after a training step (which a no-grad pass never reaches): the order the units ran forward (kept to prefetch
+    in backward), which modules of a unit such as [norm, lm_head] have yet to run, the pass's root and the units'
+    training states. A rollout
+    leaves them differing between ranks (the decode calls lm_head alone, so its unit waits for norm and keeps
+    the root; a rank whose share of the prompts was 0 ran nothing), and the next training step would then finish
+    that unit's forward and prefetch in backward at different points on different ranks: mismatched all-gathers,
+    a hang. Through torch's private FSDP state (torch 2.14); the 2-rank run in which one rank rolls out nothing
+    (tests/test_train.py) hung without it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    for m in units:
+        state = m._get_fsdp_state()
+        state._state_ctx.iter_forward_root = None
+        state._modules_to_run_forward.clear()
+        state._training_state = TrainingState.IDLE
+        if hasattr(state._comm_ctx, "post_forward_order"):     # set at the first forward (FSDP's lazy init)
+            state._comm_ctx.post_forward_order.clear()
+        for group in state._fsdp_param_groups:
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
 
 
 def finish(world: int) -> None:
@@ -437,6 +503,20 @@ def all_mean(values: dict, world: int) -> dict:
         return {k: float(v) for k, v in values.items()}
     keys = sorted(values)
     return {k: v / world for k, v in zip(keys, _all_reduce([float(values[k]) for k in keys], dist.ReduceOp.SUM))}
+
+
+def all_weighted_mean(values: dict, weight: float, world: int) -> dict:
+    """Per-sample means across ranks that hold different numbers of samples: sum_k w_k v_k / sum_k w_k per key,
+    w_k = rank k's `weight` (its sample count; a rank with none adds nothing). The keys are the union over ranks
+    (a key a rank lacks counts with weight 0 there; a key no rank weighs is 0)."""
+    if world == 1:
+        return {k: float(v) for k, v in values.items()}
+    names = [None] * world
+    dist.all_gather_object(names, sorted(values))
+    keys = sorted(set().union(*names))
+    sums = _all_reduce([weight * float(values[k]) if k in values else 0.0 for k in keys] +
+                       [float(weight) if k in values else 0.0 for k in keys], dist.ReduceOp.SUM)
+    return {k: sums[i] / sums[len(keys) + i] if sums[len(keys) + i] else 0.0 for i, k in enumerate(keys)}
 
 
 def find_free_port() -> int:
@@ -531,6 +611,11 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="CPU threads per process (0 = torch's default; 1 is far faster on a busy or shared CPU)")
     g.add_argument("--compile", type=int, default=None, help="torch.compile the log-prob kernels (default: 1 on CUDA, 0 on CPU)")
     g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward (large models)")
+    g.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help="bf16: bf16 compute on fp32 master weights and fp32 AdamW state (autocast; with FSDP2 the "
+                        "weights are also all-gathered in bf16 and gradients reduced in fp32), the checkpoints' Hugging "
+                        "Face export in bf16 (default: bf16 on CUDA, fp32 on CPU; --device cpu --precision bf16 runs "
+                        "the GPU's arithmetic on CPU)")
     g.add_argument("--decode-workers", type=int, default=2, help="threads decoding overviews and crops (per rank)")
     g.add_argument("--decode-timeout", type=float, default=120.0,
                    help="seconds a video decode may take before the sample is an error (never a hang)")
@@ -579,7 +664,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="reward recipe: para_grpo (ParaVT's PARA-GRPO; old name paravt), vtgr (Video-o3), combined, "
                         "vanilla (see train.py's docstring)")
     g.add_argument("--group-size", type=int, default=None, help="G: samples per prompt (>= 2)")
-    g.add_argument("--prompts-per-step", type=int, default=None, help="groups per step and rank")
+    g.add_argument("--prompts-per-step", type=int, default=None,
+                   help="prompts (groups) per step over ALL ranks, the papers' global batch (paravt 7, videoo3 32), "
+                        "split over the ranks (the remainder on the first ranks; a rank with none still joins each "
+                        "update); dynamic sampling fills each rank's share")
     g.add_argument("--lr", type=float, default=None, help="RL peak learning rate")
     g.add_argument("--warmup-steps", type=int, default=0, help="RL linear warmup steps")
     g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer passes per batch (old log-probs recomputed first)")
@@ -660,12 +748,17 @@ def resolve(args) -> None:
         args.gating = int(args.recipe in ("para_grpo", "combined") and (args.data is not None or args.sft_gated_overviews))
     if args.anchoring is None:
         args.anchoring = "sequence" if args.recipe in ("para_grpo", "combined") else "none"
+    on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.compile is None:
-        args.compile = int(args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()))
+        args.compile = int(on_cuda)
+    if args.precision is None:
+        args.precision = "bf16" if on_cuda else "fp32"
     for flag in ("kl_in_reward", "shaping", "dynamic_sampling", "mask_truncated", "gating"):
         setattr(args, flag, bool(getattr(args, flag)))
     if args.group_size < 2:
         raise ValueError("--group-size must be >= 2 (group advantages need a group)")
+    if args.prompts_per_step < 1:
+        raise ValueError(f"--prompts-per-step must be >= 1 (prompts per step over all ranks), got {args.prompts_per_step}")
     if args.recipe == "vtgr" and args.anchoring == "sequence":
         raise ValueError("--recipe vtgr --anchoring sequence: VTGR's strict format reward has no anchor term to "
                          "weight; use --anchoring token (credit on the closing tags) or --anchoring none")

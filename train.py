@@ -15,13 +15,14 @@ The kernels (fused log-prob gather and loss, TDAM's blocked attention) live in o
 rollout.py (its K/V cache in kvcache.py), the rewards in rewards.py, the run directory and the processes
 (checkpoints, metrics, FSDP2, the launcher) in runtime.py.
 
-Algorithm (docs/method.md §4-§6). Per RL step the ranks draw `--prompts-per-step` records, gate each overview to
-K frames (nFrames gating: K ~ Uniform{4..64}, the same K for a prompt's whole group), roll out G samples per
-prompt (parallel crop_video calls, up to --max-turns tool rounds, the K/V cache reused across turns), score every
-trajectory under the chosen recipe, optionally fold a per-token k1 KL into the reward (ParaVT), turn rewards into
-group advantages A = (R - mean) / (std + eps) (dynamic sampling draws more prompts until the batch holds groups
-with signal), optionally add the exploration-anchoring credit on the closing-tag tokens, and take a PPO-clip step
-on the policy's own tokens (token-mean). Every log-prob in the loss is taken at the sampling temperature.
+Algorithm (docs/method.md §4-§6). Per RL step the ranks draw `--prompts-per-step` records in all (each its
+share), gate each overview to K frames (nFrames gating: K ~ Uniform{4..64}, the same K for a prompt's whole
+group), roll out G samples per prompt (parallel crop_video calls, up to --max-turns tool rounds, the K/V cache
+reused across turns), score every trajectory under the chosen recipe, optionally shape the task reward and
+subtract a per-token k1 KL from it (ParaVT: shaped first, then the KL), turn rewards into group advantages
+A = (R - mean) / (std + eps) (dynamic sampling draws more prompts until the batch holds groups with signal),
+optionally add the exploration-anchoring credit on the closing-tag tokens, and take a PPO-clip step on the
+policy's own tokens (token-mean). Every log-prob in the loss is taken at the sampling temperature.
 
 Recipes (--recipe, rewards.RECIPES): para_grpo = ParaVT's PARA-GRPO: R_acc + R_fmt with exploration anchoring +
 R_tool, nFrames gating, k1 KL in the reward; vtgr = Video-o3's trajectory-guided reward: R_acc + strict R_fmt +
@@ -53,6 +54,7 @@ Run commands:
         --video-root /videos --stage rl --grad-checkpointing
     torchrun --nnodes 2 --nproc-per-node 8 ... train.py ...   # multi-node: torchrun's environment is used
 """
+import contextlib
 import dataclasses
 import functools
 import json
@@ -76,7 +78,7 @@ import runtime
 import video
 from ops import (TdamSpec, policy_rows, tdam_rects, to_additive_mask, token_logprobs, token_loss,
                  use_tdam_attention)
-from runtime import Run, all_max, all_mean, all_sum, all_sum_float, full_weights, print0
+from runtime import Run, all_max, all_mean, all_sum, all_sum_float, all_weighted_mean, full_weights, print0
 
 # -----------------------------------------------------------------------------
 # 1. The PARA-GRPO objective (docs/method.md §4-§5): the equations, and the loss training runs
@@ -253,7 +255,7 @@ class GRPOSettings:
     anchoring: str = "sequence"          # sequence | token | none
     released_scoring: bool = False
     group_size: int = 8
-    prompts_per_step: int = 4
+    prompts_per_step: int = 4            # over all ranks (the papers' global batch), split by rank_share
     gating: bool = False
     gating_choices: tuple = (4, 8, 16, 32, 64)
     dynamic_sampling: bool = False
@@ -272,6 +274,7 @@ class GRPOSettings:
     logprob_chunk: int = 1024            # token_logprobs' chunk (old / reference log-probs, no grad)
     loss_chunk: int = 0                  # token_loss's chunk; 0: its own rule (_auto_chunk)
     compile: bool = False
+    precision: str = "fp32"              # fp32 | bf16: the forward passes' compute dtype (autocast)
 
 
 @dataclasses.dataclass
@@ -279,74 +282,95 @@ class Groups:
     """What a step's rollouts leave for the update and the log."""
     trajs: list                          # every sampled trajectory of the step (all draws)
     comps: list                          # their reward components
-    rewards: torch.Tensor                # (n,) total rewards, KL folded in when asked
+    rewards: torch.Tensor                # (n,) task rewards R as scored (before shaping and KL)
+    seq_kl: torch.Tensor                 # (n,) sum_t k1 folded into the reward (--kl-in-reward), else 0
     items: list                          # (trajectory, advantage, components) kept for the update
+    n_groups: int                        # groups whose samples entered the update
     draws: int                           # rollout rounds it took
     zero_var_frac: float                 # of the groups drawn
 
 
-def draw_prompts(records: list, s: GRPOSettings, seed: int, rank: int, step: int, draw: int = 0) -> tuple[list, list]:
-    """The prompts of a step's draw on a rank, and their overview sizes: K gated per prompt (the same K for its
-    whole group) or None (the rollout's own rule). Seeded by (seed, step, rank, draw) alone, so a resumed run
-    draws the same prompts and the next step's can be prefetched."""
+def rank_share(total: int, rank: int, world: int) -> int:
+    """A rank's part of a global count: total // world, plus one on the first total % world ranks (ParaVT's 7
+    prompts on 8 GPUs: one each on ranks 0-6, none on rank 7)."""
+    return total // world + (rank < total % world)
+
+
+def draw_prompts(records: list, s: GRPOSettings, seed: int, rank: int, world: int, step: int,
+                 draw: int = 0) -> tuple[list, list]:
+    """The prompts of a step's draw on a rank, its share of the global s.prompts_per_step (`rank_share`), and
+    their overview sizes: K gated per prompt (the same K for its whole group) or None (the rollout's own rule).
+    Seeded by (seed, step, rank, draw) alone, so a resumed run draws the same prompts and the next step's can be
+    prefetched."""
     rng = random.Random(f"rl:{seed}:{step}:{rank}" + (f":{draw}" if draw else ""))
-    recs = [records[rng.randrange(len(records))] for _ in range(s.prompts_per_step)]
+    recs = [records[rng.randrange(len(records))] for _ in range(rank_share(s.prompts_per_step, rank, world))]
     return recs, [rewards.gate_nframes(r["id"], step, s.gating_choices, seed=seed) if s.gating else None for r in recs]
 
 
 def collect_groups(run: Run, model, ref_model, processor, records: list, video_root: str,
                    cfg: rollout.RolloutConfig, s: GRPOSettings, step: int, pad_id: int,
                    pool: video.DecodePool | None = None) -> Groups:
-    """Roll out and score groups for one step. Without dynamic sampling: one draw of s.prompts_per_step prompts.
-    With it (DAPO, arXiv 2503.14476): groups whose rewards are all equal carry no signal and are dropped, and
-    more prompts are drawn until the batch holds s.prompts_per_step groups with signal or s.max_draws rounds
-    were rolled out. The caller holds the full weights (one all-gather for every draw of the step)."""
+    """Roll out and score this rank's groups for one step: its share of the global s.prompts_per_step
+    (`rank_share`; a rank whose share is 0 rolls out nothing and joins the update with zero-weight passes).
+    Without dynamic sampling: one draw. With it (DAPO, arXiv 2503.14476): groups whose rewards are all equal carry
+    no signal and are dropped, and more prompts are drawn until the rank holds its share of groups with signal or
+    s.max_draws rounds were rolled out. The caller holds the full weights (one all-gather for every draw)."""
     G, video_id = s.group_size, model.config.video_token_id
-    trajs, comps, R, items, n_groups, n_zero = [], [], [], [], 0, 0
+    share = rank_share(s.prompts_per_step, run.rank, run.world)
+    trajs, comps, R, KL, items, n_groups, n_zero = [], [], [], [], [], 0, 0
     draws = 0
-    while draws < (s.max_draws if s.dynamic_sampling else 1):
-        recs, ks = draw_prompts(records, s, run.seed, run.rank, step, draws)
-        out = rollout.run_agent(model, processor, recs, video_root, cfg,
-                                seed=run.seed * 1_000_003 + step * 101 + run.rank + draws * 7_919, nframes=ks, pool=pool)
+    while share and draws < (s.max_draws if s.dynamic_sampling else 1):
+        recs, ks = draw_prompts(records, s, run.seed, run.rank, run.world, step, draws)
+        with autocast(s.precision, next(model.parameters()).device):
+            out = rollout.run_agent(model, processor, recs, video_root, cfg, nframes=ks, pool=pool,
+                                    seed=run.seed * 1_000_003 + step * 101 + run.rank + draws * 7_919)
         draws += 1
         scored = [rewards.score_trajectory(t, recs[i // G], s.recipe, s.anchoring, s.released_scoring)
                   for i, t in enumerate(out)]
-        r = torch.tensor([x for x, _ in scored])
+        r = torch.tensor([x for x, _ in scored])         # the task reward R
         zero = rewards.zero_variance_groups(r, G)        # on the task reward, before any KL term
+        kl = torch.zeros_like(r)
         if s.kl_in_reward and s.kl_coef:
-            r = r - s.kl_coef * torch.tensor(sequence_kl(model, ref_model, out, s, pad_id))
-        adv = rewards.group_advantages(r, G, shaping=s.shaping)
+            kl = torch.tensor(sequence_kl(model, ref_model, out, s, pad_id))
+        # shape R first (ParaVT), then subtract beta sum_t k1 (verl's use_kl_in_reward): the KL is never scaled
+        # by the shaping's 10 or clipped with the reward; then normalise within the group
+        total = (rewards.shape_reward(r) if s.shaping else r) - s.kl_coef * kl
+        adv = rewards.group_advantages(total, G)
         keep = torch.tensor([t.error is None and t.token_ids != [] and trainable(t, video_id) for t in out])
         if s.mask_truncated:
             keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in out])
         for g in range(len(recs)):
             n_zero += bool(zero[g])
-            if s.dynamic_sampling and (zero[g] or n_groups >= s.prompts_per_step):
+            if s.dynamic_sampling and (zero[g] or n_groups >= share):
                 continue
             n_groups += 1
             items += [(out[i], float(adv[i]), scored[i][1]) for i in range(g * G, (g + 1) * G) if keep[i]]
         trajs += out
         comps += [c for _, c in scored]
         R.append(r)
-        if not s.dynamic_sampling or n_groups >= s.prompts_per_step:
+        KL.append(kl)
+        if not s.dynamic_sampling or n_groups >= share:
             break
     if s.train_subagents:
         items += [(sub, a, c) for t, a, c in list(items) for sub in t.subagents if trainable(sub, video_id)]
-    return Groups(trajs, comps, torch.cat(R), items, draws, n_zero / max(1, len(trajs) // G))
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)
+    return Groups(trajs, comps, cat(R), cat(KL), items, n_groups, draws, n_zero / max(1, len(trajs) // G))
 
 
 def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> list[float]:
     """sum_t k1_t = sum_t (log pi(o_t) - log pi_ref(o_t)) over each trajectory's policy tokens, at temperature T
     (0 for a trajectory that cannot be collated): ParaVT's per-token KL folded into the reward (verl's
-    use_kl_in_reward), R_i <- R_i - beta sum_t k1_t, before the group advantages."""
+    use_kl_in_reward), R_i <- shape(R_i) - beta sum_t k1_t after the task reward's shaping, before the group
+    advantages."""
     out = [0.0] * len(trajs)
     ok = [i for i, t in enumerate(trajs) if t.error is None and t.token_ids and trainable(t, model.config.video_token_id)]
     for j in range(0, len(ok), s.micro_batch):
         idx = ok[j:j + s.micro_batch]
         b = rollout.collate([trajs[i] for i in idx], model, pad_id, share_videos=True)
         with torch.no_grad():
-            lp = forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile)
-            ref = forward_logprobs(ref_model, b, s.logprob_chunk, s.temperature, compile=s.compile)
+            lp = forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile, precision=s.precision)
+            ref = forward_logprobs(ref_model, b, s.logprob_chunk, s.temperature, compile=s.compile,
+                                   precision=s.precision)
         k1 = (kl_penalty(lp, ref, "k1") * policy_mask(b["roles"]).to(lp.device)).sum(1)
         for i, v in zip(idx, k1.tolist()):
             out[i] = v
@@ -375,9 +399,9 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
         return None, {"clip_frac": 0.0, "kl": 0.0, "loss": 0.0}
     use_ref = ref_model is not None and s.kl_coef > 0 and not s.kl_in_reward
     with torch.no_grad(), full_weights(model):
-        old = [forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile)
+        old = [forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile, precision=s.precision)
                if s.ppo_epochs > 1 else None for b in batches]
-        ref = [forward_logprobs(ref_model, b, s.logprob_chunk, s.temperature, compile=s.compile)
+        ref = [forward_logprobs(ref_model, b, s.logprob_chunk, s.temperature, compile=s.compile, precision=s.precision)
                if use_ref else None for b in batches]
     norm = n_global / world                             # FSDP averages over ranks: sum_all / N_global overall
     n_pad = (all_max(len(batches)) if world > 1 else len(batches)) - len(batches)
@@ -389,8 +413,10 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     gn, stats = None, {"clip_frac": 0.0, "kl": 0.0}
 
     def loss_of(b, o, a, r):                         # the fused loss: gradients formed in its forward
-        hidden, targets, mask = forward_hidden(model, b)
-        return grpo_loss(hidden, model.lm_head.weight, targets, o, a, mask, clip_low=s.clip_low,
+        with autocast(s.precision, next(model.parameters()).device):
+            hidden, targets, mask = forward_hidden(model, b)
+        hidden, weight = head_inputs(hidden, model.lm_head.weight, s.precision)
+        return grpo_loss(hidden, weight, targets, o, a, mask, clip_low=s.clip_low,
                                clip_high=s.clip_high, kl_coef=0.0 if s.kl_in_reward else s.kl_coef, ref_logprobs=r,
                                kl_estimator=s.kl_estimator, num_tokens=norm, temperature=s.temperature,
                                chunk_size=s.loss_chunk or None, compile=s.compile)
@@ -451,7 +477,7 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
     held-out evaluation every `eval_every` steps (`evaluate(model, name) -> metrics`). With a decode pool the
     next step's overviews decode in its threads while this step trains (first draw; more draws of dynamic
     sampling decode when they come), and each row logs decode seconds, wait seconds and the cache hit rate."""
-    failed, by_id = 0, {str(r["id"]): r for r in records}
+    failed, by_id, spare = 0, {str(r["id"]): r for r in records}, None
     for step in tqdm(range(start + 1, steps + 1), desc="rl", disable=run.rank != 0, initial=start, total=steps):
         t0 = time.time()
         step_lr = set_lr(optimizer, get_lr(step - 1, steps, lr, warmup_steps))
@@ -459,7 +485,7 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
         with full_weights(model):
             g = collect_groups(run, model, ref_model, processor, records, video_root, cfg, s, step, pad_id, pool)
         if pool is not None and step < steps:           # the next step's overviews decode while this one trains
-            upcoming, ks = draw_prompts(records, s, run.seed, run.rank, step + 1)
+            upcoming, ks = draw_prompts(records, s, run.seed, run.rank, run.world, step + 1)
             rollout.prefetch(pool, upcoming, video_root, cfg, rollout.video_factor(processor), ks)
         failed += sum(t.error is not None for t in g.trajs)
         run.counters["bad_samples"] += sum(t.error is not None for t in g.trajs)
@@ -471,18 +497,25 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
         model.train()
         filler = next((t for t in g.trajs if t.error is None and t.token_ids and trainable(t, model.config.video_token_id)),
                       None)
+        if filler is None and run.world > 1:   # nothing sampled here (a share of 0, or every sample failed)
+            spare = spare or filler_trajectory(processor, records, video_root, cfg)
+            filler = spare
         gn, stats = policy_update(model, ref_model, optimizer, g.items, s, pad_id, processor.tokenizer, run.world, filler,
                                   lambda loss: run.optimizer_step(model, optimizer, loss, "rl", step,
                                                                   [t.record_id for t, _, _ in g.items]))
-        m = rollout_metrics(g.trajs, g.comps, by_id)
+        per_sample = rollout_metrics(g.trajs, g.comps, by_id)   # means over this rank's samples (maybe none)
+        per_sample.update(reward=float(g.rewards.mean()) if g.trajs else 0.0, zero_var_frac=g.zero_var_frac,
+                          reward_kl=float(g.seq_kl.mean()) if g.trajs else 0.0)
+        m = {k: per_sample.pop(k) for k in list(per_sample) if k.endswith(("_hits", "_n"))}   # sums
         if pool is not None:
             ps = pool.stats(reset=True)
             m.update(decode_s=ps["decode_seconds"], decode_wait_s=ps["wait_seconds"],
                      frame_cache_hit_rate=pool.cache.stats()["hit_rate"] if pool.cache else 0.0)
-        m.update(reward=float(g.rewards.mean()), zero_var_frac=g.zero_var_frac, kept=len(g.items), draws=g.draws,
-                 grad_norm=float("nan") if gn is None else gn, lr=step_lr, step_time=time.time() - t0,
-                 tokens_per_s=sum(len(t.token_ids) for t in g.trajs) / (time.time() - t0), **stats)
-        m = split_accuracy(all_mean(m, run.world))
+        m.update(kept=len(g.items), draws=g.draws, grad_norm=float("nan") if gn is None else gn, lr=step_lr,
+                 step_time=time.time() - t0, tokens_per_s=sum(len(t.token_ids) for t in g.trajs) / (time.time() - t0),
+                 **stats)
+        m = {**all_weighted_mean(per_sample, len(g.trajs), run.world), **split_accuracy(all_mean(m, run.world)),
+             "groups": all_sum(g.n_groups) if run.world > 1 else g.n_groups}
         run.log("rl", step, m)
         if run.rank == 0:
             tqdm.write(f"rl {step}/{steps} | R {m['reward']:.3f} | acc {m['accuracy']:.2f} | "
@@ -532,16 +565,35 @@ def forward_hidden(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None 
 
 
 def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float = 1.0, attn_mask_4d=None,
-                     compile: bool = True) -> torch.Tensor:
+                     compile: bool = True, precision: str = "fp32") -> torch.Tensor:
     """(B, L-1) log p_T(next token) at POLICY positions (0 elsewhere), through `token_logprobs`: the no-grad
     uses (old and reference log-probs, the KL folded into the reward). T is the sampling temperature (RL: the
-    rollout's T, so the policy optimised is the policy that sampled; SFT and evaluation: 1)."""
-    hidden, targets, policy = forward_hidden(model, batch, attn_mask_4d)
+    rollout's T, so the policy optimised is the policy that sampled; SFT and evaluation: 1). precision: the
+    compute dtype, as in the loss (`autocast`, `head_inputs`), so old and current log-probs agree."""
+    with autocast(precision, next(model.parameters()).device):
+        hidden, targets, policy = forward_hidden(model, batch, attn_mask_4d)
+    hidden, weight = head_inputs(hidden, model.lm_head.weight, precision)
     out = torch.zeros(targets.shape, device=hidden.device, dtype=torch.float32)
     if policy.any():
-        out[policy] = token_logprobs(hidden[policy], model.lm_head.weight, targets[policy], chunk_size, compile,
+        out[policy] = token_logprobs(hidden[policy], weight, targets[policy], chunk_size, compile,
                                      temperature=temperature)
     return out
+
+
+def filler_trajectory(processor, records: list, video_root: str, cfg: rollout.RolloutConfig) -> rollout.Trajectory:
+    """A trajectory for the zero-weight passes of a rank that sampled nothing to train on (its share of the step's
+    prompts was 0, or every sample failed): the first record that encodes, with a one-line answer. Its weight is 0;
+    it only makes this rank's forward and backward enter every FSDP unit, the vision tower's included, as the
+    other ranks' do (a text-only filler would leave the tower without gradients here and the reduce-scatters
+    would differ between ranks)."""
+    errors = []
+    for rec in records[:8]:
+        try:
+            return rollout.encode_messages(processor, rec, [{"role": "assistant", "content": "<answer>A</answer>"}],
+                                           video_root, cfg)
+        except (ValueError, KeyError, OSError) as e:      # video.VideoError is a ValueError
+            errors.append(f"{rec.get('id')}: {e}")
+    raise RuntimeError(f"no filler trajectory for this rank's zero-weight passes: {'; '.join(errors)}")
 
 
 def trainable(traj, video_id: int) -> bool:
@@ -581,6 +633,7 @@ class SFTSettings:
     tdam_ratio: float = 0.1
     loss_chunk: int = 0                  # token_loss's chunk; 0: its own rule (_auto_chunk)
     compile: bool = False
+    precision: str = "fp32"              # fp32 | bf16: the forward passes' compute dtype (autocast)
 
 
 def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.RolloutConfig, *,
@@ -699,10 +752,13 @@ def tdam_batch_mask(batch: dict, tokenizer, video_id: int, counts: dict | None =
 
 
 def sft_loss(model, batch: dict, chunk_size: int | None = None, attn_mask_4d=None, compile: bool = True,
-             tdam: TdamSpec | None = None) -> tuple[torch.Tensor, int]:
-    """Cross-entropy on assistant (POLICY) tokens only, token mean, through the fused `sft_token_loss`."""
-    hidden, targets, mask = forward_hidden(model, batch, attn_mask_4d, tdam)
-    return sft_token_loss(hidden, model.lm_head.weight, targets, mask, chunk_size=chunk_size, compile=compile)
+             tdam: TdamSpec | None = None, precision: str = "fp32") -> tuple[torch.Tensor, int]:
+    """Cross-entropy on assistant (POLICY) tokens only, token mean, through the fused `sft_token_loss`; the forward
+    in the compute dtype of `precision` (`autocast`, `head_inputs`)."""
+    with autocast(precision, next(model.parameters()).device):
+        hidden, targets, mask = forward_hidden(model, batch, attn_mask_4d, tdam)
+    hidden, weight = head_inputs(hidden, model.lm_head.weight, precision)
+    return sft_token_loss(hidden, weight, targets, mask, chunk_size=chunk_size, compile=compile)
 
 
 def sft_micro_batches(items: list, rows: int, model, pad_id: int):
@@ -714,18 +770,18 @@ def sft_micro_batches(items: list, rows: int, model, pad_id: int):
 
 
 def sft_backward(model, items: list, rows: int, pad_id: int, loss_chunk: int | None = None, tdam_tokenizer=None,
-                 compile: bool = True, counts: dict | None = None) -> tuple[torch.Tensor, int]:
+                 compile: bool = True, counts: dict | None = None, precision: str = "fp32") -> tuple[torch.Tensor, int]:
     """Backward of the batch's SFT loss (token mean over all its policy tokens) through micro-batches of
     `rows`: each micro-batch's token mean weighted by its share n_i / N of the tokens, so the gradients add
     up to those of one forward over the whole batch. loss_chunk: token_loss's chunk (None: its own rule).
     tdam_tokenizer: TDAM masks on (spans found from the text; rows without an answer counted in `counts`).
-    Returns (the batch loss, detached; N)."""
+    precision: the compute dtype (`autocast`). Returns (the batch loss, detached; N)."""
     batches = list(sft_micro_batches(items, rows, model, pad_id))
     n_tok = max(1, sum(int(policy_mask(b["roles"]).sum()) for b in batches))   # sft_loss's own token count
     parts = []
     for batch in batches:
         spec = tdam_spec(batch, tdam_tokenizer, model.config.video_token_id, counts) if tdam_tokenizer else None
-        micro, n = sft_loss(model, batch, loss_chunk, None, compile, spec)
+        micro, n = sft_loss(model, batch, loss_chunk, None, compile, spec, precision)
         (micro * (n / n_tok)).backward()
         parts.append(micro.detach() * (n / n_tok))
     return torch.stack(parts).sum(), n_tok
@@ -743,7 +799,7 @@ def run_sft(run: Run, model, items: list, optimizer, s: SFTSettings, pad_id: int
         batch = [items[rng.randrange(len(items))] for _ in range(s.batch)]
         tdam = rng.random() < s.tdam_ratio
         loss, n_tok = sft_backward(model, batch, s.micro_batch, pad_id, s.loss_chunk or None, tokenizer if tdam else None,
-                                   s.compile, run.counters)
+                                   s.compile, run.counters, s.precision)
         if tdam and run.counters.get("tdam_no_answer") and "tdam" not in run.warned:
             run.warned.add("tdam")
             print0(run.rank, "TDAM: a trajectory has no <answer> after its prompt, so it keeps the causal mask "
@@ -769,17 +825,12 @@ def main(rank: int, args) -> dict:
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     run = Run(args.run_dir, rank, world, args.seed, args.save_every, args.keep_last, args.strict,
-              args.max_bad_fraction, args.report_to)
+              args.max_bad_fraction, args.report_to, export_dtype=torch.bfloat16 if args.precision == "bf16" else None)
     print0(rank, json.dumps({"settings": vars(args), "world": world, "device": str(device)}))
     ckpt = runtime.latest_checkpoint(args.run_dir) if args.resume else None
-    model, processor = model_lib.load_model(ckpt or args.model, device=device, seed=args.seed,
-                                            tiny_corpus=rollout.prompt_corpus())
+    model, processor = policy_model(ckpt or args.model, device, args.precision, world, args.seed, args.grad_checkpointing)
     pad_id = processor.tokenizer.pad_token_id
     run.processor = processor
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable()
-    if world > 1:
-        runtime.shard_model(model)
     if args.data:
         train_recs, held, video_root, held_note = data.load_data(args.data, args.eval_data, args.video_root, args.held_out,
                                                             args.seed, args.max_bad_fraction, lambda m: print0(rank, m))
@@ -791,7 +842,11 @@ def main(rank: int, args) -> dict:
     cfg = rollout_config(args)
     state = run.resume(ckpt, model) if ckpt else None
     stage0, step0 = (state["stage"], state["step"]) if state else (None, 0)
-    evaluate = lambda m, name: evaluate_held_out(m, processor, held, video_root, cfg, run, name)
+
+    def evaluate(m, name: str) -> dict:
+        with autocast(args.precision, device):
+            return evaluate_held_out(m, processor, held, video_root, cfg, run, name)
+
     summary = {}
     if args.stage == "all" and not state:
         summary["before"] = evaluate(model, "before")
@@ -810,8 +865,8 @@ def main(rank: int, args) -> dict:
     if args.stage in ("all", "rl"):
         optimizer = make_optimizer(model, args.lr, args.vision_lr_scale)
         run.load_optimizer(ckpt, model, optimizer, state, "rl")
-        ref_model = reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed) \
-            if args.kl_coef > 0 else None
+        ref_model = reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed,
+                                    PRECISION[args.precision]) if args.kl_coef > 0 else None
         with video.DecodePool(args.decode_workers, args.decode_timeout,
                               video.FrameCache(int(args.frame_cache_gb * 2 ** 30), disk_dir=args.frame_cache)) as pool:
             run_rl(run, model, ref_model, processor, optimizer, train_recs, video_root, cfg, grpo_settings(args),
@@ -857,13 +912,47 @@ def print_summary(summary: dict, png: str | None) -> None:
     print(json.dumps(summary))
 
 
-def reference_model(run_dir: str, model_path: str, after_sft: bool, device, seed: int):
+def reference_model(run_dir: str, model_path: str, after_sft: bool, device, seed: int,
+                    dtype: torch.dtype = torch.float32):
     """The frozen reference for KL: the policy as RL began (this run's last SFT checkpoint when SFT ran before,
-    else the model RL started from)."""
+    else the model RL started from), in the compute dtype (bf16 for --precision bf16: no master copy needed)."""
     sft = [d for o, _, d in runtime.checkpoints(run_dir) if o == runtime.STAGE_ORDER["sft"]]
     src = os.path.join(run_dir, sft[-1]) if sft and after_sft else model_path
-    ref, _ = model_lib.load_model(src, device=device, seed=seed, tiny_corpus=rollout.prompt_corpus())
+    ref, _ = model_lib.load_model(src, device=device, dtype=dtype, seed=seed, tiny_corpus=rollout.prompt_corpus())
     return ref.requires_grad_(False).eval()
+
+
+PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16}     # --precision -> the compute dtype
+
+
+def policy_model(source: str, device, precision: str, world: int, seed: int = 0, grad_checkpointing: bool = False):
+    """(model, processor): the policy to train. Its parameters are fp32 whatever the precision: they are the master
+    weights AdamW updates (a bf16 weight does not move under an update below half its ulp: at lr 1e-6, nearly
+    none does). bf16 is the compute dtype: `autocast` around the forward passes, and with FSDP2 (world > 1) the
+    dtype the shards are all-gathered in (gradients reduce-scattered in fp32, runtime.shard_model)."""
+    model, processor = model_lib.load_model(source, device=device, dtype=torch.float32, seed=seed,
+                                            tiny_corpus=rollout.prompt_corpus())
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    if world > 1:
+        runtime.shard_model(model, PRECISION[precision])
+    return model, processor
+
+
+def autocast(precision: str, device: torch.device):
+    """The forward passes' compute dtype (docs/method.md §8): bf16 runs them under torch.autocast (matmuls and
+    attention in bf16 on the fp32 parameters; backward outside it, as autocast asks), fp32 as they are."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+
+
+def head_inputs(hidden: torch.Tensor, weight: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, lm_head weight) for the fused kernels (ops.token_loss / token_logprobs), both in the compute dtype.
+    The kernels run their own GEMMs, which autocast does not reach, and they take one dtype: under autocast on fp32
+    parameters the final norm's output and the weight are fp32, so bf16 casts both here (the cast's backward hands
+    the weight's gradient to the fp32 master in fp32). Under FSDP2's bf16 policy both are bf16 already."""
+    if precision != "bf16":
+        return hidden, weight
+    return hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
 
 
 def make_optimizer(model, lr: float, vision_lr_scale: float = 1.0) -> torch.optim.AdamW:
@@ -880,6 +969,10 @@ def make_optimizer(model, lr: float, vision_lr_scale: float = 1.0) -> torch.opti
             p.requires_grad_(False)
         vision = []
     groups = [{"params": rest, "lr_scale": 1.0}] + ([{"params": vision, "lr_scale": vision_lr_scale}] if vision else [])
+    low = sorted({str(p.dtype) for g in groups for p in g["params"] if p.dtype != torch.float32})
+    if low:      # an AdamW step on bf16 weights rounds away any update below half an ulp (lr 1e-6: nearly all)
+        raise ValueError(f"make_optimizer: AdamW updates fp32 master weights only, got {low} parameters; load the "
+                         f"policy with train.policy_model (--precision bf16 computes in bf16 on fp32 weights)")
     optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     set_lr(optimizer, lr)
     return optimizer
@@ -909,7 +1002,8 @@ def rollout_config(args) -> rollout.RolloutConfig:
 
 def sft_settings(args) -> SFTSettings:
     return SFTSettings(steps=args.sft_steps, batch=args.sft_batch, micro_batch=args.sft_micro_batch, lr=args.sft_lr,
-                       tdam_ratio=args.tdam_ratio, loss_chunk=args.loss_chunk, compile=bool(args.compile))
+                       tdam_ratio=args.tdam_ratio, loss_chunk=args.loss_chunk, compile=bool(args.compile),
+                       precision=args.precision)
 
 
 def grpo_settings(args) -> GRPOSettings:

@@ -96,6 +96,31 @@ def test_logprobs_in_the_loss_use_the_sampling_temperature(tiny, encoded):
     assert not torch.allclose(got[mask], train.forward_logprobs(model, batch, 64, compile=False)[mask])
 
 
+def test_kl_in_the_reward_is_subtracted_after_shaping(monkeypatch):
+    """ParaVT with shaping: the task reward is shaped first, then beta * sum_t k1 is subtracted (verl's
+    use_kl_in_reward), then the group is normalised. Before, the KL was folded in first and then scaled by 10 and
+    clipped along with the reward. By hand, group of 3, R = (1, 0, 0), sum_t k1 = (0, 100, 0), beta = 0.01:
+      shaped = clip(10 (R - 0.2), +-20) = (8, -2, -2);  R' = shaped - 0.01 KL = (8, -3, -2)
+      mean 1, deviations (7, -4, -3), sample std sqrt((49 + 16 + 9) / 2) = sqrt(37)  ->  A = (7, -4, -3) / sqrt(37)
+    (the old order: R - 0.01 KL = (1, -1, 0) -> shaped (8, -12, -2) -> A = (10, -10, 0) / 10)."""
+    G = 3
+
+    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None):
+        return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, []) for r in recs for s in range(G)]
+
+    monkeypatch.setattr(rollout, "run_agent", fake_agent)
+    monkeypatch.setattr(rewards, "score_trajectory", lambda t, *a: (float(t.sample == 0), {"acc": 0.0, "anchor": 0.0}))
+    monkeypatch.setattr(train, "sequence_kl", lambda model, ref, trajs, s, pad: [100.0 * (t.sample == 1) for t in trajs])
+    model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
+    s = train.GRPOSettings(group_size=G, prompts_per_step=1, shaping=True, kl_coef=0.01, kl_in_reward=True,
+                           mask_truncated=False)
+    g = train.collect_groups(SimpleNamespace(seed=0, rank=0, world=1), model, object(), None, [{"id": "r0"}], "",
+                             rollout.RolloutConfig(), s, 1, 0)
+    adv = [a for _, a, _ in g.items]
+    assert adv == pytest.approx([7 / 37 ** 0.5, -4 / 37 ** 0.5, -3 / 37 ** 0.5], abs=1e-5)
+    assert g.rewards.tolist() == [1.0, 0.0, 0.0] and g.seq_kl.tolist() == [0.0, 100.0, 0.0]   # both logged
+
+
 def test_sequence_kl_is_the_sum_of_k1_over_policy_tokens(tiny, encoded):
     model, _ = tiny
     trajs, batch = encoded
@@ -128,7 +153,7 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
     monkeypatch.setattr(rewards, "score_trajectory", fake_score)
     model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
     records = [{"id": f"r{i}"} for i in range(10)]
-    run = SimpleNamespace(seed=0, rank=0)
+    run = SimpleNamespace(seed=0, rank=0, world=1)
     s = train.GRPOSettings(group_size=G, prompts_per_step=3, dynamic_sampling=True, max_draws=4, mask_truncated=False)
     g = train.collect_groups(run, model, None, None, records, "", rollout.RolloutConfig(), s, 1, 0)
     assert g.draws == 2 and calls == [3, 3]
@@ -140,39 +165,94 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
     assert g.draws == 1 and g.items == []
 
 
+# ----------------------------------------------------------------------------- the global batch split over ranks
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("prompts", [1, 2, 7, 32])
+def test_draw_prompts_splits_the_global_batch_over_ranks(world, prompts):
+    """--prompts-per-step is the papers' global batch (ParaVT 7, Video-o3 32): the ranks' draws add up to it, the
+    remainder on the first ranks (before, every rank drew all of it: --gpus 8 trained on 8x the batch)."""
+    records = [{"id": f"r{i}"} for i in range(50)]
+    s = train.GRPOSettings(prompts_per_step=prompts)
+    counts = [len(train.draw_prompts(records, s, 0, rank, world, step=1)[0]) for rank in range(world)]
+    assert sum(counts) == prompts
+    assert counts == [prompts // world + (rank < prompts % world) for rank in range(world)]
+
+
+@pytest.mark.parametrize("world, rank, prompts, share", [(2, 0, 3, 2), (2, 1, 3, 1), (3, 2, 2, 0)])
+def test_dynamic_sampling_fills_the_ranks_share(world, rank, prompts, share, monkeypatch):
+    """Dynamic sampling draws until the rank holds its share of the global batch with signal; a rank whose share is
+    0 rolls out nothing (and still joins the update through policy_update's zero-weight passes)."""
+    G, calls = 2, []
+
+    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None):
+        calls.append(len(recs))
+        return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, []) for r in recs for s in range(G)]
+
+    monkeypatch.setattr(rollout, "run_agent", fake_agent)
+    monkeypatch.setattr(rewards, "score_trajectory", lambda t, *a: (float(t.sample), {"acc": 0.0, "anchor": 0.0}))
+    model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
+    s = train.GRPOSettings(group_size=G, prompts_per_step=prompts, dynamic_sampling=True, max_draws=4,
+                           mask_truncated=False)
+    g = train.collect_groups(SimpleNamespace(seed=0, rank=rank, world=world), model, None, None,
+                             [{"id": f"r{i}"} for i in range(10)], "", rollout.RolloutConfig(), s, 1, 0)
+    assert calls == ([share] if share else []) and len(g.items) == share * G and g.n_groups == share
+
+
 # ----------------------------------------------------------------------------- two ranks (gloo)
 
-def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str, loss_chunk: int = 0) -> None:
-    """One policy_update on `world` gloo ranks (world 1: no process group), the full weights saved to `out`.
-    loss_chunk 0: the tiny model's logits are small, so token_loss takes its plain path; > 0: the fused chunks."""
+def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str, loss_chunk: int = 0,
+                 precision: str = "fp32", adamw_lr: float | None = None) -> None:
+    """One policy_update on `world` gloo ranks (world 1: no process group), the full weights saved to `out`, the
+    full gradients and what the first decoder layer's MLP and the collectives ran in to `out`.extra.
+    loss_chunk 0: the tiny model's logits are small, so token_loss takes its plain path; > 0: the fused chunks.
+    precision: --precision (bf16: fp32 master weights, bf16 compute, fp32 gradient reduction). adamw_lr: AdamW
+    (train.make_optimizer) at that rate instead of SGD at lr 1."""
     torch.set_num_threads(1)
     if world > 1:                      # (a spawned rank's own environment; world 1 runs in the test process)
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    model, processor = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
-    if world > 1:
-        runtime.shard_model(model)
+    model, processor = train.policy_model("tiny", torch.device("cpu"), precision, world)
+    seen = {"mlp": set(), "all_gather": set(), "reduce_scatter": set()}
+    hook = model.model.language_model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda m, i, o: seen["mlp"].add((str(i[0].dtype), str(m.weight.dtype))))
+    collectives = {}
+    for name in ("all_gather", "reduce_scatter"):      # what FSDP2 sends (torch 2.14: all_gather_single, ...)
+        real = collectives[name] = getattr(torch.distributed, f"{name}_single", None)
+        if real is not None:
+            setattr(torch.distributed, f"{name}_single",
+                    lambda *a, _n=name, _f=real, **k: seen[_n].add(str((k.get("input") if "input" in k else a[1]).dtype))
+                    or _f(*a, **k))
     trajs = torch.load(items_of_rank["trajs"], weights_only=False)
     mine = [(trajs[i], adv, {"anchor": 0.0}) for i, adv in items_of_rank[rank]]
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    s = train.GRPOSettings(micro_batch=1, temperature=0.7, loss_chunk=loss_chunk)
-    step = lambda loss: (optimizer.step(), optimizer.zero_grad())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0) if adamw_lr is None else \
+        train.make_optimizer(model, adamw_lr, vision_lr_scale=1.0)
+    s = train.GRPOSettings(micro_batch=1, temperature=0.7, loss_chunk=loss_chunk, precision=precision)
+    full = lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+    grads = {}
+    step = lambda loss: (grads.update({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}),
+                         optimizer.step(), optimizer.zero_grad())
     gn, _ = train.policy_update(model, None, optimizer, mine, s, processor.tokenizer.pad_token_id, processor.tokenizer, world,
                                 filler=trajs[0], step_fn=step)
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    hook.remove()
+    for name, real in collectives.items():
+        if real is not None:
+            setattr(torch.distributed, f"{name}_single", real)
+    params = {n: full(p) for n, p in model.named_parameters()}
     if rank == 0:
         torch.save(params, out)
+        torch.save({"grads": grads, "seen": seen}, out + ".extra")
     if world > 1:
         torch.distributed.barrier()       # no rank tears the group down while another still talks to it
         torch.distributed.destroy_process_group()
 
 
-def _run_ranks(world: int, items_of_rank: dict, out: str, loss_chunk: int = 0) -> dict:
+def _run_ranks(world: int, items_of_rank: dict, out: str, loss_chunk: int = 0, **kw) -> dict:
     if world == 1:
-        _rank_update(0, 1, 0, items_of_rank, out, loss_chunk)
+        _rank_update(0, 1, 0, items_of_rank, out, loss_chunk, **kw)
     else:
-        torch.multiprocessing.spawn(_rank_update, args=(world, runtime.find_free_port(), items_of_rank, out, loss_chunk),
-                                    nprocs=world)
+        torch.multiprocessing.spawn(_rank_update, args=(world, runtime.find_free_port(), items_of_rank, out, loss_chunk,
+                                                        *kw.values()), nprocs=world)
     return torch.load(out, weights_only=True)
 
 
@@ -212,6 +292,32 @@ def test_two_rank_update_through_the_fused_chunks_equals_the_plain_loss(encoded,
     for n in one_plain:
         torch.testing.assert_close(one_fused[n], one_plain[n], atol=2e-5, rtol=1e-4, msg=n)
         torch.testing.assert_close(two_fused[n], one_plain[n], atol=2e-5, rtol=1e-4, msg=n)
+
+
+def test_two_rank_bf16_update_keeps_fp32_master_weights(encoded, tmp_path):
+    """--precision bf16 on 2 FSDP2 gloo ranks: the parameters (each rank's shard, what AdamW updates) stay fp32,
+    the forward computes in bf16 (the shards all-gathered in bf16, a decoder layer's weight and input bf16) and
+    the gradients are reduce-scattered in fp32; one AdamW step at lr 1e-6 moves more than 99 % of the weights with a
+    gradient, and the gradient agrees with one fp32 process's to bf16 accuracy (cosine > 0.999, relative error < 5 %)."""
+    trajs, _ = encoded
+    torch.save(trajs, tmp_path / "trajs.pt")
+    items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)]}
+    init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
+    two = _run_ranks(2, items, str(tmp_path / "two.pt"), 0, precision="bf16", adamw_lr=1e-6)
+    extra = torch.load(str(tmp_path / "two.pt") + ".extra", weights_only=False)
+    assert {t.dtype for t in two.values()} == {torch.float32}
+    assert extra["seen"]["mlp"] == {("torch.bfloat16", "torch.bfloat16")}
+    assert extra["seen"]["all_gather"] == {"torch.bfloat16"} and extra["seen"]["reduce_scatter"] == {"torch.float32"}
+    grads = extra["grads"]
+    has_grad = {n: g != 0 for n, g in grads.items()}
+    moved = sum(int((two[n] != p.detach())[has_grad[n]].sum()) for n, p in init.named_parameters() if n in grads)
+    assert moved / sum(int(m.sum()) for m in has_grad.values()) > 0.99
+    _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "one.pt"))
+    ref = torch.load(str(tmp_path / "one.pt") + ".extra", weights_only=False)["grads"]
+    flat = lambda g: torch.cat([g[n].flatten() for n in sorted(ref)]).double()
+    assert set(grads) == set(ref)
+    a, b = flat(grads), flat(ref)
+    assert float(a @ b / (a.norm() * b.norm())) > 0.999 and float((a - b).norm() / b.norm()) < 0.05   # measured 0.014
 
 
 # ----------------------------------------------------------------------------- both tokenizers

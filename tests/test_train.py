@@ -116,6 +116,7 @@ def test_stage_rl_alone(tmp_path):
     for r in rows:
         assert all(k in r for k in RL_METRICS), [k for k in RL_METRICS if k not in r]
         assert r["lr"] > 0 and r["step_time"] > 0 and r["tokens_per_s"] > 0
+        assert r["groups"] == 2                       # --prompts-per-step 2 on one rank
     assert runtime.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
 
 
@@ -168,13 +169,16 @@ def varied_reward(traj, record, recipe, anchoring, released_scoring):
 SCORE = rewards.score_trajectory
 
 
-def test_resume_is_exact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_exact(tmp_path, monkeypatch, precision):
     """Stopped after step 2 and resumed to step 4 == 4 steps in one go, bit for bit (CPU, fixed seeds).
     The stop is an exception in the rollout of step 3 (after checkpoint 2), not `--rl-steps 2`: the
-    cosine schedule depends on --rl-steps, so a 2-step run is a different run."""
+    cosine schedule depends on --rl-steps, so a 2-step run is a different run. bf16 (--device cpu --precision
+    bf16, the GPU's arithmetic): the checkpoints' exports are bf16, and the resumed run takes the fp32 master
+    weights from train_state (from the bf16 export, steps 3-4 would start from rounded weights)."""
     monkeypatch.setattr(rewards, "score_trajectory", varied_reward)
     argv = lambda d: smoke_argv(d, "--stage", "rl", "--rl-steps", "4", "--save-every", "1", "--mask-truncated", "0",
-                                "--prompts-per-step", "1")
+                                "--prompts-per-step", "1", "--device", "cpu", "--precision", precision)
     run(argv(tmp_path / "straight"))
 
     real_run_agent, calls = rollout.run_agent, []
@@ -197,6 +201,7 @@ def test_resume_is_exact(tmp_path, monkeypatch):
     assert not diff, f"resumed run differs from the straight run: {diff}"
     moved = weights(tmp_path / "straight" / "ckpt-rl-000002")
     assert any(not torch.equal(a[k], moved[k]) for k in a), "steps 3-4 did not change the weights"
+    assert {t.dtype for t in a.values()} == {dict(fp32=torch.float32, bf16=torch.bfloat16)[precision]}
     rows_a, rows_b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
     for ra, rb in zip(rows_a, rows_b):                   # same rewards, same gradients, step by step
@@ -210,10 +215,12 @@ def test_resume_is_exact(tmp_path, monkeypatch):
 def test_fsdp_two_cpu_processes(tmp_path, cache):
     """`--gpus 2 --device cpu`: FSDP2 over gloo trains (SFT and RL steps) end to end, evaluates, and the checkpoint
     rank 0 gathered moved every parameter (their gradients arrived through the shards). The 2-rank update equals
-    one process's: tests/test_rl_correctness.py."""
+    one process's: tests/test_rl_correctness.py. --prompts-per-step is the global batch, as on one rank
+    (test_stage_rl_alone): 1 prompt on 2 ranks is 1 group a step (before: 1 per rank, 2 in all), and rank 1, whose
+    share is 0, rolls out nothing yet joins every collective of the update (zero-weight passes on a filler)."""
     env = {**os.environ, "PARAVT_CACHE": cache, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "train.py", *smoke_argv(tmp_path, "--stage", "all", "--sft-steps", "1", "--sft-batch", "2",
-                                                     "--n-eval", "1", "--mask-truncated", "0"),
+                                                     "--n-eval", "1", "--mask-truncated", "0", "--prompts-per-step", "1"),
            "--gpus", "2", "--device", "cpu", "--vision-lr-scale", "1"]      # the vision tower trains too
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -223,6 +230,7 @@ def test_fsdp_two_cpu_processes(tmp_path, cache):
     unchanged = [n for n, p in init.named_parameters() if torch.equal(saved[n], p.detach())]
     assert not unchanged, f"FSDP training left these untouched (their gradients never arrived): {unchanged}"
     assert [r["step"] for r in metrics(tmp_path) if r["stage"] == "rl"] == [1, 2]
+    assert [r["groups"] for r in metrics(tmp_path) if r["stage"] == "rl"] == [1, 1]
     assert sorted(os.listdir(tmp_path / "ckpt-rl-000002" / "train_state")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
@@ -619,6 +627,69 @@ def test_vision_lr_scale(scale):
     opt.step()
     moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
     assert "lm_head.weight" in moved and "model.language_model.embed_tokens.weight" in moved
+
+
+# -----------------------------------------------------------------------------
+# mixed precision: bf16 compute on fp32 master weights, fp32 AdamW state
+
+def one_step(model, optimizer, items: list, pad_id: int, precision: str) -> tuple[float, set]:
+    """One SFT step (sft_backward + optimizer.step): the fraction of the weights with a nonzero gradient that the
+    step changed, and the dtypes the first decoder layer's MLP computed in."""
+    seen = set()
+    hook = model.model.language_model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
+    model.train()
+    train.sft_backward(model, items, 2, pad_id, compile=False, precision=precision)
+    hook.remove()
+    has_grad = {n: p.grad != 0 for n, p in model.named_parameters() if p.grad is not None}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    moved = sum(int((before[n] != p.detach())[has_grad[n]].sum()) for n, p in model.named_parameters() if n in has_grad)
+    return moved / sum(int(g.sum()) for g in has_grad.values()), seen
+
+
+def test_bf16_step_moves_the_fp32_master_weights(tdam_batch):
+    """--precision bf16 as a GPU runs it, here on CPU: parameters and AdamW state stay fp32 (master weights), the
+    forward computes in bf16 (autocast), and one AdamW step at lr 1e-6 moves more than 99 % of the weights that
+    have a gradient. The control: pure-bf16 parameters under a bf16 AdamW (the model loaded bf16, as CUDA runs
+    trained before) move a few percent, since an update of 1e-6 is below half a bf16 ulp of almost every weight."""
+    trajs, _ = tdam_batch
+    model, processor = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    pad_id = processor.tokenizer.pad_token_id
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    optimizer = train.make_optimizer(model, 1e-6, vision_lr_scale=1.0)
+    moved, dtypes = one_step(model, optimizer, trajs, pad_id, "bf16")
+    assert dtypes == {torch.bfloat16} and moved > 0.99, (dtypes, moved)
+    assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {torch.float32}
+    pure = model_lib.load_model("tiny", device="cpu", dtype=torch.bfloat16, seed=0, tiny_corpus=rollout.prompt_corpus())[0]
+    moved_pure, _ = one_step(pure, torch.optim.AdamW(pure.parameters(), lr=1e-6, weight_decay=0.0), trajs, pad_id, "bf16")
+    assert moved_pure < 0.1, moved_pure
+    with pytest.raises(ValueError, match="fp32"):            # never an AdamW step on bf16 parameters
+        train.make_optimizer(pure, 1e-6)
+
+
+def test_bf16_checkpoint_exports_bf16_and_resumes_the_fp32_master_weights(tmp_path, tdam_batch):
+    """Trained in bf16, a checkpoint's Hugging Face export (model.safetensors, config dtype) is bf16, what a
+    serving stack loads; its train_state keeps the fp32 master weights and fp32 AdamW moments, and a resumed run
+    takes its weights from there (exactly), not from the bf16 export."""
+    trajs, _ = tdam_batch
+    model, processor = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    optimizer = train.make_optimizer(model, 1e-3, vision_lr_scale=1.0)
+    one_step(model, optimizer, trajs, processor.tokenizer.pad_token_id, "bf16")
+    run_ = runtime.Run(str(tmp_path), 0, 1, 0, 50, 3, False, 0.2, export_dtype=torch.bfloat16)
+    run_.processor = processor
+    ckpt = run_.save("sft", 1, model, optimizer)
+    export = weights(ckpt)
+    assert {t.dtype for t in export.values()} == {torch.bfloat16}
+    assert json.load(open(os.path.join(ckpt, "config.json")))["dtype"] == "bfloat16"
+    master = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert any(not torch.equal(master[n], export[n].float()) for n in master)   # the export is rounded
+    fresh, _ = train.policy_model(ckpt, torch.device("cpu"), "bf16", world=1, seed=0)
+    assert {p.dtype for p in fresh.parameters()} == {torch.float32}
+    runtime.Run(str(tmp_path), 0, 1, 0, 50, 3, False, 0.2).resume(ckpt, fresh)
+    assert all(torch.equal(p.detach(), master[n]) for n, p in fresh.named_parameters())
+    opt2 = train.make_optimizer(fresh, 1e-3, vision_lr_scale=1.0)
+    runtime.load_train_state(ckpt, fresh, opt2)
+    assert {s["exp_avg"].dtype for s in opt2.state.values()} == {torch.float32}
 
 
 # -----------------------------------------------------------------------------
