@@ -153,7 +153,8 @@ def _tiny_sharded(world: int):
 
 def _held_out_rank(rank: int, world: int, port: int, run_dir: str, cache: str) -> None:
     """train.evaluate_held_out on `world` ranks (FSDP2-sharded tiny model); logs the ids this rank ran and the
-    metrics it got to run_dir/rank<r>.json."""
+    metrics it got to run_dir/rank<r>.json. On 2 ranks, then an evaluation of one question (rank 1 runs no
+    forward) and a training forward and backward on both ranks."""
     if world > 1:
         _init(rank, world, port)
     model, processor = _tiny_sharded(world)
@@ -171,13 +172,22 @@ def _held_out_rank(rank: int, world: int, port: int, run_dir: str, cache: str) -
         metrics = train.evaluate_held_out(model, processor, records, cache, cfg, run, "final", report_questions=2)
     finally:
         ev.agent_runner = real                      # (world 1 runs in the test process)
-    Path(run_dir, f"rank{rank}.json").write_text(json.dumps({"ran": ran, "metrics": metrics}))
+    trained = None
+    if world > 1:                                   # one question: rank 1 runs no forward, then both train
+        train.evaluate_held_out(model, processor, records[:1], cache, cfg, run, "one", report_questions=0)
+        ids = torch.arange(16).view(1, 16)
+        for _ in range(2):
+            model(input_ids=ids).logits.float().sum().backward()
+        trained = all(p.grad is not None for n, p in model.named_parameters() if ".visual." not in f".{n}")
+    Path(run_dir, f"rank{rank}.json").write_text(json.dumps({"ran": ran, "metrics": metrics, "trained": trained}))
     runtime.finish(world)
 
 
 def test_held_out_evaluation_is_split_over_the_ranks(tmp_path):
     """Each of 2 ranks runs its share of the held-out questions (i -> rank i % 2, none runs them all); the
-    merged RUN_DIR/eval/final.jsonl and the metrics every rank returns equal one process's."""
+    merged RUN_DIR/eval/final.jsonl and the metrics every rank returns equal one process's. A rank left
+    without questions and one that had some enter the next training step alike (before: a collective
+    mismatch in the backward, FSDP's record of one rank's evaluation forwards steering its prefetching)."""
     cache = str(tmp_path / "cache")
     _held_out_rank(0, 1, 0, str(tmp_path / "one"), cache)
     torch.multiprocessing.spawn(_held_out_rank, args=(2, runtime.find_free_port(), str(tmp_path / "two"), cache), nprocs=2)
@@ -188,8 +198,9 @@ def test_held_out_evaluation_is_split_over_the_ranks(tmp_path):
     assert two[0]["metrics"] == two[1]["metrics"] == one["metrics"]
     merged, single = (ev.read_predictions(tmp_path / d / "eval" / "final.jsonl") for d in ("two", "one"))
     assert _same(merged) == _same(single)
-    assert sorted(os.listdir(tmp_path / "two" / "eval")) == ["final.jsonl"]
+    assert sorted(os.listdir(tmp_path / "two" / "eval")) == ["final.jsonl", "one.jsonl"]
     assert (tmp_path / "two" / "report" / "final" / "index.html").is_file()
+    assert two[0]["trained"] is True and two[1]["trained"] is True
 
 
 def _best_rank(rank: int, world: int, port: int, run_dir: str) -> None:
@@ -225,29 +236,3 @@ def test_best_checkpoint_is_decided_once_on_two_ranks(tmp_path):
     assert json.loads((tmp_path / "best.json").read_text())["checkpoint"] == "ckpt-rl-000002"
     assert [d for _, _, d in runtime.checkpoints(str(tmp_path))] == ["ckpt-rl-000001", "ckpt-rl-000002", "ckpt-rl-000003"]
 
-
-def _no_question_rank(rank: int, world: int, port: int, run_dir: str, cache: str) -> None:
-    """One held-out question on 2 FSDP2 ranks (rank 1 runs no forward in the evaluation), then a training
-    forward and backward on both."""
-    _init(rank, world, port)
-    model, processor = _tiny_sharded(world)
-    records = data.make_split(cache, 1, seed=11)
-    run = runtime.Run(run_dir, rank, world, 0, 100, 0, False, 1.0)
-    run.processor = processor
-    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 4})
-    train.evaluate_held_out(model, processor, records, cache, cfg, run, "final", report_questions=0)
-    ids = torch.arange(16).view(1, 16)
-    for _ in range(2):
-        model(input_ids=ids).logits.float().sum().backward()
-    grads = [p.grad is not None for n, p in model.named_parameters() if ".visual." not in f".{n}"]   # text only
-    Path(run_dir, f"trained{rank}").write_text(json.dumps(all(grads)))
-    runtime.finish(world)
-
-
-def test_a_rank_without_questions_trains_on(tmp_path):
-    """A rank that ran no forward in the held-out evaluation (fewer questions than ranks) and one that did
-    enter the next training step alike: the backward's all-gathers match (before: a collective mismatch,
-    FSDP's record of the other rank's evaluation forwards steering its prefetching)."""
-    cache = str(tmp_path / "cache")
-    torch.multiprocessing.spawn(_no_question_rank, args=(2, runtime.find_free_port(), str(tmp_path), cache), nprocs=2)
-    assert [json.loads((tmp_path / f"trained{r}").read_text()) for r in (0, 1)] == [True, True]
