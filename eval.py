@@ -407,13 +407,13 @@ def turn_lines(traj, responses: list[str] | None) -> list[str]:
     return lines
 
 
-def ask(model, processor, record: dict, video_root: str, cfg, report_dir: str | None = None,
-        out=sys.stdout) -> dict:
+def ask(model, processor, record: dict, video_root: str, cfg, report_dir: str | None = None, out=None) -> dict:
     """The greedy agent on one asked question: each turn printed to `out` as it completes (turn_lines), then
     the answer alone on the last line (whitespace folded to one line; empty when the final turn has none).
-    `report_dir`: the trajectory report page of it. Returns the predictions row; a video that fails to decode
-    raises ValueError with its reason."""
+    `report_dir`: the trajectory report page of it. `out`: default sys.stdout. Returns the predictions row; a
+    video that fails to decode raises ValueError with its reason."""
     import rollout
+    out = out or sys.stdout
     greedy = dataclasses.replace(cfg, temperature=0.0, group_size=1)
     show = lambda traj, responses: print("\n".join(turn_lines(traj, responses)), file=out, flush=True)
     [traj] = rollout.run_agent(model, processor, [record], video_root, greedy, on_turn=show)
@@ -422,7 +422,8 @@ def ask(model, processor, record: dict, video_root: str, cfg, report_dir: str | 
     row = trajectory_row(record, traj, processor)
     if report_dir:
         import report as trajectory_report
-        say(f"trajectory report: {trajectory_report.write_report(report_dir, [record], [row], video_root=video_root, title=record['question'])}")
+        page = trajectory_report.write_report(report_dir, [record], [row], video_root=video_root, title=record["question"])
+        say(f"trajectory report: {page}")
     if row["answer"] is None:
         say("no answer: the final turn has no <answer>...</answer>")
     print(" ".join(str(row["answer"] or "").split()), file=out, flush=True)
