@@ -1,19 +1,23 @@
 """
 Evaluation: run the agent on a benchmark's questions, keep its predictions (resumable JSONL) and score
-them with benchmarks.py's official-style scorers plus the agent figures of the trainer's table. One
-evaluation path: train.py's held-out evaluations call evaluate() too.
+them with benchmarks.py's official-style scorers plus the agent figures of the trainer's table; or ask it
+one question about one video. One evaluation path: train.py's held-out evaluations call evaluate() too.
 
-    running       evaluate(model, processor, records, video_root, cfg, bench) -> metrics;
-                  predict() (resumable JSONL; rows that ended in an error are run again),
-                  agent_runner(), trajectory_row()
+    running       evaluate(model, processor, records, video_root, cfg, bench, rank=, world=) -> metrics;
+                  predict() (resumable JSONL; rows that ended in an error are run again; with N processes
+                  question i on rank i % N, one file per rank, merged by rank 0 in record order), Progress
+                  (one bar over every rank's questions), agent_runner(), trajectory_row()
     figures       agent_figures(records, rows): format compliance, tool-call ratio, clue score, tool
                   turns, r_acc; error_reasons(rows)
     presets       rollout_config(): each paper's protocol (rollout.PRESETS, shared with train.py) for evaluation
+    ask           ask_record(video, question, options), ask(): each turn printed as it completes
+                  (rollout.run_agent's on_turn, turn_lines), the answer alone on the last line
     CLI           python eval.py                                    # synthetic split, tiny model (CPU smoke)
                   python eval.py --bench records --annotations my_records.jsonl --video-root DIR --model ckpt/
-                  python eval.py --bench mlvu --annotations MLVU/data/1_plotQA.json --video-root MLVU \
+                  python eval.py --gpus 8 --bench mlvu --annotations MLVU/data/1_plotQA.json --video-root MLVU \
                       --model ckpt/ --preset videoo3 --out runs/eval/mlvu.jsonl
                   python eval.py --bench mlvu --annotations ... --predictions runs/eval/mlvu.jsonl  # re-score
+                  python eval.py --model ckpt/ --video clip.mp4 --question "..." [--options "A. x|B. y"]
 
 Two accuracies, told apart by name: `accuracy` is the official-style figure in % over mcq / oe
 questions (grounding questions report `miou`, R@k), as the papers print it; `r_acc` is the training
@@ -29,6 +33,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +42,8 @@ from tqdm import tqdm
 
 import data
 import rewards
+import runtime
+import video
 from benchmarks import (BENCHES, EXTRACTORS, TIME_EXTRACTORS, describe, format_report, load, score, sniff,
                         synthetic_records)
 from rollout import PRESETS
@@ -46,12 +53,11 @@ def say(message: str) -> None:
     """A progress message on stderr that never glues onto a progress bar."""
     tqdm.write(message, file=sys.stderr)
 
-# ----------------------------------------------------------------------------- predictions (resumable)
+# ----------------------------------------------------------------------------- predictions (resumable, one file per rank)
 
-def read_predictions(path) -> list[dict]:
-    """Rows of a predictions JSONL file (each needs an id)."""
+def _rows_of(lines: list[str], path) -> list[dict]:
     rows = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+    for i, line in enumerate(lines):
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -62,30 +68,51 @@ def read_predictions(path) -> list[dict]:
     return rows
 
 
-def _resume(path: Path) -> list[dict]:
-    """Answered rows already written. A last line cut short by a crash is dropped, and so are rows that
-    ended in an error (they are run again): the file is rewritten atomically without them."""
+def read_predictions(path) -> list[dict]:
+    """Rows of a predictions JSONL file (each needs an id)."""
+    return _rows_of(Path(path).read_text(encoding="utf-8").splitlines(), path)
+
+
+def rank_path(out: Path, rank: int) -> Path:
+    """The predictions file rank `rank` of a multi-process evaluation writes beside `out` (merged into it)."""
+    return out.with_name(f"{out.name}.rank{rank}")
+
+
+def _rank_files(out: Path) -> list[Path]:
+    """Rank files of `out` left by a multi-process run (any number of ranks) that has not merged them yet."""
+    if not out.parent.is_dir():
+        return []
+    return sorted(out.parent / n for n in os.listdir(out.parent) if re.fullmatch(re.escape(out.name) + r"\.rank\d+", n))
+
+
+def remove_predictions(out) -> None:
+    """Delete a predictions file and the rank files beside it (a fresh evaluation, nothing to resume)."""
+    out = Path(out)
+    for p in [out, *_rank_files(out)]:
+        p.unlink(missing_ok=True)
+
+
+def _answered(path: Path) -> list[dict]:
+    """The answered rows of a predictions file, read only: a last line cut short by a crash is dropped, and so
+    are rows that ended in an error (they are run again); each is said."""
     if not path.exists():
         return []
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    changed = False
     if lines and not lines[-1].endswith("\n"):
         try:
             json.loads(lines[-1])
-            lines[-1] += "\n"
         except json.JSONDecodeError:
             say(f"{path}: dropping a truncated last line")
             lines.pop()
-        changed = True
-    if changed:
-        data.atomic_write(str(path), "".join(lines).encode("utf-8"))
-    rows = read_predictions(path)
+    rows = _rows_of(lines, path)
     failed = [r for r in rows if r.get("error")]
     if failed:
         say(f"{path}: {len(failed)} row(s) ended in an error last time; running them again")
-        rows = [r for r in rows if not r.get("error")]
-        data.atomic_write(str(path), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
-    return rows
+    return [r for r in rows if not r.get("error")]
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    data.atomic_write(str(path), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
 
 
 def error_row(record: dict, exc: BaseException) -> dict:
@@ -110,27 +137,82 @@ def _run_safely(run_batch: Callable, batch: list[dict]) -> list[dict]:
     return rows
 
 
-def predict(records: list[dict], run_batch: Callable, out_path=None, batch_size: int = 1) -> list[dict]:
+class Progress:
+    """One progress bar for the whole evaluation, drawn by rank 0: the questions answered by every rank (the
+    counts summed over the ranks once per round, `runtime.all_sums`, so every rank calls update() as often),
+    questions per minute, the error rows so far, and tqdm's time left."""
+
+    def __init__(self, total: int, done: int, rank: int = 0, world: int = 1):
+        done, = runtime.all_sums([done], world)
+        self.world, self.new, self.errors, self.t0 = world, 0, 0, time.time()
+        self.bar = tqdm(total=total, initial=int(done), desc="eval", file=sys.stderr, disable=rank != 0,
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+
+    def update(self, answered: int, errors: int) -> None:
+        answered, errors = map(int, runtime.all_sums([answered, errors], self.world))
+        self.new, self.errors = self.new + answered, self.errors + errors
+        per_minute = 60 * self.new / max(time.time() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{per_minute:.1f} q/min, {self.errors} error rows", refresh=False)
+        self.bar.update(answered)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def predict(records: list[dict], run_batch: Callable, out_path=None, batch_size: int = 1, rank: int = 0,
+            world: int = 1) -> list[dict] | None:
     """Rows for every record, in record order. Resumes: answered ids already in out_path are kept, not
-    redone (error rows are redone); each new row is appended to out_path as one JSON line and flushed."""
+    redone (error rows are redone); each new row is appended to out_path as one JSON line and flushed.
+
+    With `world` processes, rank r answers records[r::world] (question i -> rank i % world), appending to
+    its own file rank_path(out_path, r); rank 0 gathers every rank's rows, writes out_path in record order
+    and returns them (the other ranks return None), and the rank files go. Resume is per rank: a killed run
+    leaves the rank files, and the next run, on any number of ranks, keeps every answered row of out_path
+    and of all rank files. Rows of ids not in `records` stay in out_path (after the records' rows)."""
     ids = [r["id"] for r in records]
     if len(set(ids)) != len(ids):
         raise ValueError("records carry repeated ids")
     path = Path(out_path) if out_path else None
-    done = {str(r["id"]): r for r in (_resume(path) if path else [])}
-    todo = [r for r in records if r["id"] not in done]
+    mine = records[rank::world]
+    done = {}
     if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    with (open(path, "a", encoding="utf-8") if path else contextlib.nullcontext()) as f, \
-            tqdm(total=len(records), initial=len(records) - len(todo), desc="eval", file=sys.stderr) as bar:
-        for i in range(0, len(todo), batch_size):
-            for row in _run_safely(run_batch, todo[i:i + batch_size]):
+        for p in [path, *_rank_files(path)]:         # every answered row, whichever rank or run wrote it
+            done.update((str(r["id"]), r) for r in _answered(p))
+        runtime.barrier(world)                       # every rank has read every file before any rank writes
+        own = path if world == 1 else rank_path(path, rank)
+        known = set(ids)
+        order = ids + [i for i in done if i not in known] if world == 1 else [r["id"] for r in mine]
+        _write_rows(own, [done[i] for i in order if i in done])
+        if world == 1:
+            for p in _rank_files(path):              # folded into out_path above
+                p.unlink()
+    todo = [r for r in mine if r["id"] not in done]
+    rounds = -(-len(todo) // batch_size)
+    rounds = runtime.all_max(rounds) if world > 1 else rounds   # the same number of rounds on every rank
+    bar = Progress(len(records), len(mine) - len(todo), rank, world)
+    with (open(own, "a", encoding="utf-8") if path else contextlib.nullcontext()) as f:
+        for k in range(rounds):
+            rows = _run_safely(run_batch, todo[k * batch_size:(k + 1) * batch_size]) if k * batch_size < len(todo) else []
+            for row in rows:
                 done[str(row["id"])] = row
                 if f is not None:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
                     f.flush()
-                bar.update(1)
-    return [done[i] for i in ids]
+            bar.update(len(rows), sum(bool(r.get("error")) for r in rows))
+    bar.close()
+    if world == 1:
+        return [done[i] for i in ids]
+    shards = runtime.gather_objects([done[r["id"]] for r in mine], world)
+    merged = None
+    if rank == 0:
+        by_id = {str(r["id"]): r for shard in shards for r in shard}
+        merged = [by_id[i] for i in ids]
+        if path:
+            _write_rows(path, merged + [r for i, r in done.items() if i not in by_id])
+    runtime.barrier(world)                           # out_path holds every row before the rank files go
+    if path:
+        own.unlink()
+    return merged
 
 # ----------------------------------------------------------------------------- the agent
 
@@ -233,13 +315,15 @@ def report(bench: str, records: list[dict], rows: list[dict], extract: str | Non
 
 def evaluate(model, processor, records: list[dict], video_root: str, cfg, bench: str = "records",
              out_path=None, batch_size: int = 8, seed: int = 0, extract: str | None = None,
-             random_fallback: int | None = None) -> dict:
+             random_fallback: int | None = None, rank: int = 0, world: int = 1) -> dict:
     """Run the agent greedily (cfg with temperature 0, one sample per question) on `records`, resuming
     from out_path, and return report(): the official-style metrics plus the agent figures. A record
-    whose run fails is an error row with its reason, scored wrong."""
+    whose run fails is an error row with its reason, scored wrong. With `world` processes each rank runs
+    its share (predict()); rank 0 scores the merged rows once and every rank returns its metrics."""
     greedy = dataclasses.replace(cfg, temperature=0.0, group_size=1)
-    rows = predict(records, agent_runner(model, processor, video_root, greedy, seed), out_path, batch_size)
-    return report(bench, records, rows, extract=extract, random_fallback=random_fallback)
+    rows = predict(records, agent_runner(model, processor, video_root, greedy, seed), out_path, batch_size, rank, world)
+    metrics = report(bench, records, rows, extract=extract, random_fallback=random_fallback) if rank == 0 else None
+    return runtime.broadcast_object(metrics, world)
 
 
 def error_reasons(rows: list[dict], k: int = 5) -> list[tuple[int, str, str]]:
@@ -253,11 +337,114 @@ def error_reasons(rows: list[dict], k: int = 5) -> list[tuple[int, str, str]]:
         example.setdefault(reason(e), e)
     return [(n, r, example[r]) for r, n in counts.most_common(k)]
 
+# ----------------------------------------------------------------------------- ask: one question on one video
+
+def parse_options(text: str) -> list[str]:
+    """--options "A. red|B. blue|C. green" (or "red|blue|green") -> ["red", "blue", "green"]: 2 to 26 options
+    split on '|', lettered in order ("A. ", "A) " or "(A) ") or none lettered. ValueError naming what is wrong."""
+    parts = [p.strip() for p in text.split("|")]
+    example = 'e.g. --options "A. red|B. blue"'
+    if not 2 <= len(parts) <= 26:
+        raise ValueError(f"--options {text!r}: give 2 to 26 options separated by '|' ({example})")
+    if not all(parts):
+        raise ValueError(f"--options {text!r}: option {parts.index('') + 1} is empty ({example})")
+    found = [re.fullmatch(r"\(?([A-Z])[.)]\s+(.+)", p, flags=re.S) for p in parts]
+    if not any(found):
+        return parts
+    for k, (part, m) in enumerate(zip(parts, found)):
+        if m is None or m[1] != chr(65 + k):
+            raise ValueError(f"--options {text!r}: option {k + 1} ({part!r}) should start with {chr(65 + k)}. as the "
+                             f"options before it are lettered; letter them all in order A, B, ... or none ({example})")
+    return [m[2].strip() for m in found]
+
+
+def ask_record(video_path: str, question: str, options: str | None = None) -> tuple[dict, str]:
+    """(record, video_root) of one question about one video file (eval.py --video): an mcq record with the
+    options, else an open-ended one; no gold answer. ValueError naming the flag and what is wrong: an empty
+    question, a file that is missing or that PyAV cannot read, options in a shape parse_options refuses."""
+    if not question or not question.strip():
+        raise ValueError("--question is empty: ask something about the video")
+    path = os.path.abspath(video_path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--video {video_path}: " + ("not a file" if os.path.exists(path) else "no such file"))
+    try:
+        info = video.probe(path)
+    except (ValueError, OSError) as e:                   # video.VideoError is a ValueError
+        raise ValueError(f"--video {video_path}: not a video PyAV can read ({getattr(e, 'reason', e)})") from None
+    opts = parse_options(options) if options is not None else None
+    record = {"id": os.path.basename(path), "video": os.path.basename(path), "question": question.strip(),
+              "options": opts, "answer": None, "task": "mcq" if opts else "oe", "clues": None, "data_type": "free_form",
+              "duration": info.duration, "subtitles": None, "meta": {}}
+    return record, os.path.dirname(path)
+
+
+def _indent(text: str) -> str:
+    return text.strip().replace("\n", "\n    ")
+
+
+def turn_lines(traj, responses: list[str] | None) -> list[str]:
+    """What eval.py --video prints as a turn completes (rollout.run_agent's on_turn): its thinking, each call
+    with its window, then what the tool answered (a sub-agent's summary, an error, or a note that the clip
+    was shown to the model), or, for the turn that ended the trajectory, its answer."""
+    import rollout
+    text = traj.turns[-1].removeprefix(rollout.THINK_PREFIX)
+    thinking = text.split("</think>")[0] if "</think>" in text else re.split(r"<tool_call>|<answer>", text)[0]
+    lines = [f"turn {len(traj.turns)}"] + ([f"  thinking: {_indent(thinking)}"] if thinking.strip() else [])
+    for call in traj.calls[-1] if traj.calls else []:
+        window = rewards.call_window(call)
+        lines.append(f"  crop_video {window[0]:g}-{window[1]:g} s" if window else
+                     f"  {call.name or 'call'}: {call.error or 'no time window'}")
+    if responses is None:
+        answer = rewards.extract_answer(traj.turns[-1])
+        why = "cut at the token limit" if traj.truncated else \
+            "calls after the last tool turn are not executed" if traj.calls and traj.calls[-1] else "no <answer> tag"
+        lines.append(f"  answer: {_indent(answer)}" if answer is not None else f"  no answer ({why})")
+    elif not responses:
+        lines.append("  no call executed: the tool-turn budget is spent; the model is asked to answer")
+    for k, response in enumerate(responses or [], 1):
+        shown = re.match(r"(Clip [\d.]+-[\d.]+ s):\n<\|vision_start\|>", response)
+        lines.append(f"  tool {k}: {shown[1]} shown to the model" if shown else f"  tool {k}: {_indent(response)}")
+    return lines
+
+
+def ask(model, processor, record: dict, video_root: str, cfg, report_dir: str | None = None, out=None) -> dict:
+    """The greedy agent on one asked question: each turn printed to `out` as it completes (turn_lines), then
+    the answer alone on the last line (whitespace folded to one line; empty when the final turn has none).
+    `report_dir`: the trajectory report page of it. `out`: default sys.stdout. Returns the predictions row; a
+    video that fails to decode raises ValueError with its reason."""
+    import rollout
+    out = out or sys.stdout
+    greedy = dataclasses.replace(cfg, temperature=0.0, group_size=1)
+    show = lambda traj, responses: print("\n".join(turn_lines(traj, responses)), file=out, flush=True)
+    [traj] = rollout.run_agent(model, processor, [record], video_root, greedy, on_turn=show)
+    if traj.error:
+        raise ValueError(traj.error)
+    row = trajectory_row(record, traj, processor)
+    if report_dir:
+        import report as trajectory_report
+        page = trajectory_report.write_report(report_dir, [record], [row], video_root=video_root, title=record["question"])
+        say(f"trajectory report: {page}")
+    if row["answer"] is None:
+        say("no answer: the final turn has no <answer>...</answer>")
+    print(" ".join(str(row["answer"] or "").split()), file=out, flush=True)
+    return row
+
 # ----------------------------------------------------------------------------- CLI
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):                        # one line, as every other bad input (--help has the usage)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Evaluate the agent on long-video benchmarks or your own prompt "
-                                            "records, or re-score predictions.")
+    p = _Parser(prog="eval.py", description="Evaluate the agent on long-video benchmarks or your own prompt "
+                                            "records, ask it about one video, or re-score predictions.")
+    g = p.add_argument_group("ask (one question about one video)")
+    g.add_argument("--video", default=None, help="a video file (any format PyAV reads): the agent answers --question "
+                   "about it, printing each turn as it completes and the answer alone on the last line")
+    g.add_argument("--question", default=None, help="with --video: the question")
+    g.add_argument("--options", default=None, help='with --video: multiple choice, "A. red|B. blue|C. green" (or '
+                   '"red|blue|green"); without it the answer is free-form')
     g = p.add_argument_group("data")
     g.add_argument("--bench", choices=BENCHES, default=None,
                    help="records: your own JSONL of prompt records (docs/method.md §9); a benchmark name: its "
@@ -276,12 +463,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--synthetic-mix", default=None,
                    help="synthetic: question kinds, kind=weight,... (e.g. search=1; default: the training mix)")
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="checkpoint dir, hub id or 'tiny' (default tiny unless --predictions)")
+    g.add_argument("--model", default=None, help="checkpoint dir, a train.py run dir (its best checkpoint by "
+                   "evaluation, else its newest), hub id or 'tiny' (default tiny unless --predictions)")
     g.add_argument("--preset", choices=sorted(PRESETS), default="paravt",
                    help="paravt: 64 frames, 3 turns, <=5 calls, subagent; videoo3: 2 fps <=768 frames, 8 turns, interleaved")
     g.add_argument("--tool-mode", choices=("subagent", "interleaved"), default=None,
                    help="override the preset's mode (the tiny model defaults to interleaved, as train.py trains it)")
-    g.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     g.add_argument("--batch-size", type=int, default=8, help="questions per rollout.run_agent call (one batched rollout)")
     g.add_argument("--overview-nframes", type=int, default=None,
                    help="exactly K overview frames (ParaVT's nFrames; default: the preset's rule, the tiny model's 8)")
@@ -291,7 +478,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="per assistant turn (default: 128 on the tiny model, as train.py; else RolloutConfig's)")
     g.add_argument("--out", default=None, help="predictions JSONL (resumed if it exists, error rows run again; default "
-                   "runs/eval/<bench>-<preset>-<model>.jsonl, the synthetic bench's name with its size and seed)")
+                   "runs/eval/<bench>-<preset>-<model>.jsonl, the synthetic bench's name with its size and seed); "
+                   "with --gpus N each rank writes OUT.rank<r> and rank 0 merges them into OUT; with --video: "
+                   "the one row")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--gpus", type=int, default=None, help="processes, the questions split between them (question i "
+                   "-> rank i %% N), one per GPU (default: the visible CUDA devices, or 1)")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto = cuda when visible; cpu with --gpus N: N gloo processes")
+    g.add_argument("--threads", type=int, default=0, help="CPU threads per process (0 = torch's default)")
     g = p.add_argument_group("scoring")
     g.add_argument("--predictions", default=None, help="re-score this predictions JSONL (no model is run)")
     g.add_argument("--extract", choices=sorted(EXTRACTORS) + sorted(TIME_EXTRACTORS), default=None,
@@ -306,6 +501,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--overview-nframes must be >= 2, got {args.overview_nframes}")
     if args.max_turns is not None and args.max_turns < 0:
         p.error(f"--max-turns must be >= 0, got {args.max_turns}")
+    if args.gpus is not None and args.gpus < 1:
+        p.error(f"--gpus must be >= 1, got {args.gpus}")
+    if args.video is not None:
+        if args.question is None:
+            p.error("--video needs --question (and --options for a multiple-choice question)")
+        clash = [f for f in ("bench", "annotations", "predictions", "video_root", "limit") if getattr(args, f) is not None]
+        if clash or (args.gpus or 1) > 1:
+            p.error(f"--video asks one question; it takes no --{(clash or ['gpus'])[0].replace('_', '-')}")
+        return args
+    if args.question is not None or args.options is not None:
+        p.error("--question and --options ask about a video: pass --video FILE with them")
     if args.predictions and args.model:
         p.error("--predictions re-scores a file; to run a model write with --out instead")
     if args.annotations and not args.bench:
@@ -320,21 +526,84 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> dict:
-    """The command line; a bad input ends in one line saying what and where (--debug: the traceback)."""
+def main(argv=None):
+    """The command line; a bad input ends in one line, `eval.py: error: ...`, exit status 2 (--debug: the
+    traceback). Returns the metrics (the asked question's row with --video; None on a spawned run)."""
     args = parse_args(argv)
     try:
         return run(args)
     except (ValueError, OSError, ImportError) as e:
         if args.debug:
             raise
-        raise SystemExit(f"eval.py: {e}") from None
+        print(f"eval.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
-def run(args: argparse.Namespace) -> dict:
+def model_path(name: str) -> str:
+    """--model as load_model takes it: 'tiny' / 'tiny-qwen' / a hub id / a checkpoint dir as they are, a
+    train.py run dir as its best checkpoint by evaluation (best.json), else its newest complete one."""
+    if name in ("tiny", "tiny-qwen") or not os.path.isdir(name) or os.path.isfile(os.path.join(name, "config.json")):
+        return name
+    best = os.path.join(name, "best.json")
+    if os.path.isfile(best):
+        ckpt = os.path.join(name, json.load(open(best))["checkpoint"])
+        if os.path.isdir(ckpt):
+            return ckpt
+    found = runtime.latest_checkpoint(name)
+    if found is None:
+        raise ValueError(f"--model {name}: neither a checkpoint (no config.json) nor a train.py run dir (no ckpt-*)")
+    return found
+
+
+def load_agent(name: str, device, preset: str, tool_mode: str | None, max_new_tokens: int | None,
+               max_turns: int | None, overview_nframes: int | None):
+    """(model, processor, RolloutConfig) of --model under --preset and the flags that override it; the tiny
+    model (fresh or trained) gets its frame sizes, 128 new tokens a turn and the interleaved mode, as train.py."""
+    import model as model_lib
+    import rollout
+    model, processor = model_lib.load_model(name, device=device, tiny_corpus=rollout.prompt_corpus())
+    tiny = hasattr(model.config, "tiny_model_config")      # the embedded default, fresh or trained
+    overrides = {**(tiny_overrides() if tiny else {}),
+                 **({"max_new_tokens": max_new_tokens or 128} if tiny or max_new_tokens else {}),
+                 **({"max_turns": max_turns} if max_turns is not None else {}),
+                 **({"overview_nframes": overview_nframes} if overview_nframes else {})}
+    tool_mode = tool_mode or ("interleaved" if tiny else None)   # the mode `python train.py` trains
+    return model, processor, rollout_config(preset, tool_mode, **overrides)
+
+
+def _agent(args, device):
+    return load_agent(model_path(args.model or "tiny"), device, args.preset, args.tool_mode, args.max_new_tokens,
+                      args.max_turns, args.overview_nframes)
+
+
+def run(args: argparse.Namespace):
+    """Ask one question (--video), re-score (--predictions), or evaluate on --gpus processes (runtime.launch:
+    each rank runs rank_main on job_of(args): the records are loaded, and synthetic videos rendered, once)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)")
+    if args.video is not None:
+        record, root = ask_record(args.video, args.question, args.options)     # before the model loads
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        model, processor, cfg = _agent(args, torch.device("cuda" if use_cuda else "cpu"))
+        row = ask(model, processor, record, root, cfg, args.report)
+        if args.out:
+            _write_rows(Path(args.out), [row])
+        return row
+    job = job_of(args)
+    if args.predictions:
+        rows = read_predictions(args.predictions)
+        metrics = report(job.bench, job.records, rows, extract=args.extract, random_fallback=args.random_fallback)
+        return show(metrics, job.bench, job.records, rows, job.video_root, args.preset, args.report)
+    model_path(args.model or "tiny")                 # a bad --model is refused before any process starts
+    return runtime.launch(rank_main, job)
+
+
+def job_of(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags plus what every rank shares: bench, records (--limit applied), video_root, out (the
+    predictions file; the default names the split, the preset and the model)."""
     bench = args.bench or "synthetic"
-    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device unset)")
     if bench == "synthetic":
         video_root = os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
         records = synthetic_records(video_root, n=args.synthetic_n, seed=args.synthetic_seed, mix=args.synthetic_mix)
@@ -342,43 +611,47 @@ def run(args: argparse.Namespace) -> dict:
         video_root = args.video_root or ""
         records = load(bench, args.annotations, video_root=args.video_root, mmvu_subset=args.mmvu_subset, warn=say)
     records = records[:args.limit] if args.limit else records
-    if args.predictions:
-        rows = read_predictions(args.predictions)
-        metrics = report(bench, records, rows, extract=args.extract, random_fallback=args.random_fallback)
-    else:
-        import model as model_lib
-        import rollout
-        name = args.model or "tiny"
-        model, processor = model_lib.load_model(name, device=args.device, tiny_corpus=rollout.prompt_corpus())
-        tiny = hasattr(model.config, "tiny_model_config")      # the embedded default, fresh or trained
-        overrides = {**(tiny_overrides() if tiny else {}),
-                     **({"max_new_tokens": args.max_new_tokens or 128} if tiny or args.max_new_tokens else {}),
-                     **({"max_turns": args.max_turns} if args.max_turns is not None else {}),
-                     **({"overview_nframes": args.overview_nframes} if args.overview_nframes else {})}
-        tool_mode = args.tool_mode or ("interleaved" if tiny else None)   # the mode `python train.py` trains
-        cfg = rollout_config(args.preset, tool_mode, **overrides)
-        tag = Path(str(name).rstrip("/")).name
-        split = f"{bench}-n{args.synthetic_n}-seed{args.synthetic_seed}" if bench == "synthetic" else bench
-        split += f"-mix{re.sub(r'[^A-Za-z0-9.=]+', '_', args.synthetic_mix)}" if bench == "synthetic" and args.synthetic_mix else ""
-        split += f"-turns{args.max_turns}" if args.max_turns is not None else ""
-        split += f"-k{args.overview_nframes}" if args.overview_nframes else ""
-        out = args.out or Path("runs") / "eval" / f"{split}-{args.preset}-{tag}.jsonl"   # another split, another file
-        metrics = evaluate(model, processor, records, video_root, cfg, bench, out, args.batch_size,
-                           extract=args.extract, random_fallback=args.random_fallback)
-        ids = {r["id"] for r in records}
-        rows = [r for r in read_predictions(out) if str(r["id"]) in ids]
+    name = args.model or "tiny"
+    tag = Path(str(name).rstrip("/")).name
+    split = f"{bench}-n{args.synthetic_n}-seed{args.synthetic_seed}" if bench == "synthetic" else bench
+    split += f"-mix{re.sub(r'[^A-Za-z0-9.=]+', '_', args.synthetic_mix)}" if bench == "synthetic" and args.synthetic_mix else ""
+    split += f"-turns{args.max_turns}" if args.max_turns is not None else ""
+    split += f"-k{args.overview_nframes}" if args.overview_nframes else ""
+    out = args.out or Path("runs") / "eval" / f"{split}-{args.preset}-{tag}.jsonl"   # another split, another file
+    return argparse.Namespace(**{**vars(args), "bench": bench, "records": records, "video_root": video_root,
+                                 "out": str(args.predictions or out)})
+
+
+def rank_main(rank: int, job: argparse.Namespace) -> dict:
+    """One rank of an evaluation: the model on this rank's device, its share of the questions (evaluate), and
+    on rank 0 the merged predictions scored and shown."""
+    rank, world, device = runtime.setup_distributed(rank, job.gpus, job.device, job.threads)
+    model, processor, cfg = _agent(job, device)
+    metrics = evaluate(model, processor, job.records, job.video_root, cfg, job.bench, job.out, job.batch_size,
+                       extract=job.extract, random_fallback=job.random_fallback, rank=rank, world=world)
+    if rank == 0:
+        ids = {r["id"] for r in job.records}
+        rows = [r for r in read_predictions(job.out) if str(r["id"]) in ids]
+        show(metrics, job.bench, job.records, rows, job.video_root, job.preset, job.report)
+    runtime.finish(world)
+    return metrics
+
+
+def show(metrics: dict, bench: str, records: list[dict], rows: list[dict], video_root: str, preset: str,
+         report_dir: str | None) -> dict:
+    """Print the scores (the JSON last), write the trajectory report page, name the commonest error reasons."""
     print(format_report(metrics))
-    if args.report:
+    if report_dir:
         import report as trajectory_report      # (eval.report is the scorer)
-        page = trajectory_report.write_report(args.report, records, rows, metrics=metrics, video_root=video_root,
-                                   title=f"{bench} ({args.preset})")
+        page = trajectory_report.write_report(report_dir, records, rows, metrics=metrics, video_root=video_root,
+                                              title=f"{bench} ({preset})")
         say(f"trajectory report: {page}")
     reasons = error_reasons(rows)
     if reasons:
         print(f"{sum(bool(r.get('error')) for r in rows)} row(s) ended in an error; the commonest reasons:", file=sys.stderr)
         for n, _, example in reasons:
             print(f"  {n} x {example}", file=sys.stderr)
-    print(json.dumps(metrics, ensure_ascii=False))
+    print(json.dumps(metrics, ensure_ascii=False), flush=True)
     return metrics
 
 

@@ -7,7 +7,8 @@ person can see where it looked and why it answered what it did (docs/report.md h
 
 Inputs are what evaluation already has; the model is never re-run:
   records  prompt records (data.py schema: id, video relative to video_root, question, options, answer,
-           task mcq|oe|tvg, clues [[s, e], ...], data_type, duration)
+           task mcq|oe|tvg, clues [[s, e], ...], data_type, duration); answer None: a question asked with
+           no gold answer (eval.py --video), shown as asked, never scored
   rows     prediction rows as eval.py writes them: id, response, answer, turns, calls, windows [[s, e], ...],
            tool_failures, latency, error; and, each optional (the page falls back without them):
            text (the trajectory after the prompt as the model saw it), segments [[role, text], ...] with
@@ -126,7 +127,9 @@ def reward_components(record: dict, row: dict) -> dict[str, tuple[float | None, 
         return {k: out.get(k, (None, "error row")) for k in (*REWARD_KEYS, *out)}
     text, response = _trajectory_text(row), str(row.get("response") or "")
     acc = out.get("acc", (None, ""))[0]
-    if acc is None:
+    if acc is None and record.get("answer") is None:    # a question asked (eval.py --video): nothing to score
+        out["acc"] = (None, "no gold answer")
+    elif acc is None:
         try:
             acc = rewards.score_answer(rewards.extract_answer(response), record["answer"], record["task"])
             out["acc"] = (acc, "recomputed")
@@ -159,7 +162,7 @@ def row_flags(record: dict, row: dict) -> dict[str, bool]:
         trunc = bool(row.get("truncated") or row.get("hit_turn_limit"))
     else:
         trunc = not error and "</answer>" not in str(row.get("response") or "")
-    return {"wrong": error or score < need, "fail": bool(row.get("tool_failures")), "trunc": trunc, "error": error}
+    return {"wrong": error or (record.get("answer") is not None and score < need), "fail": bool(row.get("tool_failures")), "trunc": trunc, "error": error}
 
 
 def _segments(row: dict) -> tuple[list[tuple[str, str]], str]:
@@ -285,7 +288,8 @@ def _question_html(record: dict, row: dict, video_root: str | None, anchor: str)
         duration = max([e for _, e in windows + clues] + [1.0])
     pred = row.get("answer") if "answer" in row and row.get("error") is None else None
     pred = pred if pred is not None else rewards.extract_answer(str(row.get("response") or ""))
-    verdict = "error" if flags["error"] else "wrong" if flags["wrong"] else "right"
+    verdict = "error" if flags["error"] else "wrong" if flags["wrong"] else \
+        "asked" if record.get("answer") is None else "right"
     h = [f'<section class="{classes}" id="{anchor}" data-id="{html.escape(str(record["id"]))}">',
          f'<h2><span class="verdict v-{verdict}">{verdict}</span> {html.escape(str(record["id"]))} '
          f'<small>{html.escape(str(record.get("task")))} · {html.escape(str(data_type(record) or record.get("data_type")))} · '
@@ -294,7 +298,8 @@ def _question_html(record: dict, row: dict, video_root: str | None, anchor: str)
     if record.get("options"):
         h.append('<p class="options">' + " · ".join(f"{chr(65 + i)}. {html.escape(str(o))}"
                                                      for i, o in enumerate(record["options"])) + "</p>")
-    h.append(f'<p class="answers">gold <b>{html.escape(str(record.get("answer")))}</b> · predicted '
+    gold = "no gold answer" if record.get("answer") is None else f'gold <b>{html.escape(str(record["answer"]))}</b>'
+    h.append(f'<p class="answers">{gold} · predicted '
              f'<b>{html.escape(str(pred))}</b> · turns {_fmt(row.get("turns"))} · calls {_fmt(row.get("calls"))} '
              f'· tool failures {_fmt(row.get("tool_failures"))}'
              + (f' · <span class="err">error: {html.escape(str(row["error"]))}</span>' if row.get("error") else "") + "</p>")
@@ -371,7 +376,7 @@ table{border-collapse:collapse} td,th{border:1px solid #ddd;padding:2px 8px;text
 th{background:#f0f0f0;font-weight:600}
 .summary{display:flex;gap:24px;flex-wrap:wrap;align-items:flex-start}
 .verdict{font-size:12px;padding:1px 6px;border-radius:3px;color:#fff}
-.v-right{background:#2ca02c}.v-wrong{background:#d62728}.v-error{background:#555}
+.v-right{background:#2ca02c}.v-wrong{background:#d62728}.v-error{background:#555}.v-asked{background:#1f77b4}
 .question{margin:4px 0} .options{margin:2px 0;color:#333} .answers{margin:4px 0}
 .cols{display:grid;grid-template-columns:minmax(0,1fr) minmax(0,1fr);gap:18px}
 .err{color:#b00} .note{color:#8a5a00;background:#fff7e0;padding:2px 6px;margin:4px 0}
@@ -445,7 +450,7 @@ def _check_inputs(records, rows) -> None:
     if not isinstance(records, list) or not isinstance(rows, list):
         raise ValueError(f"write_report: records and rows must be lists, got {type(records).__name__} "
                          f"and {type(rows).__name__}")
-    for name, items, need in (("records", records, ("id", "video", "question", "answer", "task")), ("rows", rows, ("id",))):
+    for name, items, need in (("records", records, ("id", "video", "question", "task")), ("rows", rows, ("id",))):
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise ValueError(f"write_report: {name}[{i}] must be a dict, got {type(item).__name__}")

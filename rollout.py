@@ -435,12 +435,16 @@ def run_subagents(model, processor, jobs: list[tuple[int, int, video.Clip]], cfg
 
 @torch.no_grad()
 def run_agent(model, processor, records: list[dict], video_root: str, cfg: RolloutConfig, seed: int = 0,
-              nframes: list[int | None] | None = None, pool: video.DecodePool | None = None) -> list[Trajectory]:
+              nframes: list[int | None] | None = None, pool: video.DecodePool | None = None,
+              on_turn=None) -> list[Trajectory]:
     """Roll out `cfg.group_size` samples of each record; returns len(records) * G trajectories, grouped
     by record (record 0's samples first). `nframes[i]` overrides the overview frame count of record i
     (nFrames gating: the same K for the whole group). A record whose video fails to decode gives G
     trajectories with `error` set (counted by the caller), never an exception. `pool`: overviews and crops
-    decode in its worker threads (every overview of the call at once, through its frame cache)."""
+    decode in its worker threads (every overview of the call at once, through its frame cache).
+    `on_turn(traj, responses)`: called as each assistant turn completes (a listener, e.g. eval.py --video
+    printing the turns): `traj.turns[-1]` is the turn, `responses` the tool response texts it got (call
+    order), or None when the turn ended the trajectory."""
     t0 = time.time()
     device = next(model.parameters()).device
     ids = special_token_ids(processor)
@@ -471,7 +475,7 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
                 t = Trajectory(str(rec.get("id", i)), s, c.ids.tolist() + prefix.ids.tolist(),
                                [ENV] * (len(c.ids) + len(prefix.ids)), len(c.ids), [(c.pixels, c.grid)], nframes=n)
                 rows.append(_Row(t, path, row_seed(seed, i, s), index=i, duration=duration))
-        _turn_loop(model, processor, kv, rows, cfg, ids, factor, pool)
+        _turn_loop(model, processor, kv, rows, cfg, ids, factor, pool, on_turn)
         for r in rows:
             out.setdefault(r.index, []).append(r.traj)
     trajs = [t for i in sorted(out) for t in out[i]]
@@ -482,7 +486,7 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
 
 
 def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConfig, ids: dict, factor: int,
-               pool: video.DecodePool | None = None) -> None:
+               pool: video.DecodePool | None = None, on_turn=None) -> None:
     """Alternate decode_turn and tool execution until every row has answered or hit a limit.
 
     The tool-turn budget: calls are executed in at most cfg.max_turns turns; the response to the last of them
@@ -526,6 +530,9 @@ def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConf
             if cfg.tool_mode == "subagent":
                 sub_jobs += [(i, k, clip) for k, (w, clip, err) in enumerate(res) if err is None]
             next_live.append((j, i))
+        for i in live if on_turn is not None else ():      # the listener: turns that ended their trajectory
+            if rows[i].traj.done:
+                on_turn(rows[i].traj, None)
         summaries = {}
         if sub_jobs:
             # each sub-agent's seed comes from its caller's seed, the turn and the call index, so a
@@ -547,6 +554,8 @@ def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConf
                 else:
                     parts.append(clip_part(w))
                     clips.append(clip)
+            if on_turn is not None:                          # the listener: a turn and its tool responses
+                on_turn(r.traj, parts)
             c = encode_chunk(processor, response_chunk_text(parts, forced), clips)
             c = Chunk(torch.cat([torch.tensor(r.pending), c.ids]), torch.cat([torch.zeros(len(r.pending), dtype=torch.int32), c.mm_types]),
                       c.pixels, c.grid)

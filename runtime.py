@@ -8,8 +8,8 @@ The run and its processes: everything a training run needs around the method, no
                             export), checkpoints / latest_checkpoint / prune_checkpoints, truncate_metrics
     curves                  plot_run: RUN_DIR/curves.png from metrics.jsonl
     processes               setup_distributed (gloo on CPU, nccl on CUDA), shard_model (FSDP2), full_weights,
-                            all_sum / all_max / all_mean / all_weighted_mean / barrier, die_with_parent,
-                            launch(main, args)
+                            all_sum / all_sums / all_max / all_mean / all_weighted_mean / barrier,
+                            gather_objects / broadcast_object, die_with_parent, launch(main, args)
     the run directory lock  RunLock, stale_run
     flags                   parse_args / resolve: train.py's command line, every default that depends on another
                             flag (the preset, the tiny model, the recipe, the device) settled once
@@ -330,10 +330,11 @@ def print0(rank: int, *a, **k) -> None:
         tqdm.write(" ".join(str(x) for x in a), **k)
 
 
-def launch(main, args, lock_dir: str | None = None) -> None:
+def launch(main, args, lock_dir: str | None = None):
     """Run `main(rank, args)` on every rank: under torchrun's environment, as `args.gpus` processes spawned here
     (`args.device` cuda: one per GPU; cpu: gloo), or in this process. `lock_dir`: held under RunLock for the
-    whole run (a second run on it is refused). A bad device request is a ValueError before anything starts."""
+    whole run (a second run on it is refused). A bad device request is a ValueError before anything starts.
+    Returns main's result when it ran in this process (None when spawned)."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)")
     if args.gpus is None:   # default: every visible CUDA device, or one CPU process
@@ -346,13 +347,13 @@ def launch(main, args, lock_dir: str | None = None) -> None:
     lock = RunLock(lock_dir) if first and lock_dir else None
     try:
         if "RANK" in os.environ:                      # started by torchrun (multi-node, or habit)
-            main(int(os.environ.get("LOCAL_RANK", 0)), args)
+            return main(int(os.environ.get("LOCAL_RANK", 0)), args)
         elif spawn:                                   # python train.py --gpus 8
             os.environ.setdefault("MASTER_ADDR", "localhost")
             os.environ.setdefault("MASTER_PORT", str(find_free_port()))
             torch.multiprocessing.spawn(main, args=(args,), nprocs=args.gpus)
         else:                                         # one GPU or CPU: no process group
-            main(0, args)
+            return main(0, args)
     finally:
         if lock is not None:
             lock.release()
@@ -425,8 +426,11 @@ def shard_model(model, param_dtype: torch.dtype | None = None) -> None:
 @contextlib.contextmanager
 def full_weights(model):
     """FSDP: all-gather every shard once and keep the full weights for a block of no-grad forwards whose
-    number differs between ranks (rollouts, evaluation), so no rank waits in an all-gather that another
-    never reaches; resharded on exit. A model without FSDP units passes through untouched."""
+    number differs between ranks (rollouts, evaluation; none at all on a rank without questions), so no rank
+    waits in an all-gather that another never reaches; resharded on exit. FSDP's per-iteration record of
+    those forwards (the forward root, the order units ran, for the next backward's prefetching) differs
+    between the ranks too and is dropped on exit (`reset_iter_state`, where this torch has it), so every rank
+    enters the next training step alike. A model without FSDP units passes through untouched."""
     from torch.distributed.fsdp import FSDPModule
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model.model]
     root = [model.model] if isinstance(model.model, FSDPModule) else []
@@ -495,6 +499,29 @@ def all_sum_float(value: float) -> float:
 
 def all_max(value: int) -> int:
     return int(_all_reduce([value], dist.ReduceOp.MAX)[0])
+
+
+def all_sums(values: list[float], world: int) -> list[float]:
+    """Each entry summed over the ranks (one all-reduce for the list)."""
+    return [float(v) for v in values] if world == 1 else _all_reduce([float(v) for v in values], dist.ReduceOp.SUM)
+
+
+def gather_objects(obj, world: int) -> list | None:
+    """Every rank's picklable `obj`, in rank order, on rank 0 (None on the other ranks)."""
+    if world == 1:
+        return [obj]
+    out = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def broadcast_object(obj, world: int):
+    """Rank 0's picklable `obj` on every rank (what the others pass is ignored)."""
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_mean(values: dict, world: int) -> dict:

@@ -526,8 +526,8 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
         if saved:
             run.save("rl", step, model, optimizer)
         if eval_every and step % eval_every == 0 and evaluate is not None:
-            result = evaluate(model, f"rl-{step:06d}")
-            run.log("eval", step, result)
+            result = runtime.broadcast_object(evaluate(model, f"rl-{step:06d}"), run.world)   # rank 0's, on every
+            run.log("eval", step, result)                # rank: the decision below is one, and so is the save
             if run.is_best(result):
                 if not saved:
                     run.save("rl", step, model, optimizer)
@@ -884,13 +884,17 @@ def main(rank: int, args) -> dict:
 def evaluate_held_out(model, processor, records: list, video_root: str, cfg: rollout.RolloutConfig, run: Run,
                       name: str, report_questions: int = 8) -> dict:
     """The greedy agent on the held-out records through eval.py's runner (official-style scores plus format
-    compliance, tool-call ratio, clue score, turns); predictions in RUN_DIR/eval/<name>.jsonl and a trajectory
-    report of the first `report_questions` questions in RUN_DIR/report/<name>/index.html (rank 0)."""
-    out = os.path.join(run.run_dir, "eval", f"{name}.rank{run.rank}.jsonl")
-    if os.path.exists(out):                            # new weights: never resume another evaluation's answers
-        os.remove(out)
+    compliance, tool-call ratio, clue score, turns), split over the ranks as `eval.py --gpus N` splits them
+    (question i on rank i % N); rank 0 merges the predictions into RUN_DIR/eval/<name>.jsonl, scores them once
+    and writes a trajectory report of the first `report_questions` questions in RUN_DIR/report/<name>/index.html.
+    Every rank returns rank 0's figures."""
+    out = os.path.join(run.run_dir, "eval", f"{name}.jsonl")
+    if run.rank == 0:                                  # new weights: never resume another evaluation's answers
+        evaluation.remove_predictions(out)
+    runtime.barrier(run.world)
     with full_weights(model):
-        m = evaluation.evaluate(model, processor, records, video_root, cfg, bench="records", out_path=out, batch_size=8)
+        m = evaluation.evaluate(model, processor, records, video_root, cfg, bench="records", out_path=out, batch_size=8,
+                                rank=run.rank, world=run.world)
     if run.rank == 0 and report_questions:
         import report
         rows = evaluation.read_predictions(out)

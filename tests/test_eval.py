@@ -5,8 +5,10 @@ records (--bench records, symlinked roots, retried errors, one-line errors).
     pytest tests/test_eval.py -q
 """
 import dataclasses
+import io
 import json
 import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -17,6 +19,7 @@ import torch
 import data
 import eval as ev
 import rewards
+import rollout
 import runtime
 from benchmarks import load, score
 
@@ -230,30 +233,34 @@ def test_synthetic_bench_never_writes_into_a_video_root(tmp_path, capsys):
     assert "renders its videos into the cache" in capsys.readouterr().err and list(root.iterdir()) == []
 
 
-def test_bad_input_is_one_line_unless_debug(tmp_path):
-    preds = write_jsonl(tmp_path / "p.jsonl", [{"id": "0", "response": "x"}])
-    argv = ["--bench", "mlvu", "--annotations", str(tmp_path / "nope.json"), "--predictions", str(preds)]
+def one_line_error(argv, capsys) -> str:
+    """eval.main's exit status 2 and its one stderr line `eval.py: error: ...` (returned without the prefix)."""
     with pytest.raises(SystemExit) as err:
         ev.main(argv)
-    assert err.value.code == f"eval.py: {tmp_path / 'nope.json'}: annotation file not found"
+    lines = capsys.readouterr().err.splitlines()
+    assert err.value.code == 2 and len(lines) == 1 and lines[0].startswith("eval.py: error: "), lines
+    return lines[0].removeprefix("eval.py: error: ")
+
+
+def test_bad_input_is_one_line_unless_debug(tmp_path, capsys):
+    preds = write_jsonl(tmp_path / "p.jsonl", [{"id": "0", "response": "x"}])
+    argv = ["--bench", "mlvu", "--annotations", str(tmp_path / "nope.json"), "--predictions", str(preds)]
+    assert one_line_error(argv, capsys) == f"{tmp_path / 'nope.json'}: annotation file not found"
     with pytest.raises(FileNotFoundError):
         ev.main([*argv, "--debug"])
 
 
-def test_wrong_kind_of_file_says_what_it_is(tmp_path):
+def test_wrong_kind_of_file_says_what_it_is(tmp_path, capsys):
     preds = write_jsonl(tmp_path / "p.jsonl", [{"id": "0", "response": "x"}])
-    with pytest.raises(SystemExit) as err:
-        ev.main(["--bench", "videomme", "--annotations", str(CHARADES), "--predictions", str(preds)])
-    assert str(err.value.code).startswith(f"eval.py: {CHARADES}: not a videomme annotation file")
-    assert str(err.value.code).endswith("this is a Charades-STA annotation file; use eval.py --bench charades_sta")
-    assert "\n" not in str(err.value.code)
+    said = one_line_error(["--bench", "videomme", "--annotations", str(CHARADES), "--predictions", str(preds)], capsys)
+    assert said.startswith(f"{CHARADES}: not a videomme annotation file")
+    assert said.endswith("this is a Charades-STA annotation file; use eval.py --bench charades_sta")
 
 
-def test_device_cuda_without_a_gpu(monkeypatch, cache_env):
+def test_device_cuda_without_a_gpu(monkeypatch, cache_env, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit) as err:
-        ev.main(["--device", "cuda", "--limit", "1"])
-    assert err.value.code == "eval.py: --device cuda but no CUDA device is visible (use --device cpu, or leave --device unset)"
+    assert one_line_error(["--device", "cuda", "--limit", "1"], capsys) == \
+        "--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)"
 
 # ----------------------------------------------------------------------------- CLI: the tiny model end to end
 
@@ -355,3 +362,94 @@ def test_own_records_through_a_symlinked_root(tmp_path, capsys, one_thread):
     written = ev.read_predictions(out)
     assert sorted(r["id"] for r in written) == sorted(r["id"] for r in recs) and not any(r["error"] for r in written)
     assert second["n_error"] == 0 and second["n"] == 3
+
+# ----------------------------------------------------------------------------- ask: one question about one video
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "real_videos"
+NASA = REAL / "nasa_13013.mp4"                 # 13 s of real footage, two video streams, B-frames
+REPO = Path(__file__).resolve().parents[1]
+needs_real = pytest.mark.skipif(not NASA.is_file(), reason="needs the shared real_videos folder")
+
+
+@needs_real
+def test_ask_a_real_video_end_to_end(tmp_path, cache_env):
+    """`python eval.py --model tiny --video FILE --question ... --options ... --report DIR`: exit 0, the turns
+    printed, the answer alone on the last line (the one in the row and on the page), the page with the
+    overview's frames."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "eval.py", "--model", "tiny", "--video", str(NASA), "--question", "What is launched?",
+           "--options", "A. a rocket|B. a balloon", "--threads", "1", "--max-new-tokens", "24",
+           "--report", str(tmp_path / "page"), "--out", str(tmp_path / "row.jsonl")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.split("\n")
+    assert lines[-1] == "" and lines[0] == "turn 1" and "  thinking: " in proc.stdout
+    [row] = ev.read_predictions(tmp_path / "row.jsonl")
+    assert row["error"] is None and row["id"] == NASA.name and row["nframes"] == 8
+    assert lines[-2] == " ".join(str(row["answer"] or "").split())
+    assert sum(l.startswith("turn ") for l in lines) == row["turns"]
+    page = (tmp_path / "page" / "index.html").read_text(encoding="utf-8")
+    assert "What is launched?" in page and "no gold answer" in page and "video not shown" not in page
+    assert page.count("data:image/jpeg;base64,") >= row["nframes"]          # the overview's frames, embedded
+
+
+@needs_real
+@pytest.mark.parametrize("tool_mode", ["interleaved", "subagent"])
+def test_ask_prints_each_turn_as_it_completes(tool_mode, tiny, monkeypatch, tmp_path, one_thread):
+    """Scripted turns on the real file: turn 1 (thinking, two crop calls: one shown, one past the end) is on
+    the screen before turn 2 is sampled; the tool's answers as the model got them; the answer last."""
+    from test_rollout import Scripted
+    model, processor = tiny
+    call = lambda s, e: CALL % (s, e)
+    scripted = Scripted(processor, {(0, 0): [f"a launch\n</think>\n{call(2, 6)}\n{call(20, 30)}",
+                                             "the rocket\n</think>\n<answer>A</answer>"]}, seed=0)
+    out, seen_at, row_seed = io.StringIO(), [], rollout.row_seed(0, 0, 0)
+
+    def sample(logits, seeds, counters, temperature, top_p):       # what was printed when turn 2 began
+        if row_seed in seeds.tolist() and scripted.state.get(row_seed) == (1, 0):
+            seen_at.append(out.getvalue())
+        return scripted(logits, seeds, counters, temperature, top_p)
+    monkeypatch.setattr(rollout, "sample_tokens", sample)
+    record, root = ev.ask_record(str(NASA), "What is launched?", "A. a rocket|B. a balloon")
+    cfg = ev.rollout_config("paravt", tool_mode, **ev.tiny_overrides(), max_new_tokens=160)
+    row = ev.ask(model, processor, record, root, cfg, report_dir=str(tmp_path / "page"), out=out)
+    text = out.getvalue()
+    turn1, turn2 = text.split("turn 2\n")
+    tool1 = "Clip 2.0-6.0 s shown to the model" if tool_mode == "interleaved" else "A red square in the centre."
+    lines = turn1.splitlines()
+    assert lines[:-1] == ["turn 1", "  thinking: a launch", "  crop_video 2-6 s", "  crop_video 20-30 s", f"  tool 1: {tool1}"]
+    assert lines[-1].startswith("  tool 2: Error: ") and "13" in lines[-1]     # the error names the video's end
+    assert turn2.splitlines() == ["  thinking: the rocket", "  answer: A", "A"]
+    assert seen_at == [turn1]                         # turn 1 was on the screen when turn 2's first token was drawn
+    assert row["answer"] == "A" and row["windows"] == [[2.0, 6.0]] and row["tool_failures"] == 1
+    assert (tmp_path / "page" / "index.html").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--video", "{missing}", "--question", "q"], "--video {missing}: no such file"),
+    (["--video", "{text}", "--question", "q"], "--video {text}: not a video PyAV can read"),
+    (["--video", "{tmp}", "--question", "q"], "--video {tmp}: not a file"),
+    (["--video", "{real}", "--question", "  "], "--question is empty"),
+    (["--video", "{real}", "--question", "q", "--options", "just one"], "give 2 to 26 options separated by '|'"),
+    (["--video", "{real}", "--question", "q", "--options", "A. x||B. y"], "option 2 is empty"),
+    (["--video", "{real}", "--question", "q", "--options", "A. x|C. y"], "option 2 ('C. y') should start with B."),
+    (["--video", "{real}", "--question", "q", "--options", "A. x|y"], "option 2 ('y') should start with B."),
+    (["--video", "{real}"], "--video needs --question"),
+    (["--question", "q"], "pass --video FILE with them"),
+    (["--video", "{real}", "--question", "q", "--gpus", "2"], "--video asks one question; it takes no --gpus"),
+])
+def test_ask_bad_input_is_one_line(argv, message, tmp_path, capsys, monkeypatch):
+    """Each refused before a model loads: one line `eval.py: error: ...`, exit status 2."""
+    monkeypatch.setattr(ev, "load_agent", lambda *a: pytest.fail("the model was loaded"))
+    (tmp_path / "notes.mp4").write_text("not a video")
+    fill = dict(missing=str(tmp_path / "nope.mp4"), text=str(tmp_path / "notes.mp4"), tmp=str(tmp_path), real=str(NASA))
+    if "{real}" in argv and not NASA.is_file():
+        pytest.skip("needs the shared real_videos folder")
+    said = one_line_error([a.format(**fill) for a in argv], capsys)
+    assert message.format(**fill) in said, said
+
+
+def test_parse_options_lettered_or_not():
+    assert ev.parse_options("A. red|B) blue|(C) green") == ["red", "blue", "green"]
+    assert ev.parse_options(" red | blue ") == ["red", "blue"]
+    assert ev.parse_options("U.S. flag|Canada") == ["U.S. flag", "Canada"]     # a full stop is not a letter's

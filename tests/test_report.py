@@ -269,7 +269,7 @@ def test_escaping_and_max_questions(demo, tmp_path):
 
 @pytest.mark.parametrize("records, rows, message", [
     ([], [{"response": "x"}], "rows[0] lacks id"),
-    ([{"id": "a", "video": "v.mp4", "question": "q", "task": "mcq"}], [], "records[0] lacks answer"),
+    ([{"id": "a", "video": "v.mp4", "answer": "A", "task": "mcq"}], [], "records[0] lacks question"),
     ([], [{"id": "a"}, {"id": "a"}], "rows[1] repeats id"),
     ({"id": "a"}, [], "must be lists"),
 ])
@@ -361,3 +361,16 @@ def test_real_videos_of_other_codecs(tmp_path):
 ])
 def test_window_turns(windows, by_turn, expected):
     assert report.window_turns({"windows": windows, "calls_by_turn": by_turn}) == expected
+
+
+def test_a_question_asked_without_a_gold_answer(demo, tmp_path):
+    """`eval.py --video FILE --question ...` has no gold answer: the page shows the question as asked (not
+    wrong), the predicted answer, and no accuracy reward (nothing to score against)."""
+    _, _, records, rows, cache = demo
+    record = {**records[0], "answer": None, "task": "oe", "options": None}
+    text = open(report.write_report(str(tmp_path), [record], [rows[0]], video_root=cache), encoding="utf-8").read()
+    page = Page(text)
+    [sec] = page.sections
+    assert "wrong" not in sec["classes"] and "v-asked" in text and "no gold answer" in text
+    assert f"predicted <b>{rows[0]['answer']}</b>" in text and sec["imgs"] >= rows[0]["nframes"]
+    assert report.reward_components(record, rows[0])["acc"] == (None, "no gold answer")
