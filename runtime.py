@@ -249,10 +249,23 @@ def truncate_metrics(path: str, stage: str, step: int) -> None:
 # -----------------------------------------------------------------------------
 # curves
 
+# The panels of curves.png: (stage, title, [(metrics key, legend label)], y range); ParaVT's training curves,
+# with accuracy and tool use split by whether the overview the rollout drew shows the answer (data.tool_needed).
+PANELS = [("sft", "SFT: loss", [("loss", "loss")], None),
+          ("rl", "RL: reward", [("reward", "reward")], None),
+          ("rl", "RL: format compliance", [("format_compliance", "format compliance")], (0, 1.02)),
+          ("rl", "RL: accuracy", [("acc_tool_needed", "tool needed"), ("acc_tool_not_needed", "tool not needed")],
+           (0, 1.02)),
+          ("rl", "RL: tool-call ratio", [("tool_call_ratio_needed", "tool needed"),
+                                         ("tool_call_ratio_not_needed", "tool not needed"),
+                                         ("tool_call_ratio", "all")], (0, 1.02))]
+
+
 def plot_run(run_dir: str) -> str | None:
-    """RUN_DIR/curves.png from metrics.jsonl: the SFT loss, then reward, format compliance and tool-call ratio
-    against RL step (ParaVT's training curves): faint raw points, a moving average, ratios on a fixed [0, 1]
-    axis, held-out evaluations as markers. None when the run logged no step (e.g. --rl-steps 0)."""
+    """RUN_DIR/curves.png from metrics.jsonl (PANELS): the SFT loss, then against RL step the reward, format
+    compliance, accuracy and tool-call ratio on the sampled questions that needed the tool and on those that did
+    not: faint raw points, a moving average, ratios on a fixed [0, 1] axis, held-out evaluations (greedy, K = the
+    evaluation overview) as markers where the row has the key. None when the run logged no step (--rl-steps 0)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     rows = [json.loads(l) for l in open(path) if l.strip()] if os.path.exists(path) else []
     if not any(r.get("stage") in ("sft", "rl") for r in rows):
@@ -260,25 +273,28 @@ def plot_run(run_dir: str) -> str | None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = [("sft", "loss", None), ("rl", "reward", None), ("rl", "format_compliance", (0, 1.02)),
-              ("rl", "tool_call_ratio", (0, 1.02))]
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.2))
-    for ax, (stage, key, ylim) in zip(axes, panels):
-        pts = [(r["step"], r[key]) for r in rows if r.get("stage") == stage and isinstance(r.get(key), (int, float))]
-        if pts:
-            x, y = np.array(pts, dtype=float).T
-            w = max(1, len(y) // 10)
-            smooth = np.convolve(y, np.ones(w) / w, mode="valid")
-            ax.plot(x, y, ".", alpha=0.25, color="C0")
-            ax.plot(x[w - 1:], smooth, color="C0", label=f"mean of {w}")
-        evals = [(r["step"], r[key]) for r in rows if r.get("stage") == "eval" and isinstance(r.get(key), (int, float))]
-        if evals:
-            ax.plot(*zip(*evals), "D", color="C3", label="held-out")
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(3.8 * len(PANELS), 3.2))
+    for ax, (stage, title, series, ylim) in zip(axes, PANELS):
+        drawn = False
+        for i, (key, label) in enumerate(series):
+            colour = f"C{i}"
+            pts = [(r["step"], r[key]) for r in rows if r.get("stage") == stage and isinstance(r.get(key), (int, float))]
+            if pts:
+                x, y = np.array(pts, dtype=float).T
+                w = max(1, len(y) // 10)
+                smooth = np.convolve(y, np.ones(w) / w, mode="valid")
+                ax.plot(x, y, ".", alpha=0.25, color=colour)
+                ax.plot(x[w - 1:], smooth, color=colour, label=f"{label} (mean of {w})" if len(series) > 1 or w > 1
+                        else label)
+            evals = [(r["step"], r[key]) for r in rows if r.get("stage") == "eval" and isinstance(r.get(key), (int, float))]
+            if evals:
+                ax.plot(*zip(*evals), "D", color=colour, markeredgecolor="k", label=f"{label}, held-out")
+            drawn |= bool(pts or evals)
         if ylim:
             ax.set_ylim(*ylim)
-        ax.set_title(f"{stage}: {key}")
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel(f"{stage.upper()} step")
-        if pts or evals:
+        if drawn:
             ax.legend(fontsize=7)
     fig.tight_layout()
     out = os.path.join(run_dir, "curves.png")

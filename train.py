@@ -412,8 +412,10 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
 
 def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None) -> dict:
     """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves); with the
-    records by id, on the synthetic task, also the accuracy on the questions whose overview needed the tool
-    (`acc_tool_needed`) and on those it did not (`acc_tool_not_needed`, data.tool_needed)."""
+    records by id, on the synthetic task, also sums and counts per tool need (data.tool_needed under the overview
+    the rollout drew): on the questions that needed the tool and on those that did not, the accuracy and the
+    tool-call ratio (a trajectory that ended in an error counts as no call). split_accuracy turns the all-rank
+    sums into ratios, so a rank's share of the step weighs by its count, not as a rank mean."""
     ok = [t for t in trajs if t.error is None]
     n = max(1, len(ok))
     calls = sum(t.n_calls for t in ok)
@@ -429,17 +431,21 @@ def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None)
     if records is not None:      # sums and counts, the same keys on every rank (split_accuracy divides)
         need = [data.tool_needed(records[t.record_id], t.nframes) if t.record_id in records else None for t in trajs]
         for name, want in (("tool_needed", True), ("tool_not_needed", False)):
-            accs = [c["acc"] for c, nd in zip(comps, need) if nd is want]
-            out.update({f"{name}_hits": sum(accs), f"{name}_n": len(accs)})
+            group = [(t, c) for t, c, nd in zip(trajs, comps, need) if nd is want]
+            out.update({f"{name}_hits": sum(c["acc"] for _, c in group),
+                        f"{name}_calls": sum(t.error is None and t.n_calls > 0 for t, _ in group),
+                        f"{name}_n": len(group)})
     return out
 
 
 def split_accuracy(m: dict) -> dict:
-    """rollout_metrics' (all-rank) sums -> acc_tool_needed / acc_tool_not_needed, left out where no question was."""
+    """rollout_metrics' (all-rank) sums -> acc_tool_needed / acc_tool_not_needed and tool_call_ratio_needed /
+    tool_call_ratio_not_needed (hits / n, calls / n), left out where no question was."""
     for name in ("tool_needed", "tool_not_needed"):
-        hits, n = m.pop(f"{name}_hits", 0.0), m.pop(f"{name}_n", 0.0)
+        hits, calls, n = (m.pop(f"{name}_{k}", 0.0) for k in ("hits", "calls", "n"))
         if n:
             m[f"acc_{name}"] = hits / n
+            m[f"tool_call_ratio_{name.removeprefix('tool_')}"] = calls / n
     return m
 
 
