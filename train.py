@@ -449,6 +449,22 @@ def split_accuracy(m: dict) -> dict:
     return m
 
 
+RECIPE_NAMES = {"para_grpo": "PARA-GRPO", "vtgr": "Video-o3's VTGR", "combined": "PARA-GRPO with VTGR's tool term",
+                "vanilla": "vanilla GRPO"}
+
+
+def recipe_line(s: GRPOSettings) -> str:
+    """The run's first words on the method, e.g. 'recipe: para_grpo (PARA-GRPO: R_acc + R_fmt + R_tool, exploration
+    anchoring (sequence), nFrames gating K in {4, 8, 16, 32}, no KL)': what the reward and the step really use."""
+    reward = {"vtgr": "R_acc + strict R_fmt + clue score x turn decay",
+              "combined": "R_acc + R_fmt + VTGR tool term where clues exist"}.get(s.recipe, "R_acc + R_fmt + R_tool")
+    parts = [reward, f"exploration anchoring ({s.anchoring})" if s.anchoring != "none" else "no anchoring",
+             f"nFrames gating K in {{{', '.join(map(str, s.gating_choices))}}}" if s.gating else "no gating",
+             (f"k1 KL {s.kl_coef:g} in the reward" if s.kl_in_reward else f"{s.kl_estimator} KL {s.kl_coef:g}")
+             if s.kl_coef else "no KL"] + (["shaping clip(10 (R - 0.2), +-20)"] if s.shaping else [])
+    return f"recipe: {s.recipe} ({RECIPE_NAMES[s.recipe]}: {', '.join(parts)})"
+
+
 def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, video_root: str,
            cfg: rollout.RolloutConfig, s: GRPOSettings, steps: int, lr: float, warmup_steps: int, pad_id: int,
            start: int = 0, eval_every: int = 0, evaluate=None, pool: video.DecodePool | None = None) -> None:
@@ -777,6 +793,8 @@ def main(rank: int, args) -> dict:
     run = Run(args.run_dir, rank, world, args.seed, args.save_every, args.keep_last, args.strict,
               args.max_bad_fraction, args.report_to)
     print0(rank, json.dumps({"settings": vars(args), "world": world, "device": str(device)}))
+    if args.stage != "sft":
+        print0(rank, recipe_line(grpo_settings(args)))
     ckpt = runtime.latest_checkpoint(args.run_dir) if args.resume else None
     model, processor = model_lib.load_model(ckpt or args.model, device=device, seed=args.seed,
                                             tiny_corpus=rollout.prompt_corpus())

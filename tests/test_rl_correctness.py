@@ -65,7 +65,7 @@ def test_combinations_that_cannot_work_are_refused(argv, message, capsys):
 def test_paravt_preset_folds_k1_into_the_reward():
     args = runtime.parse_args(["--preset", "paravt"])
     s = train.grpo_settings(args)
-    assert (s.recipe, s.kl_estimator, s.kl_in_reward, s.kl_coef, s.temperature) == ("paravt", "k1", True, 0.01, 0.7)
+    assert (s.recipe, s.kl_estimator, s.kl_in_reward, s.kl_coef, s.temperature) == ("para_grpo", "k1", True, 0.01, 0.7)
     assert runtime.parse_args(["--kl-coef", "0.01", "--kl-estimator", "k1", "--kl-in-reward", "1"]).kl_in_reward
 
 

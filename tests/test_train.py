@@ -55,6 +55,8 @@ def test_smoke_stage_all(tmp_path, capsys, tiny):
     """The default pipeline end to end: SFT, RL with every metric logged, evaluation, curves, summary line."""
     run(smoke_argv(tmp_path, "--stage", "all", "--mask-truncated", "0"))
     out = capsys.readouterr().out.strip().splitlines()
+    assert any(l.startswith("recipe: para_grpo (PARA-GRPO: R_acc + R_fmt + R_tool, exploration anchoring (sequence), "
+                            "nFrames gating K in {4, 8}") for l in out)          # the method, named at the start
     summary = json.loads(out[-1])                       # the last printed line is one JSON object
     assert set(summary) == {"before", "sft", "after", "seconds"}
     assert summary["seconds"] > 0
@@ -79,6 +81,21 @@ def test_smoke_stage_all(tmp_path, capsys, tiny):
         assert set(final) == set(init)
         changed = [k for k in final if not torch.equal(final[k], init[k])]
         assert "lm_head.weight" in changed and len(changed) > len(init) // 2, ckpt
+
+
+def test_the_default_run_is_para_grpo():
+    """`python train.py` with no flag: PARA-GRPO (ParaVT's reward, sequence anchoring, nFrames gating) from an SFT
+    warm start that also shows gated overviews, evaluated on at least 96 held-out questions. Asking for an SFT of
+    K = 8 overviews only turns gating off (the tiny model would meet overview sizes it never saw)."""
+    args = runtime.parse_args([])
+    s = train.grpo_settings(args)
+    assert (s.recipe, s.anchoring, s.gating, args.sft_gated_overviews) == ("para_grpo", "sequence", True, 1)
+    assert list(s.gating_choices) == [int(k) for k in runtime.TINY_DEFAULTS["gating_choices"].split(",")]
+    assert args.n_eval >= 96
+    assert train.recipe_line(s).startswith("recipe: para_grpo (PARA-GRPO: ")
+    assert not runtime.parse_args(["--sft-gated-overviews", "0"]).gating
+    assert runtime.parse_args(["--gating", "0"]).sft_gated_overviews == 0
+    assert runtime.parse_args(["--preset", "paravt"]).gating_choices == [4, 8, 16, 32, 64]
 
 
 def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
@@ -119,10 +136,10 @@ def test_stage_rl_alone(tmp_path):
     assert runtime.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
 
 
-@pytest.mark.parametrize("extra, ks", [([], {8}), (["--sft-gated-overviews", "1"], {4, 8})])
+@pytest.mark.parametrize("extra, ks", [(["--sft-gated-overviews", "0"], {8}), ([], {4, 8})])
 def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
-    """Synthetic SFT: every record once with the evaluation overview (K = 8) and, with --sft-gated-overviews,
-    once more with a K drawn from the gating choices."""
+    """Synthetic SFT: every record once with the evaluation overview (K = 8) and, by default (RL gates), once more
+    with a K drawn from the gating choices; --sft-gated-overviews 0 leaves the second copy out."""
     model, processor = tiny
     args = runtime.parse_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
