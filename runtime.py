@@ -284,10 +284,23 @@ def truncate_metrics(path: str, stage: str, step: int) -> None:
 # -----------------------------------------------------------------------------
 # curves
 
+# The panels of curves.png: (stage, title, [(metrics key, legend label)], y range); ParaVT's training curves,
+# with accuracy and tool use split by whether the overview the rollout drew shows the answer (data.tool_needed).
+PANELS = [("sft", "SFT: loss", [("loss", "loss")], None),
+          ("rl", "RL: reward", [("reward", "reward")], None),
+          ("rl", "RL: format compliance", [("format_compliance", "format compliance")], (0, 1.02)),
+          ("rl", "RL: accuracy", [("acc_tool_needed", "tool needed"), ("acc_tool_not_needed", "tool not needed")],
+           (0, 1.02)),
+          ("rl", "RL: tool-call ratio", [("tool_call_ratio_needed", "tool needed"),
+                                         ("tool_call_ratio_not_needed", "tool not needed"),
+                                         ("tool_call_ratio", "all")], (0, 1.02))]
+
+
 def plot_run(run_dir: str) -> str | None:
-    """RUN_DIR/curves.png from metrics.jsonl: the SFT loss, then reward, format compliance and tool-call ratio
-    against RL step (ParaVT's training curves): faint raw points, a moving average, ratios on a fixed [0, 1]
-    axis, held-out evaluations as markers. None when the run logged no step (e.g. --rl-steps 0)."""
+    """RUN_DIR/curves.png from metrics.jsonl (PANELS): the SFT loss, then against RL step the reward, format
+    compliance, accuracy and tool-call ratio on the sampled questions that needed the tool and on those that did
+    not: faint raw points, a moving average, ratios on a fixed [0, 1] axis, held-out evaluations (greedy, K = the
+    evaluation overview) as markers where the row has the key. None when the run logged no step (--rl-steps 0)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     rows = [json.loads(l) for l in open(path) if l.strip()] if os.path.exists(path) else []
     if not any(r.get("stage") in ("sft", "rl") for r in rows):
@@ -295,25 +308,28 @@ def plot_run(run_dir: str) -> str | None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = [("sft", "loss", None), ("rl", "reward", None), ("rl", "format_compliance", (0, 1.02)),
-              ("rl", "tool_call_ratio", (0, 1.02))]
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.2))
-    for ax, (stage, key, ylim) in zip(axes, panels):
-        pts = [(r["step"], r[key]) for r in rows if r.get("stage") == stage and isinstance(r.get(key), (int, float))]
-        if pts:
-            x, y = np.array(pts, dtype=float).T
-            w = max(1, len(y) // 10)
-            smooth = np.convolve(y, np.ones(w) / w, mode="valid")
-            ax.plot(x, y, ".", alpha=0.25, color="C0")
-            ax.plot(x[w - 1:], smooth, color="C0", label=f"mean of {w}")
-        evals = [(r["step"], r[key]) for r in rows if r.get("stage") == "eval" and isinstance(r.get(key), (int, float))]
-        if evals:
-            ax.plot(*zip(*evals), "D", color="C3", label="held-out")
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(3.8 * len(PANELS), 3.2))
+    for ax, (stage, title, series, ylim) in zip(axes, PANELS):
+        drawn = False
+        for i, (key, label) in enumerate(series):
+            colour = f"C{i}"
+            pts = [(r["step"], r[key]) for r in rows if r.get("stage") == stage and isinstance(r.get(key), (int, float))]
+            if pts:
+                x, y = np.array(pts, dtype=float).T
+                w = max(1, len(y) // 10)
+                smooth = np.convolve(y, np.ones(w) / w, mode="valid")
+                ax.plot(x, y, ".", alpha=0.25, color=colour)
+                ax.plot(x[w - 1:], smooth, color=colour, label=f"{label} (mean of {w})" if len(series) > 1 or w > 1
+                        else label)
+            evals = [(r["step"], r[key]) for r in rows if r.get("stage") == "eval" and isinstance(r.get(key), (int, float))]
+            if evals:
+                ax.plot(*zip(*evals), "D", color=colour, markeredgecolor="k", label=f"{label}, held-out")
+            drawn |= bool(pts or evals)
         if ylim:
             ax.set_ylim(*ylim)
-        ax.set_title(f"{stage}: {key}")
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel(f"{stage.upper()} step")
-        if pts or evals:
+        if drawn:
             ax.legend(fontsize=7)
     fig.tight_layout()
     out = os.path.join(run_dir, "curves.png")
@@ -599,17 +615,20 @@ def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
 # -----------------------------------------------------------------------------
 # the run's flags: parsed, checked and resolved once (train.py's command line)
 
-# The embedded tiny model's settings; a real checkpoint without --preset gets paravt's (rollout.PRESETS).
+# The embedded tiny model's settings; a real checkpoint without --preset gets paravt's (rollout.PRESETS). The
+# default run is PARA-GRPO: ParaVT's reward with sequence-level exploration anchoring, nFrames gating over
+# its gating_choices (the SFT warm start also shows such overviews, so gated RL starts in distribution).
 TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
-                     max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="combined", group_size=8,
+                     max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=8,
                      prompts_per_step=4, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
                      kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
-                     mask_truncated=1, vision_lr_scale=0.0)
+                     mask_truncated=1, vision_lr_scale=0.0, gating_choices="4,8,16,32")
+GATING_CHOICES = "4,8,16,32,64"          # ParaVT's K range (a real checkpoint, or a preset)
 
 
 # The embedded default (`python train.py` with no arguments): sizes chosen for a 2-core CPU
 # (frame sizes and prompt settings of the tiny model: rollout.TINY_ROLLOUT).
-TINY_TASK = dict(n_train=256, n_eval=48, duration=64.0)
+TINY_TASK = dict(n_train=256, n_eval=96, duration=64.0)
 
 
 def parse_args(argv=None, description: str = "") -> argparse.Namespace:
@@ -672,8 +691,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--sft-budget-fraction", type=float, default=0.1,
                    help="synthetic SFT: chance a trajectory that calls the tool is also recorded at a smaller tool-turn "
                         "budget (forced answer from what was seen), so budget-limited evaluation finds a trained model")
-    g.add_argument("--sft-gated-overviews", type=int, default=0,
-                   help="synthetic SFT: each record also with a K-frame overview, K drawn from --gating-choices")
+    g.add_argument("--sft-gated-overviews", type=int, default=None,
+                   help="synthetic SFT: each record also with a K-frame overview, K drawn from --gating-choices "
+                        "(default: on when RL gates)")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
     g = p.add_argument_group("SFT")
     g.add_argument("--sft-steps", type=int, default=600, help="SFT optimizer steps")
@@ -722,9 +742,11 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--overview-fps", type=float, default=None, help="overview fps when no frame count is set")
     g.add_argument("--overview-max-frames", type=int, default=None, help="overview frame cap of the fps rule")
     g.add_argument("--gating", type=int, default=None,
-                   help="nFrames gating on/off (default: on for paravt/combined on real data (--data) or with "
-                        "--sft-gated-overviews)")
-    g.add_argument("--gating-choices", default="4,8,16,32,64", help="overview frame counts K is drawn from")
+                   help="nFrames gating on/off (default: on for para_grpo/combined, unless the synthetic SFT shows "
+                        "K = 8 overviews only: --sft-gated-overviews 0 without --data)")
+    g.add_argument("--gating-choices", default=None,
+                   help=f"overview frame counts K is drawn from (default: {GATING_CHOICES}; the tiny model: "
+                        f"{TINY_DEFAULTS['gating_choices']})")
     g.add_argument("--anchoring", choices=("sequence", "token", "none"), default=None,
                    help="exploration anchoring (default: sequence for paravt/combined, none for vanilla/vtgr)")
     g.add_argument("--released-scoring", action="store_true",
@@ -766,13 +788,18 @@ def resolve(args) -> None:
         args.vision_lr_scale = 1.0
     if args.vision_lr_scale < 0:
         raise ValueError(f"--vision-lr-scale must be >= 0 (0 freezes the vision tower), got {args.vision_lr_scale}")
+    if args.gating_choices is None:
+        args.gating_choices = GATING_CHOICES
     try:
         args.gating_choices = [int(c) for c in args.gating_choices.split(",")]
     except ValueError:
         raise ValueError(f"--gating-choices: expected comma-separated frame counts, got {args.gating_choices!r}") from None
-    if args.gating is None:  # the synthetic SFT shows K = 8 overviews only, unless --sft-gated-overviews: gated
-        # RL would then sample on overview sizes the tiny model never saw (measured: format 0.0-0.6 vs 0.94-1.0)
-        args.gating = int(args.recipe in ("para_grpo", "combined") and (args.data is not None or args.sft_gated_overviews))
+    gates = args.recipe in ("para_grpo", "combined")
+    if args.sft_gated_overviews is None:   # the synthetic warm start shows the overview sizes RL will gate to
+        args.sft_gated_overviews = int(gates and args.gating != 0)
+    if args.gating is None:  # a synthetic SFT of K = 8 overviews only (--sft-gated-overviews 0) cannot be gated: RL
+        # would sample on overview sizes the tiny model never saw (measured: format 0.0-0.6 vs 0.94-1.0)
+        args.gating = int(gates and (args.data is not None or bool(args.sft_gated_overviews)))
     if args.anchoring is None:
         args.anchoring = "sequence" if args.recipe in ("para_grpo", "combined") else "none"
     on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())

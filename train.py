@@ -439,8 +439,10 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
 
 def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None) -> dict:
     """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves); with the
-    records by id, on the synthetic task, also the accuracy on the questions whose overview needed the tool
-    (`acc_tool_needed`) and on those it did not (`acc_tool_not_needed`, data.tool_needed)."""
+    records by id, on the synthetic task, also sums and counts per tool need (data.tool_needed under the overview
+    the rollout drew): on the questions that needed the tool and on those that did not, the accuracy and the
+    tool-call ratio (a trajectory that ended in an error counts as no call). split_accuracy turns the all-rank
+    sums into ratios, so a rank's share of the step weighs by its count, not as a rank mean."""
     ok = [t for t in trajs if t.error is None]
     n = max(1, len(ok))
     calls = sum(t.n_calls for t in ok)
@@ -456,18 +458,38 @@ def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None)
     if records is not None:      # sums and counts, the same keys on every rank (split_accuracy divides)
         need = [data.tool_needed(records[t.record_id], t.nframes) if t.record_id in records else None for t in trajs]
         for name, want in (("tool_needed", True), ("tool_not_needed", False)):
-            accs = [c["acc"] for c, nd in zip(comps, need) if nd is want]
-            out.update({f"{name}_hits": sum(accs), f"{name}_n": len(accs)})
+            group = [(t, c) for t, c, nd in zip(trajs, comps, need) if nd is want]
+            out.update({f"{name}_hits": sum(c["acc"] for _, c in group),
+                        f"{name}_calls": sum(t.error is None and t.n_calls > 0 for t, _ in group),
+                        f"{name}_n": len(group)})
     return out
 
 
 def split_accuracy(m: dict) -> dict:
-    """rollout_metrics' (all-rank) sums -> acc_tool_needed / acc_tool_not_needed, left out where no question was."""
+    """rollout_metrics' (all-rank) sums -> acc_tool_needed / acc_tool_not_needed and tool_call_ratio_needed /
+    tool_call_ratio_not_needed (hits / n, calls / n), left out where no question was."""
     for name in ("tool_needed", "tool_not_needed"):
-        hits, n = m.pop(f"{name}_hits", 0.0), m.pop(f"{name}_n", 0.0)
+        hits, calls, n = (m.pop(f"{name}_{k}", 0.0) for k in ("hits", "calls", "n"))
         if n:
             m[f"acc_{name}"] = hits / n
+            m[f"tool_call_ratio_{name.removeprefix('tool_')}"] = calls / n
     return m
+
+
+RECIPE_NAMES = {"para_grpo": "PARA-GRPO", "vtgr": "Video-o3's VTGR", "combined": "PARA-GRPO with VTGR's tool term",
+                "vanilla": "vanilla GRPO"}
+
+
+def recipe_line(s: GRPOSettings) -> str:
+    """The run's first words on the method, e.g. 'recipe: para_grpo (PARA-GRPO: R_acc + R_fmt + R_tool, exploration
+    anchoring (sequence), nFrames gating K in {4, 8, 16, 32}, no KL)': what the reward and the step really use."""
+    reward = {"vtgr": "R_acc + strict R_fmt + clue score x turn decay",
+              "combined": "R_acc + R_fmt + VTGR tool term where clues exist"}.get(s.recipe, "R_acc + R_fmt + R_tool")
+    parts = [reward, f"exploration anchoring ({s.anchoring})" if s.anchoring != "none" else "no anchoring",
+             f"nFrames gating K in {{{', '.join(map(str, s.gating_choices))}}}" if s.gating else "no gating",
+             (f"k1 KL {s.kl_coef:g} in the reward" if s.kl_in_reward else f"{s.kl_estimator} KL {s.kl_coef:g}")
+             if s.kl_coef else "no KL"] + (["shaping clip(10 (R - 0.2), +-20)"] if s.shaping else [])
+    return f"recipe: {s.recipe} ({RECIPE_NAMES[s.recipe]}: {', '.join(parts)})"
 
 
 def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, video_root: str,
@@ -827,6 +849,8 @@ def main(rank: int, args) -> dict:
     run = Run(args.run_dir, rank, world, args.seed, args.save_every, args.keep_last, args.strict,
               args.max_bad_fraction, args.report_to, export_dtype=torch.bfloat16 if args.precision == "bf16" else None)
     print0(rank, json.dumps({"settings": vars(args), "world": world, "device": str(device)}))
+    if args.stage != "sft":
+        print0(rank, recipe_line(grpo_settings(args)))
     ckpt = runtime.latest_checkpoint(args.run_dir) if args.resume else None
     model, processor = policy_model(ckpt or args.model, device, args.precision, world, args.seed, args.grad_checkpointing)
     pad_id = processor.tokenizer.pad_token_id

@@ -55,6 +55,8 @@ def test_smoke_stage_all(tmp_path, capsys, tiny):
     """The default pipeline end to end: SFT, RL with every metric logged, evaluation, curves, summary line."""
     run(smoke_argv(tmp_path, "--stage", "all", "--mask-truncated", "0"))
     out = capsys.readouterr().out.strip().splitlines()
+    assert any(l.startswith("recipe: para_grpo (PARA-GRPO: R_acc + R_fmt + R_tool, exploration anchoring (sequence), "
+                            "nFrames gating K in {4, 8}") for l in out)          # the method, named at the start
     summary = json.loads(out[-1])                       # the last printed line is one JSON object
     assert set(summary) == {"before", "sft", "after", "seconds"}
     assert summary["seconds"] > 0
@@ -79,6 +81,21 @@ def test_smoke_stage_all(tmp_path, capsys, tiny):
         assert set(final) == set(init)
         changed = [k for k in final if not torch.equal(final[k], init[k])]
         assert "lm_head.weight" in changed and len(changed) > len(init) // 2, ckpt
+
+
+def test_the_default_run_is_para_grpo():
+    """`python train.py` with no flag: PARA-GRPO (ParaVT's reward, sequence anchoring, nFrames gating) from an SFT
+    warm start that also shows gated overviews, evaluated on at least 96 held-out questions. Asking for an SFT of
+    K = 8 overviews only turns gating off (the tiny model would meet overview sizes it never saw)."""
+    args = runtime.parse_args([])
+    s = train.grpo_settings(args)
+    assert (s.recipe, s.anchoring, s.gating, args.sft_gated_overviews) == ("para_grpo", "sequence", True, 1)
+    assert list(s.gating_choices) == [int(k) for k in runtime.TINY_DEFAULTS["gating_choices"].split(",")]
+    assert args.n_eval >= 96
+    assert train.recipe_line(s).startswith("recipe: para_grpo (PARA-GRPO: ")
+    assert not runtime.parse_args(["--sft-gated-overviews", "0"]).gating
+    assert runtime.parse_args(["--gating", "0"]).sft_gated_overviews == 0
+    assert runtime.parse_args(["--preset", "paravt"]).gating_choices == [4, 8, 16, 32, 64]
 
 
 def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
@@ -120,10 +137,10 @@ def test_stage_rl_alone(tmp_path):
     assert runtime.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
 
 
-@pytest.mark.parametrize("extra, ks", [([], {8}), (["--sft-gated-overviews", "1"], {4, 8})])
+@pytest.mark.parametrize("extra, ks", [(["--sft-gated-overviews", "0"], {8}), ([], {4, 8})])
 def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
-    """Synthetic SFT: every record once with the evaluation overview (K = 8) and, with --sft-gated-overviews,
-    once more with a K drawn from the gating choices."""
+    """Synthetic SFT: every record once with the evaluation overview (K = 8) and, by default (RL gates), once more
+    with a K drawn from the gating choices; --sft-gated-overviews 0 leaves the second copy out."""
     model, processor = tiny
     args = runtime.parse_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
@@ -493,6 +510,89 @@ def test_sft_step_with_tdam_on_every_batch(tmp_path):
                    "--n-train", "4"))
     (row,) = metrics(tmp_path)
     assert row["tdam"] == 1.0 and math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+
+
+# -----------------------------------------------------------------------------
+# the RL metrics row: accuracy and tool use split by tool need, reduced over ranks as sums and counts
+
+def _need_records() -> dict:
+    """Two synthetic-looking MCQ records: one whose 0.5 s glyph falls between the frames of a K = 8 overview
+    (the tool is needed), one whose glyph covers the whole video (it is not)."""
+    frames = sorted(f for _, f0, f1 in data.overview_patch_times(64.0, 8) for f in (f0, f1))
+    gap = next(a + 0.25 for a, b in zip(frames, frames[1:]) if b - a > 1.0)       # a point no frame shows
+    base = {"task": "mcq", "duration": 64.0, "clues": [[0.0, 8.0]]}
+    recs = {"need": {**base, "id": "need", "meta": {"glyph_windows": [[gap, gap + 0.5]]}},
+            "easy": {**base, "id": "easy", "meta": {"glyph_windows": [[0.0, 64.0]]}}}
+    assert data.tool_needed(recs["need"], 8) and data.tool_needed(recs["easy"], 8) is False
+    return recs
+
+
+def _traj(rid: str, calls: int, error=None) -> SimpleNamespace:
+    return SimpleNamespace(record_id=rid, nframes=8, n_calls=calls, n_tool_turns=int(calls > 0), tool_failures=0,
+                           truncated=False, hit_turn_limit=False, error=error, text="")
+
+
+# per rank: (record, calls, reward accuracy, error) of each trajectory it sampled
+RANK_TRAJS = {0: [("need", 1, 1.0, None), ("easy", 0, 1.0, None), ("easy", 1, 0.0, None)],
+              1: [("need", 0, 0.0, None), ("need", 0, 0.0, None), ("need", 2, 0.0, "decode timeout"),
+                  ("easy", 1, 1.0, None)]}
+
+
+def _rank_metrics(rank: int, world: int, port: int, out: str) -> None:
+    if world > 1:
+        os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    mine = RANK_TRAJS[rank] if world > 1 else RANK_TRAJS[0] + RANK_TRAJS[1]
+    trajs = [_traj(rid, calls, err) for rid, calls, _, err in mine]
+    comps = [{"acc": acc, "format": 1.0} for _, _, acc, _ in mine]
+    m = train.split_accuracy(runtime.all_mean(train.rollout_metrics(trajs, comps, _need_records()), world))
+    if rank == 0:
+        json.dump(m, open(out, "w"))
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def test_tool_use_split_by_need_reduced_over_two_ranks_as_sums_and_counts(tmp_path):
+    """The metrics row on 2 gloo ranks: accuracy and tool-call ratio on the questions that need the tool and on
+    those that do not are all-rank hits / n and calls / n (rank 0: 1 of 1 needed question called, rank 1: 0 of
+    3, one of them an error, which counts as no call: 1 / 4, where a mean of the ranks' ratios would say 1 / 2),
+    the same as one process on all the trajectories."""
+    torch.multiprocessing.spawn(_rank_metrics, args=(2, runtime.find_free_port(), str(tmp_path / "two.json")), nprocs=2)
+    _rank_metrics(0, 1, 0, str(tmp_path / "one.json"))
+    two, one = json.load(open(tmp_path / "two.json")), json.load(open(tmp_path / "one.json"))
+    want = {"acc_tool_needed": 1 / 4, "tool_call_ratio_needed": 1 / 4,
+            "acc_tool_not_needed": 2 / 3, "tool_call_ratio_not_needed": 2 / 3}
+    for k, v in want.items():
+        assert two[k] == pytest.approx(v) and one[k] == pytest.approx(v), k
+    assert not any(k.endswith(("_hits", "_calls", "_n")) for k in two)      # the sums never reach the log
+
+
+def test_tool_use_split_left_out_where_no_question_was():
+    trajs, comps = [_traj("easy", 1)], [{"acc": 1.0}]
+    m = train.split_accuracy(train.rollout_metrics(trajs, comps, _need_records()))
+    assert m["tool_call_ratio_not_needed"] == 1.0 and m["acc_tool_not_needed"] == 1.0
+    assert "tool_call_ratio_needed" not in m and "acc_tool_needed" not in m
+
+
+def test_curves_show_accuracy_and_tool_use_split_by_need(tmp_path, monkeypatch):
+    """curves.png has a panel of accuracy and one of tool-call ratio on the sampled questions that needed the tool
+    and on those that did not, each series drawn from its metrics.jsonl key."""
+    rows = [{"stage": "sft", "step": 1, "loss": 1.0}] + [
+        {"stage": "rl", "step": i, "reward": 1.0, "format_compliance": 1.0, "tool_call_ratio": 0.5,
+         "acc_tool_needed": 0.1 * i, "acc_tool_not_needed": 0.9, "tool_call_ratio_needed": 0.2 * i,
+         "tool_call_ratio_not_needed": 0.3} for i in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert runtime.plot_run(str(tmp_path)).endswith("curves.png")
+    panels = {ax.get_title(): ax for ax in figures[0].axes}
+    for title, key in (("RL: accuracy", "acc_tool_needed"), ("RL: tool-call ratio", "tool_call_ratio_needed")):
+        lines = {l.get_label(): l for l in panels[title].get_lines()}
+        needed = next(l for label, l in lines.items() if label.startswith("tool needed"))
+        assert list(needed.get_ydata()) == pytest.approx([r[key] for r in rows[1:]])
+        assert any(label.startswith("tool not needed") for label in lines)
 
 
 # -----------------------------------------------------------------------------

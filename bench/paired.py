@@ -1,0 +1,110 @@
+"""
+Two checkpoints on the same questions, question by question: did RL fix or break answers of its SFT warm start?
+
+Reads two predictions files of one synthetic split (eval.py --synthetic-n N --synthetic-seed S --out FILE, once per
+checkpoint) and prints, for each side, the MCQ accuracy overall, by question kind and on the questions whose
+K-frame overview hides a glyph the answer reads (data.tool_needed: the tool is needed) and on the others, with the
+tool-call ratio on each; then the MCQs B answered right and A wrong ("fixed"), the reverse ("broken"), and the
+two-sided sign test of fixed against broken (exact binomial, ties dropped): how likely a split at least this
+uneven is if RL changed answers at random.
+
+    python eval.py --model runs/s0/ckpt-sft-000600 --synthetic-n 432 --synthetic-seed 3000 --out runs/eval/s0-sft.jsonl
+    python eval.py --model runs/s0/ckpt-rl-000020 --synthetic-n 432 --synthetic-seed 3000 --out runs/eval/s0-rl.jsonl
+    python bench/paired.py runs/eval/s0-sft.jsonl runs/eval/s0-rl.jsonl --n 432 --seed 3000
+
+The last line is one JSON object.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import benchmarks  # noqa: E402
+import data  # noqa: E402
+import eval as evaluation  # noqa: E402
+
+KINDS = ("single_clue", "multi_clue", "search", "direct")
+
+
+def sign_test(fixed: int, broken: int) -> float:
+    """Two-sided exact sign test: P(a split at least as uneven as fixed / broken | each change is a fair coin)."""
+    n, k = fixed + broken, min(fixed, broken)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def correct(records: list[dict], rows: list[dict], where: str) -> dict[str, bool]:
+    """MCQ id -> answered right (the letter eval.py parsed). A question missing from the file is an error naming it."""
+    by_id = {str(r["id"]): r for r in rows}
+    missing = [r["id"] for r in records if r["task"] == "mcq" and r["id"] not in by_id]
+    if missing:
+        raise ValueError(f"{where}: no prediction for {len(missing)} question(s), e.g. {missing[0]} (another split?)")
+    return {r["id"]: (by_id[r["id"]].get("answer") or "").strip().upper() == r["answer"]
+            for r in records if r["task"] == "mcq"}
+
+
+def summary(records: list[dict], rows: list[dict], right: dict[str, bool], nframes: int) -> dict:
+    """MCQ accuracy (%) overall, by kind and by tool need at K = nframes; tool-call ratio by tool need."""
+    by_id = {str(r["id"]): r for r in rows}
+    groups = {"all": [], **{k: [] for k in KINDS}, "tool_needed": [], "tool_not_needed": []}
+    calls = {"tool_needed": [], "tool_not_needed": []}
+    for rec in records:
+        if rec["task"] != "mcq":
+            continue
+        need = "tool_needed" if data.tool_needed(rec, nframes) else "tool_not_needed"
+        for g in ("all", rec["meta"]["kind"], need):
+            groups[g].append(right[rec["id"]])
+        calls[need].append(by_id[rec["id"]].get("calls", 0) > 0)
+    out = {g: 100.0 * sum(v) / len(v) for g, v in groups.items() if v}
+    out.update({f"tool_call_ratio_{g.removeprefix('tool_')}": sum(v) / len(v) for g, v in calls.items() if v})
+    out["n"] = {g: len(v) for g, v in groups.items()}
+    return out
+
+
+def compare(records: list[dict], rows_a: list[dict], rows_b: list[dict], nframes: int = 8,
+            where: tuple[str, str] = ("A", "B")) -> dict:
+    a, b = correct(records, rows_a, where[0]), correct(records, rows_b, where[1])
+    fixed = sum(b[i] and not a[i] for i in a)
+    broken = sum(a[i] and not b[i] for i in a)
+    return {"a": summary(records, rows_a, a, nframes), "b": summary(records, rows_b, b, nframes),
+            "right_a": sum(a.values()), "right_b": sum(b.values()), "mcq": len(a),
+            "fixed": fixed, "broken": broken, "sign_test_p": sign_test(fixed, broken)}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("a", help="predictions JSONL of the first checkpoint (e.g. after SFT)")
+    p.add_argument("b", help="predictions JSONL of the second (e.g. after RL)")
+    p.add_argument("--n", type=int, required=True, help="the split's size (eval.py --synthetic-n)")
+    p.add_argument("--seed", type=int, required=True, help="the split's seed (eval.py --synthetic-seed)")
+    p.add_argument("--nframes", type=int, default=8, help="the evaluation overview's K (the tiny model's: 8)")
+    args = p.parse_args(argv)
+    records = benchmarks.synthetic_records(os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic"),
+                                           n=args.n, seed=args.seed)
+    try:
+        result = compare(records, evaluation.read_predictions(args.a), evaluation.read_predictions(args.b),
+                         args.nframes, (args.a, args.b))
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"paired.py: {e}") from None
+    cols = ["all", *KINDS, "tool_needed", "tool_not_needed"]
+    n = result["a"]["n"]
+    print("| checkpoint | " + " | ".join(f"{c} ({n[c]})" for c in cols) + " | tool-call ratio needed / not |")
+    print("|---" * (len(cols) + 2) + "|")
+    for side, path in (("a", args.a), ("b", args.b)):
+        s = result[side]
+        print(f"| {path} | " + " | ".join(f"{s.get(c, float('nan')):.1f}" for c in cols)
+              + f" | {s.get('tool_call_ratio_needed', float('nan')):.2f} / {s.get('tool_call_ratio_not_needed', float('nan')):.2f} |")
+    print(f"MCQs right: {result['right_a']} -> {result['right_b']} of {result['mcq']}; fixed {result['fixed']}, "
+          f"broken {result['broken']}, sign test p = {result['sign_test_p']:.3g}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
