@@ -211,8 +211,10 @@ def _best_rank(rank: int, world: int, port: int, run_dir: str) -> None:
     model, processor = _tiny_sharded(world)
     run = runtime.Run(run_dir, rank, world, 0, 100, 0, False, 1.0)
     run.processor = processor
-    fake = type("G", (), dict(trajs=[], items=[], comps=[], rewards=torch.zeros(1), zero_var_frac=0.0, draws=1))
+    fake = train.Groups(trajs=[], comps=[], rewards=torch.zeros(1), seq_kl=torch.zeros(1), items=[], n_groups=0,
+                        draws=1, zero_var_frac=0.0)
     train.collect_groups = lambda *a, **k: fake
+    train.filler_trajectory = lambda *a, **k: None          # the update is stubbed: no zero-weight pass to feed
     train.policy_update = lambda *a, **k: (None, {"clip_frac": 0.0, "kl": 0.0})
     train.rollout_metrics = lambda *a, **k: {"accuracy": 0.0, "format_compliance": 0.0, "tool_call_ratio": 0.0,
                                              "turns": 0.0, "mean_k": 8.0}
