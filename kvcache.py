@@ -15,10 +15,11 @@ The rollout's K/V cache: one copy of each prompt, a preallocated suffix per row,
 
 Shapes: prompt K/V per layer (P, kv_heads, Lp, head_dim); suffix K/V per layer (B, kv_heads, C, head_dim) with C
 the store's capacity; group (B,) row -> prompt; positions (3, n, l) for (t, h, w); logits (n, V).
-Sizes that choose a path (shrunk in tests): GROW (the store's growth step), SCORES_BUDGET (fp32 score elements
-per query block of `_attend`).
-Departure: the prompt part of cascade attention computes scores in fp32 blocks (SCORES_BUDGET) in plain PyTorch,
-where a GPU deployment would use a fused kernel that returns the LSE (FlexAttention, FlashInfer).
+Sizes that choose a path (shrunk in tests: tests/conftest.py): GROW (the store's growth step), SCORES_BUDGET
+(elements of one block of fp32 scores, or of its mask, in `_attend`).
+Precision: scores, softmax and the weighted sum run in fp32 whatever the model's dtype; the output is rounded to it.
+Departure: cascade attention in plain PyTorch, by query blocks with masks built per block from positions, where a
+GPU deployment would use a fused kernel that returns the LSE (FlexAttention, FlashInfer).
 """
 from dataclasses import dataclass
 
@@ -80,26 +81,37 @@ class KVStore:
         self.k[layer][r, :, pos] = k.transpose(1, 2)       # advanced indices first: (n, l, kv_heads, head_dim)
         self.v[layer][r, :, pos] = v.transpose(1, 2)
 
-def _attend(q, k, v, valid, scale):
-    """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d) where valid (n, 1|h, m, c); returns
-    (out (n, h, m, d), lse (n, h, m, 1)): the log-sum-exp lets two partial attentions be merged exactly.
-    Queries go in blocks so the fp32 scores never exceed SCORES_BUDGET elements."""
+def _attend(q, k, v, scale, qpos=None, kend=None):
+    """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d), computed in fp32 whatever the inputs' dtype;
+    returns (out (n, h, m, d) fp32, lse (n, h, m, 1)): the log-sum-exp lets two partial attentions be merged
+    exactly. Key j is seen by query i of row b iff j <= qpos[b, i] (causal; None: no causal limit) and
+    j < kend[b] (None: every key). Queries go in blocks, and each block's mask is built from these positions,
+    so no scores or mask tensor exceeds SCORES_BUDGET elements whatever the chunk and span."""
     n, h, m, _ = q.shape
-    block = max(1, SCORES_BUDGET // max(1, n * h * k.shape[2]))
+    c = k.shape[2]
+    block = max(1, SCORES_BUDGET // max(1, n * h * c))
+    kt, vf = k.float().transpose(-1, -2), v.float()
+    kpos = torch.arange(c, device=q.device)
     outs, lses = [], []
     for a in range(0, m, block):
-        s = torch.matmul(q[:, :, a:a + block], k.transpose(-1, -2)).float() * scale
-        s = s.masked_fill(~valid[:, :, a:a + block], float("-inf"))
+        s = torch.matmul(q[:, :, a:a + block].float(), kt).mul_(scale)                   # (n, h, b, c) fp32
+        if qpos is not None or kend is not None:
+            seen = True
+            if qpos is not None:
+                seen = kpos <= qpos[:, None, a:a + block, None]                           # (n, 1, b, c)
+            if kend is not None:
+                seen = (kpos < kend[:, None, None, None]) & seen
+            s.masked_fill_(~seen, float("-inf"))
         lse = torch.logsumexp(s, -1, keepdim=True)
-        outs.append(torch.matmul(torch.exp(s - lse).to(v.dtype), v))
+        outs.append(torch.matmul(s.sub_(lse).exp_(), vf))
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 def _merge(o1, lse1, o2, lse2):
-    """Cascade merge: softmax over [A; B] = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)."""
+    """Cascade merge in fp32: softmax over [A; B] = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)."""
     m = torch.maximum(lse1, lse2)
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    return ((w1 * o1.float() + w2 * o2.float()) / (w1 + w2)).to(o1.dtype)
+    return (w1 * o1 + w2 * o2) / (w1 + w2)
 
 @dataclass
 class _Index:
@@ -167,20 +179,15 @@ class GroupKV:
         Hkv = self.prefix.k[layer].shape[1]
         g = H // Hkv                                       # query heads per KV head (GQA)
         qg = q.reshape(n, Hkv, g * l, d)
-        masks = self._masks                                # the same for every layer: built at the first
-        if "q" not in masks:
-            qpos = (self.start[:, None] + torch.arange(l, device=q.device)).repeat(1, g)[:, None, :, None]  # (n,1,g*l,1)
-            masks["q"] = torch.arange(self.span, device=q.device) <= qpos                  # causal, own store
-            if self.mode == "suffix":
-                plen = self.prefix_len[:, None]
-                masks["p"] = (torch.arange(self.prefix_span, device=q.device) < plen)[:, None, None, :]
         if self.mode == "prefix" and self.fresh:          # whole prompts from position 0: plain causal SDPA
             return sdpa_attention_forward(module, q, key, value, None, scaling=scale, is_causal=True)[0]
+        # each query's position in its row's own store (the (g, l) order of qg), for masks built per query block
+        qpos = self.start[:, None] + torch.arange(g * l, device=q.device) % l                     # (n, g*l)
         if self.mode == "prefix":                          # a prompt's own causal attention
             rows = self.idx.rows
             K = self.prefix.k[layer][:, :, :self.span].index_select(0, rows)
             V = self.prefix.v[layer][:, :, :self.span].index_select(0, rows)
-            out = torch.nn.functional.scaled_dot_product_attention(qg, K, V, attn_mask=masks["q"], scale=scale)
+            out = _attend(qg, K, V, scale, qpos)[0].to(q.dtype)
         else:
             idx = self.idx
             Pk, Pv = self.prefix.k[layer][:, :, :self.prefix_span], self.prefix.v[layer][:, :, :self.prefix_span]
@@ -202,26 +209,11 @@ class GroupKV:
                     return t
                 return t.reshape(P, Hkv, S, gl, -1).permute(0, 2, 1, 3, 4)[idx.slot_p, idx.slot_s]
 
-            if l == 1:
-                # decode: the scores of both parts are small, so one softmax over [prompt ; suffix] scores
-                # (the same cascade: the prompt's K/V is read once per prompt, never copied)
-                if "j" not in masks:
-                    pm = masks["p"] if idx.one_per_prompt else masks["p"][idx.slot_p]
-                    masks["j"] = torch.cat([pm.expand(n, 1, gl, -1), masks["q"].expand(n, 1, gl, -1)], -1)
-                qs = qg * scale
-                s = torch.cat([from_slots(torch.matmul(to_slots(qs), Pk.transpose(-1, -2))),
-                               torch.matmul(qs, K.transpose(-1, -2))], -1).float()
-                if "nj" not in masks:
-                    masks["nj"] = ~masks["j"]
-                p = torch.softmax(s.masked_fill_(masks["nj"], float("-inf")), -1).to(V.dtype)
-                Lp = Pk.shape[2]
-                out = from_slots(torch.matmul(to_slots(p[..., :Lp]), Pv)) + torch.matmul(p[..., Lp:], V)
-            else:
-                # a chunk: the prompt part (rows of a prompt batched as queries against its ONE K/V) and
-                # the own-suffix part in query blocks, merged by their log-sum-exp
-                o1, l1 = _attend(to_slots(qg), Pk, Pv, masks["p"], scale)
-                o2, l2 = _attend(qg, K, V, masks["q"], scale)
-                out = _merge(from_slots(o1), from_slots(l1), o2, l2)
+            # the prompt part (rows of a prompt batched as queries against its ONE K/V, keys < the prompt's
+            # length) and the own-suffix part (causal), merged by their log-sum-exp
+            o1, l1 = _attend(to_slots(qg), Pk, Pv, scale, kend=self.prefix_len)
+            o2, l2 = _attend(qg, K, V, scale, qpos)
+            out = _merge(from_slots(o1), from_slots(l1), o2, l2).to(q.dtype)
         return out.reshape(n, H, l, d).transpose(1, 2)
 
     # -- feeding tokens
@@ -234,7 +226,6 @@ class GroupKV:
         l = ids.shape[1]
         self.span = max(store.length[r] for r in idx.host) + l    # keys any row of this forward can see
         self.prefix_span = max(self.prefix.length)
-        self._masks = {}
         self.fresh = all(store.length[r] == 0 for r in idx.host)    # right-padded, so causal alone is exact
         store.reserve(self.span)
         self.mode, self.idx = mode, idx

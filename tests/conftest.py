@@ -55,3 +55,28 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tiny():
     return model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
+
+
+# kvcache's size thresholds shrunk so that every path they choose runs on the tiny model (several query blocks
+# of attention scores per chunk, even per decode step); docs/method.md §8 lists them.
+SHRUNK = {"SCORES_BUDGET": 512}
+
+
+def shrink_thresholds(monkeypatch) -> None:
+    import kvcache
+    for name, value in SHRUNK.items():
+        monkeypatch.setattr(kvcache, name, value)
+
+
+@pytest.fixture(params=["shipped", "shrunk"])
+def thresholds(request, monkeypatch):
+    """Runs a test twice: with kvcache's thresholds as shipped, then shrunk (SHRUNK)."""
+    if request.param == "shrunk":
+        shrink_thresholds(monkeypatch)
+    return request.param
+
+
+@pytest.fixture
+def small_thresholds(monkeypatch):
+    """kvcache's thresholds shrunk (SHRUNK) for the whole test."""
+    shrink_thresholds(monkeypatch)

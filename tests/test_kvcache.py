@@ -162,7 +162,7 @@ def _alone(model, chunks):
     return model.lm_head(h[:, -1]).float()[0]
 
 
-def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split):
+def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split, thresholds):
     model, processor = tiny
     root, recs = split
     a, b, sfx = _chunks(model, processor, root, recs[0])
@@ -185,6 +185,102 @@ def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split):
         ref = _alone(model, seqs[r] + [kvcache.Chunk(torch.tensor([t]), torch.zeros(1, dtype=torch.int32))])
         torch.testing.assert_close(kv.last_logits[r], ref, atol=1e-4, rtol=0)
     assert kv.prefix.k[0].data_ptr() == ptr                # the prompt cache was never moved or copied
+
+
+def _fp32_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The reference's attention: causal softmax attention with scores, softmax and weighted sum in fp32, the
+    output rounded to the model's dtype (what the engine documents)."""
+    g = query.shape[1] // key.shape[1]
+    k, v = key.float().repeat_interleave(g, 1), value.float().repeat_interleave(g, 1)
+    s = query.float() @ k.transpose(-1, -2) * scaling
+    m, c = query.shape[2], k.shape[2]
+    s = s.masked_fill(torch.ones(m, c, dtype=torch.bool).triu(c - m + 1), float("-inf"))
+    return (torch.softmax(s, -1) @ v).to(query.dtype).transpose(1, 2), None
+
+
+def test_cascade_attention_in_fp32_under_bf16(one_thread, thresholds):
+    """A bf16 model's engine logits equal a full recompute of the same bf16 model whose attention runs in fp32:
+    one layer (the logits of a chunk's tokens then depend on the engine's attention alone: the prompt's K/V are
+    the same either way) and q_norm scaled x8, so scores are large as in real models. Scores from a bf16 matmul
+    (rounded to 2^-9 relative before the fp32 softmax) moved these logits by 0.008-0.014."""
+    from transformers import AttentionInterface
+    from model import ModelConfig, load_model
+    AttentionInterface.register("fp32_reference", _fp32_attention)
+    model, processor = load_model("tiny", device="cpu", dtype=torch.bfloat16, tiny_corpus=rollout.prompt_corpus(),
+                                  tiny_config=ModelConfig(layers=1))
+    with torch.no_grad():
+        model.model.language_model.layers[0].self_attn.q_norm.weight.mul_(8.0)
+    V = model.get_input_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    text = lambda n: kvcache.Chunk(torch.randint(300, V, (n,), generator=gen), torch.zeros(n, dtype=torch.int32))
+    prompt, sfx = text(70), [text(40), text(25)]
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    with torch.no_grad():
+        kv = kvcache.GroupKV(model, [0, 0], "cpu")
+        kv.extend(model, [0], [prompt], pad, prefix=True)
+        kv.fork()
+        kv.extend(model, [0, 1], sfx, pad)                   # a chunk on each row
+        chunk = kv.last_logits.clone()
+        kv.step(model, kv.index([0, 1]), torch.tensor([500, 501]))   # one decode step
+        step = kv.last_logits.clone()
+        model.set_attn_implementation("fp32_reference")
+        for r, tok in enumerate([500, 501]):
+            ids = torch.cat([prompt.ids, sfx[r].ids, torch.tensor([tok])])[None]
+            ref = model(input_ids=ids).logits[0].float()
+            torch.testing.assert_close(chunk[r], ref[-2], atol=2e-3, rtol=0)
+            torch.testing.assert_close(step[r], ref[-1], atol=2e-3, rtol=0)
+
+
+class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor (elements) any operation allocates while active; views allocate nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = lambda x: [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
+        for t in tensors(out):                       # a view or an in-place result shares an input's storage
+            if t.untyped_storage().data_ptr() not in inputs and t.numel() > self.numel:
+                self.numel, self.op = t.numel(), str(func)
+        return out
+
+
+def test_attention_working_tensors_bounded(tiny, split, small_thresholds, monkeypatch):
+    """No tensor the engine's attention allocates grows with chunk x span past the scores budget: a 120-token
+    chunk on 3 rows of a 110-token prompt, and decode steps after it, with SCORES_BUDGET shrunk to 512
+    elements. Every allocation inside GroupKV.attend stays within the largest of: the budget, the queries
+    themselves (the output has their size), the K/V of one row's keys (prompt + own suffix). The whole masks
+    (rows x chunk x span) broke it (and a multi-block chunk crashed first)."""
+    model, processor = tiny
+    V = model.get_input_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    text = lambda n: kvcache.Chunk(torch.randint(300, V, (n,), generator=gen), torch.zeros(n, dtype=torch.int32))
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kv = kvcache.GroupKV(model, [0, 0, 0], "cpu")
+    kv.extend(model, [0], [text(110)], pad, prefix=True)
+    kv.fork()
+    seen = []
+    attend = kvcache.GroupKV.attend
+
+    def recorded(self, layer, q, scale, key=None, value=None, module=None):
+        with _Largest() as big:
+            out = attend(self, layer, q, scale, key, value, module)
+        hkv, d = key.shape[1], key.shape[3]
+        keys = max(self.prefix.length) + max(self.suffix.length) + q.shape[2]
+        seen.append((big.numel, big.op, max(kvcache.SCORES_BUDGET, q.numel(), keys * hkv * d)))
+        return out
+
+    monkeypatch.setattr(kvcache.GroupKV, "attend", recorded)
+    with torch.no_grad():
+        kv.extend(model, [0, 1, 2], [text(120), text(90), text(60)], pad)
+        for t in range(3):
+            kv.step(model, kv.index([0, 1, 2]), torch.tensor([400 + t] * 3))
+    assert len(seen) == 4 * len(model.model.language_model.layers)
+    for numel, op, bound in seen:
+        assert numel <= bound, (numel, op, bound)
 
 
 def test_kvstore_grows_in_large_steps_in_place():

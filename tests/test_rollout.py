@@ -161,7 +161,7 @@ EXACT_SCRIPTS = {
 
 
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])   # clips in context vs summaries in context
-def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode):
+def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode, thresholds):
     model, processor = tiny
     root, recs = split
     script(EXACT_SCRIPTS, sub="A blue square.")
