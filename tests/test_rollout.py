@@ -255,6 +255,32 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
         torch.testing.assert_close(torch.tensor(t.logprobs), full, atol=1e-4, rtol=0)
 
 
+def test_rollout_memory_flag_reaches_the_engine(capsys):
+    import runtime
+    import train
+    assert train.rollout_config(runtime.parse_args(["--rollout-memory-gb", "1.5"])).memory_budget_bytes == 3 * 2 ** 29
+    assert train.rollout_config(runtime.parse_args([])).memory_budget_bytes is None      # the default: memory_budget
+    assert rollout.memory_budget(rollout.RolloutConfig(), "cpu") == rollout.CPU_BUDGET_GB * 2 ** 30
+    with pytest.raises(SystemExit):
+        runtime.parse_args(["--rollout-memory-gb", "0"])
+    assert "--rollout-memory-gb must be > 0" in capsys.readouterr().err
+
+
+def test_bf16_rollout_keeps_pixels_in_the_model_dtype(split, script, monkeypatch):
+    """A bf16 model's trajectories hold the overview and clip pixels in bf16 (the values the model saw), not in the
+    processor's fp32 (twice the host memory for the whole step); the G rows share one overview tensor; the
+    recorded log-probs are those of a bf16 recompute up to bf16 rounding."""
+    model, processor = load_model("tiny", device="cpu", dtype=torch.bfloat16, tiny_corpus=rollout.prompt_corpus())
+    root, recs = split
+    script({(0, s): [turn("look", call(28.0, 36.0)), ANSWER] for s in (0, 1)})
+    trajs = rollout.run_agent(model, processor, recs[:1], root, config(group_size=2), seed=SEED)
+    assert [len(t.videos) for t in trajs] == [2, 2] and trajs[0].videos[0][0] is trajs[1].videos[0][0]
+    assert {p.dtype for t in trajs for p, _ in t.videos} == {torch.bfloat16}
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    for t, ref in zip(trajs, recomputed_logprobs(model, trajs, pad)):
+        torch.testing.assert_close(torch.tensor(t.logprobs), ref, atol=0.1, rtol=0)
+
+
 # ----------------------------------------------------------------------------- seeds
 
 def test_seeded_sampling_reproducible_and_greedy_deterministic(tiny, split):
