@@ -1,30 +1,45 @@
 """
-The rollout's K/V cache: one copy of each prompt, a preallocated suffix per row, cascade attention.
-(gpt-fast keeps its cache beside the model the same way; rollout.py holds the turn loop that feeds it.)
+The rollout's K/V cache: paged K/V in one pool under a memory budget, one copy of each prompt, cascade attention.
+(The pages follow vLLM's PagedAttention and nano-vllm's block manager; gpt-fast keeps its cache beside the model
+the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.)
 
 - `Chunk`: a piece of token sequence with its videos (ids (l,), mm_types (l,), pixels, grid).
-- `KVStore`: preallocated K/V for N sequences, per layer (N, kv_heads, capacity, head_dim), written in place at
-  each row's own index and grown by large steps (GROW), never concatenated per token.
-- `GroupKV`: P prompts, each prefilled ONCE and stored ONCE (`prefix`), and B rows (the G samples of each prompt,
-  `group[b]` = row b's prompt), each owning only its suffix (`suffix`). It is what the model gets as its
-  `cache` (the `update` hook the attention layers call) and as the `rollout_cache` keyword.
+- `BlockPool`: per layer ONE preallocated pool of n_blocks x BLOCK token slots, k[layer] and v[layer] of shape
+  (n_blocks * BLOCK, kv_heads, head_dim), and a free list of block ids. A sequence holds a list of blocks (its
+  block table): its token t lives in slot table[t // BLOCK] * BLOCK + t % BLOCK of every layer's pool.
+- `GroupKV`: the sequences in the pool. Prompts: each prefilled ONCE, its K/V stored ONCE (a run of consecutive
+  blocks where the pool has one: then read in place). Rows: the samples of a prompt, each holding only the blocks
+  of its own suffix (its turns, tool responses, clips), one block more each time it crosses a block boundary.
+  Sequences come and go: a finished row returns its blocks at once, a prompt when its last row has. `reserve`
+  and `release` count the blocks the scheduler has promised to admitted work, so that it admits work only while
+  its worst case fits the pool. GroupKV is what the model gets as its `cache` (the `update` hook the attention
+  layers call) and as the `rollout_cache` keyword.
 - `cascade_attention`: registered with transformers' AttentionInterface as "paravt_cascade" and used only while
-  the engine runs: the rows of a prompt are batched as queries against the one prompt K/V, each row attends to
-  its own suffix causally, and the two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`).
-  No copy of the prompt cache is ever made.
+  the engine runs. A row's queries attend to [its prompt ; its own suffix]: the rows of a prompt are batched as
+  queries against the one prompt K/V, each row against its own suffix (causal), read through its block table;
+  the two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`). No decode step touches the
+  K/V of a row that is not in it.
 
-Shapes: prompt K/V per layer (P, kv_heads, Lp, head_dim); suffix K/V per layer (B, kv_heads, C, head_dim) with C
-the store's capacity; group (B,) row -> prompt; positions (3, n, l) for (t, h, w); logits (n, V).
-Sizes that choose a path (shrunk in tests): GROW (the store's growth step), SCORES_BUDGET (fp32 score elements
-per query block of `_attend`).
-Departure: the prompt part of cascade attention computes scores in fp32 blocks (SCORES_BUDGET) in plain PyTorch,
-where a GPU deployment would use a fused kernel that returns the LSE (FlexAttention, FlashInfer).
+Shapes: pool per layer (n_blocks * BLOCK, kv_heads, head_dim); a forward's queries (n, heads, l, head_dim) for
+n rows of l tokens (right-padded), positions (3, n, l) for (t, h, w); logits (n, V).
+Sizes that choose a path (shrunk in tests: tests/conftest.py `thresholds`; docs/method.md §8): BLOCK (tokens per
+block), SCORES_BUDGET (elements of any one working tensor of the attention: a block of fp32 scores, its mask, a
+slab of suffix K/V gathered from the blocks; one row's keys are the least a slab holds).
+Precision: scores, softmax and the weighted sum run in fp32 whatever the model's dtype; the output is rounded to it.
+Departures: plain PyTorch. A row's suffix is gathered (copied) from its blocks into slabs of at most SCORES_BUDGET
+elements for each forward, and a bf16 prompt is upcast block by block, where a GPU deployment would read the
+block table inside a fused kernel that returns the LSE (FlashInfer's cascade and paged attention, vLLM).
 """
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+BLOCK = 256                          # tokens per block of the pool
+SCORES_BUDGET = 2 ** 24              # elements of one working tensor of the attention (scores block, mask, K/V slab)
+
 
 @dataclass
 class Chunk:
@@ -32,6 +47,7 @@ class Chunk:
     mm_types: torch.Tensor               # (l,) int: 0 text, 2 video
     pixels: torch.Tensor | None = None   # (n_patches, patch_dim)
     grid: torch.Tensor | None = None     # (n_videos, 3)
+
 
 def chunk_positions(model, c: Chunk) -> torch.Tensor:
     """(3, l) M-RoPE positions of a chunk as if it started at position 0."""
@@ -41,235 +57,194 @@ def chunk_positions(model, c: Chunk) -> torch.Tensor:
     pos, _ = model.model.get_rope_index(c.ids[None], mm_token_type_ids=c.mm_types[None], video_grid_thw=c.grid)
     return pos[:, 0]
 
-GROW = 256                           # the suffix store grows by at least this many tokens (or by half) at a time
 
-SCORES_BUDGET = 2 ** 24              # attention scores computed per block of queries (elements), to bound memory
+def blocks_for(tokens: int) -> int:
+    """Blocks that hold `tokens` tokens."""
+    return -(-tokens // BLOCK)
 
-class KVStore:
-    """Preallocated K/V for N sequences (gpt-fast style): per layer a (N, kv_heads, capacity, head_dim)
-    buffer written in place at each row's own index `length[n]`; allocated at the first write (dtype and
-    heads from the model's keys) and grown by large steps, never concatenated per token."""
 
-    def __init__(self, n: int, device):
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V one token costs over all text layers, from the config and the parameters' dtype."""
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+
+
+def _on(device, xs) -> torch.Tensor:
+    """A long tensor of xs on `device`; to CUDA from pinned memory without a host sync."""
+    t = torch.tensor(xs, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+class BlockPool:
+    """Paged K/V: per layer one (n_blocks * BLOCK, kv_heads, head_dim) pool, allocated at the layer's first
+    write (dtype and heads from the model's keys), and a free list of block ids (kept sorted). Prompts take a
+    run of consecutive blocks from the bottom where there is one (read in place), rows single blocks from the
+    top. Past its size the pool grows (one copy, and a warning: the scheduler's estimate was exceeded)."""
+
+    def __init__(self, n_blocks: int, device):
+        self.n_blocks, self.device = max(1, n_blocks), device
+        self.free = list(range(self.n_blocks))
         self.k, self.v = [], []
-        self.length = [0] * n                              # host mirror: capacity checks cost no sync
-        self.capacity, self.reserved, self.device = 0, 0, device
+        self.peak = 0                                      # the most blocks in use at once
 
-    def reserve(self, need: int) -> None:
-        if need > self.capacity:
-            self.reserved = max(need, self.capacity + max(GROW, self.capacity // 2))
+    def alloc(self, n: int, run: bool = False) -> list[int]:
+        if n > len(self.free):
+            self._grow(n - len(self.free))
+        f, out = self.free, None
+        if run:
+            for i in range(len(f) - n + 1):                 # first fit
+                if f[i + n - 1] - f[i] == n - 1:
+                    out = f[i:i + n]
+                    del f[i:i + n]
+                    break
+        if out is None:
+            out = f[len(f) - n:]
+            del f[len(f) - n:]
+        self.peak = max(self.peak, self.n_blocks - len(f))
+        return out
 
-    def write(self, layer: int, rows: torch.Tensor, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (n, kv_heads, l, head_dim) at positions start[i] .. start[i] + l - 1 of rows[i]."""
+    def release(self, blocks: list[int]) -> None:
+        self.free += blocks
+        self.free.sort()
+
+    def _grow(self, n: int) -> None:
+        n = max(n, self.n_blocks // 4)
+        warnings.warn(f"rollout K/V pool grew from {self.n_blocks} to {self.n_blocks + n} blocks of {BLOCK} tokens: "
+                      "a sequence outgrew the scheduler's estimate (rollout.row_blocks)", stacklevel=3)
+        for kv in (self.k, self.v):
+            for i, t in enumerate(kv):
+                kv[i] = torch.cat([t, t.new_zeros(n * BLOCK, *t.shape[1:])])
+        self.free += range(self.n_blocks, self.n_blocks + n)
+        self.n_blocks += n
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (N, kv_heads, head_dim) into `slots` (N,) of layer `layer`."""
         if layer == len(self.k):
-            shape = (len(self.length), k.shape[1], self.reserved, k.shape[3])
-            self.k.append(k.new_zeros(shape))
-            self.v.append(v.new_zeros(shape))
-        elif self.k[layer].shape[2] < self.reserved:       # grow (rare): one copy per large step
-            pad = [0, 0, 0, self.reserved - self.k[layer].shape[2]]
-            self.k[layer] = torch.nn.functional.pad(self.k[layer], pad)
-            self.v[layer] = torch.nn.functional.pad(self.v[layer], pad)
-        if layer == 0:
-            self.capacity = self.reserved
-        if k.shape[2] == 1:                                # decode: one token per row
-            self.k[layer][rows, :, start] = k[:, :, 0]
-            self.v[layer][rows, :, start] = v[:, :, 0]
-            return
-        pos = start[:, None] + torch.arange(k.shape[2], device=k.device)                   # (n, l)
-        r = rows[:, None].expand_as(pos)
-        self.k[layer][r, :, pos] = k.transpose(1, 2)       # advanced indices first: (n, l, kv_heads, head_dim)
-        self.v[layer][r, :, pos] = v.transpose(1, 2)
+            self.k.append(k.new_zeros(self.n_blocks * BLOCK, *k.shape[1:]))
+            self.v.append(v.new_zeros(self.n_blocks * BLOCK, *v.shape[1:]))
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
 
-def _attend(q, k, v, valid, scale):
-    """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d) where valid (n, 1|h, m, c); returns
-    (out (n, h, m, d), lse (n, h, m, 1)): the log-sum-exp lets two partial attentions be merged exactly.
-    Queries go in blocks so the fp32 scores never exceed SCORES_BUDGET elements."""
-    n, h, m, _ = q.shape
-    block = max(1, SCORES_BUDGET // max(1, n * h * k.shape[2]))
-    outs, lses = [], []
-    for a in range(0, m, block):
-        s = torch.matmul(q[:, :, a:a + block], k.transpose(-1, -2)).float() * scale
-        s = s.masked_fill(~valid[:, :, a:a + block], float("-inf"))
-        lse = torch.logsumexp(s, -1, keepdim=True)
-        outs.append(torch.matmul(torch.exp(s - lse).to(v.dtype), v))
-        lses.append(lse)
-    return torch.cat(outs, 2), torch.cat(lses, 2)
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-def _merge(o1, lse1, o2, lse2):
-    """Cascade merge: softmax over [A; B] = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)."""
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    return ((w1 * o1.float() + w2 * o2.float()) / (w1 + w2)).to(o1.dtype)
 
 @dataclass
-class _Index:
-    """Device index tensors of the rows in one forward, built once per set of rows (host -> device)."""
-    rows: torch.Tensor                   # (n,) rows of the store written
-    slot_p: torch.Tensor                 # (n,) the row's prompt
-    slot_s: torch.Tensor                 # (n,) the row's rank among this forward's rows of that prompt
-    slots: int                           # max rows of one prompt in this forward
-    host: list[int]
-    one_per_prompt: bool = False         # row i is prompt i's only row here: queries need no slotting
-    all_rows: bool = False               # the rows are 0 .. B-1 in order: the suffix store is read as is
+class _Seq:
+    """A prompt or a row in the pool: its block table, tokens stored, next M-RoPE position, (a row's) prompt."""
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+    next_pos: int = 0
+    prompt: int = -1
+
+    def slots(self, start: int, n: int) -> torch.Tensor:
+        """Pool slots of this sequence's tokens start .. start + n - 1."""
+        t = torch.arange(start, start + n)
+        return torch.tensor(self.blocks, dtype=torch.long)[t // BLOCK] * BLOCK + t % BLOCK
+
+    def run(self) -> int | None:
+        """The first slot if the blocks are consecutive (the K/V is then a view of the pool), else None."""
+        b = self.blocks
+        return b[0] * BLOCK if b and b[-1] - b[0] == len(b) - 1 else None
+
+
+@dataclass
+class _Forward:
+    """What the hooks need during one forward: where the tokens go, what each row's queries may see."""
+    prompt_mode: bool                    # fresh prompts from position 0 (plain causal attention)
+    slots: torch.Tensor                  # (N,) pool slots of the forward's real tokens, row-major
+    take: torch.Tensor | None            # (N,) their indices among the n * l tokens (None: all of them)
+    tables: torch.Tensor | None = None   # (n, nb) each row's suffix blocks (0-padded; masked by `end`)
+    start: torch.Tensor | None = None    # (n,) suffix tokens stored before this forward
+    end: torch.Tensor | None = None      # (n,) after it
+    end_host: list[int] = field(default_factory=list)
+    runs: list = field(default_factory=list)    # (prompt _Seq, its rows' positions: a slice or (k,) tensor)
+    prompt_slots: dict = field(default_factory=dict)   # id(prompt) -> its slots, where its blocks are not a run
+    qpos: torch.Tensor | None = None     # (n, g * l) each query's position in its row's suffix (first layer)
+
 
 class GroupKV:
-    """The rollout's cache: P prompts (each prefilled ONCE, its K/V stored ONCE in `prefix`) and B rows
-    (the G samples of each prompt: `group[b]` is row b's prompt), each owning only its suffix (its
-    turns, tool responses, clips) in `suffix`. A row attends to [its prompt ; its own suffix] by cascade
-    attention: the rows of a prompt are batched as queries against the one prompt K/V, then each row
-    against its own suffix, the two merged by log-sum-exp. Rows that finish simply stop being fed: no
-    cache is copied, selected or merged. Passed to the model as its `cache` (it has the `update` the
-    attention layers call) and as the `rollout_cache` keyword that `cascade_attention` reads.
-    `next_pos` (B,) each row's next M-RoPE position; `last_logits` (B, V) after each row's last token."""
+    """The rollout's cache: prompts and rows in one paged pool (see the module docstring). Ids are ints:
+    `add_prompts` returns prompt ids and the logits after each prompt's last token, `fork` rows of a prompt,
+    `extend` prefills a chunk on top of rows, `step` feeds one token to rows (decode); both return the logits
+    after each row's last token, (n, V) fp32. `free_row` / `free_prompt` return the blocks at once."""
 
-    def __init__(self, model, group: list[int], device):
-        P, B = max(group) + 1, len(group)
-        V = model.get_output_embeddings().weight.shape[0]
-        self.prefix, self.suffix = KVStore(P, device), KVStore(B, device)
-        self.group = torch.tensor(group, device=device)
-        self.group_host = list(group)
-        self.prompt_pos = [0] * P
-        self.prompt_logits = torch.zeros(P, V, device=device)
-        self.next_pos_host = [0] * B
-        self.last_logits = torch.zeros(B, V, device=device)
-        self.device, self.mode, self.idx, self.start = device, None, None, None
-        self._indices = {}
+    def __init__(self, model, device, n_blocks: int):
+        self.pool = BlockPool(n_blocks, device)
+        self.prompts: dict[int, _Seq] = {}
+        self.rows: dict[int, _Seq] = {}
+        self.reserved, self.device, self.fwd, self._ids = 0, device, None, 0
 
-    def __len__(self):
-        return len(self.group_host)
+    # -- blocks promised to admitted work (the scheduler's worst case), and sequences
+    def reserve(self, n_blocks: int, force: bool = False) -> bool:
+        """Promise n_blocks of the pool; False (nothing promised) if they do not fit, unless `force`."""
+        if self.reserved + n_blocks > self.pool.n_blocks and not force:
+            return False
+        self.reserved += n_blocks
+        return True
 
-    def index(self, rows: list[int], prefix: bool = False) -> _Index:
-        key = (prefix, tuple(rows))
-        if key not in self._indices:
-            ranks, seen = [], {}
-            for r in rows:
-                p = r if prefix else self.group_host[r]
-                ranks.append(seen.get(p, 0))
-                seen[p] = ranks[-1] + 1
-            t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
-            if len(self._indices) > 256:
-                self._indices.clear()
-            prompts = [r if prefix else self.group_host[r] for r in rows]
-            self._indices[key] = _Index(t(rows), t(prompts), t(ranks), max(seen.values()), list(rows),
-                                        prompts == list(range(len(self.prompt_pos))),
-                                        list(rows) == list(range(len(self.group_host))))
-        return self._indices[key]
+    def release(self, n_blocks: int) -> None:
+        self.reserved -= n_blocks
 
-    # -- the two hooks the model calls
-    def update(self, k, v, layer_idx, kwargs=None, **_):
-        store = self.prefix if self.mode == "prefix" else self.suffix
-        store.write(layer_idx, self.idx.rows, self.start, k, v)
-        return k, v
+    def _new(self, table: dict, seq: _Seq) -> int:
+        self._ids += 1
+        table[self._ids] = seq
+        return self._ids
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float, key=None, value=None, module=None) -> torch.Tensor:
-        """q (n, heads, l, d) of this forward's rows -> (n, l, heads, d)."""
-        n, H, l, d = q.shape
-        Hkv = self.prefix.k[layer].shape[1]
-        g = H // Hkv                                       # query heads per KV head (GQA)
-        qg = q.reshape(n, Hkv, g * l, d)
-        masks = self._masks                                # the same for every layer: built at the first
-        if "q" not in masks:
-            qpos = (self.start[:, None] + torch.arange(l, device=q.device)).repeat(1, g)[:, None, :, None]  # (n,1,g*l,1)
-            masks["q"] = torch.arange(self.span, device=q.device) <= qpos                  # causal, own store
-            if self.mode == "suffix":
-                plen = self.prefix_len[:, None]
-                masks["p"] = (torch.arange(self.prefix_span, device=q.device) < plen)[:, None, None, :]
-        if self.mode == "prefix" and self.fresh:          # whole prompts from position 0: plain causal SDPA
-            return sdpa_attention_forward(module, q, key, value, None, scaling=scale, is_causal=True)[0]
-        if self.mode == "prefix":                          # a prompt's own causal attention
-            rows = self.idx.rows
-            K = self.prefix.k[layer][:, :, :self.span].index_select(0, rows)
-            V = self.prefix.v[layer][:, :, :self.span].index_select(0, rows)
-            out = torch.nn.functional.scaled_dot_product_attention(qg, K, V, attn_mask=masks["q"], scale=scale)
-        else:
-            idx = self.idx
-            Pk, Pv = self.prefix.k[layer][:, :, :self.prefix_span], self.prefix.v[layer][:, :, :self.prefix_span]
-            P = Pk.shape[0]
-            K, V = self.suffix.k[layer][:, :, :self.span], self.suffix.v[layer][:, :, :self.span]
-            if not idx.all_rows:
-                K, V = K.index_select(0, idx.rows), V.index_select(0, idx.rows)
-            gl, S = g * l, idx.slots
+    def fork(self, prompt: int, n: int) -> list[int]:
+        """n rows of a prompt: each starts after the prompt's last token, with an empty suffix."""
+        return [self._new(self.rows, _Seq(next_pos=self.prompts[prompt].next_pos, prompt=prompt)) for _ in range(n)]
 
-            def to_slots(t):                               # (n, Hkv, gl, x) -> (P, Hkv, S * gl, x)
-                if idx.one_per_prompt:
-                    return t
-                z = t.new_zeros(P, S, Hkv, gl, t.shape[-1])
-                z[idx.slot_p, idx.slot_s] = t
-                return z.permute(0, 2, 1, 3, 4).reshape(P, Hkv, S * gl, t.shape[-1])
+    def free_row(self, row: int) -> None:
+        self.pool.release(self.rows.pop(row).blocks)
 
-            def from_slots(t):                             # (P, Hkv, S * gl, x) -> (n, Hkv, gl, x)
-                if idx.one_per_prompt:
-                    return t
-                return t.reshape(P, Hkv, S, gl, -1).permute(0, 2, 1, 3, 4)[idx.slot_p, idx.slot_s]
-
-            if l == 1:
-                # decode: the scores of both parts are small, so one softmax over [prompt ; suffix] scores
-                # (the same cascade: the prompt's K/V is read once per prompt, never copied)
-                if "j" not in masks:
-                    pm = masks["p"] if idx.one_per_prompt else masks["p"][idx.slot_p]
-                    masks["j"] = torch.cat([pm.expand(n, 1, gl, -1), masks["q"].expand(n, 1, gl, -1)], -1)
-                qs = qg * scale
-                s = torch.cat([from_slots(torch.matmul(to_slots(qs), Pk.transpose(-1, -2))),
-                               torch.matmul(qs, K.transpose(-1, -2))], -1).float()
-                if "nj" not in masks:
-                    masks["nj"] = ~masks["j"]
-                p = torch.softmax(s.masked_fill_(masks["nj"], float("-inf")), -1).to(V.dtype)
-                Lp = Pk.shape[2]
-                out = from_slots(torch.matmul(to_slots(p[..., :Lp]), Pv)) + torch.matmul(p[..., Lp:], V)
-            else:
-                # a chunk: the prompt part (rows of a prompt batched as queries against its ONE K/V) and
-                # the own-suffix part in query blocks, merged by their log-sum-exp
-                o1, l1 = _attend(to_slots(qg), Pk, Pv, masks["p"], scale)
-                o2, l2 = _attend(qg, K, V, masks["q"], scale)
-                out = _merge(from_slots(o1), from_slots(l1), o2, l2)
-        return out.reshape(n, H, l, d).transpose(1, 2)
+    def free_prompt(self, prompt: int) -> None:
+        self.pool.release(self.prompts.pop(prompt).blocks)
 
     # -- feeding tokens
-    @torch.no_grad()
-    def _forward(self, model, mode: str, idx: _Index, ids, pos, types=None, vision=None, last=None,
-                 start=None) -> torch.Tensor:
-        """One forward of ids (n, l) at positions (3, n, l) for rows idx; returns (n, V) float logits
-        after each row's token `last[i]` (default: the last column)."""
-        store = self.prefix if mode == "prefix" else self.suffix
-        l = ids.shape[1]
-        self.span = max(store.length[r] for r in idx.host) + l    # keys any row of this forward can see
-        self.prefix_span = max(self.prefix.length)
-        self._masks = {}
-        self.fresh = all(store.length[r] == 0 for r in idx.host)    # right-padded, so causal alone is exact
-        store.reserve(self.span)
-        self.mode, self.idx = mode, idx
-        if start is None:
-            start = torch.tensor([store.length[r] for r in idx.host], device=self.device)
-        self.start = start
-        lm = model.model.language_model.config
-        impl, lm._attn_implementation = lm._attn_implementation, "paravt_cascade"
-        try:
-            out = model.model(input_ids=ids, position_ids=pos, cache=self, mm_token_type_ids=types, use_cache=True,
-                              rollout_cache=self, **(vision or {}))
-        finally:
-            lm._attn_implementation = impl
-            self.mode = self.idx = self.start = None
-        h = out.last_hidden_state
-        h = h[:, -1] if last is None else h[torch.arange(len(idx.host), device=h.device), last]
-        return model.lm_head(h).float()
+    def add_prompts(self, model, chunks: list[Chunk], pad_id: int) -> tuple[list[int], torch.Tensor]:
+        """Prefill each chunk as a new prompt (one forward); returns (prompt ids, (P, V) logits)."""
+        ids = [self._new(self.prompts, _Seq(self.pool.alloc(blocks_for(len(c.ids)), run=True))) for c in chunks]
+        return ids, self._prefill(model, [self.prompts[i] for i in ids], chunks, pad_id, prompt_mode=True)
 
-    def extend(self, model, rows: list[int], chunks: list[Chunk], pad_id: int, prefix: bool = False) -> None:
-        """Prefill chunk i on top of row rows[i] (prefix=True: of prompt rows[i]); updates last logits."""
-        store = self.prefix if prefix else self.suffix
-        nxt = self.prompt_pos if prefix else self.next_pos_host
+    def extend(self, model, rows: list[int], chunks: list[Chunk], pad_id: int) -> torch.Tensor:
+        """Prefill chunk i on top of row rows[i] (one forward); returns (n, V) logits."""
+        seqs = [self.rows[r] for r in rows]
+        for s, c in zip(seqs, chunks):
+            s.blocks += self.pool.alloc(blocks_for(s.length + len(c.ids)) - len(s.blocks))
+        return self._prefill(model, seqs, chunks, pad_id, prompt_mode=False)
+
+    def step(self, model, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """Decode: feed tokens (n,) (on the device; no host sync) to rows; returns (n, V) logits."""
+        seqs = [self.rows[r] for r in rows]
+        for s in seqs:
+            if s.length == len(s.blocks) * BLOCK:
+                s.blocks += self.pool.alloc(1)
+        pos = _on(self.device, [s.next_pos for s in seqs]).view(1, -1, 1).expand(3, -1, 1)
+        fwd = self._rows_forward(seqs, [1] * len(seqs))
+        logits = self._run(model, fwd, tokens[:, None], pos)
+        for s in seqs:
+            s.length += 1
+            s.next_pos += 1
+        return logits
+
+    def _prefill(self, model, seqs: list[_Seq], chunks: list[Chunk], pad_id: int, prompt_mode: bool) -> torch.Tensor:
         lengths = [len(c.ids) for c in chunks]
-        L, n = max(lengths), len(rows)
+        L, n = max(lengths), len(seqs)
         ids = torch.full((n, L), pad_id, dtype=torch.long)
         types = torch.zeros(n, L, dtype=torch.int32)
         pos = torch.zeros(3, n, L, dtype=torch.long)
         pixels, grids = [], []
-        for i, (r, c) in enumerate(zip(rows, chunks)):
+        for i, (s, c) in enumerate(zip(seqs, chunks)):
             ids[i, :lengths[i]] = c.ids
             types[i, :lengths[i]] = c.mm_types
-            p = chunk_positions(model, c) + nxt[r]
+            p = chunk_positions(model, c) + s.next_pos
             pos[:, i, :lengths[i]] = p
             pos[:, i, lengths[i]:] = p[:, -1:] + 1 + torch.arange(L - lengths[i])   # pads: never attended
-            nxt[r] = int(p.max()) + 1
+            s.next_pos = int(p.max()) + 1
             if c.pixels is not None:
                 pixels.append(c.pixels)
                 grids.append(c.grid)
@@ -278,39 +253,149 @@ class GroupKV:
             dtype = next(model.parameters()).dtype
             vision = dict(pixel_values_videos=torch.cat(pixels).to(self.device, dtype),
                           video_grid_thw=torch.cat(grids).to(self.device))
-        idx = self.index(rows, prefix)
-        logits = self._forward(model, "prefix" if prefix else "suffix", idx, ids.to(self.device), pos.to(self.device),
-                               types.to(self.device), vision, torch.tensor(lengths, device=self.device) - 1)
-        for r, ln in zip(rows, lengths):
-            store.length[r] += ln
-        if not prefix:
-            self.next_pos = torch.tensor(self.next_pos_host, device=self.device)
-        self.suffix_len = torch.tensor(self.suffix.length, device=self.device)
-        (self.prompt_logits if prefix else self.last_logits)[idx.rows] = logits
-
-    def fork(self) -> None:
-        """After the prompts: every row starts from its prompt's last logits and next position."""
-        self.last_logits = self.prompt_logits[self.group].clone()
-        self.next_pos_host = [self.prompt_pos[p] for p in self.group_host]
-        self.next_pos = torch.tensor(self.next_pos_host, device=self.device)
-        self.prefix_len = torch.tensor(self.prefix.length, device=self.device)
-
-    def step(self, model, idx: _Index, tokens: torch.Tensor) -> None:
-        """Decode: feed tokens (n,) (on the device; no host sync) to rows idx; updates their last logits."""
-        if idx.all_rows:                                   # every row: views, no gathers
-            pos = self.next_pos.view(1, -1, 1).expand(3, -1, 1)
-            self.last_logits = self._forward(model, "suffix", idx, tokens[:, None], pos, start=self.suffix_len)
-            self.next_pos += 1
-            self.suffix_len += 1
+        if prompt_mode:
+            fwd = _Forward(True, torch.cat([s.slots(0, ln) for s, ln in zip(seqs, lengths)]).to(self.device),
+                           self._take(lengths, L))
         else:
-            pos = self.next_pos[idx.rows].view(1, -1, 1).expand(3, -1, 1)
-            self.last_logits[idx.rows] = self._forward(model, "suffix", idx, tokens[:, None], pos,
-                                                       start=self.suffix_len[idx.rows])
-            self.next_pos[idx.rows] += 1
-            self.suffix_len[idx.rows] += 1
-        for r in idx.host:
-            self.suffix.length[r] += 1
-            self.next_pos_host[r] += 1
+            fwd = self._rows_forward(seqs, lengths)
+        logits = self._run(model, fwd, ids.to(self.device), pos.to(self.device), types.to(self.device), vision,
+                           _on(self.device, [ln - 1 for ln in lengths]))
+        for s, ln in zip(seqs, lengths):
+            s.length += ln
+        return logits
+
+    def _take(self, lengths: list[int], L: int) -> torch.Tensor | None:
+        if all(ln == L for ln in lengths):
+            return None
+        return _on(self.device, [i * L + j for i, ln in enumerate(lengths) for j in range(ln)])
+
+    def _rows_forward(self, seqs: list[_Seq], lengths: list[int]) -> _Forward:
+        """The forward of rows `seqs`, lengths[i] new tokens on top of each: slots, block tables, runs of rows of
+        one prompt (their queries go together against its K/V), built on the host and sent at once."""
+        slots = [s.slots(s.length, ln) for s, ln in zip(seqs, lengths)]
+        nb = max(len(s.blocks) for s in seqs)
+        tables = [s.blocks + [0] * (nb - len(s.blocks)) for s in seqs]
+        fwd = _Forward(False, torch.cat(slots).to(self.device), self._take(lengths, max(lengths)),
+                       _on(self.device, tables), _on(self.device, [s.length for s in seqs]),
+                       end_host=[s.length + ln for s, ln in zip(seqs, lengths)])
+        fwd.end = _on(self.device, fwd.end_host)
+        members: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            members.setdefault(s.prompt, []).append(i)
+        for p, idx in members.items():
+            prompt = self.prompts[p]
+            rows = slice(idx[0], idx[-1] + 1) if idx[-1] - idx[0] == len(idx) - 1 else _on(self.device, idx)
+            fwd.runs.append((prompt, rows))
+            if prompt.run() is None:                       # blocks not consecutive: read through its slots
+                fwd.prompt_slots[id(prompt)] = prompt.slots(0, prompt.length).to(self.device)
+        return fwd
+
+    @torch.no_grad()
+    def _run(self, model, fwd: _Forward, ids, pos, types=None, vision=None, last=None) -> torch.Tensor:
+        """One forward through the model with this cache's hooks; (n, V) float logits after token `last[i]` of
+        each row (default: the last column)."""
+        self.fwd = fwd
+        lm = model.model.language_model.config
+        impl, lm._attn_implementation = lm._attn_implementation, "paravt_cascade"
+        try:
+            out = model.model(input_ids=ids, position_ids=pos, cache=self, mm_token_type_ids=types, use_cache=True,
+                              rollout_cache=self, **(vision or {}))
+        finally:
+            lm._attn_implementation = impl
+            self.fwd = None
+        h = out.last_hidden_state
+        h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
+        return model.lm_head(h).float()
+
+    # -- the two hooks the model calls
+    def update(self, k, v, layer_idx, kwargs=None, **_):
+        """k, v (n, kv_heads, l, head_dim) of this forward's tokens -> their slots in the pool."""
+        n, Hkv, l, d = k.shape
+        kk, vv = k.transpose(1, 2).reshape(n * l, Hkv, d), v.transpose(1, 2).reshape(n * l, Hkv, d)
+        if self.fwd.take is not None:                      # right-padding: pads are never stored
+            kk, vv = kk[self.fwd.take], vv[self.fwd.take]
+        self.pool.write(layer_idx, self.fwd.slots, kk, vv)
+        return k, v
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float, key=None, value=None, module=None) -> torch.Tensor:
+        """q (n, heads, l, d) of this forward's rows -> (n, l, heads, d)."""
+        fwd = self.fwd
+        if fwd.prompt_mode:                                # whole prompts from position 0: plain causal SDPA
+            return sdpa_attention_forward(module, q, key, value, None, scaling=scale, is_causal=True)[0]
+        n, H, l, d = q.shape
+        pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
+        Hkv = pool_k.shape[1]
+        g = H // Hkv                                       # query heads per KV head (GQA)
+        qg = q.reshape(n, Hkv, g * l, d)
+        if fwd.qpos is None:                               # the (g, l) order of qg; the same for every layer
+            fwd.qpos = fwd.start[:, None] + torch.arange(g * l, device=q.device) % l
+        # the own suffix, causal, read through the block tables in slabs of rows
+        per_row = blocks_for(max(fwd.end_host)) * BLOCK * Hkv * d
+        step = max(1, SCORES_BUDGET // per_row)
+        o_s, l_s = [], []
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            span = max(fwd.end_host[a:b])
+            t = fwd.tables[a:b, :blocks_for(span)]
+            K = pool_k.view(-1, BLOCK, Hkv, d)[t].flatten(1, 2)[:, :span].transpose(1, 2)     # (rows, Hkv, span, d)
+            V = pool_v.view(-1, BLOCK, Hkv, d)[t].flatten(1, 2)[:, :span].transpose(1, 2)
+            o, lse = _attend(qg[a:b], K, V, scale, fwd.qpos[a:b], fwd.end[a:b])
+            o_s.append(o)
+            l_s.append(lse)
+        o_s, l_s = torch.cat(o_s), torch.cat(l_s)
+        # the prompt: the rows of a prompt batched as queries against its one K/V
+        o_p, l_p = torch.empty_like(o_s), torch.empty_like(l_s)
+        for prompt, rows in fwd.runs:
+            first = prompt.run()
+            if first is not None:
+                K, V = pool_k[first:first + prompt.length], pool_v[first:first + prompt.length]
+            else:
+                slots = fwd.prompt_slots[id(prompt)]
+                K, V = pool_k[slots], pool_v[slots]
+            qr = qg[rows]                                   # (r, Hkv, gl, d) -> (1, Hkv, r * gl, d)
+            r = qr.shape[0]
+            o, lse = _attend(qr.transpose(0, 1).reshape(1, Hkv, r * g * l, d), K.transpose(0, 1)[None],
+                             V.transpose(0, 1)[None], scale)
+            o_p[rows] = o.reshape(Hkv, r, g * l, d).transpose(0, 1)
+            l_p[rows] = lse.reshape(Hkv, r, g * l, 1).transpose(0, 1)
+        out = _merge(o_p, l_p, o_s, l_s).to(q.dtype)
+        return out.reshape(n, H, l, d).transpose(1, 2)
+
+
+def _attend(q, k, v, scale, qpos=None, kend=None):
+    """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d), computed in fp32 whatever the inputs' dtype;
+    returns (out (n, h, m, d) fp32, lse (n, h, m, 1)): the log-sum-exp lets two partial attentions be merged
+    exactly. Key j is seen by query i of row b iff j <= qpos[b, i] (causal; None: no causal limit) and
+    j < kend[b] (None: every key). Queries go in blocks, and each block's mask is built from these positions,
+    so no scores or mask tensor exceeds SCORES_BUDGET elements whatever the chunk and span (one query row of
+    scores at least)."""
+    n, h, m, _ = q.shape
+    c = k.shape[2]
+    block = max(1, SCORES_BUDGET // max(1, n * h * c))
+    kt, vf = k.float().transpose(-1, -2), v.float()
+    kpos = torch.arange(c, device=q.device)
+    outs, lses = [], []
+    for a in range(0, m, block):
+        s = torch.matmul(q[:, :, a:a + block].float(), kt).mul_(scale)                   # (n, h, b, c) fp32
+        if qpos is not None or kend is not None:
+            seen = True
+            if qpos is not None:
+                seen = kpos <= qpos[:, None, a:a + block, None]                           # (n, 1, b, c)
+            if kend is not None:
+                seen = (kpos < kend[:, None, None, None]) & seen
+            s.masked_fill_(~seen, float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        outs.append(torch.matmul(s.sub_(lse).exp_(), vf))
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _merge(o1, lse1, o2, lse2):
+    """Cascade merge in fp32: softmax over [A; B] = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    return (w1 * o1 + w2 * o2) / (w1 + w2)
+
 
 def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function registered as "paravt_cascade": with a `rollout_cache` keyword (a GroupKV)

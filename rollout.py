@@ -1,14 +1,14 @@
 """
-The agent's rollout engine: a batched multi-turn decoding loop on the model's own K/V cache, with parallel
+The agent's rollout engine: batched multi-turn decoding on a paged K/V cache under a memory budget, with parallel
 `crop_video` calls executed either by sub-agents (ParaVT, arXiv 2605.20342) or as clips interleaved into the
 same context (Video-o3, arXiv 2601.23224). The file reads in the order a rollout runs:
 
     1. settings      RolloutConfig, PRESETS (the papers' recipes), Trajectory
     2. sampling      sample_tokens: temperature, top-p, Gumbel-max with counter-hashed noise (one (B, V) op)
     3. the prompt    system + Hermes tools block + overview video + question -> a kvcache.Chunk
-    4. one turn      decode_turn: a batched decode step for the rows still writing
-    5. tools         run_calls (parallel crop_video calls -> clips), run_subagents (a turn's calls batched)
-    6. the rollout   run_agent -> _turn_loop: prefill, decode, execute the calls, feed the responses, repeat
+    4. tools         run_calls (a turn's parallel crop_video calls -> clips), the tool responses' text
+    5. memory        row_blocks (a row's worst case, in pool blocks), memory_budget (--rollout-memory-gb)
+    6. the engine    Engine: admit -> step -> retire over kvcache.GroupKV; run_subagents; run_agent
     7. training I/O  collate, forward_hidden (whole trajectories), encode_messages (recorded SFT trajectories)
 
 Everything works on token sequences. A trajectory is the prompt followed by turns; every token carries a role:
@@ -21,22 +21,31 @@ the G samples of its group share it, and each row owns only its suffix (kvcache.
 Each turn only the new chunk (tool responses, new clips, the next "<think>\n") is prefilled on top of the
 row's suffix; M-RoPE positions of a chunk are computed for the chunk alone and shifted by the row's next
 position (Qwen-VL positions restart from max+1 after every text or vision span), so a continued turn gives the
-same logits as a full recompute (tests/test_rollout.py checks it). Decoding is one batched forward per step and
-one host sync (the tokens, for the stop check); rows that finish stop being fed. Training (`forward_hidden`)
-runs the vision tower once per distinct overview, not once per sample.
+same logits as a full recompute (tests/test_rollout.py checks it). Training (`forward_hidden`) runs the vision
+tower once per distinct overview, not once per sample.
+
+The scheduler (continuous batching, as vLLM's): a prompt group is admitted only while its worst case (its
+prompt + `row_blocks` per row) fits the pool, the rest waits. Each decode step is one batched forward and one host
+sync (the tokens, for the stop check). A row whose turn ends leaves the step at once; its tools run, and its
+response chunk joins the next step (as do sub-agents and newly admitted groups), instead of the batch waiting
+for its longest row; a finished row returns its pool blocks at once. A row's tokens depend only on its seed
+and draw counter, so the budget changes when a row runs, never what it samples.
 
 Shapes: positions (3, B, L) for (t, h, w); logits (B, V); the cache's shapes: kvcache.py.
 """
 import json
 import re
 import time
+import warnings
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 import video
 from data import INSTRUCTIONS, content_text, format_question, message_text, resolve_video
-from kvcache import Chunk, GroupKV
+import kvcache
+from kvcache import Chunk, GroupKV, blocks_for, kv_bytes_per_token
 from model import TOOLS_INTRO, TOOLS_OUTRO, special_token_ids
 from rewards import ToolCall, call_window, extract_answer, parse_tool_calls
 
@@ -73,6 +82,8 @@ class RolloutConfig:
     subagent_max_new_tokens: int = 512
     max_context: int = 32768             # a row that would exceed this is cut and flagged
     tools_block: bool = True             # Hermes tools block in the system prompt (real checkpoints expect it)
+    memory_budget_bytes: int | None = None   # K/V the engine may hold (--rollout-memory-gb); None: memory_budget()
+    continuous: bool = True              # continuous batching; False: fixed waves (the benchmark's baseline)
 
 
 # Each paper's protocol (docs/method.md §5, §7), shared by train.py and eval.py: `rollout` holds RolloutConfig
@@ -275,82 +286,6 @@ def encode_prompt(processor, record: dict, video_root: str, cfg: RolloutConfig, 
 
 
 # -----------------------------------------------------------------------------
-# one assistant turn for a set of rows (the K/V cache it feeds: kvcache.py)
-
-STATS = {"decode_steps": 0, "host_syncs": 0}   # counted by decode_turn: the bench reports syncs per step
-
-@dataclass
-class _Row:
-    """Mutable state of one trajectory during a rollout (the engine's bookkeeping)."""
-    traj: Trajectory
-    path: str
-    seed: int = 0                        # this trajectory's seed (row_seed of seed, record, sample)
-    index: int = 0                       # which record
-    duration: float = 0.0
-    pending: list[int] = field(default_factory=list)    # sampled tokens not yet in the cache
-    turn_tokens: list[int] = field(default_factory=list)
-    forced: bool = False                 # the forced-answer message has been sent
-
-
-def decode_turn(model, kv: GroupKV, rows: list[_Row], kv_rows: list[int], cfg: RolloutConfig, max_new_tokens: int,
-                stop_id: int, banned: list[int] = ()) -> None:
-    """Sample until every row emits <|im_end|> or hits max_new_tokens; rows[i] lives in kv row kv_rows[i].
-    Each step is one batched forward and one (B, V) sampling op on the device, and ONE host sync (the
-    tokens, for the stop check); finished rows leave the step (their cache stays where it is). `banned`
-    ids (vision placeholders: only the processor may write them) are never sampled; the recorded
-    log-probs are those of the unmasked logits (T = 1), the numbers a training forward computes."""
-    device = kv.device
-    for r in rows:
-        r.turn_tokens = []
-    active = list(range(len(rows)))
-    seeds = torch.tensor([r.seed for r in rows], device=device)
-    draws = torch.tensor([len(r.traj.logprobs) for r in rows], device=device)   # the counter of each row's stream
-    ban = torch.tensor(list(banned), dtype=torch.long, device=device) if banned else None
-    sel = torch.arange(len(rows), device=device)          # positions in `rows` of the active rows
-    idx = kv.index([kv_rows[i] for i in active])
-    recorded = []                                         # (active rows, (n,) log-probs on the device) per step
-    for step in range(max_new_tokens):
-        logits = kv.last_logits if idx.all_rows else kv.last_logits[idx.rows]       # (n, V)
-        masked = logits.index_fill(1, ban, float("-inf")) if ban is not None else logits
-        tok = sample_tokens(masked, seeds[sel], draws[sel] + step, cfg.temperature, cfg.top_p)
-        recorded.append((active, torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]))
-        toks = tok.tolist()                                                          # the step's host sync
-        STATS["decode_steps"] += 1
-        STATS["host_syncs"] += 1
-        keep = []
-        for j, (i, t) in enumerate(zip(active, toks)):
-            r = rows[i]
-            r.turn_tokens.append(t)
-            r.traj.token_ids.append(t)
-            r.traj.roles.append(POLICY)
-            if t == stop_id or step == max_new_tokens - 1 or len(r.traj.token_ids) >= cfg.max_context:
-                r.pending = [t]
-                r.traj.truncated |= t != stop_id
-            else:
-                keep.append(j)
-        if not keep:
-            break
-        if len(keep) < len(active):                      # rows left: new index tensors (no cache moves)
-            active = [active[j] for j in keep]
-            kj = torch.tensor(keep, device=device)
-            sel, tok = sel[kj], tok[kj]
-            idx = kv.index([kv_rows[i] for i in active])
-        kv.step(model, idx, tok)
-    if recorded:                                         # the turn's log-probs: one transfer
-        flat = torch.cat([lp for _, lp in recorded]).tolist()
-        k = 0
-        for act, lp in recorded:
-            for i in act:
-                rows[i].traj.logprobs.append(flat[k])
-                k += 1
-
-
-def vision_ids(ids: dict) -> list[int]:
-    """Ids of the vision markers and placeholders in `ids` (special_token_ids): the tokens decoding never samples."""
-    return [ids[t] for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>") if ids.get(t) is not None]
-
-
-# -----------------------------------------------------------------------------
 # tools
 
 def run_calls(calls: list[ToolCall], path: str, duration: float, cfg: RolloutConfig, factor: int,
@@ -404,30 +339,355 @@ def clip_part(window: tuple[float, float]) -> str:
     return f"Clip {window[0]:.1f}-{window[1]:.1f} s:\n<|vision_start|><|video_pad|><|vision_end|>"
 
 
+# -----------------------------------------------------------------------------
+# the engine's memory: the pool blocks a row may come to hold, and the budget
+
+TEXT_PER_CALL = 64       # tokens around one call's result: tags, "Clip s-e s:", an error message
+TEXT_PER_TURN = 96       # tokens of a response's fixed text: the user turn, the forced-answer message, "<think>"
+TEXT_PER_PATCH = 16      # tokens of the timestamp Qwen3-VL writes before each temporal patch of a clip
+CPU_BUDGET_GB = 4.0      # the memory budget's default on CPU
+
+
+def clip_tokens(max_frames: int, max_pixels: int | None, factor: int) -> int:
+    """Most tokens one clip of at most `max_frames` frames costs: each temporal patch (2 frames) at most
+    max_pixels / factor^2 visual tokens; without a pixel cap the crop levels' quota, at most the finest level's
+    (video.LEVEL_TOKENS, at least one token a patch); plus each patch's timestamp text."""
+    n = max(1, max_frames // 2)
+    visual = n * max(1, max_pixels // factor ** 2) if max_pixels else max(max(video.LEVEL_TOKENS.values()), n)
+    return visual + n * TEXT_PER_PATCH
+
+
+def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int) -> int:
+    """Pool blocks one row may come to hold: the scheduler's worst case (docs/method.md §8). Its own suffix
+        own = min(T * max_new_tokens + (T - 1) * (TEXT_PER_TURN + C * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL),
+                  max_context - prompt_len)
+    with T = max(max_turns, 1) + 1 assistant turns (the last answers; with max_turns 0 a turn's calls get the
+    forced-answer message alone) and a response of C = max_calls_per_turn results, per_call a clip (`clip_tokens`)
+    in interleaved mode or a summary (at most subagent_max_new_tokens) in sub-agent mode, each with TEXT_PER_CALL,
+    one TEXT_PER_CALL more for the note on calls past the cap; plus, in sub-agent mode, the sub-agents of one turn
+    (they live while their caller waits): C x (a clip prompt + subagent_max_new_tokens), each two sequences of its
+    own. A sequence of n tokens holds ceil(n / BLOCK) blocks. The bound is loose (real turns are shorter than
+    max_new_tokens): a larger --rollout-memory-gb admits more at once."""
+    turns = max(cfg.max_turns, 1) + 1
+    if cfg.tool_mode == "subagent":
+        per_call = cfg.subagent_max_new_tokens
+        sub_prompt = clip_tokens(cfg.subagent_max_frames, cfg.subagent_max_pixels, factor) + TEXT_PER_TURN
+        subs = cfg.max_calls_per_turn * (blocks_for(sub_prompt) + blocks_for(cfg.subagent_max_new_tokens))
+    else:
+        per_call, subs = clip_tokens(cfg.crop_max_frames, cfg.crop_max_pixels, factor), 0
+    response = TEXT_PER_TURN + cfg.max_calls_per_turn * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL
+    own = min(turns * cfg.max_new_tokens + (turns - 1) * response, max(1, cfg.max_context - prompt_len))
+    return blocks_for(own) + subs
+
+
+def memory_budget(cfg: RolloutConfig, device) -> int:
+    """Bytes of K/V a rollout may hold: cfg.memory_budget_bytes (--rollout-memory-gb), else on CUDA 80 % of the
+    memory not allocated now (free + cached by the allocator: beside the weights; the other 20 % is left for
+    activations, logits and attention blocks), else CPU_BUDGET_GB."""
+    if cfg.memory_budget_bytes:
+        return int(cfg.memory_budget_bytes)
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.8 * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)))
+    return int(CPU_BUDGET_GB * 2 ** 30)
+
+
+# -----------------------------------------------------------------------------
+# the engine: a scheduler over the paged cache (kvcache.GroupKV)
+
+STATS = {"decode_steps": 0, "host_syncs": 0}   # counted by Engine.step: the bench reports syncs per step
+
+
+@dataclass
+class _Row:
+    """Mutable state of one trajectory during a rollout (the engine's bookkeeping)."""
+    traj: Trajectory
+    path: str
+    seed: int = 0                        # this trajectory's seed (row_seed of seed, record, sample)
+    index: int = 0                       # which record
+    duration: float = 0.0
+    order: int = 0                       # its place among the rollout's rows (its sub-agents' `parent`)
+    max_new: int = 0                     # tokens one turn may write
+    tools: bool = True                   # False: one turn, no tools (a sub-agent, a plain generation)
+    caller: "_Row | None" = None         # a sub-agent's caller, and which of its calls this is
+    call: int = 0
+    reserve: int = 0                     # pool blocks promised to this row
+    kv: int = 0                          # its row and its prompt in the GroupKV
+    prompt: int = 0
+    pending: list[int] = field(default_factory=list)    # sampled tokens not yet in the cache
+    turn_tokens: list[int] = field(default_factory=list)
+    forced: bool = False                 # the forced-answer message has been sent
+    results: list = field(default_factory=list)         # this turn's tool results, while its sub-agents run
+    subs: dict = field(default_factory=dict)            # call index -> finished sub-agent trajectory
+    waiting: int = 0                     # sub-agents still running
+
+
+class Engine:
+    """The rollout's scheduler over one paged cache (kvcache.GroupKV). A row goes
+
+        queued group --admit--> active --step (its turn ends)--> end_turn --tools--> ready --admit--> active ...
+                                                                          \\--> retire (its blocks back at once)
+
+    admit: queued prompt groups, in order, while their worst case (the prompt's blocks + each row's `row_blocks`)
+        fits the pool: their prompts prefilled in one forward, each forked into its G rows; sub-agents (their room
+        is their caller's); ready chunks (a turn's tool responses) prefilled on top of their rows in one forward.
+        All of it joins the next decode step.
+    step: one decode step of the active rows (one forward, one (n, V) sampling op, one host sync); a row whose
+        turn ends (<|im_end|>, its max_new tokens, max_context) leaves at once and the others go on.
+    retire: a finished row frees its blocks and its promise; its prompt's blocks go with the prompt's last row.
+    continuous=False runs fixed waves instead (the bench's baseline): new groups only into an empty engine, and a
+    turn's responses only once every row of the batch has ended its turn. A row's tokens depend only on its seed
+    and counter, never on its neighbours, so any schedule gives the same trajectories."""
+
+    def __init__(self, model, processor, cfg: RolloutConfig, ids: dict, pool: video.DecodePool | None = None,
+                 on_turn=None):
+        self.model, self.processor, self.cfg, self.ids, self.pool = model, processor, cfg, ids, pool
+        self.on_turn = on_turn           # listener: (trajectory, tool responses or None) as each turn completes
+        self.factor = video_factor(processor)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.stop, self.pad = ids["<|im_end|>"], ids["<|endoftext|>"]
+        banned = vision_ids(ids)
+        self.ban = torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
+        self.queued: deque = deque()     # (prompt chunk, rows, prompt blocks) not admitted yet
+        self.subs, self.ready = [], []   # (chunk, row): sub-agent prompts, next-turn chunks
+        self.active, self.logits, self.seeds, self.counters = [], None, None, None
+        self.members = {}                # prompt id -> [rows not retired, blocks promised to the prompt]
+        self.kv, self.need, self.peak_rows = None, 0, 0
+        self.sub_text = processor.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "video", "video": "clip"}, {"type": "text", "text": SUBAGENT_PROMPT}]}],
+            tokenize=False, add_generation_prompt=True)
+
+    # -- work in
+    def stored(self, c: Chunk) -> Chunk:
+        """c with its pixels in the model's dtype: the values the model sees, kept by the trajectory once."""
+        if c.pixels is None or c.pixels.dtype == self.dtype:
+            return c
+        return Chunk(c.ids, c.mm_types, c.pixels.to(self.dtype), c.grid)
+
+    def add_group(self, chunk: Chunk, rows: list[_Row]) -> None:
+        """Queue a prompt and its rows (they share its K/V); each row's `reserve` is its worst case in blocks."""
+        self.queued.append((chunk, rows, blocks_for(len(chunk.ids))))
+
+    def add_subagent(self, parent: tuple[int, int], clip: video.Clip, seed: int, caller: _Row | None = None) -> _Row:
+        """A sub-agent on `clip` (its own one-row prompt, one turn): joins at the next admit."""
+        c = self.stored(encode_chunk(self.processor, self.sub_text, [clip]))
+        t = Trajectory("", 0, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids), [(c.pixels, c.grid)], parent=parent)
+        sub = _Row(t, "", seed, max_new=self.cfg.subagent_max_new_tokens, tools=False, caller=caller, call=parent[1])
+        if caller is not None:
+            caller.waiting += 1
+        self.subs.append((c, sub))
+        return sub
+
+    # -- the loop
+    @torch.no_grad()
+    def run(self) -> None:
+        """Roll out everything queued. The pool holds the budget's blocks, or all the queued work's worst case if
+        that is less, and at least the largest single group (which then runs alone, with a warning)."""
+        need = [blocks_for(len(c.ids)) + sum(r.reserve for r in rows) for c, rows, _ in self.queued]
+        need += [blocks_for(len(c.ids)) + blocks_for(s.max_new) for c, s in self.subs]
+        budget = memory_budget(self.cfg, self.device) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
+        if need and max(need) > budget:
+            warnings.warn(f"rollout memory budget ({budget} blocks of {kvcache.BLOCK} tokens) is below one prompt group's "
+                          f"worst case ({max(need)} blocks): groups run one at a time", stacklevel=2)
+        self.need = sum(need)
+        self.kv = GroupKV(self.model, self.device, max(max(need, default=1), min(budget, self.need)))
+        while self.queued or self.subs or self.ready or self.active:
+            self.admit()
+            if not self.active:
+                raise RuntimeError("rollout engine stalled: work is queued but nothing can be admitted")
+            for r in self.step():
+                self.end_turn(r)
+
+    def admit(self) -> None:
+        """Queued groups that fit, sub-agents, ready chunks -> the active batch (see the class docstring)."""
+        if not self.cfg.continuous and self.active:
+            return                                          # waves: nothing joins a running batch
+        groups = []
+        while self.queued and (self.cfg.continuous or not self.kv.rows):
+            chunk, rows, prompt_blocks = self.queued[0]
+            if not self.kv.reserve(prompt_blocks + sum(r.reserve for r in rows), force=self.kv.reserved == 0):
+                break
+            groups.append(self.queued.popleft())
+        new = [(c, rows, b) for c, rows, b in groups] + [(c, [s], 0) for c, s in self.subs]
+        self.subs = []
+        if new:
+            prompts, logits = self.kv.add_prompts(self.model, [c for c, _, _ in new], self.pad)
+            for (c, rows, b), p in zip(new, prompts):
+                for r, k in zip(rows, self.kv.fork(p, len(rows))):
+                    r.kv, r.prompt = k, p
+                self.members[p] = [len(rows), b]
+            self.join([r for _, rows, _ in new for r in rows],
+                      torch.cat([lg.expand(len(rows), -1) for (_, rows, _), lg in zip(new, logits)]))
+        if self.ready:
+            rows, chunks = [r for r, _ in self.ready], [c for _, c in self.ready]
+            self.ready = []
+            self.join(rows, self.kv.extend(self.model, [r.kv for r in rows], chunks, self.pad))
+
+    def join(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Rows (with their next-token logits (k, V)) into the active batch, kept ordered by prompt so that the
+        rows of a prompt go together as queries against its K/V."""
+        for r in rows:
+            r.turn_tokens = []
+        seeds = torch.tensor([r.seed for r in rows], device=self.device)
+        counters = torch.tensor([len(r.traj.logprobs) for r in rows], device=self.device)   # each row's draw index
+        if self.active:
+            logits, seeds, counters = (torch.cat(p) for p in ((self.logits, logits), (self.seeds, seeds),
+                                                             (self.counters, counters)))
+        rows = self.active + rows
+        order = sorted(range(len(rows)), key=lambda j: rows[j].prompt)
+        if order != list(range(len(rows))):
+            o = torch.tensor(order, device=self.device)
+            logits, seeds, counters, rows = logits[o], seeds[o], counters[o], [rows[j] for j in order]
+        self.active, self.logits, self.seeds, self.counters = rows, logits, seeds, counters
+        self.peak_rows = max(self.peak_rows, len(rows))
+
+    def step(self) -> list[_Row]:
+        """One decode step of the active rows; returns the rows whose turn ended (they have left the batch).
+        `ban` ids (vision placeholders: only the processor writes them) are never sampled; the recorded log-probs
+        are those of the unmasked logits (T = 1), the numbers a training forward computes."""
+        logits = self.logits
+        masked = logits.index_fill(1, self.ban, float("-inf")) if self.ban is not None else logits
+        tok = sample_tokens(masked, self.seeds, self.counters, self.cfg.temperature, self.cfg.top_p)
+        lp = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
+        toks, lps = torch.stack([tok.double(), lp.double()]).tolist()      # the step's one host sync
+        STATS["decode_steps"] += 1
+        STATS["host_syncs"] += 1
+        keep, ended = [], []
+        for j, (r, t, p) in enumerate(zip(self.active, toks, lps)):
+            t = int(t)
+            r.turn_tokens.append(t)
+            r.traj.token_ids.append(t)
+            r.traj.roles.append(POLICY)
+            r.traj.logprobs.append(p)
+            if t == self.stop or len(r.turn_tokens) == r.max_new or len(r.traj.token_ids) >= self.cfg.max_context:
+                r.pending = [t]                             # fed with the next chunk
+                r.traj.truncated |= t != self.stop
+                ended.append(r)
+            else:
+                keep.append(j)
+        if len(keep) < len(self.active):                    # rows leave: their blocks stay where they are
+            k = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self.active = [self.active[j] for j in keep]
+            tok, self.logits, self.seeds, self.counters = tok[k], self.logits[k], self.seeds[k], self.counters[k]
+        if self.active:
+            self.counters = self.counters + 1
+            self.logits = self.kv.step(self.model, [r.kv for r in self.active], tok)
+        return ended
+
+    # -- a turn's end: tools, sub-agents, the next chunk
+    def end_turn(self, r: _Row) -> None:
+        """Run the calls of a row's turn; the tool-turn budget: calls are executed in at most cfg.max_turns turns,
+        and the response to the last of them carries the forced-answer message. Calls made once the budget is spent
+        are not executed: with a budget of 0 the first turn's calls get the forced-answer message alone (one more
+        turn to answer from the overview), and calls after the forced-answer message end the trajectory
+        (hit_turn_limit)."""
+        if not r.tools:
+            return self.end_subagent(r)
+        cfg = self.cfg
+        turn_text = THINK_PREFIX + self.processor.tokenizer.decode([t for t in r.turn_tokens if t != self.stop],
+                                                                   skip_special_tokens=False)
+        r.traj.turns.append(turn_text)
+        calls_all = parse_tool_calls(turn_text)
+        calls = calls_all[:cfg.max_calls_per_turn]
+        r.traj.calls.append(calls)
+        if r.traj.truncated or not calls_all:
+            return self.retire(r, last_turn=True)
+        if r.traj.n_tool_turns >= cfg.max_turns:            # the budget is spent: calls are not executed
+            if r.forced:
+                r.traj.hit_turn_limit = True
+                return self.retire(r, last_turn=True)
+            r.results = []                                  # budget 0: the forced-answer message alone
+            return self.respond(r)
+        r.traj.n_tool_turns += 1
+        r.traj.n_calls += len(calls)
+        r.results = run_calls(calls, r.path, r.duration, cfg, self.factor, self.pool)
+        if len(calls_all) > len(calls):         # beyond the per-turn cap: one error observation, counted
+            r.results.append((None, None, f"only {cfg.max_calls_per_turn} calls per turn are executed; "
+                                          f"{len(calls_all) - len(calls)} were dropped"))
+        r.traj.tool_failures += sum(err is not None for _, _, err in r.results)
+        r.traj.windows += [w for w, _, err in r.results if err is None]
+        if cfg.tool_mode == "subagent":
+            # each sub-agent's seed comes from its caller's seed, the turn and the call index, so a trajectory
+            # does not depend on which other records share its batch
+            turn = len(r.traj.turns) - 1
+            for k, (_, clip, err) in enumerate(r.results):
+                if err is None:
+                    self.add_subagent((r.order, k), clip, row_seed(r.seed, 10_000 + turn, k), caller=r)
+            if r.waiting:
+                return                                      # respond once its sub-agents are done
+        self.respond(r)
+
+    def end_subagent(self, s: _Row) -> None:
+        toks = [t for t in s.turn_tokens if t != self.stop]
+        s.traj.text = self.processor.tokenizer.decode(toks, skip_special_tokens=True).strip()
+        self.retire(s)
+        c = s.caller
+        if c is not None:
+            c.subs[s.call] = s.traj
+            c.waiting -= 1
+            if not c.waiting:
+                c.traj.subagents += [c.subs[k] for k in sorted(c.subs)]
+                self.respond(c)
+
+    def respond(self, r: _Row) -> None:
+        """The user turn of tool responses (one block per call, call order, + the forced-answer message once the
+        budget is spent) after the turn's last token -> ready; a row past max_context ends truncated."""
+        forced = r.forced = r.traj.n_tool_turns >= self.cfg.max_turns
+        parts, clips = [], []
+        for k, (w, clip, err) in enumerate(r.results):
+            if err is not None:
+                parts.append(f"Error: {err}")
+            elif self.cfg.tool_mode == "subagent":
+                parts.append(r.subs[k].text if k in r.subs else "")
+            else:
+                parts.append(clip_part(w))
+                clips.append(clip)
+        r.results, r.subs = [], {}
+        if self.on_turn is not None:                        # the listener: a turn and its tool responses
+            self.on_turn(r.traj, parts)
+        c = self.stored(encode_chunk(self.processor, response_chunk_text(parts, forced), clips))
+        c = Chunk(torch.cat([torch.tensor(r.pending), c.ids]),
+                  torch.cat([torch.zeros(len(r.pending), dtype=torch.int32), c.mm_types]), c.pixels, c.grid)
+        r.traj.token_ids += c.ids[len(r.pending):].tolist()
+        r.traj.roles += [ENV] * (len(c.ids) - len(r.pending))
+        if c.pixels is not None:
+            r.traj.videos.append((c.pixels, c.grid))
+        if len(r.traj.token_ids) >= self.cfg.max_context:
+            r.traj.truncated = True
+            return self.retire(r)
+        self.ready.append((r, c))
+
+    def retire(self, r: _Row, last_turn: bool = False) -> None:
+        """r is done: its blocks go back to the pool at once, and its prompt's with the prompt's last row.
+        last_turn: its turn just ended the trajectory (the listener hears of it)."""
+        r.traj.done = True
+        if last_turn and self.on_turn is not None:
+            self.on_turn(r.traj, None)
+        self.kv.free_row(r.kv)
+        self.kv.release(r.reserve)
+        left = self.members[r.prompt]
+        left[0] -= 1
+        if not left[0]:
+            self.kv.free_prompt(r.prompt)
+            self.kv.release(left[1])
+            del self.members[r.prompt]
+
+
+def vision_ids(ids: dict) -> list[int]:
+    """Ids of the vision markers and placeholders in `ids` (special_token_ids): the tokens decoding never samples."""
+    return [ids[t] for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>") if ids.get(t) is not None]
+
+
 @torch.no_grad()
 def run_subagents(model, processor, jobs: list[tuple[int, int, video.Clip]], cfg: RolloutConfig,
                   seeds: list[int], ids: dict) -> list[Trajectory]:
-    """All sub-agents of a turn as ONE batched generation: prompt = crop + summary instruction."""
-    device = next(model.parameters()).device
-    messages = [{"role": "user", "content": [{"type": "video", "video": "clip"},
-                                             {"type": "text", "text": SUBAGENT_PROMPT}]}]
-    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    chunks = [encode_chunk(processor, text, [clip]) for _, _, clip in jobs]
-    kv = GroupKV(model, list(range(len(jobs))), device)    # each sub-agent is its own prompt
-    kv.extend(model, list(range(len(jobs))), chunks, ids["<|endoftext|>"], prefix=True)
-    kv.fork()
-    rows = []
-    for (caller, k, clip), c, seed in zip(jobs, chunks, seeds):
-        t = Trajectory(record_id="", sample=0, token_ids=c.ids.tolist(), roles=[ENV] * len(c.ids),
-                       prompt_len=len(c.ids), videos=[(c.pixels, c.grid)], parent=(caller, k))
-        rows.append(_Row(t, "", seed))
-    decode_turn(model, kv, rows, list(range(len(rows))), cfg, cfg.subagent_max_new_tokens, ids["<|im_end|>"],
-                vision_ids(ids))
-    for r in rows:
-        toks = [t for t in r.turn_tokens if t != ids["<|im_end|>"]]
-        r.traj.text = processor.tokenizer.decode(toks, skip_special_tokens=True).strip()
-        r.traj.done = True
-    return [r.traj for r in rows]
+    """Sub-agents on their own (prompt = crop + summary instruction), all in one engine: jobs (caller, call, clip)."""
+    engine = Engine(model, processor, cfg, ids)
+    subs = [engine.add_subagent((caller, k), clip, seed) for (caller, k, clip), seed in zip(jobs, seeds)]
+    engine.run()
+    return [s.traj for s in subs]
 
 
 # -----------------------------------------------------------------------------
@@ -441,17 +701,16 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
     by record (record 0's samples first). `nframes[i]` overrides the overview frame count of record i
     (nFrames gating: the same K for the whole group). A record whose video fails to decode gives G
     trajectories with `error` set (counted by the caller), never an exception. `pool`: overviews and crops
-    decode in its worker threads (every overview of the call at once, through its frame cache).
+    decode in its worker threads (every overview of the call at once, through its frame cache). The engine
+    (`Engine`) admits the groups as its memory budget allows (cfg.memory_budget_bytes).
     `on_turn(traj, responses)`: called as each assistant turn completes (a listener, e.g. eval.py --video
     printing the turns): `traj.turns[-1]` is the turn, `responses` the tool response texts it got (call
     order), or None when the turn ended the trajectory."""
     t0 = time.time()
-    device = next(model.parameters()).device
     ids = special_token_ids(processor)
-    stop_id, pad_id = ids["<|im_end|>"], ids["<|endoftext|>"]
     factor = video_factor(processor)
     G = cfg.group_size
-    prompts, rows, failed = [], [], []
+    prompts, failed = [], []
     prefetch(pool, records, video_root, cfg, factor, nframes)
     for i, rec in enumerate(records):
         try:
@@ -463,19 +722,22 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
     out: dict[int, list[Trajectory]] = {i: [Trajectory(str(records[i].get("id", i)), s, [], [], 0, [], error=msg, done=True)
                                             for s in range(G)] for i, msg in failed}
     if prompts:
-        # prefill each prompt and the forced "<think>\n" once (its overview through the vision tower once,
-        # its K/V stored once), then fork G rows that share it
-        kv = GroupKV(model, [p for p in range(len(prompts)) for _ in range(G)], device)
+        # each prompt and the forced "<think>\n" are prefilled once (the overview through the vision tower once,
+        # the K/V stored once), then forked into G rows that share it
+        engine = Engine(model, processor, cfg, ids, pool, on_turn)
         prefix = encode_chunk(processor, THINK_PREFIX)
-        kv.extend(model, list(range(len(prompts))), [Chunk(torch.cat([c.ids, prefix.ids]), torch.cat([c.mm_types, prefix.mm_types]),
-                                                           c.pixels, c.grid) for *_, c, _ in prompts], pad_id, prefix=True)
-        kv.fork()
+        rows = []
         for i, rec, path, duration, c, n in prompts:
-            for s in range(G):
-                t = Trajectory(str(rec.get("id", i)), s, c.ids.tolist() + prefix.ids.tolist(),
-                               [ENV] * (len(c.ids) + len(prefix.ids)), len(c.ids), [(c.pixels, c.grid)], nframes=n)
-                rows.append(_Row(t, path, row_seed(seed, i, s), index=i, duration=duration))
-        _turn_loop(model, processor, kv, rows, cfg, ids, factor, pool, on_turn)
+            c = engine.stored(Chunk(torch.cat([c.ids, prefix.ids]), torch.cat([c.mm_types, prefix.mm_types]),
+                                    c.pixels, c.grid))
+            reserve = row_blocks(cfg, len(c.ids), factor)
+            group = [_Row(Trajectory(str(rec.get("id", i)), s, c.ids.tolist(), [ENV] * len(c.ids),
+                                     len(c.ids) - len(prefix.ids), [(c.pixels, c.grid)], nframes=n),
+                          path, row_seed(seed, i, s), index=i, duration=duration, order=len(rows) + s,
+                          max_new=cfg.max_new_tokens, reserve=reserve) for s in range(G)]
+            engine.add_group(c, group)
+            rows += group
+        engine.run()
         for r in rows:
             out.setdefault(r.index, []).append(r.traj)
     trajs = [t for i in sorted(out) for t in out[i]]
@@ -483,95 +745,6 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
         _finish(t, processor, ids)
         t.latency = (time.time() - t0) / max(1, len(trajs))
     return trajs
-
-
-def _turn_loop(model, processor, kv: GroupKV, rows: list[_Row], cfg: RolloutConfig, ids: dict, factor: int,
-               pool: video.DecodePool | None = None, on_turn=None) -> None:
-    """Alternate decode_turn and tool execution until every row has answered or hit a limit.
-
-    The tool-turn budget: calls are executed in at most cfg.max_turns turns; the response to the last of them
-    carries the forced-answer message. Calls made once the budget is spent are not executed: with a budget of 0
-    the first turn's calls get the forced-answer message alone (one more turn to answer from the overview),
-    and calls after the forced-answer message end the trajectory (hit_turn_limit)."""
-    stop_id, pad_id = ids["<|im_end|>"], ids["<|endoftext|>"]
-    live = list(range(len(rows)))
-    for turn in range(cfg.max_turns + 2):
-        decode_turn(model, kv, [rows[i] for i in live], live, cfg, cfg.max_new_tokens, stop_id, vision_ids(ids))
-        tok = processor.tokenizer
-        next_live, chunks, sub_jobs = [], {}, []
-        results = {}
-        for j, i in enumerate(live):
-            r = rows[i]
-            turn_text = THINK_PREFIX + tok.decode([t for t in r.turn_tokens if t != stop_id], skip_special_tokens=False)
-            r.traj.turns.append(turn_text)
-            calls_all = parse_tool_calls(turn_text)
-            calls = calls_all[:cfg.max_calls_per_turn]
-            r.traj.calls.append(calls)
-            if r.traj.truncated or not calls_all:
-                r.traj.done = True
-                continue
-            if r.traj.n_tool_turns >= cfg.max_turns:   # the budget is spent: calls are not executed
-                if r.forced:
-                    r.traj.hit_turn_limit = True
-                    r.traj.done = True
-                    continue
-                results[i] = []                          # budget 0: the forced-answer message alone
-                next_live.append((j, i))
-                continue
-            r.traj.n_tool_turns += 1
-            r.traj.n_calls += len(calls)
-            res = run_calls(calls, r.path, r.duration, cfg, factor, pool)
-            if len(calls_all) > len(calls):    # beyond the per-turn cap: one error observation, counted
-                res.append((None, None, f"only {cfg.max_calls_per_turn} calls per turn are executed; "
-                                         f"{len(calls_all) - len(calls)} were dropped"))
-            results[i] = res
-            r.traj.tool_failures += sum(err is not None for _, _, err in res)
-            r.traj.windows += [w for w, _, err in res if err is None]
-            if cfg.tool_mode == "subagent":
-                sub_jobs += [(i, k, clip) for k, (w, clip, err) in enumerate(res) if err is None]
-            next_live.append((j, i))
-        for i in live if on_turn is not None else ():      # the listener: turns that ended their trajectory
-            if rows[i].traj.done:
-                on_turn(rows[i].traj, None)
-        summaries = {}
-        if sub_jobs:
-            # each sub-agent's seed comes from its caller's seed, the turn and the call index, so a
-            # trajectory does not depend on which other records share its batch
-            subs = run_subagents(model, processor, sub_jobs, cfg,
-                                 [row_seed(rows[i].seed, 10_000 + turn, k) for i, k, _ in sub_jobs], ids)
-            for st in subs:
-                rows[st.parent[0]].traj.subagents.append(st)
-                summaries[st.parent] = st.text
-        for j, i in next_live:
-            r = rows[i]
-            forced = r.forced = r.traj.n_tool_turns >= cfg.max_turns
-            parts, clips = [], []
-            for k, (w, clip, err) in enumerate(results[i]):
-                if err is not None:
-                    parts.append(f"Error: {err}")
-                elif cfg.tool_mode == "subagent":
-                    parts.append(summaries.get((i, k), ""))
-                else:
-                    parts.append(clip_part(w))
-                    clips.append(clip)
-            if on_turn is not None:                          # the listener: a turn and its tool responses
-                on_turn(r.traj, parts)
-            c = encode_chunk(processor, response_chunk_text(parts, forced), clips)
-            c = Chunk(torch.cat([torch.tensor(r.pending), c.ids]), torch.cat([torch.zeros(len(r.pending), dtype=torch.int32), c.mm_types]),
-                      c.pixels, c.grid)
-            r.traj.token_ids += c.ids[len(r.pending):].tolist()
-            r.traj.roles += [ENV] * (len(c.ids) - len(r.pending))
-            if c.pixels is not None:
-                r.traj.videos.append((c.pixels, c.grid))
-            if len(r.traj.token_ids) >= cfg.max_context:
-                r.traj.truncated = r.traj.done = True
-                continue
-            chunks[j] = c
-        keep = [j for j, i in next_live if j in chunks]
-        if not keep:
-            break
-        live = [live[j] for j in keep]
-        kv.extend(model, live, [chunks[j] for j in keep], pad_id)
 
 
 def _finish(t: Trajectory, processor, ids: dict) -> None:

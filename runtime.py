@@ -666,6 +666,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--decode-timeout", type=float, default=120.0,
                    help="seconds a video decode may take before the sample is an error (never a hang)")
     g.add_argument("--frame-cache-gb", type=float, default=2.0, help="in-memory cache of decoded overviews (per rank)")
+    g.add_argument("--rollout-memory-gb", type=float, default=None,
+                   help="K/V the rollout engine may hold (per rank); prompt groups wait until their worst case fits "
+                        "(default: 80%% of the free GPU memory beside the weights; 4 GB on CPU)")
     g.add_argument("--frame-cache", metavar="DIR", default=None,
                    help="also keep decoded overviews on disk here (written atomically, size-capped)")
     g = p.add_argument_group("model and data")
@@ -813,6 +816,8 @@ def resolve(args) -> None:
         raise ValueError("--group-size must be >= 2 (group advantages need a group)")
     if args.prompts_per_step < 1:
         raise ValueError(f"--prompts-per-step must be >= 1 (prompts per step over all ranks), got {args.prompts_per_step}")
+    if args.rollout_memory_gb is not None and args.rollout_memory_gb <= 0:
+        raise ValueError(f"--rollout-memory-gb must be > 0 (the rollout's K/V budget in GB), got {args.rollout_memory_gb}")
     if args.recipe == "vtgr" and args.anchoring == "sequence":
         raise ValueError("--recipe vtgr --anchoring sequence: VTGR's strict format reward has no anchor term to "
                          "weight; use --anchoring token (credit on the closing tags) or --anchoring none")

@@ -1025,7 +1025,9 @@ def rollout_config(args) -> rollout.RolloutConfig:
                                            max_calls_per_turn=args.max_calls_per_turn,
                                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                            group_size=args.group_size, overview_fps=args.overview_fps,
-                                           overview_max_frames=args.overview_max_frames), **extra})
+                                           overview_max_frames=args.overview_max_frames,
+                                           memory_budget_bytes=int(args.rollout_memory_gb * 2 ** 30)
+                                           if args.rollout_memory_gb else None), **extra})
 
 
 def sft_settings(args) -> SFTSettings:

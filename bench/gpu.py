@@ -97,8 +97,8 @@ def section_prefill(model, processor, root, rec, args, device) -> dict:
         sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            kv = kvcache.GroupKV(model, [0], device)
-            kv.extend(model, [0], [chunk], pad, prefix=True)
+            kv = kvcache.GroupKV(model, device, kvcache.blocks_for(len(chunk.ids)))
+            kv.add_prompts(model, [chunk], pad)
         sync(device)
         s = time.perf_counter() - t0
         res[f"frames{frames}"] = dict(tokens=len(chunk.ids), seconds=s, tok_s=len(chunk.ids) / s, peak_mb=peak_mb(device))

@@ -1,7 +1,7 @@
-"""Tests for the rollout engine's machinery: the shared-prompt cache (kvcache.py: GroupKV, one K/V copy per
-prompt, a preallocated suffix per row, cascade attention), one decode turn and batched on-device sampling
-(rollout.decode_turn, rollout.sample_tokens), and the training forward that runs the vision tower once per
-distinct video (rollout.forward_hidden).
+"""Tests for the rollout engine's machinery: the paged, shared-prompt cache (kvcache.py: BlockPool, GroupKV, one
+K/V copy per prompt, each row holding only its suffix's blocks, cascade attention in fp32 with bounded working
+tensors), the decode step and batched on-device sampling (rollout.Engine.step, rollout.sample_tokens), and the
+training forward that runs the vision tower once per distinct video (rollout.forward_hidden).
 
 The end-to-end exactness of rollouts (recorded log-probs == full recompute) is in tests/test_rollout.py.
 """
@@ -131,7 +131,7 @@ def test_decode_turn_one_host_sync_per_step(tiny, split):
     assert steps >= 1 and rollout.STATS["host_syncs"] - before["host_syncs"] == steps
 
 
-# ----------------------------------------------------------------------------- the shared-prompt cache
+# ----------------------------------------------------------------------------- the paged, shared-prompt cache
 
 def _chunks(model, processor, root, rec):
     cfg = rollout.RolloutConfig(**rollout.TINY_ROLLOUT)
@@ -162,46 +162,216 @@ def _alone(model, chunks):
     return model.lm_head(h[:, -1]).float()[0]
 
 
-def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split):
+def _text(model, seed):
+    """Random text chunks of a given length: text(n)."""
+    V = model.get_input_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    return lambda n: kvcache.Chunk(torch.randint(300, V, (n,), generator=gen), torch.zeros(n, dtype=torch.int32))
+
+
+def _used(kv) -> int:
+    return kv.pool.n_blocks - len(kv.pool.free)
+
+
+def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split, thresholds):
     model, processor = tiny
     root, recs = split
     a, b, sfx = _chunks(model, processor, root, recs[0])
     pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    kv = kvcache.GroupKV(model, [0, 0, 0, 1, 1], "cpu")    # prompt a: 3 rows, prompt b: 2 rows
-    kv.extend(model, [0, 1], [a, b], pad, prefix=True)
-    kv.fork()
-    prefix_k = kv.prefix.k[0]
-    assert prefix_k.shape[0] == 2                          # ONE copy per prompt, not per row
-    ptr = prefix_k.data_ptr()
+    kv = kvcache.GroupKV(model, "cpu", kvcache.blocks_for(2000))
+    (pa, pb), first = kv.add_prompts(model, [a, b], pad)
+    rows = kv.fork(pa, 3) + kv.fork(pb, 2)                 # prompt a: 3 rows, prompt b: 2 rows
+    torch.testing.assert_close(first[0], _alone(model, [a]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(first[1], _alone(model, [b]), atol=1e-4, rtol=0)
+    pool_k = kv.pool.k[0]
+    ptr, a_first = pool_k.data_ptr(), kv.prompts[pa].run()
+    a_kv = pool_k[a_first:a_first + len(a.ids)].clone()   # prompt a lies in one run of blocks: read in place
     # ragged suffixes, some rows skipped; then a second extend on a subset, then one decode step
-    kv.extend(model, [0, 2, 3], [sfx[0], sfx[1], sfx[2]], pad)
-    kv.extend(model, [2, 4], [sfx[0], sfx[1]], pad)
-    seqs = {0: [a, sfx[0]], 1: [a], 2: [a, sfx[1], sfx[0]], 3: [b, sfx[2]], 4: [b, sfx[1]]}
-    for r, chunks in seqs.items():
-        torch.testing.assert_close(kv.last_logits[r], _alone(model, chunks), atol=1e-4, rtol=0)
+    logits = dict(zip([rows[i] for i in (0, 2, 3)], kv.extend(model, [rows[i] for i in (0, 2, 3)], sfx, pad)))
+    logits.update(zip([rows[2], rows[4]], kv.extend(model, [rows[2], rows[4]], sfx[:2], pad)))
+    seqs = {0: [a, sfx[0]], 2: [a, sfx[1], sfx[0]], 3: [b, sfx[2]], 4: [b, sfx[1]]}
+    for i, chunks in seqs.items():
+        torch.testing.assert_close(logits[rows[i]], _alone(model, chunks), atol=1e-4, rtol=0)
     tok = torch.tensor([5, 9])
-    kv.step(model, kv.index([1, 3]), tok)
-    for r, t in zip([1, 3], tok.tolist()):
-        ref = _alone(model, seqs[r] + [kvcache.Chunk(torch.tensor([t]), torch.zeros(1, dtype=torch.int32))])
-        torch.testing.assert_close(kv.last_logits[r], ref, atol=1e-4, rtol=0)
-    assert kv.prefix.k[0].data_ptr() == ptr                # the prompt cache was never moved or copied
+    stepped = kv.step(model, [rows[1], rows[3]], tok)
+    for j, (i, t) in enumerate(zip([1, 3], tok.tolist())):
+        ref = _alone(model, seqs.get(i, [a]) + [kvcache.Chunk(torch.tensor([t]), torch.zeros(1, dtype=torch.int32))])
+        torch.testing.assert_close(stepped[j], ref, atol=1e-4, rtol=0)
+    # ONE copy per prompt, each row holding only its own suffix's blocks; the prompt's K/V never moved
+    assert len(kv.prompts) == 2 and all(len(kv.rows[r].blocks) == kvcache.blocks_for(kv.rows[r].length) for r in rows)
+    assert _used(kv) == sum(len(s.blocks) for s in [*kv.prompts.values(), *kv.rows.values()])
+    assert pool_k.data_ptr() == kv.pool.k[0].data_ptr()
+    torch.testing.assert_close(kv.pool.k[0][a_first:a_first + len(a.ids)], a_kv, atol=0, rtol=0)
 
 
-def test_kvstore_grows_in_large_steps_in_place():
-    store = kvcache.KVStore(2, "cpu")
-    k = torch.randn(2, 1, 3, 4)
-    store.reserve(3)
-    store.write(0, torch.tensor([0, 1]), torch.tensor([0, 0]), k, k)
-    assert store.k[0].shape == (2, 1, kvcache.GROW, 4)
-    ptr = store.k[0].data_ptr()
-    for step in range(10):                               # per-token writes: no reallocation
-        store.write(0, torch.tensor([1]), torch.tensor([3 + step]), k[1:, :, :1], k[1:, :, :1])
-    assert store.k[0].data_ptr() == ptr
-    torch.testing.assert_close(store.k[0][1, :, 3:13], k[1, :, :1].expand(-1, 10, -1))
-    store.reserve(kvcache.GROW + 1)                      # past capacity: one large step
-    store.write(0, torch.tensor([0]), torch.tensor([kvcache.GROW]), k[:1, :, :1], k[:1, :, :1])
-    assert store.k[0].shape[2] >= 2 * kvcache.GROW
-    torch.testing.assert_close(store.k[0][0, :, :3], k[0])
+def test_paged_rows_cross_blocks_and_return_them(tiny, monkeypatch):
+    """BLOCK = 4: rows cross block boundaries inside a chunk and while decoding, hold only their blocks, and give
+    them back at once when freed (a prompt's with it); the logits stay those of a plain forward."""
+    monkeypatch.setattr(kvcache, "BLOCK", 4)
+    model, processor = tiny
+    text = _text(model, 2)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kv = kvcache.GroupKV(model, "cpu", 64)
+    prompt = text(10)
+    (p,), _ = kv.add_prompts(model, [prompt], pad)
+    r0, r1, r2 = kv.fork(p, 3)
+    chunks = [text(7), text(3), text(9)]
+    kv.extend(model, [r0, r1, r2], chunks, pad)
+    seqs = {r: [prompt, c] for r, c in zip((r0, r1, r2), chunks)}
+    for t in range(6):                                     # r1 crosses from 3 to 9 tokens, r0 from 7 to 13
+        toks = torch.tensor([100 + t, 200 + t])
+        out = kv.step(model, [r0, r1], toks)
+        for j, r in enumerate((r0, r1)):
+            seqs[r].append(kvcache.Chunk(toks[j:j + 1], torch.zeros(1, dtype=torch.int32)))
+            torch.testing.assert_close(out[j], _alone(model, seqs[r]), atol=1e-4, rtol=0)
+    assert [len(kv.rows[r].blocks) for r in (r0, r1, r2)] == [4, 3, 3] and _used(kv) == 3 + 10
+    free = len(kv.pool.free)
+    kv.free_row(r0)
+    assert len(kv.pool.free) == free + 4                   # a finished row's blocks, at once
+    kv.free_row(r1), kv.free_row(r2), kv.free_prompt(p)
+    assert _used(kv) == 0 and kv.pool.free == list(range(64))
+
+
+def test_block_pool_runs_free_list_and_growth():
+    pool = kvcache.BlockPool(8, "cpu")
+    assert pool.alloc(3, run=True) == [0, 1, 2] and pool.alloc(1) == [7] and pool.alloc(2) == [5, 6]  # prompts low, rows high
+    pool.release([1])                                      # free: 1, 3, 4
+    assert pool.alloc(2, run=True) == [3, 4]               # first fit skips the lone block 1
+    pool.release([6, 3, 5])                                # free: 1, 3, 5, 6
+    assert pool.alloc(3, run=True) == [3, 5, 6]            # no run of 3: the highest free blocks
+    k = torch.randn(3, 2, 4)
+    slots = torch.tensor([0, 5, 8 * kvcache.BLOCK - 1])
+    pool.write(0, slots, k, k)
+    with pytest.warns(UserWarning, match="pool grew"):
+        more = pool.alloc(4)                               # 1 block free: past the pool's end
+    assert pool.n_blocks > 8 and len(more) == 4 and pool.k[0].shape == (pool.n_blocks * kvcache.BLOCK, 2, 4)
+    torch.testing.assert_close(pool.k[0][slots], k, atol=0, rtol=0)
+
+
+def _fp32_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The reference's attention: causal softmax attention with scores, softmax and weighted sum in fp32, the
+    output rounded to the model's dtype (what the engine documents)."""
+    g = query.shape[1] // key.shape[1]
+    k, v = key.float().repeat_interleave(g, 1), value.float().repeat_interleave(g, 1)
+    s = query.float() @ k.transpose(-1, -2) * scaling
+    m, c = query.shape[2], k.shape[2]
+    s = s.masked_fill(torch.ones(m, c, dtype=torch.bool).triu(c - m + 1), float("-inf"))
+    return (torch.softmax(s, -1) @ v).to(query.dtype).transpose(1, 2), None
+
+
+def test_cascade_attention_in_fp32_under_bf16(one_thread, thresholds):
+    """A bf16 model's engine logits equal a full recompute of the same bf16 model whose attention runs in fp32:
+    one layer (the logits of a chunk's tokens then depend on the engine's attention alone: the prompt's K/V are
+    the same either way) and q_norm scaled x8, so scores are large as in real models. Scores from a bf16 matmul
+    (rounded to 2^-9 relative before the fp32 softmax) moved these logits by 0.008-0.014."""
+    from transformers import AttentionInterface
+
+    from model import ModelConfig, load_model
+    AttentionInterface.register("fp32_reference", _fp32_attention)
+    model, processor = load_model("tiny", device="cpu", dtype=torch.bfloat16, tiny_corpus=rollout.prompt_corpus(),
+                                  tiny_config=ModelConfig(layers=1))
+    with torch.no_grad():
+        model.model.language_model.layers[0].self_attn.q_norm.weight.mul_(8.0)
+    text = _text(model, 0)
+    prompt, sfx = text(70), [text(40), text(25)]
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kv = kvcache.GroupKV(model, "cpu", kvcache.blocks_for(70) + 2 * kvcache.blocks_for(41))
+    (p,), _ = kv.add_prompts(model, [prompt], pad)
+    rows = kv.fork(p, 2)
+    chunk = kv.extend(model, rows, sfx, pad)                 # a chunk on each row
+    step = kv.step(model, rows, torch.tensor([500, 501]))     # one decode step
+    model.set_attn_implementation("fp32_reference")
+    for r, tok in enumerate([500, 501]):
+        with torch.no_grad():
+            ref = model(input_ids=torch.cat([prompt.ids, sfx[r].ids, torch.tensor([tok])])[None]).logits[0].float()
+        torch.testing.assert_close(chunk[r], ref[-2], atol=2e-3, rtol=0)
+        torch.testing.assert_close(step[r], ref[-1], atol=2e-3, rtol=0)
+
+
+class _Allocs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the tensors operations allocate while active (elements): the largest, with its op, and the total.
+    A view or an in-place result shares an input's storage and allocates nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.op, self.total = 0, None, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = lambda x: [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
+        for t in tensors(out):
+            if t.untyped_storage().data_ptr() not in inputs:
+                self.total += t.numel()
+                if t.numel() > self.numel:
+                    self.numel, self.op = t.numel(), str(func)
+        return out
+
+
+def test_attention_working_tensors_bounded(tiny, small_thresholds, monkeypatch):
+    """No tensor the engine's attention allocates grows with chunk x span past the scores budget: a 120-token
+    chunk on 3 rows of a 110-token prompt, and decode steps after it, with SCORES_BUDGET shrunk to 512
+    elements. Every allocation inside GroupKV.attend stays within the largest of: the budget, the queries
+    themselves (the output has their size), the K/V of one row's keys (prompt + own suffix, whole blocks). The
+    whole masks (rows x chunk x span) broke it (and a multi-block chunk crashed first)."""
+    model, processor = tiny
+    text = _text(model, 1)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kv = kvcache.GroupKV(model, "cpu", kvcache.blocks_for(2000))
+    (p,), _ = kv.add_prompts(model, [text(110)], pad)
+    rows = kv.fork(p, 3)
+    seen = []
+    attend = kvcache.GroupKV.attend
+
+    def recorded(self, layer, q, scale, key=None, value=None, module=None):
+        with _Allocs() as big:
+            out = attend(self, layer, q, scale, key, value, module)
+        hkv, d = key.shape[1], key.shape[3]
+        keys = kvcache.blocks_for(110) * kvcache.BLOCK + kvcache.blocks_for(max(self.fwd.end_host)) * kvcache.BLOCK
+        seen.append((big.numel, big.op, max(kvcache.SCORES_BUDGET, q.numel(), keys * hkv * d)))
+        return out
+
+    monkeypatch.setattr(kvcache.GroupKV, "attend", recorded)
+    kv.extend(model, rows, [text(120), text(90), text(60)], pad)
+    for t in range(3):
+        kv.step(model, rows, torch.tensor([400 + t] * 3))
+    assert len(seen) == 4 * len(model.model.language_model.layers)
+    for numel, op, bound in seen:
+        assert numel <= bound, (numel, op, bound)
+
+
+def test_finished_rows_cost_nothing_per_step(tiny, monkeypatch):
+    """A decode step of one row allocates exactly as much with five long finished rows (of its prompt and of
+    another) beside it as with that row alone: it reads only its own blocks and its own prompt."""
+    model, processor = tiny
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    allocs = []
+    attend = kvcache.GroupKV.attend
+
+    def recorded(self, layer, q, scale, key=None, value=None, module=None):
+        with _Allocs() as a:
+            out = attend(self, layer, q, scale, key, value, module)
+        allocs.append(a.total)
+        return out
+
+    def one_step(crowded: bool) -> tuple[list[int], torch.Tensor]:
+        text = _text(model, 3)
+        kv = kvcache.GroupKV(model, "cpu", kvcache.blocks_for(4000))
+        prompts, _ = kv.add_prompts(model, [text(60), text(80)], pad)
+        mine = kv.fork(prompts[0], 1)
+        others = kv.fork(prompts[0], 2) + kv.fork(prompts[1], 3) if crowded else []
+        chunks = [text(30)] + [text(400) for _ in others]
+        kv.extend(model, mine + others, chunks, pad)
+        allocs.clear()
+        with monkeypatch.context() as m:
+            m.setattr(kvcache.GroupKV, "attend", recorded)
+            out = kv.step(model, mine, torch.tensor([77]))
+        return list(allocs), out
+
+    alone, out_alone = one_step(False)
+    crowded, out_crowded = one_step(True)
+    assert crowded == alone and len(alone) == len(model.model.language_model.layers)
+    torch.testing.assert_close(out_crowded, out_alone, atol=1e-5, rtol=0)
 
 
 # ----------------------------------------------------------------------------- vision once per prompt

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import data
+import kvcache
 import rollout
 import video
 from model import load_model
@@ -114,6 +115,13 @@ def recomputed_logprobs(model, trajs, pad_id: int) -> list[torch.Tensor]:
     return [lp[b][policy[b]] for b in range(len(trajs))]
 
 
+def _record_engines(monkeypatch) -> list:
+    """Every rollout.Engine that runs, in order (the rollout's own first)."""
+    engines, run = [], rollout.Engine.run
+    monkeypatch.setattr(rollout.Engine, "run", lambda self: (engines.append(self), run(self))[1])
+    return engines
+
+
 # ----------------------------------------------------------------------------- one scripted trajectory
 
 def test_parallel_calls_windows_order_roles(tiny, split, script):
@@ -161,11 +169,17 @@ EXACT_SCRIPTS = {
 
 
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])   # clips in context vs summaries in context
-def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode):
+def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode, thresholds, monkeypatch):
+    """Shrunk (conftest.SHRUNK): rows cross 4-token blocks inside their turns, attention runs in many small blocks,
+    and the memory budget holds about one group: the second waits until the first has retired."""
     model, processor = tiny
     root, recs = split
     script(EXACT_SCRIPTS, sub="A blue square.")
+    engines = _record_engines(monkeypatch)
     trajs = rollout.run_agent(model, processor, recs[:2], root, config(tool_mode=mode, group_size=2), seed=SEED)
+    main = engines[0]
+    assert main.kv.pool.peak <= main.kv.pool.n_blocks and not main.kv.pool.free[main.kv.pool.n_blocks:]
+    assert (main.kv.pool.n_blocks < main.need) == (thresholds == "shrunk")   # the budget bit only when shrunk
     assert [(t.record_id, t.sample) for t in trajs] == [(recs[0]["id"], 0), (recs[0]["id"], 1),
                                                          (recs[1]["id"], 0), (recs[1]["id"], 1)]
     assert [t.n_tool_turns for t in trajs] == [2, 0, 1, 2]
@@ -187,6 +201,84 @@ def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode):
         subs = [st for t in trajs for st in t.subagents]
         for st, ref in zip(subs, recomputed_logprobs(model, subs, pad)):
             torch.testing.assert_close(torch.tensor(st.logprobs), ref, atol=1e-4, rtol=0)
+
+
+# Three records, G = 2, turn lengths varying ~6x (a few tokens to a long think), calls in some turns: under a
+# budget of 1.75 groups (two do not fit; a group fits beside one row of another) rows finish, groups wait and are admitted while other rows decode.
+LONG = turn("a much longer chain of thought " * 6, "<answer>B</answer>")
+BUDGET_SCRIPTS = {
+    (0, 0): [turn("look", call(28.0, 36.0)), LONG], (0, 1): [ANSWER],
+    (1, 0): [LONG], (1, 1): [turn("m", call(2.0, 6.0) + "\n" + call(40.0, 44.0)), turn("again", call(30.0, 33.0)), ANSWER],
+    (2, 0): [ANSWER], (2, 1): [turn("x", call(10.0, 14.0)), ANSWER],
+}
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "subagent"])
+def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, mode, small_thresholds, monkeypatch):
+    """The same trajectories (tokens, roles, answers, windows, recorded log-probs) with an unbounded budget, with
+    a budget of 1.75 groups (continuous batching: a group is admitted while other rows decode, the pool never
+    holds more than the budget), and in fixed waves; and the budgeted run's log-probs equal a full recompute."""
+    model, processor = tiny
+    root, recs = split
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    cfg = config(tool_mode=mode, group_size=2, memory_budget_bytes=1 << 40)
+    lens = [len(rollout.encode_prompt(processor, r, root, cfg)[2].ids) + 3 for r in recs[:3]]
+    group = max(kvcache.blocks_for(n) + 2 * rollout.row_blocks(cfg, n, rollout.video_factor(processor)) for n in lens)
+    budget = int(1.75 * group) * kvcache.BLOCK * kvcache.kv_bytes_per_token(model)
+    engines, joined = _record_engines(monkeypatch), []
+    add_prompts = kvcache.GroupKV.add_prompts
+
+    def watched(self, model, chunks, pad_id):          # a group admitted while rows of others are decoding
+        joined.append(sum(r.tools for r in engines[-1].active))
+        return add_prompts(self, model, chunks, pad_id)
+
+    monkeypatch.setattr(kvcache.GroupKV, "add_prompts", watched)
+    runs = {}
+    for name, kw in [("unbounded", {}), ("budget", dict(memory_budget_bytes=budget)),
+                     ("waves", dict(memory_budget_bytes=budget, continuous=False))]:
+        script(BUDGET_SCRIPTS, sub="A blue square.")
+        first = len(engines)
+        runs[name] = rollout.run_agent(model, processor, recs[:3], root, config(**{**cfg.__dict__, **kw}), seed=SEED)
+        pool = engines[first].kv.pool
+        assert pool.peak <= pool.n_blocks
+        if name != "unbounded":
+            assert pool.n_blocks <= int(1.75 * group) < engines[first].need
+    assert max(joined) > 0                              # continuous: admitted beside decoding rows
+    ref = runs["unbounded"]
+    turn_lengths = [len(x) for t in ref for x in t.turns]
+    assert [t.n_tool_turns for t in ref] == [1, 0, 0, 2, 0, 1] and max(turn_lengths) >= 4 * min(turn_lengths)
+    for name in ("budget", "waves"):
+        for t, r in zip(runs[name], ref):
+            assert (t.token_ids, t.roles, t.answer, t.windows) == (r.token_ids, r.roles, r.answer, r.windows), name
+            torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+    for t, full in zip(runs["budget"], recomputed_logprobs(model, runs["budget"], pad)):
+        torch.testing.assert_close(torch.tensor(t.logprobs), full, atol=1e-4, rtol=0)
+
+
+def test_rollout_memory_flag_reaches_the_engine(capsys):
+    import runtime
+    import train
+    assert train.rollout_config(runtime.parse_args(["--rollout-memory-gb", "1.5"])).memory_budget_bytes == 3 * 2 ** 29
+    assert train.rollout_config(runtime.parse_args([])).memory_budget_bytes is None      # the default: memory_budget
+    assert rollout.memory_budget(rollout.RolloutConfig(), "cpu") == rollout.CPU_BUDGET_GB * 2 ** 30
+    with pytest.raises(SystemExit):
+        runtime.parse_args(["--rollout-memory-gb", "0"])
+    assert "--rollout-memory-gb must be > 0" in capsys.readouterr().err
+
+
+def test_bf16_rollout_keeps_pixels_in_the_model_dtype(split, script, monkeypatch):
+    """A bf16 model's trajectories hold the overview and clip pixels in bf16 (the values the model saw), not in the
+    processor's fp32 (twice the host memory for the whole step); the G rows share one overview tensor; the
+    recorded log-probs are those of a bf16 recompute up to bf16 rounding."""
+    model, processor = load_model("tiny", device="cpu", dtype=torch.bfloat16, tiny_corpus=rollout.prompt_corpus())
+    root, recs = split
+    script({(0, s): [turn("look", call(28.0, 36.0)), ANSWER] for s in (0, 1)})
+    trajs = rollout.run_agent(model, processor, recs[:1], root, config(group_size=2), seed=SEED)
+    assert [len(t.videos) for t in trajs] == [2, 2] and trajs[0].videos[0][0] is trajs[1].videos[0][0]
+    assert {p.dtype for t in trajs for p, _ in t.videos} == {torch.bfloat16}
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    for t, ref in zip(trajs, recomputed_logprobs(model, trajs, pad)):
+        torch.testing.assert_close(torch.tensor(t.logprobs), ref, atol=0.1, rtol=0)
 
 
 # ----------------------------------------------------------------------------- seeds
