@@ -40,6 +40,8 @@ varied with the seed (held-out accuracy after 500 SFT steps, seeds 1 and 2: 0.48
 0.76 and 0.70 with three).
 """
 import contextlib
+import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -641,3 +643,28 @@ def bad_calls(messages: list[dict], duration: float | None, min_window: float) -
                 except ValueError as e:
                     problems.append(f"turn {k}: {e}")
     return problems
+
+
+def oracle_sft_pairs(records: list[dict], cfg, seed: int, gated_choices: list[int], always_call: bool = False,
+                     direct_crop: float = 0.0, budget_fraction: float = 0.0) -> tuple[list, list[str]]:
+    """The synthetic task's SFT trajectories, (record, messages, where, K, rollout config) each, and the records
+    the oracle could not answer: each record with the evaluation overview (cfg.overview_nframes, else 8 frames),
+    and once more with a K drawn from `gated_choices` when given; with probability `budget_fraction` a trajectory
+    that calls the tool is also recorded at a smaller tool-turn budget (the forced-answer message, then an answer
+    from what was seen; its config's max_turns cut to match), so the model learns to answer when its budget runs
+    out. `cfg` is the rollout's RolloutConfig (crop fps and frame cap: the oracle sees what a crop shows)."""
+    rng = np.random.default_rng(seed)
+    pairs, errors = [], []
+    for r in records:
+        for k in [cfg.overview_nframes or 8] + ([int(rng.choice(gated_choices))] if gated_choices else []):
+            oracle = functools.partial(oracle_turns, r, rng, always_call=always_call, nframes=k,
+                                       direct_crop=direct_crop, crop_fps=cfg.crop_fps, crop_max_frames=cfg.crop_max_frames)
+            try:
+                msgs = oracle()
+                pairs.append((r, msgs, r["id"], k, cfg))
+                if (rounds := oracle_rounds(msgs)) and rng.random() < budget_fraction:
+                    b = int(rng.integers(rounds))
+                    pairs.append((r, oracle(budget=b), f"{r['id']} (budget {b})", k, dataclasses.replace(cfg, max_turns=b)))
+            except (ValueError, KeyError) as e:
+                errors.append(f"{r.get('id')}: no oracle trajectory ({e}); pass --sft-data for real data")
+    return pairs, errors

@@ -326,6 +326,31 @@ def evaluate(model, processor, records: list[dict], video_root: str, cfg, bench:
     return runtime.broadcast_object(metrics, world)
 
 
+def evaluate_held_out(model, processor, records: list, video_root: str, cfg, run: runtime.Run,
+                      name: str, report_questions: int = 8) -> dict:
+    """train.py's held-out evaluation: the greedy agent on the held-out records through this runner (official-style scores plus format
+    compliance, tool-call ratio, clue score, turns), split over the ranks as `eval.py --gpus N` splits them
+    (question i on rank i % N); rank 0 merges the predictions into RUN_DIR/eval/<name>.jsonl, scores them once
+    and writes a trajectory report of the first `report_questions` questions in RUN_DIR/report/<name>/index.html.
+    Every rank returns rank 0's figures."""
+    out = os.path.join(run.run_dir, "eval", f"{name}.jsonl")
+    if run.rank == 0:                                  # new weights: never resume another evaluation's answers
+        remove_predictions(out)
+    runtime.barrier(run.world)
+    with runtime.full_weights(model):
+        m = evaluate(model, processor, records, video_root, cfg, bench="records", out_path=out, batch_size=8,
+                                rank=run.rank, world=run.world)
+    if run.rank == 0 and report_questions:
+        import report
+        rows = read_predictions(out)
+        report.write_report(os.path.join(run.run_dir, "report", name), records, rows, metrics=m, video_root=video_root,
+                            title=f"held-out evaluation: {name}", max_questions=report_questions)
+    keys = ("accuracy", "miou", "r_acc", "format_compliance", "tool_call_ratio", "clue_score", "turns")
+    row = {k: float(m[k]) for k in keys if isinstance(m.get(k), (int, float))}
+    runtime.print0(run.rank, f"eval {name}: " + json.dumps(row))
+    return row
+
+
 def error_reasons(rows: list[dict], k: int = 5) -> list[tuple[int, str, str]]:
     """The k commonest error reasons as (count, reason, one full example); quoted names and paths are
     folded out of the reason, so one cause over many videos counts once."""

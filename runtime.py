@@ -339,6 +339,19 @@ def plot_run(run_dir: str) -> str | None:
 
 
 # -----------------------------------------------------------------------------
+# the frozen reference model
+
+def reference_model(run_dir: str, model_path: str, after_sft: bool, device, seed: int,
+                    dtype: torch.dtype = torch.float32):
+    """The frozen reference for KL: the policy as RL began (this run's last SFT checkpoint when SFT ran before,
+    else the model RL started from), in the compute dtype (bf16 for --precision bf16: no master copy needed)."""
+    sft = [d for o, _, d in checkpoints(run_dir) if o == STAGE_ORDER["sft"]]
+    src = os.path.join(run_dir, sft[-1]) if sft and after_sft else model_path
+    ref, _ = model_lib.load_model(src, device=device, dtype=dtype, seed=seed, tiny_corpus=rollout.prompt_corpus())
+    return ref.requires_grad_(False).eval()
+
+
+# -----------------------------------------------------------------------------
 # processes: launch, process group, FSDP2, collectives
 
 def print0(rank: int, *a, **k) -> None:

@@ -31,20 +31,10 @@ term wherever a record has clue windows; vanilla = accuracy + format + tool rewa
 ablation). `paravt` is accepted as the old name of para_grpo. Presets (--preset paravt | videoo3) set each paper's
 overview, limits, clip range, KL, temperature and learning rates (rollout.PRESETS).
 
-Departures from the papers' releases (each also noted where it happens; docs/method.md lists them all):
- 1. Rewards score the trajectory as the model saw it (forced "<think>\n" prefix and tool responses included);
-    ParaVT scored generated tokens only (--released-scoring restores that). Environment messages are never read
-    as the policy's answer or format (rewards.policy_view).
- 2. Token-level exploration anchoring is available (--anchoring token), as the ParaVT paper words it; the
-    release adds the anchor to the sequence reward only (--anchoring sequence).
- 3. nFrames gating really acts (the release's config replaced K by 64 frames).
- 4. Sub-agent tokens can be trained with their caller's advantage (--train-subagents); ParaVT did not.
- 5. Old log-probs are recomputed by a training forward (not taken from the sampler), so ratio == 1 on the first
-    PPO epoch and clipping only acts from the second epoch (--ppo-epochs > 1) on.
- 6. ParaVT's release has its format reward's answer body anywhere in the completion; we follow it
-    (rewards._format_parts), so an unclosed <think> followed by an answer scores 0.55, not 0.05.
- 7. k1 KL is used only folded into the reward (ParaVT); as a loss term its expected gradient is zero on-policy,
-    so `--kl-estimator k1` without --kl-in-reward is refused.
+Departures from the papers' releases are noted where they happen and listed in docs/method.md ("Departures"):
+the trajectory scored as the model saw it (--released-scoring restores ParaVT's), token-level anchoring
+(--anchoring token), gating that really acts, sub-agent tokens optionally trained, old log-probs recomputed by a
+training forward, k1 KL only folded into the reward.
 
 Run commands:
     python train.py                                   # the embedded default on CPU: tiny model, synthetic task
@@ -56,7 +46,6 @@ Run commands:
 """
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -65,7 +54,6 @@ import sys
 import time
 import traceback
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -669,27 +657,12 @@ def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.R
     the model learns to answer when its budget runs out. Bad records and trajectories whose tool calls the environment would refuse
     are reported (file:line, reason) and skipped (`keep_bad_calls` keeps the latter); more than
     `max_bad_fraction` bad stops the run."""
-    errors, pairs = [], []
     if sft_data:
         found, errors = data.sft_pairs(sft_data)
         pairs = [(rec, msgs, where, None, cfg) for rec, msgs, where in found]
     else:
-        rng = np.random.default_rng(seed)
-        k_eval = cfg.overview_nframes or 8
-        for r in records:
-            for k in [k_eval] + ([int(rng.choice(gated_choices))] if gated_choices else []):
-                oracle = functools.partial(data.oracle_turns, r, rng, always_call=always_call, nframes=k,
-                                           direct_crop=direct_crop, crop_fps=cfg.crop_fps,
-                                           crop_max_frames=cfg.crop_max_frames)
-                try:
-                    msgs = oracle()
-                    pairs.append((r, msgs, r["id"], k, cfg))
-                    if (rounds := data.oracle_rounds(msgs)) and rng.random() < budget_fraction:
-                        b = int(rng.integers(rounds))
-                        pairs.append((r, oracle(budget=b), f"{r['id']} (budget {b})", k,
-                                      dataclasses.replace(cfg, max_turns=b)))
-                except (ValueError, KeyError) as e:
-                    errors.append(f"{r.get('id')}: no oracle trajectory ({e}); pass --sft-data for real data")
+        pairs, errors = data.oracle_sft_pairs(records, cfg, seed, gated_choices, always_call, direct_crop,
+                                              budget_fraction)
     items, n_bad_calls = [], 0
     for rec, msgs, where, k, c in pairs:     # k: the overview's frame count (None: the rollout's own rule)
         try:
@@ -869,7 +842,7 @@ def main(rank: int, args) -> dict:
 
     def evaluate(m, name: str) -> dict:
         with autocast(args.precision, device):
-            return evaluate_held_out(m, processor, held, video_root, cfg, run, name)
+            return evaluation.evaluate_held_out(m, processor, held, video_root, cfg, run, name)
 
     summary = {}
     if args.stage == "all" and not state:
@@ -889,7 +862,7 @@ def main(rank: int, args) -> dict:
     if args.stage in ("all", "rl"):
         optimizer = make_optimizer(model, args.lr, args.vision_lr_scale)
         run.load_optimizer(ckpt, model, optimizer, state, "rl")
-        ref_model = reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed,
+        ref_model = runtime.reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed,
                                     PRECISION[args.precision]) if args.kl_coef > 0 else None
         with video.DecodePool(args.decode_workers, args.decode_timeout,
                               video.FrameCache(int(args.frame_cache_gb * 2 ** 30), disk_dir=args.frame_cache)) as pool:
@@ -905,31 +878,6 @@ def main(rank: int, args) -> dict:
     return summary
 
 
-def evaluate_held_out(model, processor, records: list, video_root: str, cfg: rollout.RolloutConfig, run: Run,
-                      name: str, report_questions: int = 8) -> dict:
-    """The greedy agent on the held-out records through eval.py's runner (official-style scores plus format
-    compliance, tool-call ratio, clue score, turns), split over the ranks as `eval.py --gpus N` splits them
-    (question i on rank i % N); rank 0 merges the predictions into RUN_DIR/eval/<name>.jsonl, scores them once
-    and writes a trajectory report of the first `report_questions` questions in RUN_DIR/report/<name>/index.html.
-    Every rank returns rank 0's figures."""
-    out = os.path.join(run.run_dir, "eval", f"{name}.jsonl")
-    if run.rank == 0:                                  # new weights: never resume another evaluation's answers
-        evaluation.remove_predictions(out)
-    runtime.barrier(run.world)
-    with full_weights(model):
-        m = evaluation.evaluate(model, processor, records, video_root, cfg, bench="records", out_path=out, batch_size=8,
-                                rank=run.rank, world=run.world)
-    if run.rank == 0 and report_questions:
-        import report
-        rows = evaluation.read_predictions(out)
-        report.write_report(os.path.join(run.run_dir, "report", name), records, rows, metrics=m, video_root=video_root,
-                            title=f"held-out evaluation: {name}", max_questions=report_questions)
-    keys = ("accuracy", "miou", "r_acc", "format_compliance", "tool_call_ratio", "clue_score", "turns")
-    row = {k: float(m[k]) for k in keys if isinstance(m.get(k), (int, float))}
-    print0(run.rank, f"eval {name}: " + json.dumps(row))
-    return row
-
-
 def print_summary(summary: dict, png: str | None) -> None:
     cols = [s for s in ("before", "sft", "after") if s in summary]
     print(f"{'':18s}" + "".join(f"{ {'sft': 'SFT', 'after': 'final'}.get(s, s):>10s}" for s in cols))
@@ -938,16 +886,6 @@ def print_summary(summary: dict, png: str | None) -> None:
     print("(accuracy and miou in %, official-style scoring; r_acc is the reward's 0-1 accuracy, grounding IoU included)")
     print(f"curves: {png}")
     print(json.dumps(summary))
-
-
-def reference_model(run_dir: str, model_path: str, after_sft: bool, device, seed: int,
-                    dtype: torch.dtype = torch.float32):
-    """The frozen reference for KL: the policy as RL began (this run's last SFT checkpoint when SFT ran before,
-    else the model RL started from), in the compute dtype (bf16 for --precision bf16: no master copy needed)."""
-    sft = [d for o, _, d in runtime.checkpoints(run_dir) if o == runtime.STAGE_ORDER["sft"]]
-    src = os.path.join(run_dir, sft[-1]) if sft and after_sft else model_path
-    ref, _ = model_lib.load_model(src, device=device, dtype=dtype, seed=seed, tiny_corpus=rollout.prompt_corpus())
-    return ref.requires_grad_(False).eval()
 
 
 PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16}     # --precision -> the compute dtype

@@ -152,7 +152,7 @@ def _tiny_sharded(world: int):
 
 
 def _held_out_rank(rank: int, world: int, port: int, run_dir: str, cache: str) -> None:
-    """train.evaluate_held_out on `world` ranks (FSDP2-sharded tiny model); logs the ids this rank ran and the
+    """ev.evaluate_held_out on `world` ranks (FSDP2-sharded tiny model); logs the ids this rank ran and the
     metrics it got to run_dir/rank<r>.json. On 2 ranks, then an evaluation of one question (rank 1 runs no
     forward) and a training forward and backward on both ranks."""
     if world > 1:
@@ -169,12 +169,12 @@ def _held_out_rank(rank: int, world: int, port: int, run_dir: str, cache: str) -
     cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 12})
     ev.agent_runner = runner
     try:
-        metrics = train.evaluate_held_out(model, processor, records, cache, cfg, run, "final", report_questions=2)
+        metrics = ev.evaluate_held_out(model, processor, records, cache, cfg, run, "final", report_questions=2)
     finally:
         ev.agent_runner = real                      # (world 1 runs in the test process)
     trained = None
     if world > 1:                                   # one question: rank 1 runs no forward, then both train
-        train.evaluate_held_out(model, processor, records[:1], cache, cfg, run, "one", report_questions=0)
+        ev.evaluate_held_out(model, processor, records[:1], cache, cfg, run, "one", report_questions=0)
         ids = torch.arange(16).view(1, 16)
         for _ in range(2):
             model(input_ids=ids).logits.float().sum().backward()
