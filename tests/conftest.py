@@ -1,5 +1,7 @@
-"""Shared pieces of the training tests (test_train.py, test_reliability.py): the fast CPU smoke
-configuration, in-process runs of train.main, the metrics reader, and fixtures."""
+"""Shared pieces of the training tests (test_train.py, test_reliability.py, test_rl_correctness.py): the fast
+CPU smoke configuration, in-process runs of train.main, the metrics reader, the size thresholds shrunk, and
+fixtures."""
+import importlib
 import json
 import os
 
@@ -55,3 +57,32 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tiny():
     return model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
+
+
+# Sizes that choose a code path, {module: {constant: small value}}: at the shipped values the tiny model takes
+# the small-input path of each, so the tests that take `small_thresholds` also run with them shrunk and the tiny
+# model goes where a real model goes (docs/method.md §8, "Sizes that choose a path"). Add a module's constants
+# here when it gains one.
+SMALL_THRESHOLDS = {
+    "ops": {"_MIN_CHUNK_LOGITS": 1,      # token_loss: the fused chunks, not the plain log_softmax (tiny logits)
+            "MAX_CHUNKS": 3},            # the default chunk rule's cap: 3 chunks, the last one padded
+}
+
+
+def set_thresholds(sizes: dict) -> None:
+    """Set the {module: {constant: value}} constants (a spawned rank does not inherit a test's monkeypatches)."""
+    for module, constants in sizes.items():
+        for name, value in constants.items():
+            setattr(importlib.import_module(module), name, value)
+
+
+@pytest.fixture(params=["shipped", "small"])
+def small_thresholds(request, monkeypatch) -> dict:
+    """Runs a test twice: at the shipped sizes, and with every SMALL_THRESHOLDS constant shrunk. Returns what it
+    set ({} the first time), for tests that hand it to spawned ranks (`set_thresholds`)."""
+    if request.param == "shipped":
+        return {}
+    for module, constants in SMALL_THRESHOLDS.items():
+        for name, value in constants.items():
+            monkeypatch.setattr(importlib.import_module(module), name, value)
+    return SMALL_THRESHOLDS

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import smoke_argv
+from conftest import set_thresholds, smoke_argv
 
 import data
 import model as model_lib
@@ -201,14 +201,20 @@ def test_dynamic_sampling_fills_the_ranks_share(world, rank, prompts, share, mon
 
 # ----------------------------------------------------------------------------- two ranks (gloo)
 
-def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str, loss_chunk: int = 0,
-                 precision: str = "fp32", adamw_lr: float | None = None, tied: bool = False) -> None:
+def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str, opts: dict) -> None:
     """One policy_update on `world` gloo ranks (world 1: no process group), the full weights saved to `out`, the
-    full gradients and what the first decoder layer's MLP and the collectives ran in to `out`.extra.
-    loss_chunk 0: the tiny model's logits are small, so token_loss takes its plain path; > 0: the fused chunks.
-    precision: --precision (bf16: fp32 master weights, bf16 compute, fp32 gradient reduction). adamw_lr: AdamW
-    (train.make_optimizer) at that rate instead of SGD at lr 1. tied: lm_head shares the embedding's parameter
-    (tie_word_embeddings, as Qwen3-VL-2B/4B), tied before sharding as a checkpoint loads."""
+    full gradients and what the first decoder layer's MLP and the collectives ran in to `out`.extra. opts:
+      loss_chunk  0 (default): token_loss's own rule (the tiny model's logits are small: its plain path); > 0: the
+                  fused chunks of that size
+      precision   --precision (bf16: fp32 master weights, bf16 compute, fp32 gradient reduction)
+      adamw_lr    AdamW (train.make_optimizer) at that rate instead of SGD at lr 1
+      tied        lm_head shares the embedding's parameter (tie_word_embeddings, as Qwen3-VL-2B/4B), tied before
+                  sharding as a checkpoint loads
+      thresholds  module constants to set first (conftest.SMALL_THRESHOLDS: a spawned rank does not inherit the
+                  test's monkeypatches)"""
+    loss_chunk, precision, adamw_lr = opts.get("loss_chunk", 0), opts.get("precision", "fp32"), opts.get("adamw_lr")
+    tied = opts.get("tied", False)
+    set_thresholds(opts.get("thresholds", {}))
     torch.set_num_threads(1)
     if world > 1:                      # (a spawned rank's own environment; world 1 runs in the test process)
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
@@ -257,25 +263,30 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
         torch.distributed.destroy_process_group()
 
 
-def _run_ranks(world: int, items_of_rank: dict, out: str, loss_chunk: int = 0, **kw) -> dict:
+def _run_ranks(world: int, items_of_rank: dict, out: str, **opts) -> dict:
     if world == 1:
-        _rank_update(0, 1, 0, items_of_rank, out, loss_chunk, **kw)
+        _rank_update(0, 1, 0, items_of_rank, out, opts)
     else:
-        torch.multiprocessing.spawn(_rank_update, args=(world, runtime.find_free_port(), items_of_rank, out, loss_chunk,
-                                                        *kw.values()), nprocs=world)
+        torch.multiprocessing.spawn(_rank_update, args=(world, runtime.find_free_port(), items_of_rank, out, opts),
+                                    nprocs=world)
     return torch.load(out, weights_only=True)
 
 
 @pytest.mark.parametrize("split", ["both_ranks_learn", "rank1_idle"])
-def test_two_rank_update_equals_one_process(split, encoded, tmp_path):
+def test_two_rank_update_equals_one_process(split, encoded, tmp_path, small_thresholds, monkeypatch):
     """FSDP2 on 2 gloo ranks: the update equals one process's on the union of the ranks' trajectories (token-mean
     over all ranks). A rank whose samples were all dropped still joins with zero-weight passes: the step is not
-    skipped for everybody (before: all ranks skipped when one rank had nothing)."""
+    skipped for everybody (before: all ranks skipped when one rank had nothing). At the shipped sizes the tiny
+    model's loss takes token_loss's plain path; with the thresholds shrunk, the fused chunks of a real model."""
     trajs, _ = encoded
     torch.save(trajs, tmp_path / "trajs.pt")
     items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)] if split == "both_ranks_learn" else []}
-    two = _run_ranks(2, items, str(tmp_path / "two.pt"))
-    one = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "one.pt"))
+    calls, real_apply = [], ops._TokenLoss.apply                        # the fused path's calls (this process)
+    monkeypatch.setattr(ops._TokenLoss, "apply", lambda *a: calls.append(a[4]) or real_apply(*a))
+    two = _run_ranks(2, items, str(tmp_path / "two.pt"), thresholds=small_thresholds)
+    one = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "one.pt"),
+                     thresholds=small_thresholds)
+    assert bool(calls) == bool(small_thresholds), calls
     init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
     moved = [n for n, p in init.named_parameters() if not torch.equal(p.detach(), one[n])]
     assert moved, "the update changed nothing"
@@ -294,9 +305,9 @@ def test_two_rank_update_through_the_fused_chunks_equals_the_plain_loss(encoded,
     monkeypatch.setattr(ops._TokenLoss, "apply", lambda *a: calls.append(a[4]) or real_apply(*a))
     one_plain = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "plain.pt"))
     assert calls == [], "the tiny model's logits are small: the default takes the plain path"
-    one_fused = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "fused.pt"), 16)
+    one_fused = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "fused.pt"), loss_chunk=16)
     assert calls and set(calls) == {16}, "--loss-chunk 16 runs the fused chunks"
-    two_fused = _run_ranks(2, items, str(tmp_path / "two.pt"), 16)
+    two_fused = _run_ranks(2, items, str(tmp_path / "two.pt"), loss_chunk=16)
     init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
     assert not torch.equal(init.lm_head.weight.detach(), one_plain["lm_head.weight"]), "the update moved lm_head"
     for n in one_plain:
@@ -313,7 +324,7 @@ def test_two_rank_bf16_update_keeps_fp32_master_weights(encoded, tmp_path):
     torch.save(trajs, tmp_path / "trajs.pt")
     items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)]}
     init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
-    two = _run_ranks(2, items, str(tmp_path / "two.pt"), 0, precision="bf16", adamw_lr=1e-6)
+    two = _run_ranks(2, items, str(tmp_path / "two.pt"), precision="bf16", adamw_lr=1e-6)
     extra = torch.load(str(tmp_path / "two.pt") + ".extra", weights_only=False)
     assert {t.dtype for t in two.values()} == {torch.float32}
     assert extra["seen"]["mlp"] == {("torch.bfloat16", "torch.bfloat16")}
@@ -338,7 +349,7 @@ def test_two_rank_update_keeps_tied_embeddings_tied(encoded, tmp_path):
     trajs, _ = encoded
     torch.save(trajs, tmp_path / "trajs.pt")
     items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)]}
-    two = _run_ranks(2, items, str(tmp_path / "two.pt"), 0, precision="fp32", adamw_lr=None, tied=True)
+    two = _run_ranks(2, items, str(tmp_path / "two.pt"), tied=True)
     extra = torch.load(str(tmp_path / "two.pt") + ".extra", weights_only=False)
     one = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "one.pt"), tied=True)
     extra_one = torch.load(str(tmp_path / "one.pt") + ".extra", weights_only=False)
