@@ -429,6 +429,9 @@ def setup_distributed(rank: int, gpus: int | None, device: str, threads: int) ->
 def shard_model(model, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2: each decoder layer its own unit, the final norm with the lm_head (token_logprobs reads
     lm_head.weight directly), and the root (the vision tower and embeddings), which every forward enters.
+    Tied embeddings (tie_word_embeddings: Qwen3-VL-2B/4B, lm_head.weight IS embed_tokens.weight): the embeddings
+    join the [norm, lm_head] unit, so the one parameter has one shard, one all-gather and one gradient (FSDP2
+    refuses a parameter shared between units).
     param_dtype bf16 (--precision bf16): the parameters stay fp32 (each rank's shard is the master copy AdamW
     updates), are all-gathered in bf16 for compute, and gradients are reduce-scattered in fp32
     (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))."""
@@ -443,12 +446,14 @@ def shard_model(model, param_dtype: torch.dtype | None = None) -> None:
     # torch.split views), and the final-norm unit's output is a view on some torch versions; FSDP2 warns that an
     # in-place op on such a view would skip its hook. Nothing here writes into them (the loss slices and gathers
     # last_hidden_state out of place); tests/test_rl_correctness.py checks the 2-rank gradients against one
-    # process's.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDPQwen3VLModel|FSDPQwen3VLTextRMSNorm, "
-                                              r"FSDPLinear)\) returned a view tensor")
-    for layer in model.model.language_model.layers:
+    # process's (untied, and tied with the embeddings in the norm's unit).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDPQwen3VLModel|(FSDPEmbedding, )?"
+                                              r"FSDPQwen3VLTextRMSNorm, FSDPLinear)\) returned a view tensor")
+    text = model.model.language_model
+    tied = model.lm_head.weight is text.embed_tokens.weight
+    for layer in text.layers:
         fully_shard(layer)
-    fully_shard([model.model.language_model.norm, model.lm_head])
+    fully_shard(([text.embed_tokens] if tied else []) + [text.norm, model.lm_head])
     fully_shard(model.model)
 
 

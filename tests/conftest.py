@@ -1,5 +1,7 @@
-"""Shared pieces of the training tests (test_train.py, test_reliability.py): the fast CPU smoke
-configuration, in-process runs of train.main, the metrics reader, and fixtures."""
+"""Shared pieces of the training tests (test_train.py, test_reliability.py, test_rl_correctness.py): the fast
+CPU smoke configuration, in-process runs of train.main, the metrics reader, the size thresholds shrunk, and
+fixtures."""
+import importlib
 import json
 import os
 
@@ -57,28 +59,42 @@ def tiny():
     return model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
 
 
-# The engine's size thresholds shrunk so that every path they choose runs on the tiny model: blocks of 4 tokens (rows
-# cross block boundaries inside a turn), attention scores in blocks of 512 elements (several query blocks and K/V
-# slabs per chunk, even per decode step), a default memory budget of about one prompt group of the rollout tests
-# (groups wait and are admitted as others retire). docs/method.md §8 lists them.
-SHRUNK = {("kvcache", "BLOCK"): 4, ("kvcache", "SCORES_BUDGET"): 512, ("rollout", "CPU_BUDGET_GB"): 0.024}
+# Sizes that choose a code path, {module: {constant: small value}}: at the shipped values the tiny model takes
+# the small-input path of each, so the tests that take `small_thresholds` also run with them shrunk and the tiny
+# model goes where a real model goes (docs/method.md §8, "Sizes that choose a path"). Add a module's constants
+# here when it gains one.
+SMALL_THRESHOLDS = {
+    "ops": {"_MIN_CHUNK_LOGITS": 1,      # token_loss: the fused chunks, not the plain log_softmax (tiny logits)
+            "MAX_CHUNKS": 3},            # the default chunk rule's cap: 3 chunks, the last one padded
+    "kvcache": {"BLOCK": 4,              # paged K/V: rows cross 4-token blocks inside a turn
+                "SCORES_BUDGET": 512},   # attention scores in blocks of 512 elements: several query blocks and
+                                         # K/V slabs per chunk, even per decode step
+    "rollout": {"CPU_BUDGET_GB": 0.024},  # the default memory budget: about one prompt group of the rollout tests
+}                                        # (groups wait and are admitted as others retire)
 
 
-def shrink_thresholds(monkeypatch) -> None:
-    import importlib
-    for (module, name), value in SHRUNK.items():
-        monkeypatch.setattr(importlib.import_module(module), name, value)
+def set_thresholds(sizes: dict) -> None:
+    """Set the {module: {constant: value}} constants (a spawned rank does not inherit a test's monkeypatches)."""
+    for module, constants in sizes.items():
+        for name, value in constants.items():
+            setattr(importlib.import_module(module), name, value)
 
 
-@pytest.fixture(params=["shipped", "shrunk"])
-def thresholds(request, monkeypatch):
-    """Runs a test twice: with the engine's thresholds as shipped, then shrunk (SHRUNK)."""
-    if request.param == "shrunk":
-        shrink_thresholds(monkeypatch)
-    return request.param
+def _shrink(monkeypatch) -> dict:
+    for module, constants in SMALL_THRESHOLDS.items():
+        for name, value in constants.items():
+            monkeypatch.setattr(importlib.import_module(module), name, value)
+    return SMALL_THRESHOLDS
+
+
+@pytest.fixture(params=["shipped", "small"])
+def small_thresholds(request, monkeypatch) -> dict:
+    """Runs a test twice: at the shipped sizes, and with every SMALL_THRESHOLDS constant shrunk. Returns what it
+    set ({} the first time), for tests that hand it to spawned ranks (`set_thresholds`)."""
+    return {} if request.param == "shipped" else _shrink(monkeypatch)
 
 
 @pytest.fixture
-def small_thresholds(monkeypatch):
-    """The engine's thresholds shrunk (SHRUNK) for the whole test."""
-    shrink_thresholds(monkeypatch)
+def shrunk_thresholds(monkeypatch) -> dict:
+    """Every SMALL_THRESHOLDS constant shrunk for the whole test (tests of the small-size paths themselves)."""
+    return _shrink(monkeypatch)

@@ -173,7 +173,7 @@ def _used(kv) -> int:
     return kv.pool.n_blocks - len(kv.pool.free)
 
 
-def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split, thresholds):
+def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split, small_thresholds):
     model, processor = tiny
     root, recs = split
     a, b, sfx = _chunks(model, processor, root, recs[0])
@@ -259,7 +259,7 @@ def _fp32_attention(module, query, key, value, attention_mask, scaling=None, dro
     return (torch.softmax(s, -1) @ v).to(query.dtype).transpose(1, 2), None
 
 
-def test_cascade_attention_in_fp32_under_bf16(one_thread, thresholds):
+def test_cascade_attention_in_fp32_under_bf16(one_thread, small_thresholds):
     """A bf16 model's engine logits equal a full recompute of the same bf16 model whose attention runs in fp32:
     one layer (the logits of a chunk's tokens then depend on the engine's attention alone: the prompt's K/V are
     the same either way) and q_norm scaled x8, so scores are large as in real models. Scores from a bf16 matmul
@@ -308,7 +308,7 @@ class _Allocs(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def test_attention_working_tensors_bounded(tiny, small_thresholds, monkeypatch):
+def test_attention_working_tensors_bounded(tiny, shrunk_thresholds, monkeypatch):
     """No tensor the engine's attention allocates grows with chunk x span past the scores budget: a 120-token
     chunk on 3 rows of a 110-token prompt, and decode steps after it, with SCORES_BUDGET shrunk to 512
     elements. Every allocation inside GroupKV.attend stays within the largest of: the budget, the queries

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import smoke_argv
+from conftest import set_thresholds, smoke_argv
 
 import data
 import model as model_lib
@@ -201,18 +201,33 @@ def test_dynamic_sampling_fills_the_ranks_share(world, rank, prompts, share, mon
 
 # ----------------------------------------------------------------------------- two ranks (gloo)
 
-def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str, loss_chunk: int = 0,
-                 precision: str = "fp32", adamw_lr: float | None = None) -> None:
+def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str, opts: dict) -> None:
     """One policy_update on `world` gloo ranks (world 1: no process group), the full weights saved to `out`, the
-    full gradients and what the first decoder layer's MLP and the collectives ran in to `out`.extra.
-    loss_chunk 0: the tiny model's logits are small, so token_loss takes its plain path; > 0: the fused chunks.
-    precision: --precision (bf16: fp32 master weights, bf16 compute, fp32 gradient reduction). adamw_lr: AdamW
-    (train.make_optimizer) at that rate instead of SGD at lr 1."""
+    full gradients and what the first decoder layer's MLP and the collectives ran in to `out`.extra. opts:
+      loss_chunk  0 (default): token_loss's own rule (the tiny model's logits are small: its plain path); > 0: the
+                  fused chunks of that size
+      precision   --precision (bf16: fp32 master weights, bf16 compute, fp32 gradient reduction)
+      adamw_lr    AdamW (train.make_optimizer) at that rate instead of SGD at lr 1
+      tied        lm_head shares the embedding's parameter (tie_word_embeddings, as Qwen3-VL-2B/4B), tied before
+                  sharding as a checkpoint loads
+      thresholds  module constants to set first (conftest.SMALL_THRESHOLDS: a spawned rank does not inherit the
+                  test's monkeypatches)"""
+    loss_chunk, precision, adamw_lr = opts.get("loss_chunk", 0), opts.get("precision", "fp32"), opts.get("adamw_lr")
+    tied = opts.get("tied", False)
+    set_thresholds(opts.get("thresholds", {}))
     torch.set_num_threads(1)
     if world > 1:                      # (a spawned rank's own environment; world 1 runs in the test process)
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    model, processor = train.policy_model("tiny", torch.device("cpu"), precision, world)
+    if tied:
+        model, processor = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+        if world > 1:
+            runtime.shard_model(model, train.PRECISION[precision])
+    else:
+        model, processor = train.policy_model("tiny", torch.device("cpu"), precision, world)
     seen = {"mlp": set(), "all_gather": set(), "reduce_scatter": set()}
     hook = model.model.language_model.layers[0].mlp.down_proj.register_forward_hook(
         lambda m, i, o: seen["mlp"].add((str(i[0].dtype), str(m.weight.dtype))))
@@ -239,33 +254,39 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
         if real is not None:
             setattr(torch.distributed, f"{name}_single", real)
     params = {n: full(p) for n, p in model.named_parameters()}
+    heads = {"lm_head": full(model.lm_head.weight), "embed": full(model.model.language_model.embed_tokens.weight)}
     if rank == 0:
         torch.save(params, out)
-        torch.save({"grads": grads, "seen": seen}, out + ".extra")
+        torch.save({"grads": grads, "seen": seen, **heads}, out + ".extra")
     if world > 1:
         torch.distributed.barrier()       # no rank tears the group down while another still talks to it
         torch.distributed.destroy_process_group()
 
 
-def _run_ranks(world: int, items_of_rank: dict, out: str, loss_chunk: int = 0, **kw) -> dict:
+def _run_ranks(world: int, items_of_rank: dict, out: str, **opts) -> dict:
     if world == 1:
-        _rank_update(0, 1, 0, items_of_rank, out, loss_chunk, **kw)
+        _rank_update(0, 1, 0, items_of_rank, out, opts)
     else:
-        torch.multiprocessing.spawn(_rank_update, args=(world, runtime.find_free_port(), items_of_rank, out, loss_chunk,
-                                                        *kw.values()), nprocs=world)
+        torch.multiprocessing.spawn(_rank_update, args=(world, runtime.find_free_port(), items_of_rank, out, opts),
+                                    nprocs=world)
     return torch.load(out, weights_only=True)
 
 
 @pytest.mark.parametrize("split", ["both_ranks_learn", "rank1_idle"])
-def test_two_rank_update_equals_one_process(split, encoded, tmp_path):
+def test_two_rank_update_equals_one_process(split, encoded, tmp_path, small_thresholds, monkeypatch):
     """FSDP2 on 2 gloo ranks: the update equals one process's on the union of the ranks' trajectories (token-mean
     over all ranks). A rank whose samples were all dropped still joins with zero-weight passes: the step is not
-    skipped for everybody (before: all ranks skipped when one rank had nothing)."""
+    skipped for everybody (before: all ranks skipped when one rank had nothing). At the shipped sizes the tiny
+    model's loss takes token_loss's plain path; with the thresholds shrunk, the fused chunks of a real model."""
     trajs, _ = encoded
     torch.save(trajs, tmp_path / "trajs.pt")
     items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)] if split == "both_ranks_learn" else []}
-    two = _run_ranks(2, items, str(tmp_path / "two.pt"))
-    one = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "one.pt"))
+    calls, real_apply = [], ops._TokenLoss.apply                        # the fused path's calls (this process)
+    monkeypatch.setattr(ops._TokenLoss, "apply", lambda *a: calls.append(a[4]) or real_apply(*a))
+    two = _run_ranks(2, items, str(tmp_path / "two.pt"), thresholds=small_thresholds)
+    one = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "one.pt"),
+                     thresholds=small_thresholds)
+    assert bool(calls) == bool(small_thresholds), calls
     init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
     moved = [n for n, p in init.named_parameters() if not torch.equal(p.detach(), one[n])]
     assert moved, "the update changed nothing"
@@ -284,9 +305,9 @@ def test_two_rank_update_through_the_fused_chunks_equals_the_plain_loss(encoded,
     monkeypatch.setattr(ops._TokenLoss, "apply", lambda *a: calls.append(a[4]) or real_apply(*a))
     one_plain = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "plain.pt"))
     assert calls == [], "the tiny model's logits are small: the default takes the plain path"
-    one_fused = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "fused.pt"), 16)
+    one_fused = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "fused.pt"), loss_chunk=16)
     assert calls and set(calls) == {16}, "--loss-chunk 16 runs the fused chunks"
-    two_fused = _run_ranks(2, items, str(tmp_path / "two.pt"), 16)
+    two_fused = _run_ranks(2, items, str(tmp_path / "two.pt"), loss_chunk=16)
     init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
     assert not torch.equal(init.lm_head.weight.detach(), one_plain["lm_head.weight"]), "the update moved lm_head"
     for n in one_plain:
@@ -303,7 +324,7 @@ def test_two_rank_bf16_update_keeps_fp32_master_weights(encoded, tmp_path):
     torch.save(trajs, tmp_path / "trajs.pt")
     items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)]}
     init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
-    two = _run_ranks(2, items, str(tmp_path / "two.pt"), 0, precision="bf16", adamw_lr=1e-6)
+    two = _run_ranks(2, items, str(tmp_path / "two.pt"), precision="bf16", adamw_lr=1e-6)
     extra = torch.load(str(tmp_path / "two.pt") + ".extra", weights_only=False)
     assert {t.dtype for t in two.values()} == {torch.float32}
     assert extra["seen"]["mlp"] == {("torch.bfloat16", "torch.bfloat16")}
@@ -318,6 +339,27 @@ def test_two_rank_bf16_update_keeps_fp32_master_weights(encoded, tmp_path):
     assert set(grads) == set(ref)
     a, b = flat(grads), flat(ref)
     assert float(a @ b / (a.norm() * b.norm())) > 0.999 and float((a - b).norm() / b.norm()) < 0.05   # measured 0.014
+
+
+def test_two_rank_update_keeps_tied_embeddings_tied(encoded, tmp_path):
+    """Tied checkpoints (Qwen3-VL-2B/4B: tie_word_embeddings, lm_head and embed_tokens one parameter) on 2 FSDP2
+    gloo ranks: the embeddings are sharded in the lm_head's unit, so the two stay one parameter and one step keeps
+    them equal, and the update equals one process's. Before, the root unit took embed_tokens and the [norm,
+    lm_head] unit a second copy: the step moved them apart."""
+    trajs, _ = encoded
+    torch.save(trajs, tmp_path / "trajs.pt")
+    items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)]}
+    two = _run_ranks(2, items, str(tmp_path / "two.pt"), tied=True)
+    extra = torch.load(str(tmp_path / "two.pt") + ".extra", weights_only=False)
+    one = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "one.pt"), tied=True)
+    extra_one = torch.load(str(tmp_path / "one.pt") + ".extra", weights_only=False)
+    assert torch.equal(extra["lm_head"], extra["embed"])
+    init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
+    emb = init.model.language_model.embed_tokens.weight.detach()
+    assert not torch.equal(extra_one["embed"], emb), "the step moved the tied embedding"
+    torch.testing.assert_close(extra["embed"], extra_one["embed"], atol=2e-5, rtol=1e-4)
+    for n in one:
+        torch.testing.assert_close(two[n], one[n], atol=2e-5, rtol=1e-4, msg=n)
 
 
 # ----------------------------------------------------------------------------- both tokenizers

@@ -169,8 +169,8 @@ EXACT_SCRIPTS = {
 
 
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])   # clips in context vs summaries in context
-def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode, thresholds, monkeypatch):
-    """Shrunk (conftest.SHRUNK): rows cross 4-token blocks inside their turns, attention runs in many small blocks,
+def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode, small_thresholds, monkeypatch):
+    """Shrunk (conftest.SMALL_THRESHOLDS): rows cross 4-token blocks inside their turns, attention runs in many small blocks,
     and the memory budget holds about one group: the second waits until the first has retired."""
     model, processor = tiny
     root, recs = split
@@ -179,7 +179,7 @@ def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode, thresho
     trajs = rollout.run_agent(model, processor, recs[:2], root, config(tool_mode=mode, group_size=2), seed=SEED)
     main = engines[0]
     assert main.kv.pool.peak <= main.kv.pool.n_blocks and not main.kv.pool.free[main.kv.pool.n_blocks:]
-    assert (main.kv.pool.n_blocks < main.need) == (thresholds == "shrunk")   # the budget bit only when shrunk
+    assert (main.kv.pool.n_blocks < main.need) == bool(small_thresholds)   # the budget bit only when shrunk
     assert [(t.record_id, t.sample) for t in trajs] == [(recs[0]["id"], 0), (recs[0]["id"], 1),
                                                          (recs[1]["id"], 0), (recs[1]["id"], 1)]
     assert [t.n_tool_turns for t in trajs] == [2, 0, 1, 2]
@@ -214,7 +214,7 @@ BUDGET_SCRIPTS = {
 
 
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
-def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, mode, small_thresholds, monkeypatch):
+def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, mode, shrunk_thresholds, monkeypatch):
     """The same trajectories (tokens, roles, answers, windows, recorded log-probs) with an unbounded budget, with
     a budget of 1.75 groups (continuous batching: a group is admitted while other rows decode, the pool never
     holds more than the budget), and in fixed waves; and the budgeted run's log-probs equal a full recompute."""

@@ -679,21 +679,26 @@ def test_gating_choices_parsed_once_and_checked():
 
 
 @pytest.mark.parametrize("tdam", [False, True])
-def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam):
+def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam, small_thresholds, monkeypatch):
     """sft_backward over length-sorted micro-batches: the loss and gradients of one forward over the
     whole batch (token mean), with fewer padded tokens; TDAM masks included; and through token_loss's fused
-    chunks (loss_chunk 64, boundaries inside the rows) the same as through its plain path (the default here)."""
+    chunks (loss_chunk 64, boundaries inside the rows) the same as through its plain path (the default here at
+    the shipped sizes; with the thresholds shrunk the default takes the fused chunks too, 3 of them)."""
     model, processor = tiny
     trajs, _ = tdam_batch
     items, pad_id = [trajs[1], trajs[0], trajs[1], trajs[0]], processor.tokenizer.pad_token_id
     tdam_tok = processor.tokenizer if tdam else None
+    chunks, real_apply = [], ops._TokenLoss.apply                      # the fused path's chunk sizes
+    monkeypatch.setattr(ops._TokenLoss, "apply", lambda *a: chunks.append(a[4]) or real_apply(*a))
 
     def grads(rows, loss_chunk=None):
         model.zero_grad(set_to_none=True)
         loss, n = train.sft_backward(model, items, rows, pad_id, loss_chunk, tdam_tok, compile=False)
         return float(loss), n, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
-    (l4, n4, g4), (l2, n2, g2), (l1, n1, g1), (lf, nf, gf) = grads(4), grads(2), grads(1), grads(2, 64)
+    (l4, n4, g4), (l2, n2, g2), (l1, n1, g1) = grads(4), grads(2), grads(1)
+    assert bool(chunks) == bool(small_thresholds), chunks            # the default rule: plain, or fused when shrunk
+    lf, nf, gf = grads(2, 64)
     model.zero_grad(set_to_none=True)
     assert n4 == n2 == n1 == nf == sum(sum(r == 1 for r in t.roles[1:]) for t in items)
     assert abs(l2 - l4) < 1e-5 and abs(l1 - l4) < 1e-5 and abs(lf - l4) < 1e-5 and g4.norm() > 0
