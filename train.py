@@ -309,7 +309,7 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
     draws = 0
     while share and draws < (s.max_draws if s.dynamic_sampling else 1):
         recs, ks = draw_prompts(records, s, run.seed, run.rank, run.world, step, draws)
-        with autocast(s.precision, next(model.parameters()).device):
+        with autocast(s.precision, model):
             out = rollout.run_agent(model, processor, recs, video_root, cfg, nframes=ks, pool=pool,
                                     seed=run.seed * 1_000_003 + step * 101 + run.rank + draws * 7_919)
         draws += 1
@@ -401,7 +401,7 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     gn, stats = None, {"clip_frac": 0.0, "kl": 0.0}
 
     def loss_of(b, o, a, r):                         # the fused loss: gradients formed in its forward
-        with autocast(s.precision, next(model.parameters()).device):
+        with autocast(s.precision, model):
             hidden, targets, mask = forward_hidden(model, b)
         hidden, weight = head_inputs(hidden, model.lm_head.weight, s.precision)
         return grpo_loss(hidden, weight, targets, o, a, mask, clip_low=s.clip_low,
@@ -580,7 +580,7 @@ def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float = 1
     uses (old and reference log-probs, the KL folded into the reward). T is the sampling temperature (RL: the
     rollout's T, so the policy optimised is the policy that sampled; SFT and evaluation: 1). precision: the
     compute dtype, as in the loss (`autocast`, `head_inputs`), so old and current log-probs agree."""
-    with autocast(precision, next(model.parameters()).device):
+    with autocast(precision, model):
         hidden, targets, policy = forward_hidden(model, batch, attn_mask_4d)
     hidden, weight = head_inputs(hidden, model.lm_head.weight, precision)
     out = torch.zeros(targets.shape, device=hidden.device, dtype=torch.float32)
@@ -750,7 +750,7 @@ def sft_loss(model, batch: dict, chunk_size: int | None = None, attn_mask_4d=Non
              tdam: TdamSpec | None = None, precision: str = "fp32") -> tuple[torch.Tensor, int]:
     """Cross-entropy on assistant (POLICY) tokens only, token mean, through the fused `sft_token_loss`; the forward
     in the compute dtype of `precision` (`autocast`, `head_inputs`)."""
-    with autocast(precision, next(model.parameters()).device):
+    with autocast(precision, model):
         hidden, targets, mask = forward_hidden(model, batch, attn_mask_4d, tdam)
     hidden, weight = head_inputs(hidden, model.lm_head.weight, precision)
     return sft_token_loss(hidden, weight, targets, mask, chunk_size=chunk_size, compile=compile)
@@ -905,10 +905,14 @@ def policy_model(source: str, device, precision: str, world: int, seed: int = 0,
     return model, processor
 
 
-def autocast(precision: str, device: torch.device):
+def autocast(precision: str, where):
     """The forward passes' compute dtype (docs/method.md §8): bf16 runs them under torch.autocast (matmuls and
-    attention in bf16 on the fp32 parameters; backward outside it, as autocast asks), fp32 as they are."""
-    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    attention in bf16 on the fp32 parameters; backward outside it, as autocast asks), fp32 as they are.
+    `where`: the device, or the model whose device it is (looked at only for bf16)."""
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    device = where if isinstance(where, torch.device) else next(where.parameters()).device
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def head_inputs(hidden: torch.Tensor, weight: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
