@@ -59,9 +59,12 @@ def tiny():
 
 # The engine's size thresholds shrunk so that every path they choose runs on the tiny model: blocks of 4 tokens (rows
 # cross block boundaries inside a turn), attention scores in blocks of 512 elements (several query blocks and K/V
-# slabs per chunk, even per decode step), a default memory budget of about one prompt group of the rollout tests
-# (groups wait and are admitted as others retire). docs/method.md §8 lists them.
-SHRUNK = {("kvcache", "BLOCK"): 4, ("kvcache", "SCORES_BUDGET"): 512, ("rollout", "CPU_BUDGET_GB"): 0.024}
+# slabs per chunk, even per decode step), every prompt read once per group in place (as shipped, the tiny prompts
+# are read with each row's suffix), prefills of at most 64 tokens a forward (an admission's chunks in several
+# forwards, a long one alone), a default memory budget of about one prompt group of the rollout tests (groups
+# wait and are admitted as others retire). docs/method.md §8 lists them.
+SHRUNK = {("kvcache", "BLOCK"): 4, ("kvcache", "SCORES_BUDGET"): 512, ("kvcache", "JOIN_PROMPT"): 0,
+          ("kvcache", "PREFILL_TOKENS"): 64, ("rollout", "CPU_BUDGET_GB"): 0.024}
 
 
 def shrink_thresholds(monkeypatch) -> None:
