@@ -33,8 +33,9 @@ PREFILL_TOKENS (tokens of one prefill forward, padding included: the chunks of a
 so that their activations stay bounded beside the budget).
 Precision: scores, softmax and the weighted sum run in fp32 whatever the model's dtype; the output is rounded to it.
 Departures: plain PyTorch. A row's suffix is gathered (copied) from its blocks into slabs of at most SCORES_BUDGET
-elements for each forward, and a bf16 prompt is upcast block by block, where a GPU deployment would read the
-block table inside a fused kernel that returns the LSE (FlashInfer's cascade and paged attention, vLLM).
+elements for each forward, and bf16 K/V are upcast to fp32 for the attention (a prompt's whole, for each layer),
+where a GPU deployment would read the block table inside a fused kernel that keeps fp32 accumulators and returns
+the LSE (FlashInfer's cascade and paged attention, vLLM).
 """
 import warnings
 from dataclasses import dataclass, field

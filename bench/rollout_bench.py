@@ -535,7 +535,7 @@ def main() -> None:
     p.add_argument("--budget-repeats", type=int, default=3, help="budget bench: timed repeats per schedule")
     p.add_argument("--budget-layers", type=int, default=8, help="budget bench: text layers of the tiny model")
     p.add_argument("--budget-scores", type=int, default=2 ** 18, help="budget bench: kvcache.SCORES_BUDGET")
-    p.add_argument("--budget-prefill", type=int, default=512, help="budget bench: kvcache.PREFILL_TOKENS")
+    p.add_argument("--budget-prefill", type=int, default=256, help="budget bench: kvcache.PREFILL_TOKENS")
     p.add_argument("--scale-runs", type=int, default=3, help="scale bench: runs of both sides (memory figures per run)")
     p.add_argument("--scale-side", choices=["ours", "hf"], help=argparse.SUPPRESS)   # internal: one side per process
     args = p.parse_args()

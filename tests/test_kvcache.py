@@ -120,7 +120,7 @@ def test_sample_never_draws_banned_token_at_qwen_vocab():
         assert rollout.sample_tokens(nucleus, seeds, counters, 1.0, 0.9).tolist() == [4321] * 64
 
 
-def test_decode_turn_one_host_sync_per_step(tiny, split):
+def test_decode_step_one_host_sync(tiny, split):
     model, processor = tiny
     root, recs = split
     cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_turns": 0, "max_new_tokens": 6, "group_size": 3,
