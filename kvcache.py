@@ -17,18 +17,25 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
 - `cascade_attention`: registered with transformers' AttentionInterface as "paravt_cascade" and used only while
   the engine runs. A row's queries attend to [its prompt ; its own suffix]: the rows of a prompt are batched as
   queries against the one prompt K/V, each row against its own suffix (causal), read through its block table;
-  the two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`). No decode step touches the
-  K/V of a row that is not in it.
+  the two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`). A prompt whose copies for its
+  rows in the forward are small (JOIN_PROMPT) is read with each row's suffix instead, as one causal sequence
+  [prompt ; suffix]: the copies cost less than an attention call for the prompt alone (a single row's prompt, e.g.
+  a sub-agent's clip). No decode step touches the K/V of a row that is not in it.
 
 Shapes: pool per layer (n_blocks * BLOCK, kv_heads, head_dim); a forward's queries (n, heads, l, head_dim) for
 n rows of l tokens (right-padded), positions (3, n, l) for (t, h, w); logits (n, V).
-Sizes that choose a path (shrunk in tests: tests/conftest.py `thresholds`; docs/method.md §8): BLOCK (tokens per
+Sizes that choose a path (shrunk in tests: tests/conftest.py `SMALL_THRESHOLDS`; docs/method.md §8): BLOCK (tokens per
 block), SCORES_BUDGET (elements of any one working tensor of the attention: a block of fp32 scores, its mask, a
-slab of suffix K/V gathered from the blocks; one row's keys are the least a slab holds).
+slab of K/V gathered through the block tables; one row's keys are the least a slab holds), JOIN_PROMPT (K elements,
+rows x tokens x kv_heads x head_dim, of a prompt's copies read with its rows rather than the prompt once in place:
+about where a copy and an attention call cost the same on this project's CPU; 128 tokens of Qwen3-VL-8B, one row),
+PREFILL_TOKENS (tokens of one prefill forward, padding included: the chunks of an admission go in several forwards,
+so that their activations stay bounded beside the budget).
 Precision: scores, softmax and the weighted sum run in fp32 whatever the model's dtype; the output is rounded to it.
 Departures: plain PyTorch. A row's suffix is gathered (copied) from its blocks into slabs of at most SCORES_BUDGET
-elements for each forward, and a bf16 prompt is upcast block by block, where a GPU deployment would read the
-block table inside a fused kernel that returns the LSE (FlashInfer's cascade and paged attention, vLLM).
+elements for each forward, and bf16 K/V are upcast to fp32 for the attention (a prompt's whole, for each layer),
+where a GPU deployment would read the block table inside a fused kernel that keeps fp32 accumulators and returns
+the LSE (FlashInfer's cascade and paged attention, vLLM).
 """
 import warnings
 from dataclasses import dataclass, field
@@ -39,6 +46,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 BLOCK = 256                          # tokens per block of the pool
 SCORES_BUDGET = 2 ** 24              # elements of one working tensor of the attention (scores block, mask, K/V slab)
+JOIN_PROMPT = 2 ** 17                # K elements of a prompt's copies (rows x tokens x heads x dim) read with its rows
+PREFILL_TOKENS = 2 ** 15             # tokens (padding included) of one prefill forward, at most (a longer chunk: alone)
 
 
 @dataclass
@@ -71,11 +80,11 @@ def kv_bytes_per_token(model) -> int:
 
 
 def _on(device, xs) -> torch.Tensor:
-    """A long tensor of xs on `device`; to CUDA from pinned memory without a host sync."""
-    t = torch.tensor(xs, dtype=torch.long)
+    """xs (a host tensor, or a list: long) on `device`; to CUDA from pinned memory, without a host sync."""
+    t = xs if isinstance(xs, torch.Tensor) else torch.tensor(xs, dtype=torch.long)
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
-    return t
+    return t.to(device)
 
 
 class BlockPool:
@@ -158,12 +167,15 @@ class _Forward:
     slots: torch.Tensor                  # (N,) pool slots of the forward's real tokens, row-major
     take: torch.Tensor | None            # (N,) their indices among the n * l tokens (None: all of them)
     tables: torch.Tensor | None = None   # (n, nb) each row's suffix blocks (0-padded; masked by `end`)
-    start: torch.Tensor | None = None    # (n,) suffix tokens stored before this forward
+    start: torch.Tensor | None = None    # (n,) keys of each row before this forward ([small prompt ;] suffix)
     end: torch.Tensor | None = None      # (n,) after it
     end_host: list[int] = field(default_factory=list)
     runs: list = field(default_factory=list)    # (prompt _Seq, its rows' positions: a slice or (k,) tensor)
     prompt_slots: dict = field(default_factory=dict)   # id(prompt) -> its slots, where its blocks are not a run
-    qpos: torch.Tensor | None = None     # (n, g * l) each query's position in its row's suffix (first layer)
+    off: torch.Tensor | None = None      # (n,) where each row's suffix starts among its keys (a small prompt's length)
+    ptables: torch.Tensor | None = None  # (n, nbp) the blocks of each row's small prompt (0-padded)
+    qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
+    keys: torch.Tensor | None = None     # (n, span) the pool slot of each row's keys (first layer)
 
 
 class GroupKV:
@@ -206,16 +218,16 @@ class GroupKV:
 
     # -- feeding tokens
     def add_prompts(self, model, chunks: list[Chunk], pad_id: int) -> tuple[list[int], torch.Tensor]:
-        """Prefill each chunk as a new prompt (one forward); returns (prompt ids, (P, V) logits)."""
+        """Prefill each chunk as a new prompt; returns (prompt ids, (P, V) logits)."""
         ids = [self._new(self.prompts, _Seq(self.pool.alloc(blocks_for(len(c.ids)), run=True))) for c in chunks]
-        return ids, self._prefill(model, [self.prompts[i] for i in ids], chunks, pad_id, prompt_mode=True)
+        return ids, self._prefills(model, [self.prompts[i] for i in ids], chunks, pad_id, prompt_mode=True)
 
     def extend(self, model, rows: list[int], chunks: list[Chunk], pad_id: int) -> torch.Tensor:
-        """Prefill chunk i on top of row rows[i] (one forward); returns (n, V) logits."""
+        """Prefill chunk i on top of row rows[i]; returns (n, V) logits."""
         seqs = [self.rows[r] for r in rows]
         for s, c in zip(seqs, chunks):
             s.blocks += self.pool.alloc(blocks_for(s.length + len(c.ids)) - len(s.blocks))
-        return self._prefill(model, seqs, chunks, pad_id, prompt_mode=False)
+        return self._prefills(model, seqs, chunks, pad_id, prompt_mode=False)
 
     def step(self, model, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """Decode: feed tokens (n,) (on the device; no host sync) to rows; returns (n, V) logits."""
@@ -230,6 +242,19 @@ class GroupKV:
             s.length += 1
             s.next_pos += 1
         return logits
+
+    def _prefills(self, model, seqs: list[_Seq], chunks: list[Chunk], pad_id: int, prompt_mode: bool) -> torch.Tensor:
+        """The chunks in as few forwards as hold at most PREFILL_TOKENS tokens each, padding included (a chunk
+        longer than that alone), so that the activations of a prefill stay bounded; (n, V) logits."""
+        out, a = [], 0
+        while a < len(chunks):
+            b, longest = a + 1, len(chunks[a].ids)
+            while b < len(chunks) and (b + 1 - a) * max(longest, len(chunks[b].ids)) <= PREFILL_TOKENS:
+                longest = max(longest, len(chunks[b].ids))
+                b += 1
+            out.append(self._prefill(model, seqs[a:b], chunks[a:b], pad_id, prompt_mode))
+            a = b
+        return torch.cat(out)
 
     def _prefill(self, model, seqs: list[_Seq], chunks: list[Chunk], pad_id: int, prompt_mode: bool) -> torch.Tensor:
         lengths = [len(c.ids) for c in chunks]
@@ -254,11 +279,11 @@ class GroupKV:
             vision = dict(pixel_values_videos=torch.cat(pixels).to(self.device, dtype),
                           video_grid_thw=torch.cat(grids).to(self.device))
         if prompt_mode:
-            fwd = _Forward(True, torch.cat([s.slots(0, ln) for s, ln in zip(seqs, lengths)]).to(self.device),
+            fwd = _Forward(True, _on(self.device, torch.cat([s.slots(0, ln) for s, ln in zip(seqs, lengths)])),
                            self._take(lengths, L))
         else:
             fwd = self._rows_forward(seqs, lengths)
-        logits = self._run(model, fwd, ids.to(self.device), pos.to(self.device), types.to(self.device), vision,
+        logits = self._run(model, fwd, _on(self.device, ids), _on(self.device, pos), _on(self.device, types), vision,
                            _on(self.device, [ln - 1 for ln in lengths]))
         for s, ln in zip(seqs, lengths):
             s.length += ln
@@ -270,24 +295,36 @@ class GroupKV:
         return _on(self.device, [i * L + j for i, ln in enumerate(lengths) for j in range(ln)])
 
     def _rows_forward(self, seqs: list[_Seq], lengths: list[int]) -> _Forward:
-        """The forward of rows `seqs`, lengths[i] new tokens on top of each: slots, block tables, runs of rows of
-        one prompt (their queries go together against its K/V), built on the host and sent at once."""
-        slots = [s.slots(s.length, ln) for s, ln in zip(seqs, lengths)]
-        nb = max(len(s.blocks) for s in seqs)
-        tables = [s.blocks + [0] * (nb - len(s.blocks)) for s in seqs]
-        fwd = _Forward(False, torch.cat(slots).to(self.device), self._take(lengths, max(lengths)),
-                       _on(self.device, tables), _on(self.device, [s.length for s in seqs]),
-                       end_host=[s.length + ln for s, ln in zip(seqs, lengths)])
-        fwd.end = _on(self.device, fwd.end_host)
-        members: dict[int, list[int]] = {}
+        """The forward of rows `seqs`, lengths[i] new tokens on top of each, built on the host and sent at once:
+        the tokens' slots, each row's block tables, and where its keys start. A row's keys are its own suffix, or
+        [its prompt ; its suffix] where the copies of the prompt for its rows here are small (JOIN_PROMPT), so that
+        no call is spent on it alone; the rows of a larger prompt go together as queries against its one K/V
+        read in place (`runs`)."""
+        per_token = self.pool.k[0][0].numel()              # kv_heads * head_dim
+        count: dict[int, int] = {}
+        for s in seqs:
+            count[s.prompt] = count.get(s.prompt, 0) + 1
+        off, ptables, members = [], [], {}
         for i, s in enumerate(seqs):
-            members.setdefault(s.prompt, []).append(i)
+            prompt = self.prompts[s.prompt]
+            joined = count[s.prompt] * prompt.length * per_token <= JOIN_PROMPT      # its copies cost little
+            off.append(prompt.length if joined else 0)
+            ptables.append(prompt.blocks if joined else [])
+            if not joined:
+                members.setdefault(s.prompt, []).append(i)
+        pad = lambda rows: [r + [0] * (max(map(len, rows)) - len(r)) for r in rows]
+        fwd = _Forward(False, _on(self.device, torch.cat([s.slots(s.length, ln) for s, ln in zip(seqs, lengths)])),
+                       self._take(lengths, max(lengths)), _on(self.device, pad([s.blocks for s in seqs])),
+                       _on(self.device, [o + s.length for o, s in zip(off, seqs)]),
+                       end_host=[o + s.length + ln for o, s, ln in zip(off, seqs, lengths)])
+        fwd.end, fwd.off = _on(self.device, fwd.end_host), _on(self.device, off)
+        fwd.ptables = _on(self.device, pad(ptables) if any(ptables) else [[0]] * len(seqs))
         for p, idx in members.items():
             prompt = self.prompts[p]
             rows = slice(idx[0], idx[-1] + 1) if idx[-1] - idx[0] == len(idx) - 1 else _on(self.device, idx)
             fwd.runs.append((prompt, rows))
             if prompt.run() is None:                       # blocks not consecutive: read through its slots
-                fwd.prompt_slots[id(prompt)] = prompt.slots(0, prompt.length).to(self.device)
+                fwd.prompt_slots[id(prompt)] = _on(self.device, prompt.slots(0, prompt.length))
         return fwd
 
     @torch.no_grad()
@@ -306,6 +343,16 @@ class GroupKV:
         h = out.last_hidden_state
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
         return model.lm_head(h).float()
+
+    @staticmethod
+    def _key_slots(fwd: _Forward, span: int) -> torch.Tensor:
+        """(n, span): the pool slot of each row's key j, j < off: its prompt's token j, else its suffix's token
+        j - off (past a row's end: any slot of its tables, masked)."""
+        pos = torch.arange(span, device=fwd.off.device)
+        own = (pos - fwd.off[:, None]).clamp(min=0)
+        suffix = fwd.tables.gather(1, (own // BLOCK).clamp(max=fwd.tables.shape[1] - 1)) * BLOCK + own % BLOCK
+        prompt = fwd.ptables.gather(1, (pos // BLOCK).clamp(max=fwd.ptables.shape[1] - 1).expand(len(own), -1))
+        return torch.where(pos < fwd.off[:, None], prompt * BLOCK + pos % BLOCK, suffix)
 
     # -- the two hooks the model calls
     def update(self, k, v, layer_idx, kwargs=None, **_):
@@ -329,22 +376,23 @@ class GroupKV:
         qg = q.reshape(n, Hkv, g * l, d)
         if fwd.qpos is None:                               # the (g, l) order of qg; the same for every layer
             fwd.qpos = fwd.start[:, None] + torch.arange(g * l, device=q.device) % l
-        # the own suffix, causal, read through the block tables in slabs of rows
-        per_row = blocks_for(max(fwd.end_host)) * BLOCK * Hkv * d
-        step = max(1, SCORES_BUDGET // per_row)
+            fwd.keys = self._key_slots(fwd, max(fwd.end_host))
+        # [small prompt ;] own suffix, causal, read through the block tables in slabs of rows
+        step = max(1, SCORES_BUDGET // (max(fwd.end_host) * Hkv * d))
         o_s, l_s = [], []
         for a in range(0, n, step):
             b = min(n, a + step)
-            span = max(fwd.end_host[a:b])
-            t = fwd.tables[a:b, :blocks_for(span)]
-            K = pool_k.view(-1, BLOCK, Hkv, d)[t].flatten(1, 2)[:, :span].transpose(1, 2)     # (rows, Hkv, span, d)
-            V = pool_v.view(-1, BLOCK, Hkv, d)[t].flatten(1, 2)[:, :span].transpose(1, 2)
+            keys = fwd.keys[a:b, :max(fwd.end_host[a:b])]
+            K, V = pool_k[keys].transpose(1, 2), pool_v[keys].transpose(1, 2)                  # (rows, Hkv, span, d)
             o, lse = _attend(qg[a:b], K, V, scale, fwd.qpos[a:b], fwd.end[a:b])
             o_s.append(o)
             l_s.append(lse)
         o_s, l_s = torch.cat(o_s), torch.cat(l_s)
-        # the prompt: the rows of a prompt batched as queries against its one K/V
-        o_p, l_p = torch.empty_like(o_s), torch.empty_like(l_s)
+        if not fwd.runs:
+            return o_s.to(q.dtype).reshape(n, H, l, d).transpose(1, 2)
+        # a large prompt: the rows of a prompt batched as queries against its one K/V (the other rows' prompt part
+        # is empty: weight 0 in the merge)
+        o_p, l_p = torch.zeros_like(o_s), torch.full_like(l_s, float("-inf"))
         for prompt, rows in fwd.runs:
             first = prompt.run()
             if first is not None:

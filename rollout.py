@@ -454,7 +454,7 @@ class Engine:
         self.subs, self.ready = [], []   # (chunk, row): sub-agent prompts, next-turn chunks
         self.active, self.logits, self.seeds, self.counters = [], None, None, None
         self.members = {}                # prompt id -> [rows not retired, blocks promised to the prompt]
-        self.kv, self.need, self.peak_rows = None, 0, 0
+        self.kv, self.need = None, 0
         self.sub_text = processor.tokenizer.apply_chat_template(
             [{"role": "user", "content": [{"type": "video", "video": "clip"}, {"type": "text", "text": SUBAGENT_PROMPT}]}],
             tokenize=False, add_generation_prompt=True)
@@ -541,7 +541,6 @@ class Engine:
             o = torch.tensor(order, device=self.device)
             logits, seeds, counters, rows = logits[o], seeds[o], counters[o], [rows[j] for j in order]
         self.active, self.logits, self.seeds, self.counters = rows, logits, seeds, counters
-        self.peak_rows = max(self.peak_rows, len(rows))
 
     def step(self) -> list[_Row]:
         """One decode step of the active rows; returns the rows whose turn ended (they have left the batch).
@@ -625,9 +624,8 @@ class Engine:
         self.retire(s)
         c = s.caller
         if c is not None:
-            c.subs[s.call] = s.traj
-            c.waiting -= 1
-            if not c.waiting:
+            c.subs[s.call], c.waiting = s.traj, c.waiting - 1
+            if not c.waiting:                               # its caller's response, the summaries in call order
                 c.traj.subagents += [c.subs[k] for k in sorted(c.subs)]
                 self.respond(c)
 
@@ -680,7 +678,6 @@ def vision_ids(ids: dict) -> list[int]:
     return [ids[t] for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>") if ids.get(t) is not None]
 
 
-@torch.no_grad()
 def run_subagents(model, processor, jobs: list[tuple[int, int, video.Clip]], cfg: RolloutConfig,
                   seeds: list[int], ids: dict) -> list[Trajectory]:
     """Sub-agents on their own (prompt = crop + summary instruction), all in one engine: jobs (caller, call, clip)."""

@@ -1,4 +1,5 @@
-"""Small helpers shared by the bench scripts: threads, A/B timing interleaved, medians, a table.
+"""Small helpers shared by the bench scripts: threads, A/B timing interleaved, medians, a table, memory counters
+(LiveTensors: the peak of live tensor bytes, the same in every run; PeakRSS: resident memory, noisy).
 
 A bench compares two ways of doing the same work on a shared, noisy machine. So the two sides run
 interleaved (A, B, A, B, ...) after one untimed warm-up each, and each side reports the median of its
@@ -119,3 +120,47 @@ class PeakRSS:
         self.thread.join()
         self.peak = max(self.peak, rss_mb())
         self.mb = self.peak - self.base
+
+
+class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak bytes of tensor storage alive at once among the storages created inside the block (each storage once,
+    however many views share it; what existed before, e.g. the weights, is not counted). Every operation goes
+    through this Python hook, which checks which storages have died since the last one: slow, so time a side
+    in another run. Unlike RSS it does not depend on the allocator's caching or on what ran before: the same
+    figure in every run. The same instance may be entered again and again (only some calls counted): storages
+    created inside stay counted between entries until they die.""" 
+
+    def __init__(self):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        super().__init__()
+        self.ref, self.live, self.now, self.peak = StorageWeakRef, {}, 0, 0     # entered again: counts on
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.now -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = lambda x: [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs))}
+        for t in leaves(out):
+            st = t.untyped_storage()
+            key, n = st.data_ptr(), st.nbytes()
+            if not n or key in inputs:
+                continue
+            if key in self.live:                            # the address of a storage that has died since
+                if not self.live[key][0].expired():
+                    continue
+                self.now -= self.live.pop(key)[1]
+            self.live[key] = (self.ref(st), n)
+            self.now += n
+        # `now` counts storages that may have died since the last sweep: an upper bound, made exact (a sweep)
+        # whenever it passes the peak, so the peak is exact while most operations sweep nothing
+        if self.now > self.peak or len(self.live) > 100_000:
+            self._sweep()
+            self.peak = max(self.peak, self.now)
+        return out
+
+    @property
+    def mb(self) -> float:
+        return self.peak / 2 ** 20

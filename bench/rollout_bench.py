@@ -17,10 +17,19 @@
 2. sub-agents   --calls parallel crop_video calls: all their sub-agents as ONE batched generation
                 (rollout.run_subagents) vs one call of run_subagents per job. Same clips, greedy,
                 <|im_end|> masked so every sub-agent writes exactly --sub-tokens tokens. Target >= 2x.
-3. decode       rollout.decode_turn (prefill with GroupKV.extend, then token by token) vs
+3. decode       our engine on plain generation (`one_turn`: prompts prefilled, then token by token) vs
                 model.generate on the same prompts (overview video + question), greedy, exactly
-                --new-tokens tokens each (generate: min_new_tokens = max_new_tokens; ours: the same
-                <|im_end|> mask). Tokens/s at batch 1 and --batch. Target ratio >= 1.0.
+                --new-tokens tokens each (generate: min_new_tokens = max_new_tokens; ours: <|im_end|> is no
+                stop). Tokens/s at batch 1 and --batch. Target ratio >= 1.0.
+4. scale        G = 8 rows from one long video prompt at Qwen widths (2 layers, vocab 151,936), each side in its
+                own process, --scale-runs times: peak live tensor bytes beyond the weights (LiveTensors, the same
+                in every run; RSS beside it), tokens/s, host syncs per decode step. Targets >= 4x less memory,
+                >= 1.5x tokens/s, <= 1 sync, the memory ratio within 5 % over the runs.
+5. budget       --budget-prompts x --budget-group rows whose turns take --budget-min to --budget-max tokens (one
+                tool turn for half of them): all at once (the budget unbounded), then under a budget of a quarter
+                of that run's peak memory, by continuous batching and by fixed waves (the batch waits for its
+                longest row each turn). Targets: peak <= 1.1 x budget, continuous >= 1.3x the waves' tokens/s,
+                every trajectory's tokens and log-probs equal to the unbounded run's.
 
 Each measurement runs its two sides interleaved (A, B, A, B) after one warm-up and reports medians;
 ratios are baseline / ours (> 1 means ours is better). `same_tokens` flags check that the two sides
@@ -34,6 +43,7 @@ import time
 
 import torch
 from common import (  # bench/common.py (puts the repo on sys.path)
+    LiveTensors,
     PeakRSS,
     ab_times,
     median,
@@ -87,40 +97,50 @@ def masked_greedy(stop_id: int):
 
 
 class Counter:
-    """Wraps GroupKV.extend and decode_turn to count prefilled tokens and vision patches of a run."""
+    """Wraps GroupKV.add_prompts / extend (prefill) and GroupKV.step (decode) to count the tokens and vision
+    patches of a run."""
 
     def __init__(self):
         self.prefill_tokens = self.decode_tokens = self.patches = 0
-        self.in_decode = False
 
     def install(self):
-        extend, decode_turn = kvcache.GroupKV.extend, rollout.decode_turn
+        add_prompts, extend, step = kvcache.GroupKV.add_prompts, kvcache.GroupKV.extend, kvcache.GroupKV.step
 
-        def counted_extend(batch, model, rows, chunks, pad_id, prefix=False):
-            n = sum(len(c.ids) for c in chunks if c is not None)
-            if self.in_decode:
-                self.decode_tokens += n
-            else:
-                self.prefill_tokens += n
-            self.patches += sum(len(c.pixels) for c in chunks if c is not None and c.pixels is not None)
-            return extend(batch, model, rows, chunks, pad_id, prefix)
+        def count(chunks):
+            self.prefill_tokens += sum(len(c.ids) for c in chunks)
+            self.patches += sum(len(c.pixels) for c in chunks if c.pixels is not None)
 
-        def counted_decode(*a, **kw):
-            self.in_decode = True
-            try:
-                return decode_turn(*a, **kw)
-            finally:
-                self.in_decode = False
+        def counted_prompts(kv, model, chunks, pad_id):
+            count(chunks)
+            return add_prompts(kv, model, chunks, pad_id)
 
-        step = kvcache.GroupKV.step
+        def counted_extend(kv, model, rows, chunks, pad_id):
+            count(chunks)
+            return extend(kv, model, rows, chunks, pad_id)
 
-        def counted_step(batch, model, idx, tokens):
-            self.decode_tokens += len(idx.host)
-            return step(batch, model, idx, tokens)
+        def counted_step(kv, model, rows, tokens):
+            self.decode_tokens += len(rows)
+            return step(kv, model, rows, tokens)
 
-        kvcache.GroupKV.extend, kvcache.GroupKV.step, rollout.decode_turn = counted_extend, counted_step, counted_decode
-        return lambda: (setattr(kvcache.GroupKV, "extend", extend), setattr(kvcache.GroupKV, "step", step),
-                        setattr(rollout, "decode_turn", decode_turn))
+        kvcache.GroupKV.add_prompts, kvcache.GroupKV.extend = counted_prompts, counted_extend
+        kvcache.GroupKV.step = counted_step
+        return lambda: (setattr(kvcache.GroupKV, "add_prompts", add_prompts), setattr(kvcache.GroupKV, "extend", extend),
+                        setattr(kvcache.GroupKV, "step", step))
+
+
+def one_turn(model, processor, chunks: list, group: int, cfg: rollout.RolloutConfig, n: int, seeds) -> list[list[int]]:
+    """Our engine on plain generation: `group` rows of each prompt chunk write exactly n tokens each (one turn, no
+    tools, <|im_end|> not a stop), greedy or seeded as cfg says; returns each row's tokens."""
+    engine = rollout.Engine(model, processor, cfg, special_token_ids(processor))
+    engine.stop = -1                                          # never stops: n tokens each
+    rows = []
+    for i, c in enumerate(chunks):
+        group_rows = [rollout._Row(rollout.Trajectory("", s, [], [], 0, []), "", seeds(i, s), max_new=n, tools=False,
+                                   reserve=kvcache.blocks_for(n)) for s in range(group)]
+        engine.add_group(c, group_rows)
+        rows += group_rows
+    engine.run()
+    return [r.turn_tokens for r in rows]
 
 
 # ----------------------------------------------------------------------------- 1. multi-turn
@@ -270,14 +290,8 @@ def bench_decode(model, processor, root: str, rec: dict, args, batch_size: int) 
     n = args.new_tokens
     rollout.sample_tokens = masked_greedy(stop)
 
-    @torch.no_grad()
     def ours():
-        kv = kvcache.GroupKV(model, list(range(batch_size)), "cpu")
-        kv.extend(model, list(range(batch_size)), chunks, pad, prefix=True)
-        kv.fork()
-        rows = [rollout._Row(rollout.Trajectory("", 0, [], [], 0, []), "", 0) for _ in chunks]
-        rollout.decode_turn(model, kv, rows, list(range(batch_size)), cfg, n, stop_id=-1)     # -1: never stops
-        return [r.turn_tokens for r in rows]
+        return one_turn(model, processor, chunks, 1, cfg, n, lambda i, s: 0)
 
     @torch.no_grad()
     def generate():
@@ -325,14 +339,8 @@ def scale_side(side: str, args) -> dict:
                            videos_kwargs=dict(do_sample_frames=False, do_resize=False,
                                               video_metadata=[rollout.clip_metadata(overview)]))
 
-    @torch.no_grad()
     def ours():
-        kv = kvcache.GroupKV(model, [0] * G, "cpu")
-        kv.extend(model, [0], [chunk], pad, prefix=True)
-        kv.fork()
-        rows = [rollout._Row(rollout.Trajectory("", s, [], [], 0, []), "", rollout.row_seed(0, 0, s)) for s in range(G)]
-        rollout.decode_turn(model, kv, rows, list(range(G)), cfg, n, stop_id=-1)      # -1: never stops
-        return [r.turn_tokens for r in rows]
+        return one_turn(model, processor, [chunk], G, cfg, n, lambda i, s: rollout.row_seed(0, 0, s))
 
     @torch.no_grad()
     def hf():
@@ -342,34 +350,157 @@ def scale_side(side: str, args) -> dict:
 
     fn = ours if side == "ours" else hf
     before = dict(rollout.STATS)
-    with PeakRSS() as mem:
+    with PeakRSS() as rss:                                   # the timed run: wall time and resident memory
         t0 = time.perf_counter()
         toks = fn()
         secs = time.perf_counter() - t0
     steps = rollout.STATS["decode_steps"] - before["decode_steps"]
-    return dict(prompt_tokens=len(chunk.ids), peak_mb=mem.mb, seconds=secs, tokens=sum(len(t) for t in toks),
-                host_syncs_per_step=(rollout.STATS["host_syncs"] - before["host_syncs"]) / steps if steps else None,
+    syncs = rollout.STATS["host_syncs"] - before["host_syncs"]
+    with LiveTensors() as live:                              # the memory run: live tensor bytes
+        fn()
+    return dict(prompt_tokens=len(chunk.ids), peak_mb=live.mb, rss_mb=rss.mb, seconds=secs, tokens=sum(len(t) for t in toks),
+                host_syncs_per_step=syncs / steps if steps else None,
                 weights_mb=sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20)
 
 
 def bench_scale(args) -> dict:
-    """Each side in its own process (so one side's freed memory cannot hide the other's peak)."""
+    """Each side in its own process (so one side's freed memory cannot hide the other's peak), --scale-runs times:
+    peak live tensor bytes (LiveTensors: the same in every run) and resident memory (PeakRSS: noisy), beyond the
+    weights."""
     import subprocess
     import sys
-    res = {}
-    for side in ("ours", "hf"):
-        cmd = [sys.executable, __file__, "--scale-side", side, "--threads", str(args.threads),
-               "--scale-layers", str(args.scale_layers), "--scale-frames", str(args.scale_frames),
-               "--scale-size", str(args.scale_size), "--scale-group", str(args.scale_group),
-               "--scale-new-tokens", str(args.scale_new_tokens)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        res[side] = json.loads(out.strip().splitlines()[-1])
-    o, h = res["ours"], res["hf"]
+    runs = []
+    for _ in range(args.scale_runs):
+        res = {}
+        for side in ("ours", "hf"):
+            cmd = [sys.executable, __file__, "--scale-side", side, "--threads", str(args.threads),
+                   "--scale-layers", str(args.scale_layers), "--scale-frames", str(args.scale_frames),
+                   "--scale-size", str(args.scale_size), "--scale-group", str(args.scale_group),
+                   "--scale-new-tokens", str(args.scale_new_tokens)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            res[side] = json.loads(out.strip().splitlines()[-1])
+        runs.append(res)
+    o, h = runs[-1]["ours"], runs[-1]["hf"]
+    ratios = [r["hf"]["peak_mb"] / r["ours"]["peak_mb"] for r in runs]
+    rss = [r["hf"]["rss_mb"] / r["ours"]["rss_mb"] for r in runs]
     return dict(group=args.scale_group, prompt_tokens=o["prompt_tokens"], layers=args.scale_layers,
                 new_tokens=args.scale_new_tokens, weights_mb=o["weights_mb"],
-                ours_peak_mb=o["peak_mb"], hf_peak_mb=h["peak_mb"], memory_ratio=h["peak_mb"] / o["peak_mb"],
-                ours_tok_s=o["tokens"] / o["seconds"], hf_tok_s=h["tokens"] / h["seconds"],
-                speedup=h["seconds"] / o["seconds"], host_syncs_per_step=o["host_syncs_per_step"])
+                ours_peak_mb=o["peak_mb"], hf_peak_mb=h["peak_mb"], memory_ratio=median(ratios),
+                memory_ratio_runs=ratios, memory_ratio_spread=max(ratios) / min(ratios) - 1,
+                ours_rss_mb=o["rss_mb"], hf_rss_mb=h["rss_mb"], rss_ratio_runs=rss,
+                ours_tok_s=median([r["ours"]["tokens"] / r["ours"]["seconds"] for r in runs]),
+                hf_tok_s=median([r["hf"]["tokens"] / r["hf"]["seconds"] for r in runs]),
+                speedup=median([r["hf"]["seconds"] / r["ours"]["seconds"] for r in runs]),
+                host_syncs_per_step=o["host_syncs_per_step"])
+
+
+# ----------------------------------------------------------------------------- 5. budget: continuous batching
+
+class Planned:
+    """Stand-in for rollout.sample_tokens that keeps the real draw (seeded Gumbel-max, special tokens banned) but
+    shapes each row's turns: the row with seed s writes turn k in exactly L_k tokens, L_k uniform in [lo, hi]
+    (drawn from s); half the rows call the tool in their first turn (the call's tokens end it), then answer; every
+    turn ends with <|im_end|>. A function of (seed, counter) alone, as the real sampler: every schedule gives
+    every row the same tokens."""
+
+    def __init__(self, sample, stop: int, special: list[int], call: list[int], lo: int, hi: int):
+        self.sample, self.stop, self.special, self.call, self.lo, self.hi = sample, stop, torch.tensor(special), call, lo, hi
+        self.plans = {}
+
+    def plan(self, seed: int) -> list[tuple[int, bool]]:
+        """[(the counter after turn k's last token, whether turn k calls the tool)]."""
+        if seed not in self.plans:
+            import random
+            rng, ends, c = random.Random(seed), [], 0
+            calls = rng.random() < 0.5
+            for k in range(2 if calls else 1):
+                c += rng.randint(self.lo, self.hi)
+                ends.append((c, calls and k == 0))
+            self.plans[seed] = ends
+        return self.plans[seed]
+
+    def __call__(self, logits, seeds, counters, temperature, top_p):
+        tok = self.sample(logits.index_fill(1, self.special, float("-inf")), seeds, counters, temperature, top_p).tolist()
+        for i, (s, c) in enumerate(zip(seeds.tolist(), counters.tolist())):
+            for end, call in self.plan(s):
+                if c < end:
+                    left = end - 1 - c                        # tokens of the turn after this one
+                    if left == 0:
+                        tok[i] = self.stop
+                    elif call and left <= len(self.call):
+                        tok[i] = self.call[len(self.call) - left]
+                    break
+        return torch.tensor(tok, device=logits.device)
+
+
+def engine_memory(fn):
+    """(fn's result, peak MB of the tensors the engine allocates while it runs): LiveTensors over Engine.admit (the
+    prefills, the pool) and Engine.step (decode, sampling), not over the tools and the processor (the clips' and
+    overviews' pixels, which the trajectories keep for training)."""
+    live, saved = LiveTensors(), (rollout.Engine.admit, rollout.Engine.step)
+
+    def counted(method):
+        def inside(self, *a):
+            with live:
+                return method(self, *a)
+        return inside
+
+    rollout.Engine.admit, rollout.Engine.step = counted(saved[0]), counted(saved[1])
+    try:
+        return fn(), live.mb
+    finally:
+        rollout.Engine.admit, rollout.Engine.step = saved
+
+
+def bench_budget(args) -> dict:
+    """--budget-prompts x --budget-group rows of a 1-tool-turn interleaved rollout whose turns take --budget-min to
+    --budget-max tokens: all at once (unbounded budget), then under a budget of a quarter of that run's peak, by
+    continuous batching and by fixed waves (the same budget; each turn waits for the wave's longest row). Memory:
+    the peak of the tensors the engine allocates (`engine_memory`). The tiny model with --budget-layers layers, and
+    the working sizes shrunk to the small budget (--budget-scores: SCORES_BUDGET, --budget-prefill: PREFILL_TOKENS)
+    so that the attention's slabs and a prefill's activations stay a few % of it, as they are of a real budget."""
+    from model import ModelConfig, build_tiny
+    torch.manual_seed(0)
+    model, processor = build_tiny(ModelConfig(layers=args.budget_layers), corpus=rollout.prompt_corpus())
+    model.eval()
+    ids = special_token_ids(processor)
+    tok = processor.tokenizer
+    call = tok("\n</think>\n<tool_call>\n{\"name\": \"crop_video\", \"arguments\": {\"start_time\": 4.0, "
+               "\"end_time\": 8.0}}\n</tool_call>", add_special_tokens=False)["input_ids"]
+    planned = Planned(rollout.sample_tokens, ids["<|im_end|>"], sorted(tok.get_added_vocab().values()), call,
+                      args.budget_min, args.budget_max)
+    saved = kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS
+    kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS = args.budget_scores, args.budget_prefill
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            rec = make_video(root, 32.0, 64)
+            recs = [{**rec, "id": f"q{i}", "question": QUESTION + " Look carefully." * i} for i in range(args.budget_prompts)]
+            base = dict(tool_mode="interleaved", max_turns=1, max_calls_per_turn=1, max_new_tokens=args.budget_max,
+                        temperature=1.0, group_size=args.budget_group, overview_nframes=args.budget_frames,
+                        overview_max_pixels=64 * 64, crop_fps=1.0, crop_max_frames=4, crop_max_pixels=64 * 64,
+                        tools_block=False)
+            run = lambda **kw: rollout.run_agent(model, processor, recs, root, rollout.RolloutConfig(**base, **kw), seed=0)
+            rollout.sample_tokens = planned
+            ref, unbounded_mb = engine_memory(lambda: run(memory_budget_bytes=1 << 40))
+            budget = int(unbounded_mb * 2 ** 20) // 4
+            cont, peak_mb = engine_memory(lambda: run(memory_budget_bytes=budget))
+            static, static_mb = engine_memory(lambda: run(memory_budget_bytes=budget, continuous=False))
+            wall, cpu = ab_times({"continuous": lambda: run(memory_budget_bytes=budget),
+                                "static": lambda: run(memory_budget_bytes=budget, continuous=False)}, args.budget_repeats)
+    finally:
+        kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS = saved
+        rollout.sample_tokens = planned.sample
+    diff = max(abs(a - b) for other in (cont, static) for t, r in zip(other, ref) for a, b in zip(t.logprobs, r.logprobs))
+    same = all(t.token_ids == r.token_ids for other in (cont, static) for t, r in zip(other, ref))
+    tokens = sum(len(t.logprobs) for t in ref)
+    turns = [n for t in ref for n in (b - a for a, b in turn_spans(t.roles))]
+    return dict(rows=len(ref), tool_turns=sum(t.n_tool_turns for t in ref), sampled_tokens=tokens,
+                turn_length_ratio=max(turns) / min(turns), budget_mb=budget / 2 ** 20, peak_mb=peak_mb,
+                static_peak_mb=static_mb, unbounded_peak_mb=unbounded_mb,
+                static_tok_s=tokens / median(wall["static"]), continuous_tok_s=tokens / median(wall["continuous"]),
+                speedup=median(wall["static"]) / median(wall["continuous"]),
+                cpu_speedup=median(cpu["static"]) / median(cpu["continuous"]), max_logprob_diff=diff,
+                exact=same and diff <= 1e-5)
 
 
 # ----------------------------------------------------------------------------- main
@@ -390,12 +521,22 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="prompts per batch in the decode bench (plus batch 1)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per side (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch default)")
-    p.add_argument("--parts", default="1,2,3,4", help="which measurements to run, e.g. 1,3")
+    p.add_argument("--parts", default="1,2,3,4,5", help="which measurements to run, e.g. 1,3")
     p.add_argument("--scale-layers", type=int, default=2, help="scale bench: text layers (hidden 1024, 8 KV heads x 128)")
     p.add_argument("--scale-frames", type=int, default=128, help="scale bench: overview frames (2 frames -> 1 temporal patch)")
     p.add_argument("--scale-size", type=int, default=256, help="scale bench: frame side (256: 64 tokens per temporal patch)")
     p.add_argument("--scale-group", type=int, default=8, help="scale bench: group size G")
     p.add_argument("--scale-new-tokens", type=int, default=128, help="scale bench: tokens sampled per row (T = 0.7)")
+    p.add_argument("--budget-prompts", type=int, default=16, help="budget bench: prompts (rows: prompts x group)")
+    p.add_argument("--budget-group", type=int, default=4, help="budget bench: group size G")
+    p.add_argument("--budget-frames", type=int, default=16, help="budget bench: overview frames (64x64)")
+    p.add_argument("--budget-min", type=int, default=24, help="budget bench: fewest tokens of a turn")
+    p.add_argument("--budget-max", type=int, default=160, help="budget bench: most tokens of a turn (max_new_tokens)")
+    p.add_argument("--budget-repeats", type=int, default=3, help="budget bench: timed repeats per schedule")
+    p.add_argument("--budget-layers", type=int, default=8, help="budget bench: text layers of the tiny model")
+    p.add_argument("--budget-scores", type=int, default=2 ** 18, help="budget bench: kvcache.SCORES_BUDGET")
+    p.add_argument("--budget-prefill", type=int, default=256, help="budget bench: kvcache.PREFILL_TOKENS")
+    p.add_argument("--scale-runs", type=int, default=3, help="scale bench: runs of both sides (memory figures per run)")
     p.add_argument("--scale-side", choices=["ours", "hf"], help=argparse.SUPPRESS)   # internal: one side per process
     args = p.parse_args()
     if args.scale_side:
@@ -413,6 +554,7 @@ def main() -> None:
             sa = bench_subagents(model, processor, root, rec, args) if "2" in parts else None
             dec = [bench_decode(model, processor, root, rec, args, b) for b in sorted({1, args.batch})] if "3" in parts else []
             sc = bench_scale(args) if "4" in parts else None
+            bu = bench_budget(args) if "5" in parts else None
         finally:
             rollout.sample_tokens = sampler
 
@@ -449,14 +591,30 @@ def main() -> None:
         print(f"\n4. scale: one prompt of {sc['prompt_tokens']} tokens, group {sc['group']}, {sc['new_tokens']} tokens "
               f"per row at T = 0.7; text hidden 1024, {sc['layers']} layers, 8 KV heads x 128, vocab 151,936 "
               f"(weights {sc['weights_mb']:.0f} MB, not counted)")
-        print(table([["peak MB beyond weights", sc["ours_peak_mb"], sc["hf_peak_mb"], sc["memory_ratio"]],
+        print(table([["peak live tensor MB (beyond weights)", sc["ours_peak_mb"], sc["hf_peak_mb"], sc["memory_ratio"]],
+                     ["peak RSS MB (beyond weights)", sc["ours_rss_mb"], sc["hf_rss_mb"], sc["rss_ratio_runs"][-1]],
                      ["tokens/s", sc["ours_tok_s"], sc["hf_tok_s"], sc["speedup"]]],
                     ["", "ours", "generate(num_return_sequences)", "ratio"]))
+        print(f"memory ratio per run: live tensors {sc['memory_ratio_runs']}, RSS {sc['rss_ratio_runs']}")
         print(f"host syncs per decode step: {sc['host_syncs_per_step']}")
         out["scale"] = {k: sc[k] for k in ("group", "prompt_tokens", "ours_peak_mb", "hf_peak_mb", "memory_ratio",
-                                           "ours_tok_s", "hf_tok_s", "speedup", "host_syncs_per_step")}
+                                           "memory_ratio_runs", "memory_ratio_spread", "ours_rss_mb", "hf_rss_mb",
+                                           "rss_ratio_runs", "ours_tok_s", "hf_tok_s", "speedup", "host_syncs_per_step")}
         targets.update(scale_memory_ratio_ge_4=sc["memory_ratio"] >= 4, scale_speedup_ge_1_5=sc["speedup"] >= 1.5,
-                       scale_host_syncs_le_1=sc["host_syncs_per_step"] <= 1)
+                       scale_host_syncs_le_1=sc["host_syncs_per_step"] <= 1,
+                       scale_memory_runs_within_5pct=sc["memory_ratio_spread"] <= 0.05)
+    if bu:
+        print(f"\n5. budget: {bu['rows']} rows, turns of {args.budget_min}-{args.budget_max} tokens (longest / shortest "
+              f"{bu['turn_length_ratio']:.1f}), {bu['tool_turns']} tool turns; budget {bu['budget_mb']:.1f} MB = a quarter "
+              f"of the unbounded run's peak; exact: {bu['exact']} (log-probs within {bu['max_logprob_diff']:.2g})")
+        print(table([["peak live tensor MB", bu["unbounded_peak_mb"], bu["peak_mb"], bu["static_peak_mb"]],
+                     ["tokens/s", None, bu["continuous_tok_s"], bu["static_tok_s"]]],
+                    ["", "unbounded", "budget: continuous", "budget: fixed waves"]))
+        print(f"continuous / waves: {bu['speedup']:.3g}x wall time, {bu['cpu_speedup']:.3g}x CPU time")
+        out["budget"] = bu
+        targets.update(budget_le_quarter=bu["budget_mb"] <= bu["unbounded_peak_mb"] / 4,
+                       budget_peak_le_1_1=bu["peak_mb"] <= 1.1 * bu["budget_mb"],
+                       budget_speedup_ge_1_3=bu["speedup"] >= 1.3, budget_exact=bu["exact"])
     print_json({**out, "targets": targets})
 
 

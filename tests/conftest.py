@@ -67,8 +67,12 @@ SMALL_THRESHOLDS = {
     "ops": {"_MIN_CHUNK_LOGITS": 1,      # token_loss: the fused chunks, not the plain log_softmax (tiny logits)
             "MAX_CHUNKS": 3},            # the default chunk rule's cap: 3 chunks, the last one padded
     "kvcache": {"BLOCK": 4,              # paged K/V: rows cross 4-token blocks inside a turn
-                "SCORES_BUDGET": 512},   # attention scores in blocks of 512 elements: several query blocks and
+                "SCORES_BUDGET": 512,    # attention scores in blocks of 512 elements: several query blocks and
                                          # K/V slabs per chunk, even per decode step
+                "JOIN_PROMPT": 0,        # every prompt read once per group in place (as shipped, the tiny
+                                         # prompts are read with each row's suffix as one causal sequence)
+                "PREFILL_TOKENS": 64},   # prefills of at most 64 tokens a forward (an admission's chunks in
+                                         # several forwards, a long one alone)
     "rollout": {"CPU_BUDGET_GB": 0.024},  # the default memory budget: about one prompt group of the rollout tests
 }                                        # (groups wait and are admitted as others retire)
 
