@@ -319,8 +319,7 @@ def plot_run(run_dir: str) -> str | None:
                 w = max(1, len(y) // 10)
                 smooth = np.convolve(y, np.ones(w) / w, mode="valid")
                 ax.plot(x, y, ".", alpha=0.25, color=colour)
-                ax.plot(x[w - 1:], smooth, color=colour, label=f"{label} (mean of {w})" if len(series) > 1 or w > 1
-                        else label)
+                ax.plot(x[w - 1:], smooth, color=colour, label=f"{label} (mean of {w})" if w > 1 else label)
             evals = [(r["step"], r[key]) for r in rows if r.get("stage") == "eval" and isinstance(r.get(key), (int, float))]
             if evals:
                 ax.plot(*zip(*evals), "D", color=colour, markeredgecolor="k", label=f"{label}, held-out")
