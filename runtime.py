@@ -113,6 +113,7 @@ class Run:
         random.setstate(state["rng_random"])
         if self.rank == 0:
             truncate_metrics(self.metrics_path, state["stage"], state["step"])
+        self.best = read_best(self.run_dir)
         print0(self.rank, f"resumed from {ckpt} ({state['stage']} step {state['step']})")
         return state
 
@@ -122,13 +123,30 @@ class Run:
             load_train_state(ckpt, model, optimizer)
 
     def is_best(self, result: dict) -> bool:
-        score = result.get("r_acc", result.get("accuracy"))
+        score = eval_score(result)
         return score is not None and (self.best is None or score > self.best[1])
 
     def mark_best(self, stage: str, step: int, result: dict) -> None:
-        self.best = (f"ckpt-{stage}-{step:06d}", result.get("r_acc", result.get("accuracy")))
+        self.best = (f"ckpt-{stage}-{step:06d}", eval_score(result))
         if self.rank == 0:
             atomic_write_json(os.path.join(self.run_dir, "best.json"), {"checkpoint": self.best[0], "eval": result})
+
+
+def eval_score(result: dict) -> float | None:
+    """The figure the best checkpoint is chosen by: the reward's accuracy, else the official-style accuracy."""
+    return result.get("r_acc", result.get("accuracy"))
+
+
+def read_best(run_dir: str) -> tuple[str, float] | None:
+    """(checkpoint, score) of best.json, so a resumed run only replaces it with a better one; None when there is
+    none or its checkpoint is not complete (the run died while saving it)."""
+    path = os.path.join(run_dir, "best.json")
+    if not os.path.exists(path):
+        return None
+    best = json.load(open(path))
+    if not os.path.exists(os.path.join(run_dir, best["checkpoint"], "trainer.pt")):
+        return None
+    return best["checkpoint"], eval_score(best["eval"])
 
 
 def make_tracker(report_to: str, run_dir: str):

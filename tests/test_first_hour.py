@@ -2,6 +2,7 @@
 held-out set, SFT trajectories with bad tool calls reported, one-line errors, --keep-last, evaluation-only use."""
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import metrics, run, smoke_argv
 
 import data
@@ -133,6 +135,24 @@ def test_keep_last_prunes_old_checkpoints_but_keeps_the_sft_result_and_the_best(
     assert sorted(deleted) == ["ckpt-rl-000001", "ckpt-rl-000003", "ckpt-rl-000004"]
     left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt"))
     assert left == ["ckpt-rl-000002", "ckpt-rl-000005", "ckpt-rl-000006", "ckpt-sft-000001", "ckpt-sft-000002"]
+
+
+def test_resumed_run_keeps_the_best_checkpoint_until_a_better_one(tmp_path, monkeypatch):
+    """After --resume, the best checkpoint is the one best.json names (its score read back): a worse evaluation
+    does not replace it (it did: the resumed Run started with no best and took the first evaluation). A best.json
+    whose checkpoint never completed is ignored."""
+    (tmp_path / "ckpt-rl-000002").mkdir()
+    (tmp_path / "ckpt-rl-000002" / "trainer.pt").write_bytes(b"")
+    runtime.atomic_write_json(str(tmp_path / "best.json"), {"checkpoint": "ckpt-rl-000002", "eval": {"r_acc": 0.8}})
+    monkeypatch.setattr(runtime, "load_train_state", lambda *a: None)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: {"stage": "rl", "step": 4, "rng_torch": torch.get_rng_state(),
+                                                         "rng_random": random.getstate()})
+    run_ = runtime.Run(str(tmp_path), 0, 1, 0, 50, 3, False, 0.2)
+    run_.resume(str(tmp_path / "ckpt-rl-000004"), model=None)
+    assert run_.best == ("ckpt-rl-000002", 0.8)
+    assert not run_.is_best({"r_acc": 0.7}) and run_.is_best({"r_acc": 0.9})
+    (tmp_path / "ckpt-rl-000002" / "trainer.pt").unlink()                 # the best one never completed
+    assert runtime.read_best(str(tmp_path)) is None
 
 
 def test_keep_last_in_a_run(tmp_path):
