@@ -8,7 +8,7 @@ Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x
 151,936; ~8.2 B parameters with the ~0.6 B vision tower). Memory per GPU and per step, part by part
 (`memory_parts`, which bench/rehearsal.py also evaluates at its own sizes and measures side by side):
 - weights: fp32 master weights sharded by FSDP (4 B/param / GPUs); during the rollout every GPU also holds the
-  bf16 all-gathered weights (2 B/param, `weights_rollout`); ParaVT's frozen reference model, bf16, unsharded
+  bf16 all-gathered weights (2 B/param, `weights_rollout`; none on one GPU: no FSDP there); ParaVT's frozen reference model, bf16, unsharded
   (2 B/param);
 - optimizer: AdamW's two fp32 moments (8 B/param / GPUs); gradients: fp32 shards (4 B/param / GPUs: FSDP2
   reduce-scatters in fp32 into the fp32 master);
@@ -108,7 +108,7 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
     block = flight_patches * 2 * (6 * W + 2 * m["vision_mlp"])
     return dict(
         weights_shard=4 * P / gpus,
-        weights_rollout=2 * P,
+        weights_rollout=2 * P if gpus > 1 else 0.0,     # one process: the rollout computes from its fp32 weights
         reference=2 * P if reference else 0.0,
         optimizer=8 * P / gpus,
         grads=4 * P / gpus,

@@ -279,7 +279,7 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
         for mode in ("subagent", "interleaved"):
             t0 = time.time()
             with pools() as made, runtime.full_weights(model):
-                m["weights_rollout"] = tensor_bytes(model.parameters())
+                m["weights_rollout"] = tensor_bytes(model.parameters()) if world > 1 else 0   # 1: the master
                 g = train.collect_groups(run, model, ref, processor, [rec], root,
                                          dataclasses.replace(cfg, tool_mode=mode), s, 1, pad_id)
                 used, allocated = (max(x) for x in zip(*(pool_bytes(p) for p in made)))

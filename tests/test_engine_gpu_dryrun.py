@@ -25,4 +25,7 @@ def test_gpu_script_dry_run(tmp_path):
         assert ro["sampled_tokens"] > 0 and ro["host_syncs_per_step"] == 1.0
     assert out["train"]["rows"] == 4 and out["train"]["seconds"] > 0
     assert "seconds" in out["loss"]["fused"] and "seconds" in out["loss"]["naive"]
+    parts = out["rehearsal"].get("parts")        # bench/rehearsal.py --ci --ranks 1: every part, beside the plan
+    assert parts, out["rehearsal"]
+    assert parts["optimizer"]["ratio"] == 1.0 and parts["weights_rollout"]["measured_gb"] == 0   # one process
     assert out["pytest_gpu"]["returncode"] == 0
