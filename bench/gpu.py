@@ -3,7 +3,7 @@ tokenizer; and the same code at 2 layers and tiny sizes on CPU (`--dry-run`, run
 tests/test_engine_gpu_dryrun.py).
 
     python bench/gpu.py --out docs/gpu_h200.json    # on the GPU machine (~10 min)
-    python bench/gpu.py --dry-run                   # CPU, < 1 min
+    python bench/gpu.py --dry-run                   # CPU, a few minutes (the rehearsal --ci: ~1 min of it)
 
 Sections (each prints a line and lands in the last-line JSON):
 1. prefill    GroupKV prefill of a 64- and a 768-frame overview (tokens, seconds, tokens/s, peak memory)

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_script_dry_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARAVT_CACHE": str(tmp_path)}
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--out", str(tmp_path / "gpu.json")],
-                       capture_output=True, text=True, env=env, timeout=300)
+                       capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == json.loads((tmp_path / "gpu.json").read_text())
@@ -28,4 +28,5 @@ def test_gpu_script_dry_run(tmp_path):
     parts = out["rehearsal"].get("parts")        # bench/rehearsal.py --ci --ranks 1: every part, beside the plan
     assert parts, out["rehearsal"]
     assert parts["optimizer"]["ratio"] == 1.0 and parts["weights_rollout"]["measured_gb"] == 0   # one process
+    assert parts["kv"]["ratio"] == 1.0                                  # its K/V fp32, in whole blocks
     assert out["pytest_gpu"]["returncode"] == 0
