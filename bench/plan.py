@@ -27,8 +27,10 @@ Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x
   intermediates and its product, norms: tokens x (2 q_dim + 4 kv_dim + 4 mlp + 6 d_model) x 2 B) or one vision
   block (patches x (6 width + 2 mlp) x 2 B), whichever is larger, plus the gradients: the fp32 shards and the
   largest unit's (the root's) unsharded bf16 gradients;
-- loss (the fused loss, ops.token_loss, over the policy tokens N): one (V, C) bf16 logits buffer, grad W summed
-  in fp32 (V x D x 4 B) and cast to bf16 (V x D x 2 B), grad hidden (N x D x 2 B); C by ops' chunk rule.
+- loss (the fused loss, ops.token_loss, over the policy tokens N): grad W summed in fp32 (V x D x 4 B) beside
+  one (V, C) bf16 logits buffer and either a chunk's bf16 GEMM for grad W (V x D x 2 B) or, eager (no
+  torch.compile: the CPU), the five fp32 (V, C) temporaries of a chunk's softmax gradient, whichever is larger
+  (at the end grad W is cast to bf16: V x D x 2 B again); grad hidden (N x D x 2 B); C by ops' chunk rule.
 Time:
 - rollout decode is bound by HBM bandwidth (H200 4.8 TB/s at --hbm-efficiency): each step reads the
   weights once for the whole batch plus every row's visible K/V (the shared prompt once per group);
@@ -93,13 +95,14 @@ def loss_chunk(n: int, dim: int, vocab: int) -> int:
 def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_tokens: float, suffix_tokens: float,
                  flight_tokens: float, flight_patches: float, policy_tokens: int, shared: bool = True,
                  reference: bool = False, subagents: float = 0, subagent_prompt: float = 0,
-                 subagent_tokens: float = 0) -> dict:
+                 subagent_tokens: float = 0, compiled: bool = True) -> dict:
     """Bytes per GPU of each part of an RL step (see the module docstring), for model shape `m` (QWEN3VL_8B's
     keys). prompts / rows: this GPU's prompt groups and sampled rows in the rollout at once; overview_tokens: a
     prompt's tokens; suffix_tokens: a row's tokens after its prompt; subagents: sub-agents alive at once, each a
     prompt of subagent_prompt tokens and a row of subagent_tokens; each sequence in blocks of kvcache.BLOCK
     tokens. flight_tokens / flight_patches: the tokens and vision patches of one training micro-batch;
-    policy_tokens: its policy tokens (the loss's N)."""
+    policy_tokens: its policy tokens (the loss's N); compiled: the loss's chunk kernels under torch.compile (CUDA's
+    default; eager, the CPU's, keeps five fp32 (V, C) temporaries while it forms a chunk's gradient)."""
     P, D, V = m["params"], m["d_model"], m["vocab"]
     chunk = loss_chunk(int(policy_tokens), D, V)
     W = m["vision_width"]
@@ -118,7 +121,8 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
         activations=(2 * (m["params_root"] + m["params_head"]) + flight_tokens * D * 2 * (m["layers"] + 3)
                      + flight_patches * 2 * (W * m["vision_depth"] + PATCH_VALUES)),
         backward=max(layer, block) + 4 * P / gpus + 2 * m["params_root"],
-        loss=V * chunk * 2 + V * D * (4 + 2) + policy_tokens * D * 2,
+        loss=V * D * 4 + max(V * chunk * (2 + (0 if compiled else 5 * 4)), V * chunk * 2 + V * D * 2)
+             + policy_tokens * D * 2,
     )
 
 

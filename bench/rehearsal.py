@@ -32,7 +32,8 @@ allocator's counters), projected by plan.memory_parts from this run's own token 
   activations  what a training forward keeps for backward (memory at its end minus at its start), largest
                micro-batch
   backward     the peak above its start during a backward (the recomputed layer, the gradients), largest
-  loss         the peak above its start during the fused loss (grpo_loss)
+  loss         the peak above its start during the fused loss (grpo_loss; torch.compile on CUDA as train.py's
+               default, eager on CPU)
 The last line printed is one JSON object: measured, projected and their ratio per part, and the sizes.
 """
 import argparse
@@ -254,7 +255,7 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
         torch.cuda.set_device(device)
     targs = runtime.parse_args(["--model", ckpt, "--preset", "paravt", "--group-size", str(GROUP),
                                 "--prompts-per-step", str(world), "--gating", "0", "--precision", "bf16",
-                                "--device", device.type, "--grad-checkpointing", "--compile", "0", "--micro-batch",
+                                "--device", device.type, "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), "--micro-batch",
                                 str(GROUP), "--run-dir", os.path.join(out_dir, "run")])
     meter, m = Meter(device), {}
     t0 = time.time()
@@ -368,7 +369,7 @@ def project(r: dict, args, world: int) -> dict:
     sub-agents beside the rows)."""
     z, m = r["sizes"], shape(r, args)
     common = dict(flight_tokens=z["rl_flight_tokens"], flight_patches=z["rl_flight_patches"],
-                  policy_tokens=z["rl_policy_tokens"], shared=True, reference=True)
+                  policy_tokens=z["rl_policy_tokens"], shared=True, reference=True, compiled=args.device == "cuda")
     kv = lambda suffix, **sub: plan.memory_parts(m, world, prompts=1, rows=z["group"],
                                                  overview_tokens=z["overview_tokens"], suffix_tokens=suffix,
                                                  **common, **sub)
