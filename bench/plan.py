@@ -26,7 +26,8 @@ Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x
 - backward, its peak above its start: one decoder layer recomputed (q, k, v, attention output, the MLP's three
   intermediates and its product, norms: tokens x (2 q_dim + 4 kv_dim + 4 mlp + 6 d_model) x 2 B) or one vision
   block (patches x (6 width + 2 mlp) x 2 B), whichever is larger, plus the gradients: the fp32 shards and the
-  largest unit's (the root's) unsharded bf16 gradients;
+  largest unit's (the root's) unsharded bf16 gradients with their fp32 copy for the reduce-scatter (FSDP2's
+  reduce_dtype: 6 B/param; one GPU: its fp32 gradients alone, 4 B/param);
 - loss (the fused loss, ops.token_loss, over the policy tokens N): grad W summed in fp32 (V x D x 4 B) beside
   one (V, C) bf16 logits buffer and either a chunk's bf16 GEMM for grad W (V x D x 2 B) or, eager (no
   torch.compile: the CPU), the five fp32 (V, C) temporaries of a chunk's softmax gradient, whichever is larger
@@ -120,7 +121,7 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
         kv=kv_blocks * kvcache.BLOCK * kv_bytes_per_token(m) * (1 if gpus > 1 else 1.5),   # one process: fp32 K
         activations=(2 * (m["params_root"] + m["params_head"]) + flight_tokens * D * 2 * (m["layers"] + 3)
                      + flight_patches * 2 * (W * m["vision_depth"] + PATCH_VALUES)),
-        backward=max(layer, block) + 4 * P / gpus + 2 * m["params_root"],
+        backward=max(layer, block) + 4 * P / gpus + (6 * m["params_root"] if gpus > 1 else 0),
         loss=V * D * 4 + max(V * chunk * (2 + (0 if compiled else 5 * 4)), V * chunk * 2 + V * D * 2)
              + policy_tokens * D * 2,
     )
