@@ -42,16 +42,17 @@ def test_a_small_budget_means_more_waves_and_more_decode_time():
 
 def test_memory_parts_kv_counts_whole_blocks_and_one_prompt_copy_per_group():
     """The K/V part in pool blocks: each sequence rounds up to kvcache.BLOCK tokens; the shared prompt is stored
-    once per group (G copies unshared); a sub-agent is a prompt and a row of its own."""
+    once per group (G copies unshared); a sub-agent is a prompt and a row of its own; one process keeps fp32 keys."""
     import kvcache
     m = dict(plan.QWEN3VL_8B, layers=1)
     per_block = kvcache.BLOCK * plan.kv_bytes_per_token(m)
-    kv = lambda **k: plan.memory_parts(m, 1, **{**dict(prompts=1, rows=2, overview_tokens=kvcache.BLOCK + 1,
+    kv = lambda gpus=2, **k: plan.memory_parts(m, gpus, **{**dict(prompts=1, rows=2, overview_tokens=kvcache.BLOCK + 1,
                                                       suffix_tokens=1, flight_tokens=1, flight_patches=0,
                                                       policy_tokens=1), **k})["kv"]
     assert kv() == (2 + 2 * 1) * per_block
     assert kv(shared=False) == (2 * 2 + 2 * 1) * per_block
     assert kv(subagents=4, subagent_prompt=kvcache.BLOCK, subagent_tokens=3) == (4 + 4 * 2) * per_block
+    assert kv(gpus=1) == 1.5 * kv()          # one process: fp32 keys beside bf16 values
 
 
 def test_rehearsal_ci_runs_both_steps_and_reports_every_part(tmp_path):
