@@ -688,8 +688,9 @@ def tdam_attention(module, query, key, value, attention_mask, scaling=None, drop
     scaling = module.scaling if scaling is None else scaling
     kernel = _tdam_flex if tdam_kernel(tdam, query.device) == "flex" else _tdam_blocked
     device = query.device.type
-    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):  # as SDPA under autocast: all three in its dtype (Qwen3-VL's q / k norms
-        dtype = torch.get_autocast_dtype(device)   # return fp32 beside bf16 values on fp32 weights)
+    # as SDPA under autocast: all three in its dtype (Qwen3-VL's q / k norms return fp32 beside bf16 values)
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     return kernel(query, key, value, tdam, scaling).transpose(1, 2).contiguous(), None
 
