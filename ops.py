@@ -677,6 +677,7 @@ def tdam_attention(module, query, key, value, attention_mask, scaling=None, drop
     the blocked kernel shares one tile plan across the batch (a tile whose kind differs between rows is MASKED).
     Measured (bench/tdam_bench.py, docs/experiments.md): the blocked kernel's fwd+bwd at 16,384 tokens vs plain causal
     SDPA. Shapes: query (B, H, L, d), key / value (B, H_kv, L, d) (grouped-query heads) -> (B, L, H, d).
+    Under autocast the three are cast to its dtype first, as SDPA is (--precision bf16 on fp32 weights).
     Without `tdam`: plain SDPA, with the mask the "paravt_tdam" mask interface (SDPA's) built.
     """
     if tdam is None:
@@ -686,6 +687,11 @@ def tdam_attention(module, query, key, value, attention_mask, scaling=None, drop
         raise ValueError(f"tdam_attention: attention dropout {dropout} is not supported (Qwen-VL trains with 0)")
     scaling = module.scaling if scaling is None else scaling
     kernel = _tdam_flex if tdam_kernel(tdam, query.device) == "flex" else _tdam_blocked
+    device = query.device.type
+    # as SDPA under autocast: all three in its dtype (Qwen3-VL's q / k norms return fp32 beside bf16 values)
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     return kernel(query, key, value, tdam, scaling).transpose(1, 2).contiguous(), None
 
 

@@ -3,7 +3,7 @@ tokenizer; and the same code at 2 layers and tiny sizes on CPU (`--dry-run`, run
 tests/test_engine_gpu_dryrun.py).
 
     python bench/gpu.py --out docs/gpu_h200.json    # on the GPU machine (~10 min)
-    python bench/gpu.py --dry-run                   # CPU, < 1 min
+    python bench/gpu.py --dry-run                   # CPU, a few minutes (the rehearsal --ci: ~1 min of it)
 
 Sections (each prints a line and lands in the last-line JSON):
 1. prefill    GroupKV prefill of a 64- and a 768-frame overview (tokens, seconds, tokens/s, peak memory)
@@ -14,7 +14,13 @@ Sections (each prints a line and lands in the last-line JSON):
 3. train      one PARA-GRPO update on the rollout: FSDP2 (fully_shard per decoder layer) on one rank,
               gradient checkpointing, bf16, forward_hidden (vision once per prompt), grpo_loss, AdamW
 4. loss       ops.token_loss (fused, chunked) vs naive logits -> log_softmax at 16k tokens, bf16
-5. pytest     `pytest -m gpu` (dry run: collection only)
+5. rehearsal  bench/rehearsal.py on this GPU: one RL step (both tool modes, two rounds of two parallel crops) and one
+              SFT step (TDAM, gradient checkpointing) of the paravt preset at the 8B widths (hidden 4096, MLP 12288,
+              32 / 8 heads x 128, the published 27-block vision tower), 4 decoder layers, a 1280x720 video (the
+              64-frame overview: ~16k tokens), --precision bf16, one process; peak memory per part beside
+              bench/plan.py's projection (dry run: its --ci sizes on CPU, one process). Run as its own process:
+              its JSON, or its exit code and the tail of its errors, land here
+6. pytest     `pytest -m gpu` (dry run: collection only)
 The 8B config and real tokenizer come from model.qwen3vl_config / model.qwen_tokenizer.
 """
 import argparse
@@ -26,7 +32,7 @@ import tempfile
 import time
 
 import torch
-from common import ROOT  # noqa: F401  (puts the repo on sys.path)
+from common import ROOT  # the repo root (bench/common.py also puts it on sys.path)
 
 import data
 import kvcache
@@ -202,6 +208,19 @@ def section_loss(model, args, device) -> dict:
     return res
 
 
+def section_rehearsal(small: bool) -> dict:
+    """bench/rehearsal.py in a process of its own (one GPU, the 8B widths at 4 layers; dry run: --ci on CPU)."""
+    sizes = ["--ci"] if small else ["--device", "cuda", "--hidden", "4096", "--mlp", "12288", "--heads", "32",
+                                    "--text-layers", "4", "--vision-depth", "27", "--threads", "8"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rehearsal.json")
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "rehearsal.py"), "--ranks", "1", *sizes, "--out", path],
+                           cwd=str(ROOT), capture_output=True, text=True)
+        if r.returncode == 0:
+            return {k: v for k, v in json.load(open(path)).items() if k != "per_rank"}
+    return dict(returncode=r.returncode, stderr_tail=r.stderr.strip().splitlines()[-12:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, 2 layers, tiny sizes: the same code end to end")
@@ -231,6 +250,8 @@ def main() -> None:
     print("loss", json.dumps(out["loss"]), flush=True)
     out["train"] = section_train(model, processor, trajs, args, device)
     print("train", json.dumps(out["train"]), flush=True)
+    out["rehearsal"] = section_rehearsal(small)
+    print("rehearsal", json.dumps(out["rehearsal"].get("parts", out["rehearsal"])), flush=True)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q"] + (["--collect-only"] if small else [])
     r = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True)
     out["pytest_gpu"] = dict(returncode=r.returncode, tail=r.stdout.strip().splitlines()[-1:] or [""])

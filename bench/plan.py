@@ -5,11 +5,34 @@ principles (no GPU needed; pure arithmetic, prints a table and, last, one JSON l
     python bench/plan.py --shared-prefix 0     # what the step would cost without the shared prompt cache
 
 Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x 128, MLP 12288, vocab
-151,936; ~8.2 B parameters with the ~0.6 B vision tower). Per GPU and per step:
-- weights bf16 (2 B/param); training adds fp32 master + AdamW moments (12 B/param) sharded by FSDP over
-  the GPUs, plus bf16 gradients (2 B/param, sharded);
-- KV cache: 36 x 8 x 128 x 2 (K and V) x 2 B = 144 KiB per token. With the shared prompt cache (rollout.py
-  GroupKV) a prompt's overview is stored once per group, each row only its suffix; without it, G times;
+151,936; ~8.2 B parameters with the ~0.6 B vision tower). Memory per GPU and per step, part by part
+(`memory_parts`, which bench/rehearsal.py also evaluates at its own sizes and measures side by side):
+- weights: fp32 master weights sharded by FSDP (4 B/param / GPUs); during the rollout every GPU also holds the
+  bf16 all-gathered weights (2 B/param, `weights_rollout`; none on one GPU: no FSDP there); ParaVT's frozen reference model, bf16, unsharded
+  (2 B/param);
+- optimizer: AdamW's two fp32 moments (8 B/param / GPUs); gradients: fp32 shards (4 B/param / GPUs: FSDP2
+  reduce-scatters in fp32 into the fp32 master);
+- KV cache: layers x kv_heads x head_dim x 2 (K and V) x 2 B (bf16) = 144 KiB per token on 8B, in pool blocks of
+  kvcache.BLOCK tokens (a sequence holds ceil(tokens / BLOCK) blocks; 1.5 times that on one GPU, where the
+  rollout runs on the fp32 master weights under autocast: K comes out of the k-norm and rope in fp32, V out of
+  its projection in bf16). With the shared prompt cache (kvcache
+  GroupKV) a prompt's overview is stored once per group, each row only its suffix; without it, G times; a
+  sub-agent (ParaVT) is a sequence pair of its own (its clip prompt, its summary) while its caller waits;
+- activations, what a training forward keeps for its backward (gradient checkpointing, one micro-batch in
+  flight): the root unit (vision tower, embeddings) and the lm_head unit stay all-gathered in bf16 from the
+  forward to their backward (2 B/param); each decoder layer's input in bf16 (tokens x d_model x 2 B per layer,
+  plus the embeddings' and the final norm's outputs), each vision block's input (patches x width x 2 B per
+  block) and the patches themselves in bf16;
+- backward, its peak above its start: one decoder layer recomputed (q, k, v, attention output, the MLP's three
+  intermediates and its product, norms: tokens x (2 q_dim + 4 kv_dim + 4 mlp + 6 d_model) x 2 B) or one vision
+  block (patches x (6 width + 2 mlp) x 2 B), whichever is larger, plus the gradients: the fp32 shards and the
+  largest unit's (the root's) unsharded bf16 gradients with their fp32 copy for the reduce-scatter (FSDP2's
+  reduce_dtype: 6 B/param; one GPU: its fp32 gradients alone, 4 B/param);
+- loss (the fused loss, ops.token_loss, over the policy tokens N): grad W summed in fp32 (V x D x 4 B) beside
+  one (V, C) bf16 logits buffer and either a chunk's bf16 GEMM for grad W (V x D x 2 B) or, eager (no
+  torch.compile: the CPU), the five fp32 (V, C) temporaries of a chunk's softmax gradient, whichever is larger
+  (at the end grad W is cast to bf16: V x D x 2 B again); grad hidden (N x D x 2 B); C by ops' chunk rule.
+Time:
 - rollout decode is bound by HBM bandwidth (H200 4.8 TB/s at --hbm-efficiency): each step reads the
   weights once for the whole batch plus every row's visible K/V (the shared prompt once per group);
 - prefill and training are bound by bf16 FLOPs (H200 989 TFLOP/s dense at --mfu): 2 N FLOPs per token
@@ -27,14 +50,24 @@ The batch is global: `prompts` are the papers' prompts per step over all GPUs (t
 Reported: ParaVT's ~250 s per step on 8 GPUs (docs/method.md §5). The CPU bench's measured ratio (shared
 prefix memory) enters as the --shared-prefix switch; efficiencies are assumptions, printed with the table.
 """
-import math
 import argparse
 import json
+import math
 
+from common import ROOT  # noqa: F401  (puts the repo on sys.path: kvcache's block, ops' chunk rule)
+
+import kvcache
+import ops
+
+QWEN3VL_8B = dict(layers=36, d_model=4096, q_dim=32 * 128, kv_dim=8 * 128, mlp=12288, vocab=151936,
+                  params=8.2e9, text_params=7.6e9, params_head=151936 * 4096, params_root=151936 * 4096 + 0.6e9,
+                  vision_width=1152, vision_depth=27, vision_mlp=4304)
 KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2          # layers x kv_heads x head_dim x (K, V) x bf16
-PARAMS = 8.2e9
-TEXT_PARAMS = 7.6e9                                 # decoder only (what a decoded token reads)
-LAYERS, D_MODEL = 36, 4096
+PARAMS = QWEN3VL_8B["params"]
+TEXT_PARAMS = QWEN3VL_8B["text_params"]             # decoder only (what a decoded token reads)
+LAYERS, D_MODEL = QWEN3VL_8B["layers"], QWEN3VL_8B["d_model"]
+PATCHES_PER_TOKEN = 4                               # a visual token merges 2 x 2 patches (each 2 frames x 16 x 16)
+PATCH_VALUES = 3 * 2 * 16 * 16                      # pixel values of one patch
 HBM_BW, BF16_FLOPS, HBM_GB = 4.8e12, 989e12, 141
 
 RECIPES = {
@@ -45,6 +78,53 @@ RECIPES = {
     "Video-o3": dict(gpus=8, prompts=32, group=16, overview_tokens=16384, rounds=6, turn_tokens=1024,
                      response_tokens=2048, subagent_tokens=0, subagent_calls=0, ref_forward=False),
 }
+
+
+def kv_bytes_per_token(m: dict) -> int:
+    """K and V of one token over all layers, bf16."""
+    return m["layers"] * m["kv_dim"] * 2 * 2
+
+
+def loss_chunk(n: int, dim: int, vocab: int) -> int:
+    """The rows of token_loss's logits buffer: ops' own chunk rule (`_auto_chunk`, shrunk to the next power of two
+    >= n), or n when its plain path runs (the whole (n, V) logits)."""
+    if n * vocab <= ops._MIN_CHUNK_LOGITS:
+        return n
+    return min(ops._auto_chunk(n, dim, vocab), 1 << max(n - 1, 0).bit_length())
+
+
+def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_tokens: float, suffix_tokens: float,
+                 flight_tokens: float, flight_patches: float, policy_tokens: int, shared: bool = True,
+                 reference: bool = False, subagents: float = 0, subagent_prompt: float = 0,
+                 subagent_tokens: float = 0, compiled: bool = True) -> dict:
+    """Bytes per GPU of each part of an RL step (see the module docstring), for model shape `m` (QWEN3VL_8B's
+    keys). prompts / rows: this GPU's prompt groups and sampled rows in the rollout at once; overview_tokens: a
+    prompt's tokens; suffix_tokens: a row's tokens after its prompt; subagents: sub-agents alive at once, each a
+    prompt of subagent_prompt tokens and a row of subagent_tokens; each sequence in blocks of kvcache.BLOCK
+    tokens. flight_tokens / flight_patches: the tokens and vision patches of one training micro-batch;
+    policy_tokens: its policy tokens (the loss's N); compiled: the loss's chunk kernels under torch.compile (CUDA's
+    default; eager, the CPU's, keeps five fp32 (V, C) temporaries while it forms a chunk's gradient)."""
+    P, D, V = m["params"], m["d_model"], m["vocab"]
+    chunk = loss_chunk(int(policy_tokens), D, V)
+    W = m["vision_width"]
+    blocks = lambda tokens: math.ceil(tokens / kvcache.BLOCK)
+    kv_blocks = ((prompts if shared else rows) * blocks(overview_tokens) + rows * blocks(suffix_tokens)
+                 + subagents * (blocks(subagent_prompt) + blocks(subagent_tokens)))
+    layer = flight_tokens * 2 * (2 * m["q_dim"] + 4 * m["kv_dim"] + 4 * m["mlp"] + 6 * D)
+    block = flight_patches * 2 * (6 * W + 2 * m["vision_mlp"])
+    return dict(
+        weights_shard=4 * P / gpus,
+        weights_rollout=2 * P if gpus > 1 else 0.0,     # one process: the rollout computes from its fp32 weights
+        reference=2 * P if reference else 0.0,
+        optimizer=8 * P / gpus,
+        grads=4 * P / gpus,
+        kv=kv_blocks * kvcache.BLOCK * kv_bytes_per_token(m) * (1 if gpus > 1 else 1.5),   # one process: fp32 K
+        activations=(2 * (m["params_root"] + m["params_head"]) + flight_tokens * D * 2 * (m["layers"] + 3)
+                     + flight_patches * 2 * (W * m["vision_depth"] + PATCH_VALUES)),
+        backward=max(layer, block) + 4 * P / gpus + (6 * m["params_root"] if gpus > 1 else 0),
+        loss=V * D * 4 + max(V * chunk * (2 + (0 if compiled else 5 * 4)), V * chunk * 2 + V * D * 2)
+             + policy_tokens * D * 2,
+    )
 
 
 def waves(groups_gpu: float, group_kv: float, budget: float) -> tuple[int, int]:
@@ -68,13 +148,19 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     budget = (budget_gb * 2 ** 30) if budget_gb else HBM_GB * 2 ** 30 - weights - workspace_gb * 2 ** 30
     group_kv = ((1 if shared else G) * r["overview_tokens"] + G * suffix) * KV_BYTES_PER_TOKEN
     concurrency, n_waves = waves(prompts_gpu, group_kv, budget)
-    # memory per GPU during the rollout (weights + the K/V of the groups in flight)
+    # memory per GPU, part by part (memory_parts): the rollout holds the resident state, the full bf16 weights and
+    # the K/V of the groups in flight; the update the resident state and one micro-batch (one row) in flight
     prompt_copies = concurrency if shared else concurrency * G
-    kv = (prompt_copies * r["overview_tokens"] + concurrency * G * suffix) * KV_BYTES_PER_TOKEN
-    train_state = PARAMS * (12 + 2) / gpus                              # FSDP-sharded master, moments, grads
-    act_ckpt = rows_gpu * seq * D_MODEL * 2 * LAYERS                    # one bf16 hidden per layer per token (checkpointing)
-    mem_rollout = (weights + kv) / 2 ** 30 + workspace_gb
-    mem_train = (weights / gpus + train_state) / 2 ** 30 + act_ckpt / 2 ** 30 / max(1, rows_gpu)   # one sample in flight
+    sub = r["subagent_calls"] * concurrency * G if r["subagent_tokens"] else 0   # one turn's sub-agents, every row
+    sub_prompt = r["response_tokens"] * 2 if sub else 0                          # a clip prompt: ~2 summaries' worth
+    policy = (r["rounds"] + 1) * r["turn_tokens"]
+    patches = PATCHES_PER_TOKEN * (r["overview_tokens"] + (0 if r["subagent_tokens"] else r["rounds"] * r["response_tokens"]))
+    parts = memory_parts(QWEN3VL_8B, gpus, concurrency, concurrency * G, r["overview_tokens"], suffix, seq, patches,
+                         policy, shared, r["ref_forward"], sub, sub_prompt, r["subagent_tokens"])
+    kv = parts["kv"]
+    resident = parts["weights_shard"] + parts["optimizer"] + parts["reference"]
+    mem_rollout = (resident + parts["weights_rollout"] + kv) / 2 ** 30 + workspace_gb
+    mem_train = (resident + parts["grads"] + parts["activations"] + max(parts["loss"], parts["backward"])) / 2 ** 30
     # rollout time: prefill (FLOPs) + decode (bandwidth), per GPU
     attn = lambda n_tokens, ctx: 4 * LAYERS * D_MODEL * n_tokens * ctx
     prefill_tokens = (prompts_gpu if shared else rows_gpu) * r["overview_tokens"] + rows_gpu * r["rounds"] * r["response_tokens"]
@@ -95,7 +181,8 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
                 group_kv_gb=group_kv / 2 ** 30, concurrency=concurrency, waves=n_waves, kv_gb_per_gpu=kv / 2 ** 30,
                 mem_rollout_gb=mem_rollout, mem_train_gb=mem_train,
                 fits=group_kv <= budget and mem_rollout < HBM_GB and mem_train < HBM_GB,
-                rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s)
+                rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s,
+                parts_gb={k: v / 2 ** 30 for k, v in parts.items()})
 
 
 def main() -> None:
@@ -127,9 +214,10 @@ def main() -> None:
     print(" | ".join("-" * w for w in widths))
     for c in cells:
         print(fmt(c))
+    rnd = lambda v: (round(v, 2) if isinstance(v, float) else {k: round(x, 2) for k, x in v.items()}
+                     if isinstance(v, dict) else v)
     print(json.dumps({"shared_prefix": bool(args.shared_prefix), "mfu": args.mfu, "hbm_efficiency": args.hbm_efficiency,
-                      "recipes": {r["recipe"]: {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()
-                                                if k != "recipe"} for r in rows}}))
+                      "recipes": {r["recipe"]: {k: rnd(v) for k, v in r.items() if k != "recipe"} for r in rows}}))
 
 
 if __name__ == "__main__":

@@ -6,13 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_gpu_script_dry_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARAVT_CACHE": str(tmp_path)}
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--out", str(tmp_path / "gpu.json")],
-                       capture_output=True, text=True, env=env, timeout=300)
+                       capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == json.loads((tmp_path / "gpu.json").read_text())
@@ -25,4 +27,8 @@ def test_gpu_script_dry_run(tmp_path):
         assert ro["sampled_tokens"] > 0 and ro["host_syncs_per_step"] == 1.0
     assert out["train"]["rows"] == 4 and out["train"]["seconds"] > 0
     assert "seconds" in out["loss"]["fused"] and "seconds" in out["loss"]["naive"]
+    parts = out["rehearsal"].get("parts")        # bench/rehearsal.py --ci --ranks 1: every part, beside the plan
+    assert parts, out["rehearsal"]
+    assert parts["optimizer"]["ratio"] == pytest.approx(1.0) and parts["weights_rollout"]["measured_gb"] == 0
+    assert parts["kv"]["ratio"] == pytest.approx(1.0)    # one process: fp32 keys, bf16 values, in whole blocks
     assert out["pytest_gpu"]["returncode"] == 0

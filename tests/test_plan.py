@@ -38,3 +38,47 @@ def test_a_small_budget_means_more_waves_and_more_decode_time():
     big, small = run()["Video-o3"], run("--rollout-memory-gb", "50")["Video-o3"]
     assert (small["concurrency"], small["waves"]) == (1, 4)
     assert small["rollout_s"] > big["rollout_s"] and small["kv_gb_per_gpu"] < big["kv_gb_per_gpu"]
+
+
+def test_memory_parts_kv_counts_whole_blocks_and_one_prompt_copy_per_group():
+    """The K/V part in pool blocks: each sequence rounds up to kvcache.BLOCK tokens; the shared prompt is stored
+    once per group (G copies unshared); a sub-agent is a prompt and a row of its own; one process keeps fp32 keys."""
+    import kvcache
+    m = dict(plan.QWEN3VL_8B, layers=1)
+    per_block = kvcache.BLOCK * plan.kv_bytes_per_token(m)
+    kv = lambda gpus=2, **k: plan.memory_parts(m, gpus, **{**dict(prompts=1, rows=2, overview_tokens=kvcache.BLOCK + 1,
+                                                      suffix_tokens=1, flight_tokens=1, flight_patches=0,
+                                                      policy_tokens=1), **k})["kv"]
+    assert kv() == (2 + 2 * 1) * per_block
+    assert kv(shared=False) == (2 * 2 + 2 * 1) * per_block
+    assert kv(subagents=4, subagent_prompt=kvcache.BLOCK, subagent_tokens=3) == (4 + 4 * 2) * per_block
+    assert kv(gpus=1) == 1.5 * kv()          # one process: fp32 keys beside bf16 values
+
+
+def test_rehearsal_ci_runs_both_steps_and_reports_every_part(tmp_path):
+    """`python bench/rehearsal.py --ci`: the rehearsal of the real run at CI sizes (Qwen's vocabulary and tokenizer,
+    8 KV heads x 128, the paravt preset, --precision bf16, gradient checkpointing, 2 FSDP2 gloo ranks): both tool
+    modes' rollouts with two rounds of parallel crops, the RL update, the SFT step with TDAM; its last line is
+    the JSON of every part measured beside plan.memory_parts, and the parts the plan computes from parameter
+    counts (weights, reference, AdamW, gradients) and the K/V it counts in pool blocks agree with the tensors'
+    bytes and the pool's blocks in use."""
+    import os
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARAVT_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, str(BENCH / "rehearsal.py"), "--ci", "--out", str(tmp_path / "r.json")],
+                       cwd=str(BENCH.parent), capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ranks"] == 2 and len(out["per_rank"]) == 2
+    assert json.loads((tmp_path / "r.json").read_text())["parts"].keys() == out["parts"].keys()
+    parts = out["parts"]
+    assert set(parts) == {"weights_shard", "weights_rollout", "reference", "optimizer", "grads", "kv", "activations",
+                          "backward", "loss"}
+    assert all(p["measured_gb"] > 0 and p["plan_gb"] > 0 for p in parts.values()), parts
+    for k in ("weights_shard", "weights_rollout", "reference", "optimizer", "grads", "kv"):
+        assert parts[k]["ratio"] == pytest.approx(1.0, abs=0.01), (k, parts[k])
+    assert out["kv_pool_gb"] >= parts["kv"]["measured_gb"]
+    z = out["sizes"]
+    assert out["shape"]["vocab"] == 151936 and out["shape"]["kv_heads"] == 8 and out["shape"]["head_dim"] == 128
+    assert z["tokens_interleaved"] > z["tokens_subagent"] > z["overview_tokens"] > 0
+    assert z["subagents_per_turn"] == 2 and z["subagent_tokens"] > 0     # two parallel crops, each a sub-agent
+    assert z["sft_policy_tokens"] > 0 and z["tdam_no_answer"] == 0 and all(v > 0 for v in out["sft_gb"].values())

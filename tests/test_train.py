@@ -772,6 +772,26 @@ def test_bf16_step_moves_the_fp32_master_weights(tdam_batch):
         train.make_optimizer(pure, 1e-6)
 
 
+def test_bf16_tdam_sft_step_on_one_process(tdam_batch):
+    """--precision bf16 on one process (no FSDP: fp32 weights under autocast) with TDAM on, as a single-GPU SFT run
+    does with --tdam-ratio: Qwen3-VL's q / k norms hand the attention fp32 queries and keys beside bf16 values, which
+    the TDAM kernel takes in autocast's dtype as SDPA does; the loss is finite, every decoder weight gets a gradient,
+    and it equals the dense-mask SDPA run's (the same TDAM mask as a 4-D tensor) to bf16 rounding."""
+    trajs, batch = tdam_batch
+    model, processor = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    pad_id, tok = processor.tokenizer.pad_token_id, processor.tokenizer
+    model.train()
+    loss, n = train.sft_backward(model, trajs, 2, pad_id, tdam_tokenizer=tok, compile=False, precision="bf16")
+    assert torch.isfinite(loss) and n > 0
+    layer = model.model.language_model.layers[0]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+    mask = train.tdam_batch_mask(batch, tok, model.config.video_token_id)
+    fresh, _ = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    with torch.no_grad():
+        dense, _ = train.sft_loss(fresh, batch, None, mask, False, None, "bf16")
+    assert float(loss) == pytest.approx(float(dense), rel=2e-2)
+
+
 def test_bf16_checkpoint_exports_bf16_and_resumes_the_fp32_master_weights(tmp_path, tdam_batch):
     """Trained in bf16, a checkpoint's Hugging Face export (model.safetensors, config dtype) is bf16, what a
     serving stack loads; its train_state keeps the fp32 master weights and fp32 AdamW moments, and a resumed run

@@ -1,0 +1,460 @@
+"""
+A rehearsal of the real run: one RL step and one SFT step of the paravt preset as train.py runs them on an 8B
+checkpoint, at the real sequence lengths, with --precision bf16 and gradient checkpointing on 2 gloo ranks
+(FSDP2), the peak memory of each part measured beside bench/plan.py's projection (`plan.memory_parts`) for the
+same sizes.
+
+    python bench/rehearsal.py                    # CPU, 2 ranks, the real lengths (~16k-token overview)
+    python bench/rehearsal.py --ci               # under a minute: tiny widths, a small video (tests/test_plan.py)
+    python bench/rehearsal.py --ranks 1 --device cuda --hidden 4096 --mlp 12288 --heads 32 --text-layers 4
+
+What runs, through train.py's own functions:
+  model     model.qwen3vl_config("8b") with --text-layers decoder layers, --vision-depth vision blocks and the text
+            width cut to --hidden / --mlp / --heads (query heads) so two ranks fit a 24 GB machine; kept: vocab
+            151,936 with Qwen's tokenizer and ids, 8 KV heads x head_dim 128, M-RoPE, the vision tower's width.
+            Written as a checkpoint, loaded by train.policy_model (fp32 master weights, FSDP2 with the bf16
+            mixed-precision policy, gradient checkpointing); ParaVT's reference model in bf16
+            (runtime.reference_model)
+  video     --size pixels, --duration seconds, written here; the paravt overview: 64 frames at the rollout's own
+            budget (about 16k visual tokens at 1280x720); crops at the preset's levels
+  RL step   train.collect_groups in each tool mode (subagent, then interleaved), G = 2 rows a rank, a scripted
+            policy (the real sampler runs; its draws are replaced by two tool rounds of two parallel crop_video
+            calls, then the answer: A on sample 0, B on sample 1, so the advantages differ), the rewards, the k1
+            KL in the reward; then one train.policy_update over both modes' rows (micro-batch 2: a group in flight)
+  SFT step  train.sft_backward on the same scripted interleaved trajectory, TDAM on (--tdam), then AdamW
+Measured per rank (CPU: the process's resident memory sampled every 2 ms, and tensors' own bytes; CUDA: the
+allocator's counters), projected by plan.memory_parts from this run's own token counts:
+  weights_shard, weights_rollout, reference, optimizer, grads   the tensors' bytes (master shard fp32, all-gathered
+               bf16 weights in the rollout, the bf16 reference, AdamW's moments, the fp32 gradient shards)
+  kv           the rollout's K/V: the most pool blocks in use at once (kvcache.BlockPool.peak) x the bytes of a
+               block over all layers, the larger of the two tool modes; `kv_pool` beside it: the pool's
+               allocated bytes (the engine sizes it from the memory budget and the queued work's worst case)
+  activations  what a training forward keeps for backward (memory at its end minus at its start), largest
+               micro-batch
+  backward     the peak above its start during a backward (the recomputed layer, the gradients), largest
+  loss         the peak above its start during the fused loss (grpo_loss; torch.compile on CUDA as train.py's
+               default, eager on CPU)
+The last line printed is one JSON object: measured, projected and their ratio per part, and the sizes.
+"""
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+import threading
+import time
+
+import torch
+from common import print_json, rss_mb, table  # bench/common.py (puts the repo on sys.path)
+
+import kvcache
+import model as model_lib
+import plan
+import rollout
+import runtime
+import train
+import video
+
+RECORD = {"id": "rehearsal", "video": "rehearsal.mp4", "question": "Which colour fills the frame first?",
+          "options": ["red", "green", "blue", "yellow"], "task": "mcq", "answer": "A"}
+SAMPLE_SEED = 0                       # Run.seed: the scripted rows are found by their sampling seeds
+GROUP = 2                             # rows a rank samples (one prompt a rank)
+PARTS = ("weights_shard", "weights_rollout", "reference", "optimizer", "grads", "kv", "activations", "backward",
+         "loss")
+
+# -----------------------------------------------------------------------------
+# the scripted policy and the inputs
+
+
+def call(start: float, end: float) -> str:
+    return ('<tool_call>\n{"name": "crop_video", "arguments": {"start_time": %.1f, "end_time": %.1f}}\n</tool_call>'
+            % (start, end))
+
+
+def turns(duration: float, answer: str) -> list[str]:
+    """Two tool rounds of two parallel calls each, then the answer (after the forced "<think>\\n")."""
+    d = duration
+    return [f"Two moments to check.\n</think>\n{call(d / 8, d / 4)}\n{call(d / 2, d * 5 / 8)}",
+            f"Closer on both.\n</think>\n{call(d / 8, d / 8 + 2)}\n{call(d / 2, d / 2 + 2)}",
+            f"The first clip shows it.\n</think>\n<answer>{answer}</answer>"]
+
+
+class Script:
+    """Stand-in for rollout.sample_tokens: the real sampler runs (its cost counted), then each main row's draw
+    is replaced by the next token of its scripted turn, each sub-agent row's by a short summary."""
+
+    def __init__(self, tokenizer, duration: float, main_seeds: dict):
+        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] + [end]
+        self.turns = {s: [enc(t) for t in turns(duration, "AB"[s % 2])] for s in set(main_seeds.values())}
+        self.main, self.sub, self.pos, self.sample = main_seeds, enc("A plain coloured frame."), {}, rollout.sample_tokens
+
+    def __call__(self, logits, seeds, counters, temperature, top_p):
+        drawn = self.sample(logits, seeds, counters, temperature, top_p)
+        out = []
+        for seed in seeds.tolist():
+            turn, p = self.pos.get(seed, (0, 0))
+            toks = self.turns[self.main[seed]][min(turn, 2)] if seed in self.main else self.sub
+            self.pos[seed] = (turn + 1, 0) if p + 1 == len(toks) else (turn, p + 1)
+            out.append(toks[p])
+        return torch.tensor(out, device=drawn.device)
+
+
+def write_video(root: str, size: tuple[int, int], duration: float) -> None:
+    """RECORD's video: `duration` s at 2 fps, `size` (W, H), a colour field that drifts (cheap to encode)."""
+    w, h = size
+    n = int(duration * 2)
+    t = torch.linspace(0, 1, n)[:, None, None, None]
+    y, x = torch.linspace(0, 1, h)[None, None, :, None], torch.linspace(0, 1, w)[None, None, None, :]
+    rgb = torch.tensor([0.9, 0.4, 0.2])[None, :, None, None]
+    frames = (255 * (0.5 + 0.5 * torch.sin(6.28 * (x * rgb + y * (1 - rgb) + t)))).to(torch.uint8)
+    video.write_video(os.path.join(root, RECORD["video"]), frames, fps=2.0)
+
+
+def build_checkpoint(path: str, args) -> None:
+    """The cut Qwen3-VL-8B (random weights, fp32) and its processor, saved where train.policy_model loads it."""
+    text = dict(hidden_size=args.hidden, intermediate_size=args.mlp, num_attention_heads=args.heads)
+    vision = dict(hidden_size=args.vision_width, intermediate_size=args.vision_mlp) if args.vision_width else None
+    config = model_lib.qwen3vl_config("8b", text_layers=args.text_layers, vision_depth=args.vision_depth,
+                                      text_overrides=text, vision_overrides=vision)
+    model, processor = model_lib.build_qwen3vl(config, dtype=torch.float32, seed=0)
+    model_lib.save_model(model, processor, path)
+
+
+# -----------------------------------------------------------------------------
+# measuring
+
+
+class Meter:
+    """Memory now and its peak since `reset`: CUDA's allocator counters, or on CPU the resident set size sampled
+    every 2 ms by a thread (everything a phase allocates, tensors and buffers, is resident there)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.peak = self.now()
+        self.stop = threading.Event()
+        if not self.cuda:
+            threading.Thread(target=self._sample, daemon=True).start()
+
+    def now(self) -> float:
+        return torch.cuda.memory_allocated() if self.cuda else rss_mb() * 2 ** 20
+
+    def _sample(self):
+        while not self.stop.wait(0.002):
+            self.peak = max(self.peak, self.now())
+
+    def reset(self) -> float:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.peak = self.now()
+        return self.peak
+
+    def peak_since(self, start: float) -> float:
+        peak = torch.cuda.max_memory_allocated() if self.cuda else max(self.peak, self.now())
+        return peak - start
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages (a DTensor: its local shard)."""
+    seen, total = set(), 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if t.numel() and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+@contextlib.contextmanager
+def pools():
+    """The K/V pools (kvcache.BlockPool) the rollouts inside create, in a list: each one's `peak` (the most blocks
+    in use at once), `n_blocks` and `nbytes()` are read after the rollout. The list holds them until the block
+    ends (their memory too)."""
+    made, init = [], kvcache.BlockPool.__init__
+
+    def record(pool, *a, **k):
+        init(pool, *a, **k)
+        made.append(pool)
+    kvcache.BlockPool.__init__ = record
+    try:
+        yield made
+    finally:
+        kvcache.BlockPool.__init__ = init
+
+
+def pool_bytes(pool) -> tuple[int, int]:
+    """(bytes of the most blocks in use at once, bytes allocated) of one pool, over all its layers."""
+    total = pool.nbytes()
+    return pool.peak * total // max(1, pool.n_blocks), total
+
+
+@contextlib.contextmanager
+def phases(meter: Meter, out: dict):
+    """Per training micro-batch: activations (kept by the forward), loss (the fused loss's peak) and backward (its
+    peak), each the largest seen, by wrapping train.forward_hidden, train.grpo_loss / sft_token_loss and
+    Tensor.backward for the duration."""
+    saved = train.forward_hidden, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward
+
+    def forward_hidden(*a, **k):
+        start = meter.reset()
+        result = saved[0](*a, **k)
+        out["activations"] = max(out.get("activations", 0), meter.now() - start)
+        out["flight_tokens"] = max(out.get("flight_tokens", 0), int(a[1]["attention_mask"].sum()))
+        pixels = a[1].get("pixel_values_videos")
+        out["flight_patches"] = max(out.get("flight_patches", 0), 0 if pixels is None else int(pixels.shape[0]))
+        return result
+
+    def measured(fn, mask_arg: int):
+        def wrapped(*a, **k):
+            start = meter.reset()
+            result = fn(*a, **k)
+            out["loss"] = max(out.get("loss", 0), meter.peak_since(start))
+            out["policy_tokens"] = max(out.get("policy_tokens", 0), int(a[mask_arg].sum()))
+            return result
+        return wrapped
+
+    def backward(tensor, *a, **k):
+        start = meter.reset()
+        saved[3](tensor, *a, **k)
+        out["backward"] = max(out.get("backward", 0), meter.peak_since(start))
+
+    train.forward_hidden, torch.Tensor.backward = forward_hidden, backward
+    train.grpo_loss, train.sft_token_loss = measured(saved[1], 5), measured(saved[2], 3)   # the args' masks
+    try:
+        yield
+    finally:
+        train.forward_hidden, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward = saved
+
+
+# -----------------------------------------------------------------------------
+# one rank
+
+
+def sft_messages(duration: float, video_name: str) -> list[dict]:
+    """The scripted interleaved episode as a recorded trajectory: each turn, then its clips as the tool's turn."""
+    msgs = []
+    for i, text in enumerate(turns(duration, "A")):
+        msgs.append({"role": "assistant", "content": rollout.THINK_PREFIX + text})
+        for c in rollout.parse_tool_calls(text) if i < 2 else []:
+            a, b = c.arguments["start_time"], c.arguments["end_time"]
+            msgs.append({"role": "tool", "content": [{"type": "video", "video": video_name, "video_start": a,
+                                                      "video_end": b}]})
+    return msgs
+
+
+def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_dir: str) -> None:
+    """One rank of the rehearsal: the RL step, then the SFT step; writes out_dir/rank<r>.json."""
+    torch.set_num_threads(args.threads)
+    if world > 1:
+        os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        torch.distributed.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=rank, world_size=world)
+    device = torch.device(args.device if args.device == "cpu" else f"cuda:{rank}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    targs = runtime.parse_args(["--model", ckpt, "--preset", "paravt", "--group-size", str(GROUP),
+                                "--prompts-per-step", str(world), "--gating", "0", "--precision", "bf16",
+                                "--device", device.type, "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), "--micro-batch",
+                                str(GROUP), "--run-dir", os.path.join(out_dir, "run")])
+    meter, m = Meter(device), {}
+    t0 = time.time()
+    model, processor = train.policy_model(ckpt, device, targs.precision, world, 0, targs.grad_checkpointing)
+    tok, pad_id = processor.tokenizer, processor.tokenizer.pad_token_id
+    m["weights_shard"] = tensor_bytes(model.parameters())
+    ref = runtime.reference_model(targs.run_dir, ckpt, False, device, 0, train.PRECISION[targs.precision])
+    m["reference"] = tensor_bytes(ref.parameters())
+    run = runtime.Run(targs.run_dir, rank, world, SAMPLE_SEED, 10 ** 6, 0, False, 1.0)
+    run.processor = processor
+    s, cfg = train.grpo_settings(targs), train.rollout_config(targs)
+    rec = dict(RECORD, duration=args.duration)
+    seed = SAMPLE_SEED * 1_000_003 + 1 * 101 + rank                    # collect_groups' seed at step 1, draw 0
+    script = Script(tok, args.duration, {rollout.row_seed(seed, 0, g): g for g in range(s.group_size)})
+    optimizer = train.make_optimizer(model, targs.lr, targs.vision_lr_scale)
+    items, sizes, timing = [], {}, {"build_s": time.time() - t0}
+    think = len(tok(rollout.THINK_PREFIX, add_special_tokens=False)["input_ids"])   # in the prompt's chunk
+    m["kv"], m["kv_pool"] = 0, 0
+    model.eval()
+    rollout.sample_tokens = script
+    try:
+        for mode in ("subagent", "interleaved"):
+            t0 = time.time()
+            with pools() as made, runtime.full_weights(model):
+                m["weights_rollout"] = tensor_bytes(model.parameters()) if world > 1 else 0   # 1: the master
+                g = train.collect_groups(run, model, ref, processor, [rec], root,
+                                         dataclasses.replace(cfg, tool_mode=mode), s, 1, pad_id)
+                used, allocated = (max(x) for x in zip(*(pool_bytes(p) for p in made)))
+            m["kv"], m["kv_pool"] = max(m["kv"], used), max(m["kv_pool"], allocated)
+            sizes[f"kv_blocks_{mode}"] = max(p.peak for p in made)
+            script.pos.clear()
+            bad = [t.error or t.answer for t in g.trajs if t.error or t.n_calls != 4 or t.answer not in "AB"]
+            if bad:
+                raise RuntimeError(f"{mode}: the scripted episode did not run as written: {bad}")
+            items += g.items
+            timing[f"rollout_{mode}_s"] = time.time() - t0
+            sizes[f"tokens_{mode}"] = max(len(t.token_ids) for t in g.trajs)
+            sizes["overview_tokens"], sizes["group"] = g.trajs[0].prompt_len + think, s.group_size
+            sizes[f"suffix_{mode}"] = max(len(t.token_ids) - t.prompt_len - think for t in g.trajs)
+            subs = [sub for t in g.trajs for sub in t.subagents]
+            if subs:
+                sizes["subagent_prompt"] = max(sub.prompt_len for sub in subs)
+                sizes["subagent_tokens"] = max(len(sub.token_ids) - sub.prompt_len for sub in subs)
+                sizes["subagents_per_turn"] = max(len(c) for t in g.trajs for c in t.calls)
+    finally:
+        rollout.sample_tokens = script.sample
+    grads = {}
+
+    def step(loss):
+        grads["grads"] = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        return run.optimizer_step(model, optimizer, loss, "rl", 1, [])
+
+    model.train()
+    t0 = time.time()
+    with phases(meter, m):
+        gn, _ = train.policy_update(model, ref, optimizer, items, s, pad_id, tok, world, items[0][0], step)
+    timing["rl_update_s"] = time.time() - t0
+    m["grads"], m["optimizer"] = grads["grads"], tensor_bytes(v for st in optimizer.state.values() for v in st.values()
+                                                               if torch.is_tensor(v) and v.dim())
+    sizes["rl_flight_tokens"], sizes["rl_policy_tokens"] = m.pop("flight_tokens"), m.pop("policy_tokens")
+    sizes["rl_flight_patches"] = m.pop("flight_patches")
+    sizes["rl_grad_norm"] = gn
+    # the SFT step: the scripted interleaved episode as a recorded trajectory, TDAM on, gradient checkpointing
+    sft_items = [rollout.encode_messages(processor, rec, sft_messages(args.duration, rec["video"]), root,
+                                         dataclasses.replace(cfg, tool_mode="interleaved"))]
+    del optimizer
+    sft_opt = train.make_optimizer(model, targs.sft_lr, targs.vision_lr_scale)
+    sft = {}
+    t0 = time.time()
+    with phases(meter, sft):
+        loss, n_tok = train.sft_backward(model, sft_items, 1, pad_id, None, tok if args.tdam else None, False,
+                                         run.counters, targs.precision)
+    run.optimizer_step(model, sft_opt, loss, "sft", 1, [])
+    timing["sft_step_s"] = time.time() - t0
+    sizes["sft_tokens"], sizes["sft_policy_tokens"] = len(sft_items[0].token_ids), n_tok
+    sizes["sft_patches"] = sft.pop("flight_patches")
+    sizes["tdam_no_answer"] = run.counters.get("tdam_no_answer", 0)
+    sft.pop("flight_tokens"), sft.pop("policy_tokens")
+    text = model.model.language_model
+    count = lambda mod: sum(p.numel() for p in mod.parameters())
+    sizes["params_head"], sizes["params_layers"] = count(model.lm_head), count(text.layers)
+    sizes["params_root"] = count(model) - sizes["params_head"] - sizes["params_layers"] - count(text.norm)
+    sizes["params_vision"] = count(model.model.visual)
+    result = dict(rank=rank, measured=m, sft=sft, sizes=sizes, timing=timing,
+                  params=model_lib.count_parameters(model),
+                  text_params=sum(p.numel() for n, p in model.named_parameters() if ".visual." not in f".{n}"),
+                  peak_rss_gb=rss_mb() / 1024)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# the projection and the report
+
+
+def shape(r: dict, args) -> dict:
+    """The model shape plan.memory_parts takes (plan.QWEN3VL_8B's keys) of this run's cut checkpoint."""
+    z = r["sizes"]
+    return dict(layers=args.text_layers, d_model=args.hidden, q_dim=args.heads * 128, kv_dim=8 * 128, mlp=args.mlp,
+                vocab=model_lib.QWEN_VOCAB_SIZE, params=r["params"], text_params=r["text_params"],
+                params_root=z["params_root"], params_head=z["params_head"], vision_width=args.vision_width or 1152,
+                vision_depth=args.vision_depth, vision_mlp=args.vision_mlp or 4304)
+
+
+def project(r: dict, args, world: int) -> dict:
+    """plan.memory_parts at this run's sizes (its model's widths and parameter counts, its token counts); the
+    K/V: the larger of the two tool modes' (interleaved: the clips in the suffix; sub-agent: one turn's
+    sub-agents beside the rows)."""
+    z, m = r["sizes"], shape(r, args)
+    common = dict(flight_tokens=z["rl_flight_tokens"], flight_patches=z["rl_flight_patches"],
+                  policy_tokens=z["rl_policy_tokens"], shared=True, reference=True, compiled=args.device == "cuda")
+    kv = lambda suffix, **sub: plan.memory_parts(m, world, prompts=1, rows=z["group"],
+                                                 overview_tokens=z["overview_tokens"], suffix_tokens=suffix,
+                                                 **common, **sub)
+    inter = kv(z["suffix_interleaved"])
+    sub = kv(z["suffix_subagent"], subagents=z["group"] * z.get("subagents_per_turn", 0),
+             subagent_prompt=z.get("subagent_prompt", 0), subagent_tokens=z.get("subagent_tokens", 0))
+    return dict(inter, kv=max(inter["kv"], sub["kv"]))
+
+
+def report(ranks: list[dict], args) -> dict:
+    """The table, a line on the SFT step, and the last-line JSON (the ranks' raw figures in it, for --from-json)."""
+    r0 = ranks[0]
+    measured = {k: max(r["measured"][k] for r in ranks) for k in r0["measured"]}
+    projected = project(r0, args, args.ranks)
+    gb = lambda b: b / 2 ** 30
+    ratio = lambda k: measured[k] / projected[k] if projected[k] else None
+    rows = [[k, gb(measured[k]), gb(projected[k]), ratio(k) or float("nan")] for k in PARTS]
+    print(table(rows, ["part (per rank)", "measured GB", "plan GB", "ratio"]))
+    print(f"K/V pool allocated: {gb(measured['kv_pool']):.3f} GB (the blocks in use at their most: "
+          f"{gb(measured['kv']):.3f} GB)")
+    sft = {k: gb(max(r["sft"].get(k, 0) for r in ranks)) for k in ("activations", "backward", "loss")}
+    print("SFT step (GB):", json.dumps({k: round(v, 3) for k, v in sft.items()}), "| sizes:", json.dumps(r0["sizes"]),
+          "| seconds:", json.dumps({k: round(v, 1) for k, v in r0["timing"].items()}), flush=True)
+    summary = dict(ci=args.ci, ranks=args.ranks, device=args.device, params=r0["params"], sizes=r0["sizes"],
+                   shape=dict(text_layers=args.text_layers, vision_depth=args.vision_depth, hidden=args.hidden,
+                              mlp=args.mlp, heads=args.heads, kv_heads=8, head_dim=128,
+                              vision_width=args.vision_width or 1152, vocab=model_lib.QWEN_VOCAB_SIZE,
+                              video=args.size, duration=args.duration),
+                   parts={k: dict(measured_gb=gb(measured[k]), plan_gb=gb(projected[k]), ratio=ratio(k))
+                          for k in PARTS},
+                   kv_pool_gb=gb(measured["kv_pool"]), sft_gb=sft, timing=r0["timing"],
+                   peak_rss_gb=max(r["peak_rss_gb"] for r in ranks),
+                   args={k: v for k, v in vars(args).items() if k not in ("out", "from_json")}, per_rank=ranks)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    print_json(summary)
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ci", action="store_true", help="tiny widths and a small video: under a minute (CI)")
+    ap.add_argument("--ranks", type=int, default=2, help="processes (gloo on CPU, nccl on CUDA)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--text-layers", type=int, default=2, help="decoder layers (8B: 36)")
+    ap.add_argument("--vision-depth", type=int, default=2, help="vision blocks (8B: 27)")
+    ap.add_argument("--hidden", type=int, default=1024, help="text hidden size (8B: 4096)")
+    ap.add_argument("--mlp", type=int, default=3072, help="text MLP size (8B: 12288)")
+    ap.add_argument("--heads", type=int, default=8, help="query heads of 128 (8B: 32; KV heads stay 8)")
+    ap.add_argument("--vision-width", type=int, default=0, help="vision hidden size (0: the published 1152)")
+    ap.add_argument("--vision-mlp", type=int, default=0, help="vision MLP size (with --vision-width)")
+    ap.add_argument("--size", default="1280x720", help="the video's W x H (the overview's budget decides the tokens)")
+    ap.add_argument("--duration", type=float, default=64.0, help="the video's seconds")
+    ap.add_argument("--tdam", type=int, default=1, help="1: the SFT step with TDAM masks")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--from-json", metavar="JSON", help="report again from a run's --out (its measurements, today's plan)")
+    args = ap.parse_args()
+    if args.from_json:
+        saved = json.load(open(args.from_json))
+        args.__dict__.update(saved["args"])
+        report(saved["per_rank"], args)
+        return
+    if args.ci:
+        args.text_layers, args.vision_depth, args.hidden, args.mlp, args.heads = 2, 1, 256, 512, 8
+        args.vision_width, args.vision_mlp, args.size, args.duration = 64, 128, "128x96", 16.0
+    try:
+        size = tuple(int(x) for x in args.size.split("x"))
+    except ValueError:
+        raise SystemExit(f"bench/rehearsal.py: --size must be WxH (e.g. 1280x720), got {args.size!r}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt, root, out_dir = (os.path.join(tmp, d) for d in ("ckpt", "videos", "out"))
+        for d in (root, out_dir):
+            os.makedirs(d)
+        write_video(root, size, args.duration)
+        build_checkpoint(ckpt, args)
+        if args.ranks > 1:
+            torch.multiprocessing.spawn(rank_main, args=(args.ranks, runtime.find_free_port(), args, ckpt, root, out_dir),
+                                        nprocs=args.ranks)
+        else:
+            rank_main(0, 1, 0, args, ckpt, root, out_dir)
+        ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(args.ranks)]
+    report(ranks, args)
+
+
+if __name__ == "__main__":
+    main()
