@@ -73,10 +73,14 @@ def blocks_for(tokens: int) -> int:
 
 
 def kv_bytes_per_token(model) -> int:
-    """Bytes of K and V one token costs over all text layers, from the config and the parameters' dtype."""
+    """Bytes of K and V one token costs over all text layers, from the config and the dtype the pool stores
+    (autocast's when it is on, e.g. bf16 on fp32 master weights; else the parameters')."""
     c = model.config.get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+    p = next(model.parameters())
+    on = p.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(p.device.type)
+    size = torch.get_autocast_dtype(p.device.type).itemsize if on else p.element_size()
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * size
 
 
 def _on(device, xs) -> torch.Tensor:
@@ -130,11 +134,13 @@ class BlockPool:
         self.n_blocks += n
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (N, kv_heads, head_dim) into `slots` (N,) of layer `layer`."""
+        """k, v (N, kv_heads, head_dim) into `slots` (N,) of layer `layer`. Both are stored in the values' dtype:
+        under autocast on fp32 weights Qwen3-VL's k-norm returns fp32 keys beside bf16 values, which would make the
+        pool 1.5 times its bf16 size (training's attention reads the keys in bf16 there too, as SDPA casts them)."""
         if layer == len(self.k):
-            self.k.append(k.new_zeros(self.n_blocks * BLOCK, *k.shape[1:]))
+            self.k.append(v.new_zeros(self.n_blocks * BLOCK, *k.shape[1:]))
             self.v.append(v.new_zeros(self.n_blocks * BLOCK, *v.shape[1:]))
-        self.k[layer].index_copy_(0, slots, k)
+        self.k[layer].index_copy_(0, slots, k.to(v.dtype))
         self.v[layer].index_copy_(0, slots, v)
 
     def nbytes(self) -> int:

@@ -13,9 +13,8 @@ Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x
 - optimizer: AdamW's two fp32 moments (8 B/param / GPUs); gradients: fp32 shards (4 B/param / GPUs: FSDP2
   reduce-scatters in fp32 into the fp32 master);
 - KV cache: layers x kv_heads x head_dim x 2 (K and V) x 2 B (bf16) = 144 KiB per token on 8B, in pool blocks of
-  kvcache.BLOCK tokens (a sequence holds ceil(tokens / BLOCK) blocks; 1.5 times that on one GPU, where the
-  rollout runs on the fp32 master weights under autocast: K comes out of the k-norm and rope in fp32, V out of
-  its projection in bf16). With the shared prompt cache (kvcache
+  kvcache.BLOCK tokens (a sequence holds ceil(tokens / BLOCK) blocks; bf16 on one GPU too, where the rollout
+  runs on the fp32 master weights under autocast: the pool stores the keys in the values' dtype). With the shared prompt cache (kvcache
   GroupKV) a prompt's overview is stored once per group, each row only its suffix; without it, G times; a
   sub-agent (ParaVT) is a sequence pair of its own (its clip prompt, its summary) while its caller waits;
 - activations, what a training forward keeps for its backward (gradient checkpointing, one micro-batch in
@@ -118,7 +117,7 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
         reference=2 * P if reference else 0.0,
         optimizer=8 * P / gpus,
         grads=4 * P / gpus,
-        kv=kv_blocks * kvcache.BLOCK * kv_bytes_per_token(m) * (1 if gpus > 1 else 1.5),   # one process: fp32 K
+        kv=kv_blocks * kvcache.BLOCK * kv_bytes_per_token(m),
         activations=(2 * (m["params_root"] + m["params_head"]) + flight_tokens * D * 2 * (m["layers"] + 3)
                      + flight_patches * 2 * (W * m["vision_depth"] + PATCH_VALUES)),
         backward=max(layer, block) + 4 * P / gpus + (6 * m["params_root"] if gpus > 1 else 0),

@@ -446,3 +446,24 @@ def test_forward_hidden_with_parallel_clips_in_one_turn(tiny, split):
         ref = model.model(**plain, use_cache=False).last_hidden_state
         out = rollout.forward_hidden(model, shared)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_autocast_pool_stores_keys_in_the_values_dtype(tiny):
+    """One process runs bf16 by autocast on fp32 weights, where Qwen3-VL's k-norm returns fp32 keys beside bf16
+    values: the pool stores both in bf16 (it held fp32 keys: 1.5x the bytes), the budget's bytes per token are
+    bf16's, and the logits still match a plain autocast forward."""
+    model, processor = tiny
+    text = _text(model, 5)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    fp32 = kvcache.kv_bytes_per_token(model)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert kvcache.kv_bytes_per_token(model) * 2 == fp32
+        kv = kvcache.GroupKV(model, "cpu", 8)
+        prompt = text(12)
+        (p,), logits = kv.add_prompts(model, [prompt], pad)
+        assert {t.dtype for t in kv.pool.k + kv.pool.v} == {torch.bfloat16}
+        rows = kv.fork(p, 2)
+        chunks = [text(3), text(5)]
+        out = kv.extend(model, rows, chunks, pad)
+        for j, c in enumerate(chunks):
+            torch.testing.assert_close(out[j].float(), _alone(model, [prompt, c]).float(), atol=0.1, rtol=0)

@@ -42,7 +42,7 @@ def test_a_small_budget_means_more_waves_and_more_decode_time():
 
 def test_memory_parts_kv_counts_whole_blocks_and_one_prompt_copy_per_group():
     """The K/V part in pool blocks: each sequence rounds up to kvcache.BLOCK tokens; the shared prompt is stored
-    once per group (G copies unshared); a sub-agent is a prompt and a row of its own; one process keeps fp32 keys."""
+    once per group (G copies unshared); a sub-agent is a prompt and a row of its own; one process stores bf16 keys too."""
     import kvcache
     m = dict(plan.QWEN3VL_8B, layers=1)
     per_block = kvcache.BLOCK * plan.kv_bytes_per_token(m)
@@ -52,7 +52,7 @@ def test_memory_parts_kv_counts_whole_blocks_and_one_prompt_copy_per_group():
     assert kv() == (2 + 2 * 1) * per_block
     assert kv(shared=False) == (2 * 2 + 2 * 1) * per_block
     assert kv(subagents=4, subagent_prompt=kvcache.BLOCK, subagent_tokens=3) == (4 + 4 * 2) * per_block
-    assert kv(gpus=1) == 1.5 * kv()          # one process: fp32 keys beside bf16 values
+    assert kv(gpus=1) == kv()                # one process: keys stored in the values' bf16
 
 
 def test_rehearsal_ci_runs_both_steps_and_reports_every_part(tmp_path):
