@@ -41,6 +41,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -155,10 +156,11 @@ class _Seq:
     next_pos: int = 0
     prompt: int = -1
 
-    def slots(self, start: int, n: int) -> torch.Tensor:
-        """Pool slots of this sequence's tokens start .. start + n - 1."""
-        t = torch.arange(start, start + n)
-        return torch.tensor(self.blocks, dtype=torch.long)[t // BLOCK] * BLOCK + t % BLOCK
+    def slots(self, start: int, n: int) -> list[int]:
+        """Pool slots of this sequence's tokens start .. start + n - 1 (host ints: a decode step's one slot per row
+        costs no tensor op)."""
+        b = self.blocks
+        return [b[t // BLOCK] * BLOCK + t % BLOCK for t in range(start, start + n)]
 
     def run(self) -> int | None:
         """The first slot if the blocks are consecutive (the K/V is then a view of the pool), else None."""
@@ -182,6 +184,7 @@ class _Forward:
     ptables: torch.Tensor | None = None  # (n, nbp) the blocks of each row's small prompt (0-padded)
     qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
     keys: torch.Tensor | None = None     # (n, span) the pool slot of each row's keys (first layer)
+    seen: torch.Tensor | None = None     # (n, 1, 1, span) a decode step's mask: key j < end (first layer)
 
 
 class GroupKV:
@@ -285,7 +288,7 @@ class GroupKV:
             vision = dict(pixel_values_videos=torch.cat(pixels).to(self.device, dtype),
                           video_grid_thw=torch.cat(grids).to(self.device))
         if prompt_mode:
-            fwd = _Forward(True, _on(self.device, torch.cat([s.slots(0, ln) for s, ln in zip(seqs, lengths)])),
+            fwd = _Forward(True, _on(self.device, [t for s, ln in zip(seqs, lengths) for t in s.slots(0, ln)]),
                            self._take(lengths, L))
         else:
             fwd = self._rows_forward(seqs, lengths)
@@ -319,7 +322,7 @@ class GroupKV:
             if not joined:
                 members.setdefault(s.prompt, []).append(i)
         pad = lambda rows: [r + [0] * (max(map(len, rows)) - len(r)) for r in rows]
-        fwd = _Forward(False, _on(self.device, torch.cat([s.slots(s.length, ln) for s, ln in zip(seqs, lengths)])),
+        fwd = _Forward(False, _on(self.device, [t for s, ln in zip(seqs, lengths) for t in s.slots(s.length, ln)]),
                        self._take(lengths, max(lengths)), _on(self.device, pad([s.blocks for s in seqs])),
                        _on(self.device, [o + s.length for o, s in zip(off, seqs)]),
                        end_host=[o + s.length + ln for o, s, ln in zip(off, seqs, lengths)])
@@ -383,19 +386,27 @@ class GroupKV:
         if fwd.qpos is None:                               # the (g, l) order of qg; the same for every layer
             fwd.qpos = fwd.start[:, None] + torch.arange(g * l, device=q.device) % l
             fwd.keys = self._key_slots(fwd, max(fwd.end_host))
+            if l == 1:                                     # decode: row i sees its keys j < end[i] (its one query)
+                fwd.seen = (torch.arange(fwd.keys.shape[1], device=q.device) < fwd.end[:, None])[:, None, None]
         # [small prompt ;] own suffix, causal, read through the block tables in slabs of rows
         step = max(1, SCORES_BUDGET // (max(fwd.end_host) * Hkv * d))
         o_s, l_s = [], []
         for a in range(0, n, step):
             b = min(n, a + step)
-            keys = fwd.keys[a:b, :max(fwd.end_host[a:b])]
-            K, V = pool_k[keys].transpose(1, 2), pool_v[keys].transpose(1, 2)                  # (rows, Hkv, span, d)
+            span = max(fwd.end_host[a:b])
+            K, V = (_gather(pool, fwd.keys[a:b, :span]).transpose(1, 2) for pool in (pool_k, pool_v))   # (rows, Hkv, span, d)
+            if l == 1 and not fwd.runs:                    # decode, nothing to merge: one fused call, no LSE
+                seen = None if b - a == 1 else fwd.seen[a:b, :, :, :span]
+                o_s.append(F.scaled_dot_product_attention(qg[a:b].float(), K.float(), V.float(), attn_mask=seen,
+                                                          scale=scale))
+                continue
             o, lse = _attend(qg[a:b], K, V, scale, fwd.qpos[a:b], fwd.end[a:b])
             o_s.append(o)
             l_s.append(lse)
-        o_s, l_s = torch.cat(o_s), torch.cat(l_s)
+        o_s = o_s[0] if len(o_s) == 1 else torch.cat(o_s)
         if not fwd.runs:
             return o_s.to(q.dtype).reshape(n, H, l, d).transpose(1, 2)
+        l_s = l_s[0] if len(l_s) == 1 else torch.cat(l_s)
         # a large prompt: the rows of a prompt batched as queries against its one K/V (the other rows' prompt part
         # is empty: weight 0 in the merge)
         o_p, l_p = torch.zeros_like(o_s), torch.full_like(l_s, float("-inf"))
@@ -405,7 +416,7 @@ class GroupKV:
                 K, V = pool_k[first:first + prompt.length], pool_v[first:first + prompt.length]
             else:
                 slots = fwd.prompt_slots[id(prompt)]
-                K, V = pool_k[slots], pool_v[slots]
+                K, V = _gather(pool_k, slots), _gather(pool_v, slots)
             qr = qg[rows]                                   # (r, Hkv, gl, d) -> (1, Hkv, r * gl, d)
             r = qr.shape[0]
             o, lse = _attend(qr.transpose(0, 1).reshape(1, Hkv, r * g * l, d), K.transpose(0, 1)[None],
@@ -414,6 +425,12 @@ class GroupKV:
             l_p[rows] = lse.reshape(Hkv, r, g * l, 1).transpose(0, 1)
         out = _merge(o_p, l_p, o_s, l_s).to(q.dtype)
         return out.reshape(n, H, l, d).transpose(1, 2)
+
+
+def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool (slots, ...) rows at `slots` (any shape) -> slots.shape + pool.shape[1:]. index_select on the flat
+    slots: on the CPU about 7 times faster than advanced indexing (pool[slots]) for a decode step's slabs."""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
 
 
 def _attend(q, k, v, scale, qpos=None, kend=None):

@@ -357,18 +357,20 @@ def clip_tokens(max_frames: int, max_pixels: int | None, factor: int) -> int:
     return visual + n * TEXT_PER_PATCH
 
 
-def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int) -> int:
+def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int, held: int = 0, turns: int | None = None) -> int:
     """Pool blocks one row may come to hold: the scheduler's worst case (docs/method.md §8). Its own suffix
-        own = min(T * max_new_tokens + (T - 1) * (TEXT_PER_TURN + C * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL),
+        own = min(held + T * max_new_tokens + (T - 1) * (TEXT_PER_TURN + C * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL),
                   max_context - prompt_len)
-    with T = max(max_turns, 1) + 1 assistant turns (the last answers; with max_turns 0 a turn's calls get the
-    forced-answer message alone) and a response of C = max_calls_per_turn results, per_call a clip (`clip_tokens`)
-    in interleaved mode or a summary (at most subagent_max_new_tokens) in sub-agent mode, each with TEXT_PER_CALL,
-    one TEXT_PER_CALL more for the note on calls past the cap; plus, in sub-agent mode, the sub-agents of one turn
-    (they live while their caller waits): C x (a clip prompt + subagent_max_new_tokens), each two sequences of its
-    own. A sequence of n tokens holds ceil(n / BLOCK) blocks. The bound is loose (real turns are shorter than
-    max_new_tokens): a larger --rollout-memory-gb admits more at once."""
-    turns = max(cfg.max_turns, 1) + 1
+    with T = `turns` assistant turns still to write (at the start max(max_turns, 1) + 1: the last answers; with
+    max_turns 0 a turn's calls get the forced-answer message alone), `held` tokens already in its suffix (0 at the
+    start; at a turn's end what it wrote and the response it is about to read, when the bound is tightened), and a
+    response of C = max_calls_per_turn results, per_call a clip (`clip_tokens`) in interleaved mode or a summary
+    (at most subagent_max_new_tokens) in sub-agent mode, each with TEXT_PER_CALL, one TEXT_PER_CALL more for the note
+    on calls past the cap; plus, in sub-agent mode while a tool turn may still come (T > 1), the sub-agents of one
+    turn (they live while their caller waits): C x (a clip prompt + subagent_max_new_tokens), each two sequences of
+    its own. A sequence of n tokens holds ceil(n / BLOCK) blocks. The bound is loose (real turns are shorter than
+    max_new_tokens): a larger --rollout-memory-gb admits more at once, and each turn's end tightens it (Engine.respond)."""
+    turns = max(cfg.max_turns, 1) + 1 if turns is None else turns
     if cfg.tool_mode == "subagent":
         per_call = cfg.subagent_max_new_tokens
         sub_prompt = clip_tokens(cfg.subagent_max_frames, cfg.subagent_max_pixels, factor) + TEXT_PER_TURN
@@ -376,8 +378,8 @@ def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int) -> int:
     else:
         per_call, subs = clip_tokens(cfg.crop_max_frames, cfg.crop_max_pixels, factor), 0
     response = TEXT_PER_TURN + cfg.max_calls_per_turn * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL
-    own = min(turns * cfg.max_new_tokens + (turns - 1) * response, max(1, cfg.max_context - prompt_len))
-    return blocks_for(own) + subs
+    own = min(held + turns * cfg.max_new_tokens + (turns - 1) * response, max(1, cfg.max_context - prompt_len))
+    return blocks_for(own) + (subs if turns > 1 else 0)
 
 
 def memory_budget(cfg: RolloutConfig, device) -> int:
@@ -655,6 +657,14 @@ class Engine:
         if len(r.traj.token_ids) >= self.cfg.max_context:
             r.traj.truncated = True
             return self.retire(r)
+        # the worst case tightens now that this turn's length and its response are known: what is left of the
+        # promise beyond it goes back to the scheduler (never below what the row holds or may still write)
+        turns = 1 if forced else max(self.cfg.max_turns, 1) + 1 - len(r.traj.turns)
+        prompt_len = self.kv.prompts[r.prompt].length
+        tight = row_blocks(self.cfg, prompt_len, self.factor, self.kv.rows[r.kv].length + len(c.ids), turns)
+        if tight < r.reserve:
+            self.kv.release(r.reserve - tight)
+            r.reserve = tight
         self.ready.append((r, c))
 
     def retire(self, r: _Row, last_turn: bool = False) -> None:

@@ -255,6 +255,43 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
         torch.testing.assert_close(torch.tensor(t.logprobs), full, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["interleaved", "subagent"])
+def test_a_turns_end_tightens_the_rows_promise(tiny, split, script, mode, shrunk_thresholds, monkeypatch, recwarn):
+    """A row is admitted on its worst case (row_blocks: every turn max_new_tokens long); when a turn ends, what it
+    wrote and the response it will read are known, so the promise shrinks to the worst case of the turns left and
+    the difference goes back to the scheduler. The promise still covers every block the row holds at every step
+    (the pool never grows), and every promise is returned at the end."""
+    model, processor = tiny
+    root, recs = split
+    engines = _record_engines(monkeypatch)
+    promises, checked = [], []
+    respond, step = rollout.Engine.respond, rollout.Engine.step
+
+    def watched_respond(self, r):
+        before = r.reserve
+        respond(self, r)
+        promises.append((before, r.reserve))
+
+    def watched_step(self):
+        for r in self.active:
+            if r.tools:
+                assert len(self.kv.rows[r.kv].blocks) <= r.reserve
+                checked.append(r)
+        return step(self)
+
+    monkeypatch.setattr(rollout.Engine, "respond", watched_respond)
+    monkeypatch.setattr(rollout.Engine, "step", watched_step)
+    script({(0, 0): [turn("look", call(28.0, 36.0)), turn("again", call(2.0, 6.0)), ANSWER], (0, 1): [ANSWER]},
+           sub="A blue square.")
+    cfg = config(tool_mode=mode, group_size=2, max_turns=3)
+    trajs = rollout.run_agent(model, processor, recs[:1], root, cfg, seed=SEED)
+    assert [t.n_tool_turns for t in trajs] == [2, 0] and checked
+    assert len(promises) == 2 and all(after < before for before, after in promises)
+    assert promises[1][0] == promises[0][1]                            # the second turn starts from the tightened one
+    assert engines[0].kv.reserved == 0 and not engines[0].kv.rows and not engines[0].kv.prompts
+    assert not [w for w in recwarn if "pool grew" in str(w.message)]
+
+
 def test_rollout_memory_flag_reaches_the_engine(capsys):
     import runtime
     import train
