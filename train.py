@@ -453,6 +453,14 @@ def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None)
     return out
 
 
+def reduce_metrics(per_sample: dict, n: int, world: int, step: dict) -> dict:
+    """A step's row over all ranks: rollout_metrics' means weighted by each rank's n trajectories; its per-need
+    sums (the keys ending _hits, _calls, _n) reduced over ranks into split_accuracy's ratios; `step`'s figures
+    (times, losses, counts) the mean of the ranks'."""
+    sums = {k: per_sample.pop(k) for k in list(per_sample) if k.endswith(("_hits", "_calls", "_n"))}
+    return {**all_weighted_mean(per_sample, n, world), **split_accuracy(all_mean({**step, **sums}, world))}
+
+
 def split_accuracy(m: dict) -> dict:
     """rollout_metrics' (all-rank) sums -> acc_tool_needed / acc_tool_not_needed and tool_call_ratio_needed /
     tool_call_ratio_not_needed (hits / n, calls / n), left out where no question was."""
@@ -516,7 +524,7 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
         per_sample = rollout_metrics(g.trajs, g.comps, by_id)   # means over this rank's samples (maybe none)
         per_sample.update(reward=float(g.rewards.mean()) if g.trajs else 0.0, zero_var_frac=g.zero_var_frac,
                           reward_kl=float(g.seq_kl.mean()) if g.trajs else 0.0)
-        m = {k: per_sample.pop(k) for k in list(per_sample) if k.endswith(("_hits", "_n"))}   # sums
+        m = {}
         if pool is not None:
             ps = pool.stats(reset=True)
             m.update(decode_s=ps["decode_seconds"], decode_wait_s=ps["wait_seconds"],
@@ -524,7 +532,7 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
         m.update(kept=len(g.items), draws=g.draws, grad_norm=float("nan") if gn is None else gn, lr=step_lr,
                  step_time=time.time() - t0, tokens_per_s=sum(len(t.token_ids) for t in g.trajs) / (time.time() - t0),
                  **stats)
-        m = {**all_weighted_mean(per_sample, len(g.trajs), run.world), **split_accuracy(all_mean(m, run.world)),
+        m = {**reduce_metrics(per_sample, len(g.trajs), run.world, m),
              "groups": all_sum(g.n_groups) if run.world > 1 else g.n_groups}
         run.log("rl", step, m)
         if run.rank == 0:

@@ -457,8 +457,12 @@ def bench_budget(args) -> dict:
     --budget-max tokens: all at once (unbounded budget), then under a budget of a quarter of that run's peak, by
     continuous batching and by fixed waves (the same budget; each turn waits for the wave's longest row). Memory:
     the peak of the tensors the engine allocates (`engine_memory`). The tiny model with --budget-layers layers, and
-    the working sizes shrunk to the small budget (--budget-scores: SCORES_BUDGET, --budget-prefill: PREFILL_TOKENS)
-    so that the attention's slabs and a prefill's activations stay a few % of it, as they are of a real budget."""
+    the working sizes shrunk to the small budget (--budget-scores: SCORES_BUDGET, --budget-prefill: PREFILL_TOKENS,
+    --budget-join: JOIN_PROMPT) so that the attention's slabs, a prefill's activations and the prompt copies stay a
+    few % of it, as they are of a real budget, and the block (--budget-block: BLOCK) a few per turn, as a real
+    run's 256-token blocks are of its 2,048-token turns (at 256 a 24-160-token turn would take a whole block, and
+    the worst cases the scheduler admits on would be rounded up by up to 10x). `decode_steps`: the decode forwards
+    of each schedule (the saving continuous batching makes, whatever a step costs)."""
     from model import ModelConfig, build_tiny
     torch.manual_seed(0)
     model, processor = build_tiny(ModelConfig(layers=args.budget_layers), corpus=rollout.prompt_corpus())
@@ -469,8 +473,16 @@ def bench_budget(args) -> dict:
                "\"end_time\": 8.0}}\n</tool_call>", add_special_tokens=False)["input_ids"]
     planned = Planned(rollout.sample_tokens, ids["<|im_end|>"], sorted(tok.get_added_vocab().values()), call,
                       args.budget_min, args.budget_max)
-    saved = kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS
+    saved = kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS, kvcache.BLOCK, kvcache.JOIN_PROMPT
     kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS = args.budget_scores, args.budget_prefill
+    kvcache.BLOCK, kvcache.JOIN_PROMPT = args.budget_block, args.budget_join
+    steps = {}
+
+    def counted(name, **kw):                            # the decode steps of one run of a schedule
+        before = rollout.STATS["decode_steps"]
+        out = run(**kw)
+        steps[name] = rollout.STATS["decode_steps"] - before
+        return out
     try:
         with tempfile.TemporaryDirectory() as root:
             rec = make_video(root, 32.0, 64)
@@ -483,12 +495,12 @@ def bench_budget(args) -> dict:
             rollout.sample_tokens = planned
             ref, unbounded_mb = engine_memory(lambda: run(memory_budget_bytes=1 << 40))
             budget = int(unbounded_mb * 2 ** 20) // 4
-            cont, peak_mb = engine_memory(lambda: run(memory_budget_bytes=budget))
-            static, static_mb = engine_memory(lambda: run(memory_budget_bytes=budget, continuous=False))
+            cont, peak_mb = engine_memory(lambda: counted("continuous", memory_budget_bytes=budget))
+            static, static_mb = engine_memory(lambda: counted("static", memory_budget_bytes=budget, continuous=False))
             wall, cpu = ab_times({"continuous": lambda: run(memory_budget_bytes=budget),
                                 "static": lambda: run(memory_budget_bytes=budget, continuous=False)}, args.budget_repeats)
     finally:
-        kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS = saved
+        kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS, kvcache.BLOCK, kvcache.JOIN_PROMPT = saved
         rollout.sample_tokens = planned.sample
     diff = max(abs(a - b) for other in (cont, static) for t, r in zip(other, ref) for a, b in zip(t.logprobs, r.logprobs))
     same = all(t.token_ids == r.token_ids for other in (cont, static) for t, r in zip(other, ref))
@@ -496,7 +508,8 @@ def bench_budget(args) -> dict:
     turns = [n for t in ref for n in (b - a for a, b in turn_spans(t.roles))]
     return dict(rows=len(ref), tool_turns=sum(t.n_tool_turns for t in ref), sampled_tokens=tokens,
                 turn_length_ratio=max(turns) / min(turns), budget_mb=budget / 2 ** 20, peak_mb=peak_mb,
-                static_peak_mb=static_mb, unbounded_peak_mb=unbounded_mb,
+                static_peak_mb=static_mb, unbounded_peak_mb=unbounded_mb, decode_steps=steps,
+                steps_ratio=steps["static"] / steps["continuous"],
                 static_tok_s=tokens / median(wall["static"]), continuous_tok_s=tokens / median(wall["continuous"]),
                 speedup=median(wall["static"]) / median(wall["continuous"]),
                 cpu_speedup=median(cpu["static"]) / median(cpu["continuous"]), max_logprob_diff=diff,
@@ -536,6 +549,9 @@ def main() -> None:
     p.add_argument("--budget-layers", type=int, default=8, help="budget bench: text layers of the tiny model")
     p.add_argument("--budget-scores", type=int, default=2 ** 18, help="budget bench: kvcache.SCORES_BUDGET")
     p.add_argument("--budget-prefill", type=int, default=256, help="budget bench: kvcache.PREFILL_TOKENS")
+    p.add_argument("--budget-block", type=int, default=32,
+                   help="budget bench: kvcache.BLOCK (a turn of --budget-max tokens spans 5 blocks; the real run's 2,048 spans 8)")
+    p.add_argument("--budget-join", type=int, default=2 ** 11, help="budget bench: kvcache.JOIN_PROMPT (2^17 / 64, as --budget-scores)")
     p.add_argument("--scale-runs", type=int, default=3, help="scale bench: runs of both sides (memory figures per run)")
     p.add_argument("--scale-side", choices=["ours", "hf"], help=argparse.SUPPRESS)   # internal: one side per process
     args = p.parse_args()
@@ -608,7 +624,8 @@ def main() -> None:
               f"{bu['turn_length_ratio']:.1f}), {bu['tool_turns']} tool turns; budget {bu['budget_mb']:.1f} MB = a quarter "
               f"of the unbounded run's peak; exact: {bu['exact']} (log-probs within {bu['max_logprob_diff']:.2g})")
         print(table([["peak live tensor MB", bu["unbounded_peak_mb"], bu["peak_mb"], bu["static_peak_mb"]],
-                     ["tokens/s", None, bu["continuous_tok_s"], bu["static_tok_s"]]],
+                     ["tokens/s", None, bu["continuous_tok_s"], bu["static_tok_s"]],
+                     ["decode steps", None, bu["decode_steps"]["continuous"], bu["decode_steps"]["static"]]],
                     ["", "unbounded", "budget: continuous", "budget: fixed waves"]))
         print(f"continuous / waves: {bu['speedup']:.3g}x wall time, {bu['cpu_speedup']:.3g}x CPU time")
         out["budget"] = bu

@@ -545,7 +545,7 @@ def _rank_metrics(rank: int, world: int, port: int, out: str) -> None:
     mine = RANK_TRAJS[rank] if world > 1 else RANK_TRAJS[0] + RANK_TRAJS[1]
     trajs = [_traj(rid, calls, err) for rid, calls, _, err in mine]
     comps = [{"acc": acc, "format": 1.0} for _, _, acc, _ in mine]
-    m = train.split_accuracy(runtime.all_mean(train.rollout_metrics(trajs, comps, _need_records()), world))
+    m = train.reduce_metrics(train.rollout_metrics(trajs, comps, _need_records()), len(trajs), world, {"kept": 1})
     if rank == 0:
         json.dump(m, open(out, "w"))
     if world > 1:
@@ -554,10 +554,11 @@ def _rank_metrics(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_tool_use_split_by_need_reduced_over_two_ranks_as_sums_and_counts(tmp_path):
-    """The metrics row on 2 gloo ranks: accuracy and tool-call ratio on the questions that need the tool and on
-    those that do not are all-rank hits / n and calls / n (rank 0: 1 of 1 needed question called, rank 1: 0 of
-    3, one of them an error, which counts as no call: 1 / 4, where a mean of the ranks' ratios would say 1 / 2),
-    the same as one process on all the trajectories."""
+    """The metrics row on 2 gloo ranks, reduced as the RL loop reduces it (train.reduce_metrics): accuracy and
+    tool-call ratio on the questions that need the tool and on those that do not are all-rank hits / n and calls /
+    n (rank 0: 1 of 1 needed question called, rank 1: 0 of 3, one of them an error, which counts as no call: 1 / 4,
+    where a mean of the ranks' ratios would say 1 / 2), the same as one process on all the trajectories. (The
+    loop once split off the hits and counts but not the calls: every run logged a tool-call ratio of 0 on both.)"""
     torch.multiprocessing.spawn(_rank_metrics, args=(2, runtime.find_free_port(), str(tmp_path / "two.json")), nprocs=2)
     _rank_metrics(0, 1, 0, str(tmp_path / "one.json"))
     two, one = json.load(open(tmp_path / "two.json")), json.load(open(tmp_path / "one.json"))
