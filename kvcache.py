@@ -20,7 +20,8 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   the two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`). A prompt whose copies for its
   rows in the forward are small (JOIN_PROMPT) is read with each row's suffix instead, as one causal sequence
   [prompt ; suffix]: the copies cost less than an attention call for the prompt alone (a single row's prompt, e.g.
-  a sub-agent's clip). No decode step touches the K/V of a row that is not in it.
+  a sub-agent's clip). No decode step touches the K/V of a row that is not in it. A decode step with no prompt
+  read in place (nothing to merge) is one fused SDPA call over the slabs; the LSE path is for the rest.
 
 Shapes: pool per layer (n_blocks * BLOCK, kv_heads, head_dim); a forward's queries (n, heads, l, head_dim) for
 n rows of l tokens (right-padded), positions (3, n, l) for (t, h, w); logits (n, V).
