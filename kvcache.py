@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ops import autocast_dtype
+
 BLOCK = 256                          # tokens per block of the pool
 SCORES_BUDGET = 2 ** 24              # elements of one working tensor of the attention (scores block, mask, K/V slab)
 JOIN_PROMPT = 2 ** 17                # K elements of a prompt's copies (rows x tokens x heads x dim) read with its rows
@@ -80,8 +82,8 @@ def kv_bytes_per_token(model) -> int:
     c = model.config.get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     p = next(model.parameters())
-    on = p.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(p.device.type)
-    size = torch.get_autocast_dtype(p.device.type).itemsize if on else p.element_size()
+    dtype = autocast_dtype(p.device.type)
+    size = dtype.itemsize if dtype is not None else p.element_size()
     return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * size
 
 

@@ -687,12 +687,19 @@ def tdam_attention(module, query, key, value, attention_mask, scaling=None, drop
         raise ValueError(f"tdam_attention: attention dropout {dropout} is not supported (Qwen-VL trains with 0)")
     scaling = module.scaling if scaling is None else scaling
     kernel = _tdam_flex if tdam_kernel(tdam, query.device) == "flex" else _tdam_blocked
-    device = query.device.type
     # as SDPA under autocast: all three in its dtype (Qwen3-VL's q / k norms return fp32 beside bf16 values)
-    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
+    dtype = autocast_dtype(query.device.type)
+    if dtype is not None:
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     return kernel(query, key, value, tdam, scaling).transpose(1, 2).contiguous(), None
+
+
+def autocast_dtype(device: str) -> torch.dtype | None:
+    """The dtype autocast computes in on `device` ("cpu" / "cuda": --precision bf16 on fp32 master weights), or
+    None where autocast is off."""
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 TDAM_ATTENTION = "paravt_tdam"
