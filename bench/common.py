@@ -128,20 +128,30 @@ class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
     through this Python hook, which checks which storages have died since the last one: slow, so time a side
     in another run. Unlike RSS it does not depend on the allocator's caching or on what ran before: the same
     figure in every run. The same instance may be entered again and again (only some calls counted): storages
-    created inside stay counted between entries until they die.""" 
+    created inside stay counted between entries until they die. `extra`: a function giving bytes that no
+    operation creates, added to every reading (FSDP2's all-gathered parameters live in storages it resizes in
+    place)."""
 
-    def __init__(self):
+    def __init__(self, extra: Callable[[], int] | None = None):
         from torch.multiprocessing.reductions import StorageWeakRef
         super().__init__()
-        self.ref, self.live, self.now, self.peak = StorageWeakRef, {}, 0, 0     # entered again: counts on
+        self.ref, self.live, self.count, self.peak = StorageWeakRef, {}, 0, 0     # entered again: counts on
+        self.extra = extra or (lambda: 0)
+
+    @property
+    def now(self) -> int:
+        """Bytes alive (an upper bound until `_sweep`)."""
+        return self.count + self.extra()
 
     def _sweep(self) -> None:
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.now -= self.live.pop(key)[1]
+            self.count -= self.live.pop(key)[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        leaves = lambda x: [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+        subclass = torch.utils._python_dispatch.is_traceable_wrapper_subclass   # a DTensor: no storage of its own
+        leaves = lambda x: [t for t in torch.utils._pytree.tree_leaves(x)
+                            if isinstance(t, torch.Tensor) and not subclass(t)]
         inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs))}
         for t in leaves(out):
             st = t.untyped_storage()
@@ -151,12 +161,13 @@ class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
             if key in self.live:                            # the address of a storage that has died since
                 if not self.live[key][0].expired():
                     continue
-                self.now -= self.live.pop(key)[1]
+                self.count -= self.live.pop(key)[1]
             self.live[key] = (self.ref(st), n)
-            self.now += n
-        # `now` counts storages that may have died since the last sweep: an upper bound, made exact (a sweep)
-        # whenever it passes the peak, so the peak is exact while most operations sweep nothing
-        if self.now > self.peak or len(self.live) > 100_000:
+            self.count += n
+        # `count` counts storages that may have died since the last sweep: an upper bound, made exact (a sweep)
+        # whenever `now` passes the peak, so the peak is exact while most operations sweep nothing
+        now = self.now
+        if now > self.peak or len(self.live) > 100_000:
             self._sweep()
             self.peak = max(self.peak, self.now)
         return out

@@ -18,15 +18,20 @@ Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x
   GroupKV) a prompt's overview is stored once per group, each row only its suffix; without it, G times; a
   sub-agent (ParaVT) is a sequence pair of its own (its clip prompt, its summary) while its caller waits;
 - activations, what a training forward keeps for its backward (gradient checkpointing, one micro-batch in
-  flight): the root unit (vision tower, embeddings) and the lm_head unit stay all-gathered in bf16 from the
-  forward to their backward (2 B/param); each decoder layer's input in bf16 (tokens x d_model x 2 B per layer,
-  plus the embeddings' and the final norm's outputs), each vision block's input (patches x width x 2 B per
-  block) and the patches themselves in bf16;
-- backward, its peak above its start: one decoder layer recomputed (q, k, v, attention output, the MLP's three
-  intermediates and its product, norms: tokens x (2 q_dim + 4 kv_dim + 4 mlp + 6 d_model) x 2 B) or one vision
-  block (patches x (6 width + 2 mlp) x 2 B), whichever is larger, plus the gradients: the fp32 shards and the
-  largest unit's (the root's) unsharded bf16 gradients with their fp32 copy for the reduce-scatter (FSDP2's
-  reduce_dtype: 6 B/param; one GPU: its fp32 gradients alone, 4 B/param);
+  flight; each term counted tensor by tensor in bench/rehearsal.py's runs): the root unit (vision tower,
+  embeddings) and the lm_head unit stay all-gathered in bf16 from the forward to their backward (2 B/param; one
+  GPU, no FSDP: autocast's bf16 casts of the decoder layers' and the vision tower's weights instead); per token,
+  each decoder layer's input and the embeddings' output in the residual stream's dtype (bf16 under FSDP2, fp32
+  under autocast), the final norm's fp32 output and M-RoPE's cos and sin (2 x head_dim); per patch, the patch
+  values in bf16 and, each patches x vision width x 2 B: every vision block's input and the last one's output,
+  three in each deepstack tap's merger (its norm, fc1 and GELU outputs) and three in the final merger;
+- backward, its peak above its start: the new gradients, fp32 shards of every parameter but the lm_head's (the
+  fused loss forms that one, in `loss`), plus the largest of: one decoder layer recomputed (q, k, v, attention
+  output, the MLP's three intermediates and its product, norms: tokens x (2 q_dim + 4 kv_dim + 4 mlp + 6
+  d_model) x 2 B), one vision block recomputed (patches x (6 width + 2 mlp) x 2 B), and under FSDP2 the root
+  unit's reduce-scatter, which comes last, when the activations are freed: its unsharded bf16 gradients (2
+  B/param) copied into an fp32 buffer (reduce_dtype, 4 B/param) while its all-gathered bf16 weights (2 B/param)
+  have gone, 4 B/param above the start less the freed activations;
 - loss (the fused loss, ops.token_loss, over the policy tokens N): grad W summed in fp32 (V x D x 4 B) beside
   one (V, C) bf16 logits buffer and either a chunk's bf16 GEMM for grad W (V x D x 2 B) or, eager (no
   torch.compile: the CPU), the five fp32 (V, C) temporaries of a chunk's softmax gradient, whichever is larger
@@ -60,7 +65,8 @@ import ops
 
 QWEN3VL_8B = dict(layers=36, d_model=4096, q_dim=32 * 128, kv_dim=8 * 128, mlp=12288, vocab=151936,
                   params=8.2e9, text_params=7.6e9, params_head=151936 * 4096, params_root=151936 * 4096 + 0.6e9,
-                  vision_width=1152, vision_depth=27, vision_mlp=4304)
+                  params_vision=0.6e9, vision_width=1152, vision_depth=27, vision_mlp=4304, vision_taps=3,
+                  head_dim=128)
 KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2          # layers x kv_heads x head_dim x (K, V) x bf16
 PARAMS = QWEN3VL_8B["params"]
 TEXT_PARAMS = QWEN3VL_8B["text_params"]             # decoder only (what a decoded token reads)
@@ -111,6 +117,12 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
                  + subagents * (blocks(subagent_prompt) + blocks(subagent_tokens)))
     layer = flight_tokens * 2 * (2 * m["q_dim"] + 4 * m["kv_dim"] + 4 * m["mlp"] + 6 * D)
     block = flight_patches * 2 * (6 * W + 2 * m["vision_mlp"])
+    stream = 2 if gpus > 1 else 4        # the text residual stream: bf16 params under FSDP2; fp32 under autocast
+    kept_weights = (2 * (m["params_root"] + m["params_head"]) if gpus > 1     # FSDP2: these units stay gathered
+                    else 2 * (P - m["params_root"] - m["params_head"] + m["params_vision"]))  # autocast's bf16 casts
+    stream_acts = (flight_tokens * (D * (stream * (m["layers"] + 2) + 4) + 2 * m["head_dim"] * stream)
+                   + flight_patches * 2 * (W * (m["vision_depth"] + 4 + 3 * m["vision_taps"]) + PATCH_VALUES))
+    root_reduce = 4 * m["params_root"] - stream_acts if gpus > 1 else 0
     return dict(
         weights_shard=4 * P / gpus,
         weights_rollout=2 * P if gpus > 1 else 0.0,     # one process: the rollout computes from its fp32 weights
@@ -118,9 +130,8 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
         optimizer=8 * P / gpus,
         grads=4 * P / gpus,
         kv=kv_blocks * kvcache.BLOCK * kv_bytes_per_token(m),
-        activations=(2 * (m["params_root"] + m["params_head"]) + flight_tokens * D * 2 * (m["layers"] + 3)
-                     + flight_patches * 2 * (W * m["vision_depth"] + PATCH_VALUES)),
-        backward=max(layer, block) + 4 * P / gpus + (6 * m["params_root"] if gpus > 1 else 0),
+        activations=kept_weights + stream_acts,
+        backward=max(layer, block, root_reduce) + 4 * (P - m["params_head"]) / gpus,
         loss=V * D * 4 + max(V * chunk * (2 + (0 if compiled else 5 * 4)), V * chunk * 2 + V * D * 2)
              + policy_tokens * D * 2,
     )

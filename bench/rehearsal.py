@@ -22,8 +22,8 @@ What runs, through train.py's own functions:
             calls, then the answer: A on sample 0, B on sample 1, so the advantages differ), the rewards, the k1
             KL in the reward; then one train.policy_update over both modes' rows (micro-batch 2: a group in flight)
   SFT step  train.sft_backward on the same scripted interleaved trajectory, TDAM on (--tdam), then AdamW
-Measured per rank (CPU: the process's resident memory sampled every 2 ms, and tensors' own bytes; CUDA: the
-allocator's counters), projected by plan.memory_parts from this run's own token counts:
+Measured per rank (CPU: the bytes of live tensors, counted op by op (common.LiveTensors); CUDA: the allocator's
+counters), projected by plan.memory_parts from this run's own token counts:
   weights_shard, weights_rollout, reference, optimizer, grads   the tensors' bytes (master shard fp32, all-gathered
                bf16 weights in the rollout, the bf16 reference, AdamW's moments, the fp32 gradient shards)
   kv           the rollout's K/V: the most pool blocks in use at once (kvcache.BlockPool.peak) x the bytes of a
@@ -42,11 +42,10 @@ import dataclasses
 import json
 import os
 import tempfile
-import threading
 import time
 
 import torch
-from common import print_json, rss_mb, table  # bench/common.py (puts the repo on sys.path)
+from common import LiveTensors, print_json, rss_mb, table  # bench/common.py (puts the repo on sys.path)
 
 import kvcache
 import model as model_lib
@@ -127,32 +126,43 @@ def build_checkpoint(path: str, args) -> None:
 
 
 class Meter:
-    """Memory now and its peak since `reset`: CUDA's allocator counters, or on CPU the resident set size sampled
-    every 2 ms by a thread (everything a phase allocates, tensors and buffers, is resident there)."""
+    """Memory now and its peak since `reset`: CUDA's allocator counters, or on CPU the bytes of the live tensors
+    created while `counting` (common.LiveTensors: what an allocator would hand out, without glibc's slack and
+    caching, so the figure is the same in every run and comparable with CUDA's `memory_allocated`)."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.peak = self.now()
-        self.stop = threading.Event()
-        if not self.cuda:
-            threading.Thread(target=self._sample, daemon=True).start()
+    def __init__(self, device: torch.device, model: torch.nn.Module):
+        self.live = None if device.type == "cuda" else LiveTensors(gathered_bytes(model))
+
+    def counting(self):
+        return self.live if self.live is not None else contextlib.nullcontext()
 
     def now(self) -> float:
-        return torch.cuda.memory_allocated() if self.cuda else rss_mb() * 2 ** 20
-
-    def _sample(self):
-        while not self.stop.wait(0.002):
-            self.peak = max(self.peak, self.now())
+        if self.live is None:
+            return torch.cuda.memory_allocated()
+        self.live._sweep()
+        return self.live.now
 
     def reset(self) -> float:
-        if self.cuda:
+        if self.live is None:
             torch.cuda.reset_peak_memory_stats()
-        self.peak = self.now()
-        return self.peak
+            return torch.cuda.memory_allocated()
+        self.live.peak = self.now()
+        return self.live.peak
 
     def peak_since(self, start: float) -> float:
-        peak = torch.cuda.max_memory_allocated() if self.cuda else max(self.peak, self.now())
+        peak = torch.cuda.max_memory_allocated() if self.live is None else max(self.live.peak, self.now())
         return peak - start
+
+
+def gathered_bytes(model: torch.nn.Module):
+    """A function giving the bytes of FSDP2's all-gathered (unsharded) parameters now: FSDP2 keeps them in storages
+    it resizes in place (to 0 when a unit reshards), which no operation creates, so LiveTensors cannot see them.
+    What the rollout and each forward and backward all-gather is counted through it (0 without FSDP)."""
+    from torch.distributed.fsdp import FSDPModule
+    groups = {id(g): g for m in model.modules() if isinstance(m, FSDPModule)         # a unit of several modules:
+              for g in [m._get_fsdp_state()._fsdp_param_group] if g is not None}      # one group, counted once
+    params = [p for g in groups.values() for p in g.fsdp_params]
+    return lambda: sum(t.untyped_storage().nbytes() for p in params for t in getattr(p, "all_gather_outputs", ()))
 
 
 def tensor_bytes(tensors) -> int:
@@ -223,7 +233,8 @@ def phases(meter: Meter, out: dict):
     train.forward_hidden, torch.Tensor.backward = forward_hidden, backward
     train.grpo_loss, train.sft_token_loss = measured(saved[1], 5), measured(saved[2], 3)   # the args' masks
     try:
-        yield
+        with meter.counting():
+            yield
     finally:
         train.forward_hidden, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward = saved
 
@@ -257,9 +268,9 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
                                 "--prompts-per-step", str(world), "--gating", "0", "--precision", "bf16",
                                 "--device", device.type, "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), "--micro-batch",
                                 str(GROUP), "--run-dir", os.path.join(out_dir, "run")])
-    meter, m = Meter(device), {}
-    t0 = time.time()
+    m, t0 = {}, time.time()
     model, processor = train.policy_model(ckpt, device, targs.precision, world, 0, targs.grad_checkpointing)
+    meter = Meter(device, model)
     tok, pad_id = processor.tokenizer, processor.tokenizer.pad_token_id
     m["weights_shard"] = tensor_bytes(model.parameters())
     ref = runtime.reference_model(targs.run_dir, ckpt, False, device, 0, train.PRECISION[targs.precision])
@@ -356,11 +367,14 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
 
 def shape(r: dict, args) -> dict:
     """The model shape plan.memory_parts takes (plan.QWEN3VL_8B's keys) of this run's cut checkpoint."""
-    z = r["sizes"]
+    z, published = r["sizes"], model_lib.QWEN3VL_SHAPES["8b"]["vision"]
+    taps = model_lib.cut_deepstack(published["deepstack_visual_indexes"], published["depth"], args.vision_depth,
+                                   args.text_layers)                  # as model_lib.qwen3vl_config cut them
     return dict(layers=args.text_layers, d_model=args.hidden, q_dim=args.heads * 128, kv_dim=8 * 128, mlp=args.mlp,
                 vocab=model_lib.QWEN_VOCAB_SIZE, params=r["params"], text_params=r["text_params"],
-                params_root=z["params_root"], params_head=z["params_head"], vision_width=args.vision_width or 1152,
-                vision_depth=args.vision_depth, vision_mlp=args.vision_mlp or 4304)
+                params_root=z["params_root"], params_head=z["params_head"], params_vision=z["params_vision"],
+                vision_width=args.vision_width or 1152, vision_depth=args.vision_depth,
+                vision_mlp=args.vision_mlp or 4304, head_dim=128, vision_taps=len(taps))
 
 
 def project(r: dict, args, world: int) -> dict:

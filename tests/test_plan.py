@@ -61,7 +61,8 @@ def test_rehearsal_ci_runs_both_steps_and_reports_every_part(tmp_path):
     modes' rollouts with two rounds of parallel crops, the RL update, the SFT step with TDAM; its last line is
     the JSON of every part measured beside plan.memory_parts, and the parts the plan computes from parameter
     counts (weights, reference, AdamW, gradients) and the K/V it counts in pool blocks agree with the tensors'
-    bytes and the pool's blocks in use."""
+    bytes and the pool's blocks in use; the activations, backward and loss it projects from token counts are
+    within 25 % of the live tensors' bytes (FSDP2's all-gathered weights included)."""
     import os
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARAVT_CACHE": str(tmp_path)}
     r = subprocess.run([sys.executable, str(BENCH / "rehearsal.py"), "--ci", "--out", str(tmp_path / "r.json")],
@@ -76,6 +77,8 @@ def test_rehearsal_ci_runs_both_steps_and_reports_every_part(tmp_path):
     assert all(p["measured_gb"] > 0 and p["plan_gb"] > 0 for p in parts.values()), parts
     for k in ("weights_shard", "weights_rollout", "reference", "optimizer", "grads", "kv"):
         assert parts[k]["ratio"] == pytest.approx(1.0, abs=0.01), (k, parts[k])
+    for k in ("activations", "backward", "loss"):         # counted tensor by tensor: the plan's formulas hold
+        assert 0.8 <= parts[k]["ratio"] <= 1.25, (k, parts[k])
     assert out["kv_pool_gb"] >= parts["kv"]["measured_gb"]
     z = out["sizes"]
     assert out["shape"]["vocab"] == 151936 and out["shape"]["kv_heads"] == 8 and out["shape"]["head_dim"] == 128
