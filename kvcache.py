@@ -17,7 +17,9 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
 - `cascade_attention`: registered with transformers' AttentionInterface as "paravt_cascade" and used only while
   the engine runs. A row's queries attend to [its prompt ; its own suffix]: the rows of a prompt are batched as
   queries against the one prompt K/V, each row against its own suffix (causal), read through its block table;
-  the two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`). A prompt whose copies for its
+  the two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`). Several prompts whose K/V
+  together fit SCORES_BUDGET go in one call (gathered, padded to the longest: `_PromptSlab`), so that a step's
+  cost does not grow by a call per prompt group in flight; a prompt alone is read in place. A prompt whose copies for its
   rows in the forward are small (JOIN_PROMPT) is read with each row's suffix instead, as one causal sequence
   [prompt ; suffix]: the copies cost less than an attention call for the prompt alone (a single row's prompt, e.g.
   a sub-agent's clip). No decode step touches the K/V of a row that is not in it. A decode step with no prompt
@@ -27,7 +29,7 @@ Shapes: pool per layer (n_blocks * BLOCK, kv_heads, head_dim); a forward's queri
 n rows of l tokens (right-padded), positions (3, n, l) for (t, h, w); logits (n, V).
 Sizes that choose a path (shrunk in tests: tests/conftest.py `SMALL_THRESHOLDS`; docs/method.md §8): BLOCK (tokens per
 block), SCORES_BUDGET (elements of any one working tensor of the attention: a block of fp32 scores, its mask, a
-slab of K/V gathered through the block tables; one row's keys are the least a slab holds), JOIN_PROMPT (K elements,
+slab of K/V gathered through the block tables or of prompts read together; one row's keys are the least a slab holds), JOIN_PROMPT (K elements,
 rows x tokens x kv_heads x head_dim, of a prompt's copies read with its rows rather than the prompt once in place:
 about where a copy and an attention call cost the same on this project's CPU; 128 tokens of Qwen3-VL-8B, one row),
 PREFILL_TOKENS (tokens of one prefill forward, padding included: the chunks of an admission go in several forwards,
@@ -158,6 +160,7 @@ class _Seq:
     length: int = 0
     next_pos: int = 0
     prompt: int = -1
+    keys: torch.Tensor | None = None     # a prompt's slots on the device, made once (a prompt never grows)
 
     def slots(self, start: int, n: int) -> list[int]:
         """Pool slots of this sequence's tokens start .. start + n - 1 (host ints: a decode step's one slot per row
@@ -172,6 +175,18 @@ class _Seq:
 
 
 @dataclass
+class _PromptSlab:
+    """Several large prompts read in one attention call (their K/V gathered, padded to the longest), with the
+    rows of each as its queries: p prompts, at most r rows of one prompt in the forward."""
+    keys: torch.Tensor                   # (p, L) pool slots of each prompt's keys (0-padded; masked by `lens`)
+    lens: torch.Tensor                   # (p,) the prompts' lengths
+    rmax: int                            # r
+    pick: torch.Tensor                   # (p * r,) the row whose queries fill each (prompt, member) place (pads: 0)
+    real: torch.Tensor                   # (k,) the places that are real rows ...
+    rows: torch.Tensor                   # (k,) ... and those rows
+
+
+@dataclass
 class _Forward:
     """What the hooks need during one forward: where the tokens go, what each row's queries may see."""
     prompt_mode: bool                    # fresh prompts from position 0 (plain causal attention)
@@ -183,6 +198,7 @@ class _Forward:
     end_host: list[int] = field(default_factory=list)
     runs: list = field(default_factory=list)    # (prompt _Seq, its rows' positions: a slice or (k,) tensor)
     prompt_slots: dict = field(default_factory=dict)   # id(prompt) -> its slots, where its blocks are not a run
+    slabs: list = field(default_factory=list)   # _PromptSlab: large prompts read together
     off: torch.Tensor | None = None      # (n,) where each row's suffix starts among its keys (a small prompt's length)
     ptables: torch.Tensor | None = None  # (n, nbp) the blocks of each row's small prompt (0-padded)
     qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
@@ -331,13 +347,39 @@ class GroupKV:
                        end_host=[o + s.length + ln for o, s, ln in zip(off, seqs, lengths)])
         fwd.end, fwd.off = _on(self.device, fwd.end_host), _on(self.device, off)
         fwd.ptables = _on(self.device, pad(ptables) if any(ptables) else [[0]] * len(seqs))
-        for p, idx in members.items():
-            prompt = self.prompts[p]
-            rows = slice(idx[0], idx[-1] + 1) if idx[-1] - idx[0] == len(idx) - 1 else _on(self.device, idx)
-            fwd.runs.append((prompt, rows))
-            if prompt.run() is None:                       # blocks not consecutive: read through its slots
-                fwd.prompt_slots[id(prompt)] = _on(self.device, prompt.slots(0, prompt.length))
+        # the large prompts, shortest first, in slabs whose K/V (prompts x longest x kv_heads x head_dim) fits
+        # SCORES_BUDGET: a slab of several is one attention call, a prompt alone is read in place
+        slab: list[int] = []
+        for p in sorted(members, key=lambda p: self.prompts[p].length) + [None]:
+            if p is not None and (not slab or (len(slab) + 1) * self.prompts[p].length * per_token <= SCORES_BUDGET):
+                slab.append(p)
+                continue
+            if len(slab) > 1:
+                fwd.slabs.append(self._slab([self.prompts[q] for q in slab], [members[q] for q in slab]))
+            elif slab:
+                prompt, idx = self.prompts[slab[0]], members[slab[0]]
+                rows = slice(idx[0], idx[-1] + 1) if idx[-1] - idx[0] == len(idx) - 1 else _on(self.device, idx)
+                fwd.runs.append((prompt, rows))
+                if prompt.run() is None:                   # blocks not consecutive: read through its slots
+                    fwd.prompt_slots[id(prompt)] = self._prompt_keys(prompt)
+            slab = [p]
         return fwd
+
+    def _prompt_keys(self, prompt: _Seq) -> torch.Tensor:
+        if prompt.keys is None:
+            prompt.keys = _on(self.device, prompt.slots(0, prompt.length))
+        return prompt.keys
+
+    def _slab(self, prompts: list[_Seq], members: list[list[int]]) -> _PromptSlab:
+        """The host-built indices of one batched read of `prompts`, members[i] the rows of prompts[i] here."""
+        L, r = max(q.length for q in prompts), max(map(len, members))
+        keys = torch.zeros(len(prompts), L, dtype=torch.long, device=self.device)
+        for i, q in enumerate(prompts):
+            keys[i, :q.length] = self._prompt_keys(q)
+        pick = [m[j] if j < len(m) else 0 for m in members for j in range(r)]
+        real = [i * r + j for i, m in enumerate(members) for j in range(len(m))]
+        return _PromptSlab(keys, _on(self.device, [q.length for q in prompts]), r, _on(self.device, pick),
+                           _on(self.device, real), _on(self.device, [x for m in members for x in m]))
 
     @torch.no_grad()
     def _run(self, model, fwd: _Forward, ids, pos, types=None, vision=None, last=None) -> torch.Tensor:
@@ -398,7 +440,7 @@ class GroupKV:
             b = min(n, a + step)
             span = max(fwd.end_host[a:b])
             K, V = (_gather(pool, fwd.keys[a:b, :span]).transpose(1, 2) for pool in (pool_k, pool_v))   # (rows, Hkv, span, d)
-            if l == 1 and not fwd.runs:                    # decode, nothing to merge: one fused call, no LSE
+            if l == 1 and not (fwd.runs or fwd.slabs):     # decode, nothing to merge: one fused call, no LSE
                 seen = None if b - a == 1 else fwd.seen[a:b, :, :, :span]
                 o_s.append(F.scaled_dot_product_attention(qg[a:b].float(), K.float(), V.float(), attn_mask=seen,
                                                           scale=scale))
@@ -407,7 +449,7 @@ class GroupKV:
             o_s.append(o)
             l_s.append(lse)
         o_s = o_s[0] if len(o_s) == 1 else torch.cat(o_s)
-        if not fwd.runs:
+        if not (fwd.runs or fwd.slabs):
             return o_s.to(q.dtype).reshape(n, H, l, d).transpose(1, 2)
         l_s = l_s[0] if len(l_s) == 1 else torch.cat(l_s)
         # a large prompt: the rows of a prompt batched as queries against its one K/V (the other rows' prompt part
@@ -426,6 +468,14 @@ class GroupKV:
                              V.transpose(0, 1)[None], scale)
             o_p[rows] = o.reshape(Hkv, r, g * l, d).transpose(0, 1)
             l_p[rows] = lse.reshape(Hkv, r, g * l, 1).transpose(0, 1)
+        for sb in fwd.slabs:                                # several prompts, one call: (p, Hkv, r * gl, d) queries
+            p, r = sb.keys.shape[0], sb.rmax
+            qs = qg.index_select(0, sb.pick).view(p, r, Hkv, g * l, d).transpose(1, 2).reshape(p, Hkv, r * g * l, d)
+            K, V = (_gather(pool, sb.keys).transpose(1, 2) for pool in (pool_k, pool_v))     # (p, Hkv, L, d)
+            o, lse = _attend(qs, K, V, scale, kend=sb.lens)
+            back = lambda t: t.view(p, Hkv, r, g * l, -1).transpose(1, 2).reshape(p * r, Hkv, g * l, -1)
+            o_p.index_copy_(0, sb.rows, back(o).index_select(0, sb.real))
+            l_p.index_copy_(0, sb.rows, back(lse).index_select(0, sb.real))
         out = _merge(o_p, l_p, o_s, l_s).to(q.dtype)
         return out.reshape(n, H, l, d).transpose(1, 2)
 

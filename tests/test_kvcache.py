@@ -467,3 +467,46 @@ def test_autocast_pool_stores_keys_in_the_values_dtype(tiny):
         out = kv.extend(model, rows, chunks, pad)
         for j, c in enumerate(chunks):
             torch.testing.assert_close(out[j].float(), _alone(model, [prompt, c]).float(), atol=0.1, rtol=0)
+
+
+@pytest.mark.parametrize("scores", [kvcache.SCORES_BUDGET, 0], ids=["prompts_together", "each_prompt_in_place"])
+def test_several_prompts_in_one_step_equal_plain_forwards(tiny, monkeypatch, scores):
+    """Rows of three prompts of different lengths (one fragmented) in one forward, every prompt read once per
+    group: with room in SCORES_BUDGET the three prompts are one attention call (their K/V gathered, padded to the
+    longest; queries of an uneven number of rows each), without it each prompt alone in place. Either way every
+    row's logits are a plain forward's, in an extend and in decode steps."""
+    monkeypatch.setattr(kvcache, "BLOCK", 4)
+    monkeypatch.setattr(kvcache, "JOIN_PROMPT", 0)
+    monkeypatch.setattr(kvcache, "SCORES_BUDGET", scores)
+    model, processor = tiny
+    text = _text(model, 5)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kv = kvcache.GroupKV(model, "cpu", 80)
+    kv.pool.release([b for b in kv.pool.alloc(80) if b % 2 or 60 <= b < 63])   # one run of 3 free blocks
+    prompts = [text(9), text(14), text(5)]
+    ids, _ = kv.add_prompts(model, prompts, pad)
+    assert kv.prompts[ids[0]].run() is not None and kv.prompts[ids[1]].run() is None
+    rows = kv.fork(ids[0], 2) + kv.fork(ids[1], 3) + kv.fork(ids[2], 1)
+    owner = [0, 0, 1, 1, 1, 2]
+    slabs = []
+    rows_forward = kvcache.GroupKV._rows_forward
+
+    def recorded(self, seqs, lengths):
+        fwd = rows_forward(self, seqs, lengths)
+        slabs.append((len(fwd.slabs), len(fwd.runs)))
+        return fwd
+
+    monkeypatch.setattr(kvcache.GroupKV, "_rows_forward", recorded)
+    chunks = [text(n) for n in (3, 6, 2, 7, 4, 5)]
+    seqs = {r: [prompts[o], c] for r, o, c in zip(rows, owner, chunks)}
+    out = kv.extend(model, rows, chunks, pad)
+    for j, r in enumerate(rows):
+        torch.testing.assert_close(out[j], _alone(model, seqs[r]), atol=1e-4, rtol=0)
+    for t in range(3):                                     # decode, the rows in a shuffled order
+        order = [rows[i] for i in (3, 0, 5, 1, 4, 2)]
+        toks = torch.tensor([500 + t + i for i in range(len(order))])
+        out = kv.step(model, order, toks)
+        for j, r in enumerate(order):
+            seqs[r].append(kvcache.Chunk(toks[j:j + 1], torch.zeros(1, dtype=torch.int32)))
+            torch.testing.assert_close(out[j], _alone(model, seqs[r]), atol=1e-4, rtol=0)
+    assert set(slabs) == ({(1, 0)} if scores else {(0, 3)}), slabs
