@@ -357,20 +357,26 @@ def clip_tokens(max_frames: int, max_pixels: int | None, factor: int) -> int:
     return visual + n * TEXT_PER_PATCH
 
 
+def assistant_turns(cfg: RolloutConfig) -> int:
+    """The most assistant turns a row writes: max_turns tool turns (at least one: with max_turns 0 a turn's calls
+    get the forced-answer message), then the answer."""
+    return max(cfg.max_turns, 1) + 1
+
+
 def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int, held: int = 0, turns: int | None = None) -> int:
     """Pool blocks one row may come to hold: the scheduler's worst case (docs/method.md §8). Its own suffix
         own = min(held + T * max_new_tokens + (T - 1) * (TEXT_PER_TURN + C * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL),
                   max_context - prompt_len)
-    with T = `turns` assistant turns still to write (at the start max(max_turns, 1) + 1: the last answers; with
-    max_turns 0 a turn's calls get the forced-answer message alone), `held` tokens already in its suffix (0 at the
-    start; at a turn's end what it wrote and the response it is about to read, when the bound is tightened), and a
+    with T = `turns` assistant turns still to write (at the start `assistant_turns(cfg)`), `held` tokens already in
+    its suffix (0 at the start; at a turn's end what it wrote and the response it is about to read, when the bound
+    is tightened), and a
     response of C = max_calls_per_turn results, per_call a clip (`clip_tokens`) in interleaved mode or a summary
     (at most subagent_max_new_tokens) in sub-agent mode, each with TEXT_PER_CALL, one TEXT_PER_CALL more for the note
     on calls past the cap; plus, in sub-agent mode while a tool turn may still come (T > 1), the sub-agents of one
     turn (they live while their caller waits): C x (a clip prompt + subagent_max_new_tokens), each two sequences of
     its own. A sequence of n tokens holds ceil(n / BLOCK) blocks. The bound is loose (real turns are shorter than
     max_new_tokens): a larger --rollout-memory-gb admits more at once, and each turn's end tightens it (Engine.respond)."""
-    turns = max(cfg.max_turns, 1) + 1 if turns is None else turns
+    turns = assistant_turns(cfg) if turns is None else turns
     if cfg.tool_mode == "subagent":
         per_call = cfg.subagent_max_new_tokens
         sub_prompt = clip_tokens(cfg.subagent_max_frames, cfg.subagent_max_pixels, factor) + TEXT_PER_TURN
@@ -659,7 +665,7 @@ class Engine:
             return self.retire(r)
         # the worst case tightens now that this turn's length and its response are known: what is left of the
         # promise beyond it goes back to the scheduler (never below what the row holds or may still write)
-        turns = 1 if forced else max(self.cfg.max_turns, 1) + 1 - len(r.traj.turns)
+        turns = 1 if forced else assistant_turns(self.cfg) - len(r.traj.turns)
         prompt_len = self.kv.prompts[r.prompt].length
         tight = row_blocks(self.cfg, prompt_len, self.factor, self.kv.rows[r.kv].length + len(c.ids), turns)
         if tight < r.reserve:

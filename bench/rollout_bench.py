@@ -28,9 +28,8 @@
 5. budget       --budget-prompts x --budget-group rows whose turns take --budget-min to --budget-max tokens (one
                 tool turn for half of them): all at once (the budget unbounded), then under a budget of a quarter
                 of that run's peak memory, by continuous batching and by fixed waves (the batch waits for its
-                longest row each turn), on a narrow model (--budget-hidden: a step's cost flat in its rows, as on a
-                GPU; the tiny model's width 192 timed beside). Targets: peak <= 1.1 x budget, continuous >= 1.3x
-                the waves' tokens/s, every trajectory's tokens and log-probs equal to the unbounded run's.
+                longest row each turn). Targets: peak <= 1.1 x budget, continuous >= 1.3x the waves' tokens/s,
+                every trajectory's tokens and log-probs equal to the unbounded run's.
 
 Each measurement runs its two sides interleaved (A, B, A, B) after one warm-up and reports medians;
 ratios are baseline / ours (> 1 means ours is better). `same_tokens` flags check that the two sides
@@ -463,20 +462,11 @@ def bench_budget(args) -> dict:
     few % of it, as they are of a real budget, and the block (--budget-block: BLOCK) a few per turn, as a real
     run's 256-token blocks are of its 2,048-token turns (at 256 a 24-160-token turn would take a whole block, and
     the worst cases the scheduler admits on would be rounded up by up to 10x). `decode_steps`: the decode forwards
-    of each schedule (the saving continuous batching makes, whatever a step costs).
-    The model is narrow (--budget-hidden, --budget-mlp) so that a decode step costs about the same for 7 rows as
-    for 12, as on a GPU, where a step reads the weights once and the rows' FLOPs are free at these batch sizes: on
-    this CPU each row costs its FLOPs at small-GEMM speed (about 1.3 ms a row at the tiny model's width 192 against
-    4 ms a step, measured), which the schedule saves nothing of, since both schedules decode the same row-tokens.
-    The same two schedules are also timed on the tiny model's own width (`at_width_192`), reported beside."""
+    of each schedule (the saving continuous batching makes, whatever a step costs)."""
     from model import ModelConfig, build_tiny
     torch.manual_seed(0)
-    model, processor = build_tiny(ModelConfig(layers=args.budget_layers, hidden=args.budget_hidden,
-                                              intermediate=args.budget_mlp), corpus=rollout.prompt_corpus())
+    model, processor = build_tiny(ModelConfig(layers=args.budget_layers), corpus=rollout.prompt_corpus())
     model.eval()
-    torch.manual_seed(0)
-    wide, _ = build_tiny(ModelConfig(layers=args.budget_layers), corpus=rollout.prompt_corpus())
-    wide.eval()
     ids = special_token_ids(processor)
     tok = processor.tokenizer
     call = tok("\n</think>\n<tool_call>\n{\"name\": \"crop_video\", \"arguments\": {\"start_time\": 4.0, "
@@ -501,18 +491,14 @@ def bench_budget(args) -> dict:
                         temperature=1.0, group_size=args.budget_group, overview_nframes=args.budget_frames,
                         overview_max_pixels=64 * 64, crop_fps=1.0, crop_max_frames=4, crop_max_pixels=64 * 64,
                         tools_block=False)
-            run = lambda m=model, **kw: rollout.run_agent(m, processor, recs, root, rollout.RolloutConfig(**base, **kw),
-                                                          seed=0)
+            run = lambda **kw: rollout.run_agent(model, processor, recs, root, rollout.RolloutConfig(**base, **kw), seed=0)
             rollout.sample_tokens = planned
             ref, unbounded_mb = engine_memory(lambda: run(memory_budget_bytes=1 << 40))
             budget = int(unbounded_mb * 2 ** 20) // 4
             cont, peak_mb = engine_memory(lambda: counted("continuous", memory_budget_bytes=budget))
             static, static_mb = engine_memory(lambda: counted("static", memory_budget_bytes=budget, continuous=False))
             wall, cpu = ab_times({"continuous": lambda: run(memory_budget_bytes=budget),
-                                  "static": lambda: run(memory_budget_bytes=budget, continuous=False),
-                                  "continuous_192": lambda: run(wide, memory_budget_bytes=budget),
-                                  "static_192": lambda: run(wide, memory_budget_bytes=budget, continuous=False)},
-                                 args.budget_repeats)
+                                "static": lambda: run(memory_budget_bytes=budget, continuous=False)}, args.budget_repeats)
     finally:
         kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS, kvcache.BLOCK, kvcache.JOIN_PROMPT = saved
         rollout.sample_tokens = planned.sample
@@ -527,11 +513,7 @@ def bench_budget(args) -> dict:
                 static_tok_s=tokens / median(wall["static"]), continuous_tok_s=tokens / median(wall["continuous"]),
                 speedup=median(wall["static"]) / median(wall["continuous"]),
                 cpu_speedup=median(cpu["static"]) / median(cpu["continuous"]), max_logprob_diff=diff,
-                exact=same and diff <= 1e-5, hidden=args.budget_hidden, mlp=args.budget_mlp,
-                at_width_192=dict(static_tok_s=tokens / median(wall["static_192"]),
-                                  continuous_tok_s=tokens / median(wall["continuous_192"]),
-                                  speedup=median(wall["static_192"]) / median(wall["continuous_192"]),
-                                  cpu_speedup=median(cpu["static_192"]) / median(cpu["continuous_192"])))
+                exact=same and diff <= 1e-5)
 
 
 # ----------------------------------------------------------------------------- main
@@ -565,8 +547,6 @@ def main() -> None:
     p.add_argument("--budget-max", type=int, default=160, help="budget bench: most tokens of a turn (max_new_tokens)")
     p.add_argument("--budget-repeats", type=int, default=3, help="budget bench: timed repeats per schedule")
     p.add_argument("--budget-layers", type=int, default=8, help="budget bench: text layers of the tiny model")
-    p.add_argument("--budget-hidden", type=int, default=64, help="budget bench: text width (the tiny model's: 192)")
-    p.add_argument("--budget-mlp", type=int, default=128, help="budget bench: MLP width (the tiny model's: 512)")
     p.add_argument("--budget-scores", type=int, default=2 ** 17, help="budget bench: kvcache.SCORES_BUDGET")
     p.add_argument("--budget-prefill", type=int, default=256, help="budget bench: kvcache.PREFILL_TOKENS")
     p.add_argument("--budget-block", type=int, default=32,
@@ -647,10 +627,7 @@ def main() -> None:
                      ["tokens/s", None, bu["continuous_tok_s"], bu["static_tok_s"]],
                      ["decode steps", None, bu["decode_steps"]["continuous"], bu["decode_steps"]["static"]]],
                     ["", "unbounded", "budget: continuous", "budget: fixed waves"]))
-        w = bu["at_width_192"]
-        print(f"continuous / waves: {bu['speedup']:.3g}x wall time, {bu['cpu_speedup']:.3g}x CPU time (text width "
-              f"{bu['hidden']}, MLP {bu['mlp']}); at the tiny model's width 192: {w['speedup']:.3g}x wall, "
-              f"{w['cpu_speedup']:.3g}x CPU")
+        print(f"continuous / waves: {bu['speedup']:.3g}x wall time, {bu['cpu_speedup']:.3g}x CPU time")
         out["budget"] = bu
         targets.update(budget_le_quarter=bu["budget_mb"] <= bu["unbounded_peak_mb"] / 4,
                        budget_peak_le_1_1=bu["peak_mb"] <= 1.1 * bu["budget_mb"],
