@@ -204,6 +204,7 @@ class _Forward:
     qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
     keys: torch.Tensor | None = None     # (n, span) the pool slot of each row's keys (first layer)
     seen: torch.Tensor | None = None     # (n, 1, 1, span) a decode step's mask: key j < end (first layer)
+    cuts: list = field(default_factory=list)    # the slabs of rows (a, b, span) (first layer, `_cuts`)
 
 
 class GroupKV:
@@ -433,12 +434,10 @@ class GroupKV:
             fwd.keys = self._key_slots(fwd, max(fwd.end_host))
             if l == 1:                                     # decode: row i sees its keys j < end[i] (its one query)
                 fwd.seen = (torch.arange(fwd.keys.shape[1], device=q.device) < fwd.end[:, None])[:, None, None]
+            fwd.cuts = _cuts(fwd.end_host, Hkv * d)
         # [small prompt ;] own suffix, causal, read through the block tables in slabs of rows
-        step = max(1, SCORES_BUDGET // (max(fwd.end_host) * Hkv * d))
         o_s, l_s = [], []
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            span = max(fwd.end_host[a:b])
+        for a, b, span in fwd.cuts:
             K, V = (_gather(pool, fwd.keys[a:b, :span]).transpose(1, 2) for pool in (pool_k, pool_v))   # (rows, Hkv, span, d)
             if l == 1 and not (fwd.runs or fwd.slabs):     # decode, nothing to merge: one fused call, no LSE
                 seen = None if b - a == 1 else fwd.seen[a:b, :, :, :span]
@@ -478,6 +477,20 @@ class GroupKV:
             l_p.index_copy_(0, sb.rows, back(lse).index_select(0, sb.real))
         out = _merge(o_p, l_p, o_s, l_s).to(q.dtype)
         return out.reshape(n, H, l, d).transpose(1, 2)
+
+
+def _cuts(ends: list[int], per_key: int) -> list[tuple[int, int, int]]:
+    """Slabs of consecutive rows (a, b, span): as many rows as fit rows x span x per_key <= SCORES_BUDGET, span the
+    most keys of a row among them (one row at least): short rows share a slab with more rows than long ones."""
+    cuts, a = [], 0
+    while a < len(ends):
+        b, span = a + 1, ends[a]
+        while b < len(ends) and (b + 1 - a) * max(span, ends[b]) * per_key <= SCORES_BUDGET:
+            span = max(span, ends[b])
+            b += 1
+        cuts.append((a, b, span))
+        a = b
+    return cuts
 
 
 def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
