@@ -19,19 +19,20 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   queries against the one prompt K/V, each row against its own suffix (causal), read through its block table;
   the two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`). Several prompts whose K/V
   together fit SCORES_BUDGET go in one call (gathered, padded to the longest: `_PromptSlab`), so that a step's
-  cost does not grow by a call per prompt group in flight; a prompt alone is read in place. A prompt whose copies for its
-  rows in the forward are small (JOIN_PROMPT) is read with each row's suffix instead, as one causal sequence
-  [prompt ; suffix]: the copies cost less than an attention call for the prompt alone (a single row's prompt, e.g.
-  a sub-agent's clip). No decode step touches the K/V of a row that is not in it. A decode step with no prompt
+  cost does not grow by a call per prompt group in flight; a prompt alone is read in place. A prompt whose
+  copies for its rows in the forward are small (JOIN_PROMPT) is read with each row's suffix instead, as one
+  causal sequence [prompt ; suffix]: the copies cost less than an attention call for the prompt alone (a single
+  row's prompt, e.g. a sub-agent's clip). No decode step touches the K/V of a row that is not in it. A decode step with no prompt
   read in place (nothing to merge) is one fused SDPA call over the slabs; the LSE path is for the rest.
 
 Shapes: pool per layer (n_blocks * BLOCK, kv_heads, head_dim); a forward's queries (n, heads, l, head_dim) for
 n rows of l tokens (right-padded), positions (3, n, l) for (t, h, w); logits (n, V).
-Sizes that choose a path (shrunk in tests: tests/conftest.py `SMALL_THRESHOLDS`; docs/method.md §8): BLOCK (tokens per
-block), SCORES_BUDGET (elements of any one working tensor of the attention: a block of fp32 scores, its mask, a
-slab of K/V gathered through the block tables or of prompts read together; one row's keys are the least a slab holds), JOIN_PROMPT (K elements,
-rows x tokens x kv_heads x head_dim, of a prompt's copies read with its rows rather than the prompt once in place:
-about where a copy and an attention call cost the same on this project's CPU; 128 tokens of Qwen3-VL-8B, one row),
+Sizes that choose a path (shrunk in tests: tests/conftest.py `SMALL_THRESHOLDS`; docs/method.md §8): BLOCK (tokens
+per block), SCORES_BUDGET (elements of any one working tensor of the attention: a block of fp32 scores, its mask,
+a slab of K/V gathered through the block tables or of prompts read together; one row's keys are the least a slab
+holds), JOIN_PROMPT (K elements, rows x tokens x kv_heads x head_dim, of a prompt's copies read with its rows
+rather than the prompt once in place: about where a copy and an attention call cost the same on this project's
+CPU; 128 tokens of Qwen3-VL-8B, one row),
 PREFILL_TOKENS (tokens of one prefill forward, padding included: the chunks of an admission go in several forwards,
 so that their activations stay bounded beside the budget).
 Precision: scores, softmax and the weighted sum run in fp32 whatever the model's dtype; the output is rounded to it.
@@ -367,6 +368,7 @@ class GroupKV:
         return fwd
 
     def _prompt_keys(self, prompt: _Seq) -> torch.Tensor:
+        """(length,) the pool slots of a prompt's keys, on the device."""
         if prompt.keys is None:
             prompt.keys = _on(self.device, prompt.slots(0, prompt.length))
         return prompt.keys
