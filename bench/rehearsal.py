@@ -162,7 +162,7 @@ def gathered_bytes(model: torch.nn.Module):
     groups = {id(g): g for m in model.modules() if isinstance(m, FSDPModule)         # a unit of several modules:
               for g in [m._get_fsdp_state()._fsdp_param_group] if g is not None}      # one group, counted once
     params = [p for g in groups.values() for p in g.fsdp_params]
-    return lambda: sum(t.untyped_storage().nbytes() for p in params for t in getattr(p, "all_gather_outputs", ()))
+    return lambda: sum(t.untyped_storage().nbytes() for p in params for t in p.all_gather_outputs)
 
 
 def tensor_bytes(tensors) -> int:
