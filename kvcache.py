@@ -22,8 +22,9 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   cost does not grow by a call per prompt group in flight; a prompt alone is read in place. A prompt whose
   copies for its rows in the forward are small (JOIN_PROMPT) is read with each row's suffix instead, as one
   causal sequence [prompt ; suffix]: the copies cost less than an attention call for the prompt alone (a single
-  row's prompt, e.g. a sub-agent's clip). No decode step touches the K/V of a row that is not in it. A decode step with no prompt
-  read in place (nothing to merge) is one fused SDPA call over the slabs; the LSE path is for the rest.
+  row's prompt, e.g. a sub-agent's clip). No decode step touches the K/V of a row that is not in it. A decode
+  step with no prompt read in place (nothing to merge) is one fused SDPA call over the slabs; the LSE path is for
+  the rest.
 
 Shapes: pool per layer (n_blocks * BLOCK, kv_heads, head_dim); a forward's queries (n, heads, l, head_dim) for
 n rows of l tokens (right-padded), positions (3, n, l) for (t, h, w); logits (n, V).
@@ -198,14 +199,13 @@ class _Forward:
     end: torch.Tensor | None = None      # (n,) after it
     end_host: list[int] = field(default_factory=list)
     runs: list = field(default_factory=list)    # (prompt _Seq, its rows' positions: a slice or (k,) tensor)
-    prompt_slots: dict = field(default_factory=dict)   # id(prompt) -> its slots, where its blocks are not a run
     slabs: list = field(default_factory=list)   # _PromptSlab: large prompts read together
     off: torch.Tensor | None = None      # (n,) where each row's suffix starts among its keys (a small prompt's length)
     ptables: torch.Tensor | None = None  # (n, nbp) the blocks of each row's small prompt (0-padded)
     qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
     keys: torch.Tensor | None = None     # (n, span) the pool slot of each row's keys (first layer)
     seen: torch.Tensor | None = None     # (n, 1, 1, span) a decode step's mask: key j < end (first layer)
-    cuts: list = field(default_factory=list)    # the slabs of rows (a, b, span) (first layer, `_cuts`)
+    cuts: list = field(default_factory=list)    # the slabs of rows (a, b, span) (first layer, `_pack`)
 
 
 class GroupKV:
@@ -276,15 +276,8 @@ class GroupKV:
     def _prefills(self, model, seqs: list[_Seq], chunks: list[Chunk], pad_id: int, prompt_mode: bool) -> torch.Tensor:
         """The chunks in as few forwards as hold at most PREFILL_TOKENS tokens each, padding included (a chunk
         longer than that alone), so that the activations of a prefill stay bounded; (n, V) logits."""
-        out, a = [], 0
-        while a < len(chunks):
-            b, longest = a + 1, len(chunks[a].ids)
-            while b < len(chunks) and (b + 1 - a) * max(longest, len(chunks[b].ids)) <= PREFILL_TOKENS:
-                longest = max(longest, len(chunks[b].ids))
-                b += 1
-            out.append(self._prefill(model, seqs[a:b], chunks[a:b], pad_id, prompt_mode))
-            a = b
-        return torch.cat(out)
+        return torch.cat([self._prefill(model, seqs[a:b], chunks[a:b], pad_id, prompt_mode)
+                          for a, b, _ in _pack([len(c.ids) for c in chunks], PREFILL_TOKENS)])
 
     def _prefill(self, model, seqs: list[_Seq], chunks: list[Chunk], pad_id: int, prompt_mode: bool) -> torch.Tensor:
         lengths = [len(c.ids) for c in chunks]
@@ -351,24 +344,18 @@ class GroupKV:
         fwd.ptables = _on(self.device, pad(ptables) if any(ptables) else [[0]] * len(seqs))
         # the large prompts, shortest first, in slabs whose K/V (prompts x longest x kv_heads x head_dim) fits
         # SCORES_BUDGET: a slab of several is one attention call, a prompt alone is read in place
-        slab: list[int] = []
-        for p in sorted(members, key=lambda p: self.prompts[p].length) + [None]:
-            if p is not None and (not slab or (len(slab) + 1) * self.prompts[p].length * per_token <= SCORES_BUDGET):
-                slab.append(p)
+        large = sorted(members, key=lambda p: self.prompts[p].length)
+        for a, b, _ in _pack([self.prompts[p].length for p in large], SCORES_BUDGET // per_token):
+            if b - a > 1:
+                fwd.slabs.append(self._slab([self.prompts[p] for p in large[a:b]], [members[p] for p in large[a:b]]))
                 continue
-            if len(slab) > 1:
-                fwd.slabs.append(self._slab([self.prompts[q] for q in slab], [members[q] for q in slab]))
-            elif slab:
-                prompt, idx = self.prompts[slab[0]], members[slab[0]]
-                rows = slice(idx[0], idx[-1] + 1) if idx[-1] - idx[0] == len(idx) - 1 else _on(self.device, idx)
-                fwd.runs.append((prompt, rows))
-                if prompt.run() is None:                   # blocks not consecutive: read through its slots
-                    fwd.prompt_slots[id(prompt)] = self._prompt_keys(prompt)
-            slab = [p]
+            idx = members[large[a]]
+            rows = slice(idx[0], idx[-1] + 1) if idx[-1] - idx[0] == len(idx) - 1 else _on(self.device, idx)
+            fwd.runs.append((self.prompts[large[a]], rows))
         return fwd
 
     def _prompt_keys(self, prompt: _Seq) -> torch.Tensor:
-        """(length,) the pool slots of a prompt's keys, on the device."""
+        """(length,) the pool slots of a prompt's keys, on the device (made at its first read)."""
         if prompt.keys is None:
             prompt.keys = _on(self.device, prompt.slots(0, prompt.length))
         return prompt.keys
@@ -436,7 +423,7 @@ class GroupKV:
             fwd.keys = self._key_slots(fwd, max(fwd.end_host))
             if l == 1:                                     # decode: row i sees its keys j < end[i] (its one query)
                 fwd.seen = (torch.arange(fwd.keys.shape[1], device=q.device) < fwd.end[:, None])[:, None, None]
-            fwd.cuts = _cuts(fwd.end_host, Hkv * d)
+            fwd.cuts = _pack(fwd.end_host, SCORES_BUDGET // (Hkv * d))
         # [small prompt ;] own suffix, causal, read through the block tables in slabs of rows
         o_s, l_s = [], []
         for a, b, span in fwd.cuts:
@@ -461,7 +448,7 @@ class GroupKV:
             if first is not None:
                 K, V = pool_k[first:first + prompt.length], pool_v[first:first + prompt.length]
             else:
-                slots = fwd.prompt_slots[id(prompt)]
+                slots = self._prompt_keys(prompt)         # blocks not consecutive: read through its slots
                 K, V = _gather(pool_k, slots), _gather(pool_v, slots)
             qr = qg[rows]                                   # (r, Hkv, gl, d) -> (1, Hkv, r * gl, d)
             r = qr.shape[0]
@@ -481,18 +468,20 @@ class GroupKV:
         return out.reshape(n, H, l, d).transpose(1, 2)
 
 
-def _cuts(ends: list[int], per_key: int) -> list[tuple[int, int, int]]:
-    """Slabs of consecutive rows (a, b, span): as many rows as fit rows x span x per_key <= SCORES_BUDGET, span the
-    most keys of a row among them (one row at least): short rows share a slab with more rows than long ones."""
-    cuts, a = [], 0
-    while a < len(ends):
-        b, span = a + 1, ends[a]
-        while b < len(ends) and (b + 1 - a) * max(span, ends[b]) * per_key <= SCORES_BUDGET:
-            span = max(span, ends[b])
+def _pack(lengths: list[int], limit: int) -> list[tuple[int, int, int]]:
+    """Consecutive items in groups (a, b, longest): each as many items as keep (b - a) x longest <= limit (one item
+    at least), the padded size of the group. Prefill forwards (chunks, PREFILL_TOKENS), the attention's slabs of
+    rows (keys, SCORES_BUDGET / (kv_heads x head_dim): short rows share a slab with more rows than long ones) and
+    of prompts read together."""
+    groups, a = [], 0
+    while a < len(lengths):
+        b, longest = a + 1, lengths[a]
+        while b < len(lengths) and (b + 1 - a) * max(longest, lengths[b]) <= limit:
+            longest = max(longest, lengths[b])
             b += 1
-        cuts.append((a, b, span))
+        groups.append((a, b, longest))
         a = b
-    return cuts
+    return groups
 
 
 def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
