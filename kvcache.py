@@ -496,7 +496,8 @@ def _attend(q, k, v, scale, qpos=None, kend=None):
     exactly. Key j is seen by query i of row b iff j <= qpos[b, i] (causal; None: no causal limit) and
     j < kend[b] (None: every key). Queries go in blocks, and each block's mask is built from these positions,
     so no scores or mask tensor exceeds SCORES_BUDGET elements whatever the chunk and span (one query row of
-    scores at least)."""
+    scores at least). The softmax takes one exponential pass over the scores (m = max, p = exp(s - m),
+    out = p v / sum p, lse = m + log sum p) and the scale goes on the queries, the smaller tensor."""
     n, h, m, _ = q.shape
     c = k.shape[2]
     block = max(1, SCORES_BUDGET // max(1, n * h * c))
@@ -504,7 +505,7 @@ def _attend(q, k, v, scale, qpos=None, kend=None):
     kpos = torch.arange(c, device=q.device)
     outs, lses = [], []
     for a in range(0, m, block):
-        s = torch.matmul(q[:, :, a:a + block].float(), kt).mul_(scale)                   # (n, h, b, c) fp32
+        s = torch.matmul(q[:, :, a:a + block].float() * scale, kt)                       # (n, h, b, c) fp32
         if qpos is not None or kend is not None:
             seen = True
             if qpos is not None:
@@ -512,9 +513,11 @@ def _attend(q, k, v, scale, qpos=None, kend=None):
             if kend is not None:
                 seen = (kpos < kend[:, None, None, None]) & seen
             s.masked_fill_(~seen, float("-inf"))
-        lse = torch.logsumexp(s, -1, keepdim=True)
-        outs.append(torch.matmul(s.sub_(lse).exp_(), vf))
-        lses.append(lse)
+        top = s.amax(-1, keepdim=True)
+        p = s.sub_(top).exp_()
+        total = p.sum(-1, keepdim=True)
+        outs.append(torch.matmul(p, vf).div_(total))
+        lses.append(total.log_().add_(top))
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
