@@ -371,10 +371,11 @@ def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int, held: int = 0, 
     its suffix (0 at the start; at a turn's end what it wrote and the response it is about to read, when the bound
     is tightened), and a response of C = max_calls_per_turn results, per_call a clip (`clip_tokens`) in interleaved
     mode or a summary (at most subagent_max_new_tokens) in sub-agent mode, each with TEXT_PER_CALL, one
-    TEXT_PER_CALL more for the note on calls past the cap; plus, in sub-agent mode while a tool turn may still come (T > 1), the sub-agents of one
-    turn (they live while their caller waits): C x (a clip prompt + subagent_max_new_tokens), each two sequences of
-    its own. A sequence of n tokens holds ceil(n / BLOCK) blocks. The bound is loose (real turns are shorter than
-    max_new_tokens): a larger --rollout-memory-gb admits more at once, and each turn's end tightens it (Engine.respond)."""
+    TEXT_PER_CALL more for the note on calls past the cap; plus, in sub-agent mode while a tool turn may still come
+    (T > 1), the sub-agents of one turn (they live while their caller waits): C x (a clip prompt +
+    subagent_max_new_tokens), each two sequences of its own. A sequence of n tokens holds ceil(n / BLOCK) blocks.
+    The bound is loose (real turns are shorter than max_new_tokens): a larger --rollout-memory-gb admits more at
+    once, and each turn's end tightens it (Engine.respond)."""
     turns = assistant_turns(cfg) if turns is None else turns
     if cfg.tool_mode == "subagent":
         per_call = cfg.subagent_max_new_tokens
