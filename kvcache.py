@@ -186,6 +186,7 @@ class _PromptSlab:
     pick: torch.Tensor                   # (p * r,) the row whose queries fill each (prompt, member) place (pads: 0)
     real: torch.Tensor                   # (k,) the places that are real rows ...
     rows: torch.Tensor                   # (k,) ... and those rows
+    hide: torch.Tensor                   # (p, 1, 1, L) keys past each prompt's length
 
 
 @dataclass
@@ -203,9 +204,8 @@ class _Forward:
     off: torch.Tensor | None = None      # (n,) where each row's suffix starts among its keys (a small prompt's length)
     ptables: torch.Tensor | None = None  # (n, nbp) the blocks of each row's small prompt (0-padded)
     qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
-    keys: torch.Tensor | None = None     # (n, span) the pool slot of each row's keys (first layer)
-    seen: torch.Tensor | None = None     # (n, 1, 1, span) a decode step's mask: key j < end (first layer)
-    cuts: list = field(default_factory=list)    # the slabs of rows (a, b, span) (first layer, `_pack`)
+    cuts: list = field(default_factory=list)    # the slabs of rows (first layer): (a, b, span, the rows' key slots
+                                                # (b - a, span), their mask (b - a, 1, 1, span)), `_pack`
 
 
 class GroupKV:
@@ -368,8 +368,10 @@ class GroupKV:
             keys[i, :q.length] = self._prompt_keys(q)
         pick = [m[j] if j < len(m) else 0 for m in members for j in range(r)]
         real = [i * r + j for i, m in enumerate(members) for j in range(len(m))]
-        return _PromptSlab(keys, _on(self.device, [q.length for q in prompts]), r, _on(self.device, pick),
-                           _on(self.device, real), _on(self.device, [x for m in members for x in m]))
+        lens = _on(self.device, [q.length for q in prompts])
+        return _PromptSlab(keys, lens, r, _on(self.device, pick), _on(self.device, real),
+                           _on(self.device, [x for m in members for x in m]),
+                           (torch.arange(L, device=self.device) >= lens[:, None])[:, None, None])
 
     @torch.no_grad()
     def _run(self, model, fwd: _Forward, ids, pos, types=None, vision=None, last=None) -> torch.Tensor:
@@ -418,22 +420,25 @@ class GroupKV:
         Hkv = pool_k.shape[1]
         g = H // Hkv                                       # query heads per KV head (GQA)
         qg = q.reshape(n, Hkv, g * l, d)
-        if fwd.qpos is None:                               # the (g, l) order of qg; the same for every layer
-            fwd.qpos = fwd.start[:, None] + torch.arange(g * l, device=q.device) % l
-            fwd.keys = self._key_slots(fwd, max(fwd.end_host))
-            if l == 1:                                     # decode: row i sees its keys j < end[i] (its one query)
-                fwd.seen = (torch.arange(fwd.keys.shape[1], device=q.device) < fwd.end[:, None])[:, None, None]
-            fwd.cuts = _pack(fwd.end_host, SCORES_BUDGET // (Hkv * d))
+        fused = l == 1 and not (fwd.runs or fwd.slabs)     # decode, nothing to merge: one SDPA call a slab, no LSE
+        if fwd.qpos is None:                               # made at the first layer, for every layer
+            fwd.qpos = fwd.start[:, None] + torch.arange(g * l, device=q.device) % l      # the (g, l) order of qg
+            span = max(fwd.end_host)
+            keys = self._key_slots(fwd, span)
+            hide = torch.arange(span, device=q.device) >= fwd.end[:, None]               # (n, span): past a row's end
+            fwd.cuts = [(a, b, w, keys[a:b, :w].contiguous(),
+                         None if fused and b - a == 1 else (~hide if fused else hide)[a:b, None, None, :w])
+                        for a, b, w in _pack(fwd.end_host, SCORES_BUDGET // (Hkv * d))]
         # [small prompt ;] own suffix, causal, read through the block tables in slabs of rows
         o_s, l_s = [], []
-        for a, b, span in fwd.cuts:
-            K, V = (_gather(pool, fwd.keys[a:b, :span]).transpose(1, 2) for pool in (pool_k, pool_v))   # (rows, Hkv, span, d)
-            if l == 1 and not (fwd.runs or fwd.slabs):     # decode, nothing to merge: one fused call, no LSE
-                seen = None if b - a == 1 else fwd.seen[a:b, :, :, :span]
-                o_s.append(F.scaled_dot_product_attention(qg[a:b].float(), K.float(), V.float(), attn_mask=seen,
+        for a, b, span, keys, mask in fwd.cuts:
+            K, V = (_gather(pool, keys).transpose(1, 2) for pool in (pool_k, pool_v))    # (rows, Hkv, span, d)
+            if fused:                                      # mask: the keys seen
+                o_s.append(F.scaled_dot_product_attention(qg[a:b].float(), K.float(), V.float(), attn_mask=mask,
                                                           scale=scale))
                 continue
-            o, lse = _attend(qg[a:b], K, V, scale, fwd.qpos[a:b], fwd.end[a:b])
+            # a decode query sees exactly the keys before its row's end: the causal limit only when l > 1
+            o, lse = _attend(qg[a:b], K, V, scale, fwd.qpos[a:b] if l > 1 else None, mask)
             o_s.append(o)
             l_s.append(lse)
         o_s = o_s[0] if len(o_s) == 1 else torch.cat(o_s)
@@ -460,7 +465,7 @@ class GroupKV:
             p, r = sb.keys.shape[0], sb.rmax
             qs = qg.index_select(0, sb.pick).view(p, r, Hkv, g * l, d).transpose(1, 2).reshape(p, Hkv, r * g * l, d)
             K, V = (_gather(pool, sb.keys).transpose(1, 2) for pool in (pool_k, pool_v))     # (p, Hkv, L, d)
-            o, lse = _attend(qs, K, V, scale, kend=sb.lens)
+            o, lse = _attend(qs, K, V, scale, hide=sb.hide)
             back = lambda t: t.view(p, Hkv, r, g * l, -1).transpose(1, 2).reshape(p * r, Hkv, g * l, -1)
             o_p.index_copy_(0, sb.rows, back(o).index_select(0, sb.real))
             l_p.index_copy_(0, sb.rows, back(lse).index_select(0, sb.real))
@@ -490,34 +495,34 @@ def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
 
 
-def _attend(q, k, v, scale, qpos=None, kend=None):
+def _attend(q, k, v, scale, qpos=None, hide=None):
     """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d), computed in fp32 whatever the inputs' dtype;
     returns (out (n, h, m, d) fp32, lse (n, h, m, 1)): the log-sum-exp lets two partial attentions be merged
-    exactly. Key j is seen by query i of row b iff j <= qpos[b, i] (causal; None: no causal limit) and
-    j < kend[b] (None: every key). Queries go in blocks, and each block's mask is built from these positions,
-    so no scores or mask tensor exceeds SCORES_BUDGET elements whatever the chunk and span (one query row of
-    scores at least). The softmax takes one exponential pass over the scores (m = max, p = exp(s - m),
-    out = p v / sum p, lse = m + log sum p) and the scale goes on the queries, the smaller tensor."""
+    exactly. Key j is hidden from every query of row b where hide[b, 0, 0, j] (a row's end or a prompt's length;
+    the caller makes it once per forward, as it does not change with the layer; None: nothing hidden) and from
+    query i where j > qpos[b, i] (causal; None: no causal limit). Queries go in blocks, and each block's causal
+    mask is built from these positions, so no scores or mask tensor exceeds SCORES_BUDGET elements whatever the
+    chunk and span (one query row of scores at least). The softmax takes one exponential pass over the scores
+    (m = max, p = exp(s - m), out = p v / sum p, lse = m + log sum p) and the scale goes on the queries, the
+    smaller tensor."""
     n, h, m, _ = q.shape
     c = k.shape[2]
     block = max(1, SCORES_BUDGET // max(1, n * h * c))
     kt, vf = k.float().transpose(-1, -2), v.float()
-    kpos = torch.arange(c, device=q.device)
     outs, lses = [], []
     for a in range(0, m, block):
         s = torch.matmul(q[:, :, a:a + block].float() * scale, kt)                       # (n, h, b, c) fp32
-        if qpos is not None or kend is not None:
-            seen = True
-            if qpos is not None:
-                seen = kpos <= qpos[:, None, a:a + block, None]                           # (n, 1, b, c)
-            if kend is not None:
-                seen = (kpos < kend[:, None, None, None]) & seen
-            s.masked_fill_(~seen, float("-inf"))
+        if hide is not None:
+            s.masked_fill_(hide, float("-inf"))
+        if qpos is not None:                                                              # (n, 1, b, c)
+            s.masked_fill_(torch.arange(c, device=q.device) > qpos[:, None, a:a + block, None], float("-inf"))
         top = s.amax(-1, keepdim=True)
         p = s.sub_(top).exp_()
         total = p.sum(-1, keepdim=True)
         outs.append(torch.matmul(p, vf).div_(total))
         lses.append(total.log_().add_(top))
+    if len(outs) == 1:
+        return outs[0], lses[0]
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
