@@ -181,7 +181,6 @@ class _PromptSlab:
     """Several large prompts read in one attention call (their K/V gathered, padded to the longest), with the
     rows of each as its queries: p prompts, at most r rows of one prompt in the forward."""
     keys: torch.Tensor                   # (p * L,) pool slots of each prompt's L keys (0-padded; masked by `hide`)
-    lens: torch.Tensor                   # (p,) the prompts' lengths
     rmax: int                            # r
     pick: torch.Tensor                   # (p * r,) the row whose queries fill each (prompt, member) place (pads: 0)
     real: torch.Tensor | None            # (k,) the places that are real rows (None: all p * r) ...
@@ -369,7 +368,7 @@ class GroupKV:
         pick = [m[j] if j < len(m) else 0 for m in members for j in range(r)]
         real = [i * r + j for i, m in enumerate(members) for j in range(len(m))]
         lens = _on(self.device, [q.length for q in prompts])
-        return _PromptSlab(keys.view(-1), lens, r, _on(self.device, pick),
+        return _PromptSlab(keys.view(-1), r, _on(self.device, pick),
                            _on(self.device, real) if len(real) < len(pick) else None,
                            _on(self.device, [x for m in members for x in m]),
                            (torch.arange(L, device=self.device) >= lens[:, None])[:, None, None])
@@ -464,7 +463,7 @@ class GroupKV:
             o_p[rows] = o.reshape(Hkv, r, g * l, d).transpose(0, 1)
             l_p[rows] = lse.reshape(Hkv, r, g * l, 1).transpose(0, 1)
         for sb in fwd.slabs:                                # several prompts, one call: (p, Hkv, r * gl, d) queries
-            p, r = sb.lens.shape[0], sb.rmax
+            p, r = sb.hide.shape[0], sb.rmax
             qs = qg.index_select(0, sb.pick).view(p, r, Hkv, g * l, d).transpose(1, 2).reshape(p, Hkv, r * g * l, d)
             K, V = (_gather(pool, sb.keys, p, -1).transpose(1, 2) for pool in (pool_k, pool_v))  # (p, Hkv, L, d)
             o, lse = _attend(qs, K, V, scale, hide=sb.hide)
