@@ -35,7 +35,9 @@ holds), JOIN_PROMPT (K elements, rows x tokens x kv_heads x head_dim, of a promp
 rather than the prompt once in place: about where a copy and an attention call cost the same on this project's
 CPU; 128 tokens of Qwen3-VL-8B, one row),
 PREFILL_TOKENS (tokens of one prefill forward, padding included: the chunks of an admission go in several forwards,
-so that their activations stay bounded beside the budget).
+so that their activations stay bounded beside the budget), SLAB_PADDING (K elements of padding, rows x keys x
+kv_heads x head_dim, that a slab of rows may take on at once rather than start another slab: about where padded keys
+and an attention call cost the same on this project's CPU; a decode step takes its rows shortest first).
 Precision: scores, softmax and the weighted sum run in fp32 whatever the model's dtype; the output is rounded to it.
 Departures: plain PyTorch. A row's suffix is gathered (copied) from its blocks into slabs of at most SCORES_BUDGET
 elements for each forward, and bf16 K/V are upcast to fp32 for the attention (a prompt's whole, for each layer),
@@ -56,6 +58,7 @@ BLOCK = 256                          # tokens per block of the pool
 SCORES_BUDGET = 2 ** 24              # elements of one working tensor of the attention (scores block, mask, K/V slab)
 JOIN_PROMPT = 2 ** 17                # K elements of a prompt's copies (rows x tokens x heads x dim) read with its rows
 PREFILL_TOKENS = 2 ** 15             # tokens (padding included) of one prefill forward, at most (a longer chunk: alone)
+SLAB_PADDING = 2 ** 15               # K elements of padding a slab of rows may take on at once rather than split
 
 
 @dataclass
@@ -180,12 +183,12 @@ class _Seq:
 class _PromptSlab:
     """Several large prompts read in one attention call (their K/V gathered, padded to the longest), with the
     rows of each as its queries: p prompts, at most r rows of one prompt in the forward."""
-    keys: torch.Tensor                   # (p * L,) pool slots of each prompt's L keys (0-padded; masked by `hide`)
+    keys: torch.Tensor                   # (p * L,) pool slots of each prompt's L keys (0-padded; masked by `bias`)
     rmax: int                            # r
     pick: torch.Tensor                   # (p * r,) the row whose queries fill each (prompt, member) place (pads: 0)
     real: torch.Tensor | None            # (k,) the places that are real rows (None: all p * r) ...
     rows: torch.Tensor                   # (k,) ... and those rows
-    hide: torch.Tensor                   # (p, 1, 1, L) keys past each prompt's length
+    bias: torch.Tensor                   # (p, 1, 1, L) fp32 added to the scores: -inf past each prompt's length
 
 
 @dataclass
@@ -259,14 +262,23 @@ class GroupKV:
         return self._prefills(model, seqs, chunks, pad_id, prompt_mode=False)
 
     def step(self, model, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        """Decode: feed tokens (n,) (on the device; no host sync) to rows; returns (n, V) logits."""
-        seqs = [self.rows[r] for r in rows]
+        """Decode: feed tokens (n,) (on the device; no host sync) to rows; returns (n, V) logits. The forward
+        takes the rows shortest first, so that the attention's slabs of rows (`_pack`) pad little; the logits
+        come back in the caller's order."""
+        order = sorted(range(len(rows)), key=lambda i: self.rows[rows[i]].length)
+        seqs = [self.rows[rows[i]] for i in order]
+        back = None
+        if order != sorted(order):
+            tokens = tokens.index_select(0, _on(self.device, order))
+            back = torch.empty(len(order), dtype=torch.long)
+            back[order] = torch.arange(len(order))
+            back = _on(self.device, back)
         for s in seqs:
             if s.length == len(s.blocks) * BLOCK:
                 s.blocks += self.pool.alloc(1)
         pos = _on(self.device, [s.next_pos for s in seqs]).view(1, -1, 1).expand(3, -1, 1)
         fwd = self._rows_forward(seqs, [1] * len(seqs))
-        logits = self._run(model, fwd, tokens[:, None], pos)
+        logits = self._run(model, fwd, tokens[:, None], pos, back=back)
         for s in seqs:
             s.length += 1
             s.next_pos += 1
@@ -371,12 +383,13 @@ class GroupKV:
         return _PromptSlab(keys.view(-1), r, _on(self.device, pick),
                            _on(self.device, real) if len(real) < len(pick) else None,
                            _on(self.device, [x for m in members for x in m]),
-                           (torch.arange(L, device=self.device) >= lens[:, None])[:, None, None])
+                           _hidden(torch.arange(L, device=self.device) >= lens[:, None])[:, None, None])
 
     @torch.no_grad()
-    def _run(self, model, fwd: _Forward, ids, pos, types=None, vision=None, last=None) -> torch.Tensor:
+    def _run(self, model, fwd: _Forward, ids, pos, types=None, vision=None, last=None, back=None) -> torch.Tensor:
         """One forward through the model with this cache's hooks; (n, V) float logits after token `last[i]` of
-        each row (default: the last column)."""
+        each row (default: the last column), of rows back[i] of the forward (default: in its order; the hidden
+        states are reordered, not the logits)."""
         self.fwd = fwd
         lm = model.model.language_model.config
         impl, lm._attn_implementation = lm._attn_implementation, "paravt_cascade"
@@ -388,7 +401,7 @@ class GroupKV:
             self.fwd = None
         h = out.last_hidden_state
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
-        return model.lm_head(h).float()
+        return model.lm_head(h if back is None else h.index_select(0, back)).float()
 
     @staticmethod
     def _key_slots(fwd: _Forward, span: int) -> torch.Tensor:
@@ -425,16 +438,15 @@ class GroupKV:
             fwd.qpos = fwd.start[:, None] + torch.arange(g * l, device=q.device) % l      # the (g, l) order of qg
             span = max(fwd.end_host)
             keys = self._key_slots(fwd, span)
-            hide = torch.arange(span, device=q.device) >= fwd.end[:, None]               # (n, span): past a row's end
-            fwd.cuts = [(a, b, w, keys[a:b, :w].reshape(-1),
-                         None if fused and b - a == 1 else (~hide if fused else hide)[a:b, None, None, :w])
-                        for a, b, w in _pack(fwd.end_host, SCORES_BUDGET // (Hkv * d))]
+            bias = _hidden(torch.arange(span, device=q.device) >= fwd.end[:, None])      # (n, span): past a row's end
+            fwd.cuts = [(a, b, w, keys[a:b, :w].reshape(-1), None if fused and b - a == 1 else bias[a:b, None, None, :w])
+                        for a, b, w in _pack(fwd.end_host, SCORES_BUDGET // (Hkv * d), SLAB_PADDING // (Hkv * d))]
         # [small prompt ;] own suffix, causal, read through the block tables in slabs of rows
         o_s, l_s = [], []
         for a, b, span, keys, mask in fwd.cuts:
             # (rows, Hkv, span, d)
             K, V = (_gather(pool, keys, b - a, span).transpose(1, 2) for pool in (pool_k, pool_v))
-            if fused:                                      # mask: the keys seen
+            if fused:                                      # mask: -inf on the keys not seen
                 o_s.append(F.scaled_dot_product_attention(qg[a:b].float(), K.float(), V.float(), attn_mask=mask,
                                                           scale=scale))
                 continue
@@ -463,10 +475,10 @@ class GroupKV:
             o_p[rows] = o.reshape(Hkv, r, g * l, d).transpose(0, 1)
             l_p[rows] = lse.reshape(Hkv, r, g * l, 1).transpose(0, 1)
         for sb in fwd.slabs:                                # several prompts, one call: (p, Hkv, r * gl, d) queries
-            p, r = sb.hide.shape[0], sb.rmax
+            p, r = sb.bias.shape[0], sb.rmax
             qs = qg.index_select(0, sb.pick).view(p, r, Hkv, g * l, d).transpose(1, 2).reshape(p, Hkv, r * g * l, d)
             K, V = (_gather(pool, sb.keys, p, -1).transpose(1, 2) for pool in (pool_k, pool_v))  # (p, Hkv, L, d)
-            o, lse = _attend(qs, K, V, scale, hide=sb.hide)
+            o, lse = _attend(qs, K, V, scale, bias=sb.bias)
             back = lambda t: t.view(p, Hkv, r, g * l, -1).transpose(1, 2).reshape(p * r, Hkv, g * l, -1)
             real = (lambda t: t) if sb.real is None else (lambda t: t.index_select(0, sb.real))
             o_p.index_copy_(0, sb.rows, real(back(o)))
@@ -475,15 +487,18 @@ class GroupKV:
         return out.reshape(n, H, l, d).transpose(1, 2)
 
 
-def _pack(lengths: list[int], limit: int) -> list[tuple[int, int, int]]:
+def _pack(lengths: list[int], limit: int, padding: int | None = None) -> list[tuple[int, int, int]]:
     """Consecutive items in groups (a, b, longest): each as many items as keep (b - a) x longest <= limit (one item
-    at least), the padded size of the group. Prefill forwards (chunks, PREFILL_TOKENS), the attention's slabs of
-    rows (keys, SCORES_BUDGET / (kv_heads x head_dim): short rows share a slab with more rows than long ones) and
-    of prompts read together."""
+    at least), the padded size of the group, and (with `padding`) as do not add more than `padding` padded places
+    at once: an item that would (a long row after many short ones, each then padded to it) starts the next group.
+    Prefill forwards (chunks, PREFILL_TOKENS), the attention's slabs of rows (keys, SCORES_BUDGET / (kv_heads x
+    head_dim): short rows share a slab with more rows than long ones; padding SLAB_PADDING / (kv_heads x
+    head_dim), the rows shortest first: GroupKV.step) and of prompts read together."""
     groups, a = [], 0
     while a < len(lengths):
         b, longest = a + 1, lengths[a]
-        while b < len(lengths) and (b + 1 - a) * max(longest, lengths[b]) <= limit:
+        while (b < len(lengths) and (b + 1 - a) * max(longest, lengths[b]) <= limit
+               and (padding is None or (b - a) * (lengths[b] - longest) <= padding)):
             longest = max(longest, lengths[b])
             b += 1
         groups.append((a, b, longest))
@@ -497,26 +512,42 @@ def _gather(pool: torch.Tensor, slots: torch.Tensor, *shape: int) -> torch.Tenso
     return pool.index_select(0, slots).view(*shape, *pool.shape[1:])
 
 
-def _attend(q, k, v, scale, qpos=None, hide=None):
+def _hidden(hide: torch.Tensor) -> torch.Tensor:
+    """The additive fp32 mask of a boolean `hide`: 0 where a key is seen, -inf where it is hidden. Made once per
+    forward (it does not change with the layer) and added to the scores by every attention call that reads it."""
+    return torch.zeros(hide.shape, device=hide.device).masked_fill_(hide, float("-inf"))
+
+
+def _attend(q, k, v, scale, qpos=None, bias=None):
     """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d), computed in fp32 whatever the inputs' dtype;
     returns (out (n, h, m, d) fp32, lse (n, h, m, 1)): the log-sum-exp lets two partial attentions be merged
-    exactly. Key j is hidden from every query of row b where hide[b, 0, 0, j] (a row's end or a prompt's length;
-    the caller makes it once per forward, as it does not change with the layer; None: nothing hidden) and from
-    query i where j > qpos[b, i] (causal; None: no causal limit). Queries go in blocks, and each block's causal
-    mask is built from these positions, so no scores or mask tensor exceeds SCORES_BUDGET elements whatever the
-    chunk and span (one query row of scores at least). The softmax takes one exponential pass over the scores
-    (m = max, p = exp(s - m), out = p v / sum p, lse = m + log sum p) and the scale goes on the queries, the
-    smaller tensor."""
+    exactly. bias (n, 1, 1, c) fp32 is added to every query's scores (`_hidden`: -inf on a key past a row's end or
+    a prompt's length; None: nothing hidden), and key j is hidden from query i of row b where j > qpos[b, i]
+    (causal; None: no causal limit).
+    Without a causal limit on the CPU (a decode step's every call, a prompt read for a chunk), one fused kernel:
+    PyTorch's flash attention for the CPU, which returns the LSE beside the output and holds the scores in tiles
+    (`aten._scaled_dot_product_flash_attention_for_cpu`; the public `scaled_dot_product_attention` does not return
+    the LSE). On this project's CPU it costs half the hand-written form's time at a decode step's sizes, where a
+    call's cost is its operations, not its FLOPs. Elsewhere (a chunk's causal limit; CUDA, where the fused kernels
+    that return the LSE take other arguments: not run here) the hand-written form: queries in blocks, each
+    block's causal mask built from the positions, so no scores or mask tensor exceeds SCORES_BUDGET elements
+    whatever the chunk and span (one query row of scores at least); one exponential pass over the scores
+    (m = max, p = exp(s - m), out = p v / sum p, lse = m + log sum p), the scale on the queries, the smaller
+    tensor."""
     n, h, m, d = q.shape
     c = k.shape[2]
+    if qpos is None and q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), k.float(), v.float(), attn_mask=bias, scale=scale)
+        return out, lse.unsqueeze(-1)
     block = max(1, SCORES_BUDGET // max(1, n * h * c))
     q3 = q.float().reshape(n * h, m, d)                                                  # (n h) batches for bmm
     kt, vf = k.float().transpose(-1, -2).reshape(n * h, d, c), v.float().reshape(n * h, c, d)
     outs, lses = [], []
     for a in range(0, m, block):
         s = torch.bmm((q3 if block >= m else q3[:, a:a + block]) * scale, kt)            # (n h, b, c) fp32
-        if hide is not None:
-            s.view(n, h, -1, c).masked_fill_(hide, float("-inf"))
+        if bias is not None:
+            s.view(n, h, -1, c).add_(bias)
         if qpos is not None:                                                              # (n, 1, b, c)
             s.view(n, h, -1, c).masked_fill_(torch.arange(c, device=q.device) > qpos[:, None, a:a + block, None],
                                              float("-inf"))
@@ -530,10 +561,9 @@ def _attend(q, k, v, scale, qpos=None, hide=None):
 
 
 def _merge(o1, lse1, o2, lse2):
-    """Cascade merge in fp32: softmax over [A; B] = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)."""
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    return (w1 * o1 + w2 * o2) / (w1 + w2)
+    """Cascade merge in fp32: softmax over [A; B] = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)
+    = o_B + w (o_A - o_B), w = e^lse_A / (e^lse_A + e^lse_B) = sigmoid(lse_A - lse_B) (A empty: lse_A = -inf, w = 0)."""
+    return torch.lerp(o2, o1, torch.sigmoid(lse1 - lse2))
 
 
 def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

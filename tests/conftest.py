@@ -71,8 +71,10 @@ SMALL_THRESHOLDS = {
                                          # K/V slabs per chunk, even per decode step
                 "JOIN_PROMPT": 0,        # every prompt read once per group in place (as shipped, the tiny
                                          # prompts are read with each row's suffix as one causal sequence)
-                "PREFILL_TOKENS": 64},   # prefills of at most 64 tokens a forward (an admission's chunks in
+                "PREFILL_TOKENS": 64,    # prefills of at most 64 tokens a forward (an admission's chunks in
                                          # several forwards, a long one alone)
+                "SLAB_PADDING": 64},     # a slab of rows splits where the next row is longer by more than a
+                                         # key (tiny: 64 K elements a key)
     "rollout": {"CPU_BUDGET_GB": 0.024},  # the default memory budget: about one prompt group of the rollout tests
 }                                        # (groups wait and are admitted as others retire)
 
