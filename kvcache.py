@@ -59,6 +59,7 @@ SCORES_BUDGET = 2 ** 24              # elements of one working tensor of the att
 JOIN_PROMPT = 2 ** 17                # K elements of a prompt's copies (rows x tokens x heads x dim) read with its rows
 PREFILL_TOKENS = 2 ** 15             # tokens (padding included) of one prefill forward, at most (a longer chunk: alone)
 SLAB_PADDING = 2 ** 15               # K elements of padding a slab of rows may take on at once rather than split
+FUSED_CPU = True                     # on the CPU, attention without a causal limit in one fused kernel (`_attend`)
 
 
 @dataclass
@@ -529,14 +530,15 @@ def _attend(q, k, v, scale, qpos=None, bias=None):
     (`aten._scaled_dot_product_flash_attention_for_cpu`; the public `scaled_dot_product_attention` does not return
     the LSE). On this project's CPU it costs half the hand-written form's time at a decode step's sizes, where a
     call's cost is its operations, not its FLOPs. Elsewhere (a chunk's causal limit; CUDA, where the fused kernels
-    that return the LSE take other arguments: not run here) the hand-written form: queries in blocks, each
+    that return the LSE take other arguments: not run here; the tests run it on the CPU with FUSED_CPU off) the
+    hand-written form: queries in blocks, each
     block's causal mask built from the positions, so no scores or mask tensor exceeds SCORES_BUDGET elements
     whatever the chunk and span (one query row of scores at least); one exponential pass over the scores
     (m = max, p = exp(s - m), out = p v / sum p, lse = m + log sum p), the scale on the queries, the smaller
     tensor."""
     n, h, m, d = q.shape
     c = k.shape[2]
-    if qpos is None and q.device.type == "cpu":
+    if FUSED_CPU and qpos is None and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.float(), k.float(), v.float(), attn_mask=bias, scale=scale)
         return out, lse.unsqueeze(-1)

@@ -301,6 +301,28 @@ def test_decode_step_takes_rows_shortest_first(tiny, monkeypatch):
         torch.testing.assert_close(out[j], _alone(model, seq), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("scores", [2 ** 24, 512], ids=["one_block", "query_blocks"])
+def test_attend_fused_kernel_equals_hand_written(monkeypatch, scores):
+    """`_attend` without a causal limit: the fused CPU kernel and the hand-written form (CUDA's; in query blocks
+    when SCORES_BUDGET is small) give the same output and log-sum-exp, keys hidden by the -inf bias included, in
+    fp32 from bf16 inputs; and the LSE is the log of the softmax's denominator."""
+    monkeypatch.setattr(kvcache, "SCORES_BUDGET", scores)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, n, 16, generator=gen).to(torch.bfloat16) for n in (5, 40, 40))
+    hide = torch.arange(40) >= torch.tensor([40, 17, 1])[:, None]                  # row 2 sees one key
+    bias = kvcache._hidden(hide)[:, None, None]
+    out, lse = {}, {}
+    for fused in (True, False):
+        monkeypatch.setattr(kvcache, "FUSED_CPU", fused)
+        out[fused], lse[fused] = kvcache._attend(q, k, v, 0.25, bias=bias)
+    assert out[True].dtype == torch.float32 and lse[True].shape == (3, 2, 5, 1)
+    torch.testing.assert_close(out[True], out[False], atol=1e-6, rtol=0)
+    torch.testing.assert_close(lse[True], lse[False], atol=1e-5, rtol=0)
+    s = (q.float() @ k.float().transpose(-1, -2)) * 0.25 + bias
+    torch.testing.assert_close(lse[True][..., 0], s.logsumexp(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[True][2], v.float()[2, :, :1].expand(2, 5, 16), atol=1e-6, rtol=0)
+
+
 def test_block_pool_runs_free_list_and_growth():
     pool = kvcache.BlockPool(8, "cpu")
     assert pool.alloc(3, run=True) == [0, 1, 2] and pool.alloc(1) == [7] and pool.alloc(2) == [5, 6]  # prompts low, rows high
@@ -514,12 +536,15 @@ def test_autocast_pool_stores_keys_in_the_values_dtype(tiny):
             torch.testing.assert_close(out[j].float(), _alone(model, [prompt, c]).float(), atol=0.1, rtol=0)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_cpu_kernel", "hand_written"])
 @pytest.mark.parametrize("scores", [kvcache.SCORES_BUDGET, 0], ids=["prompts_together", "each_prompt_in_place"])
-def test_several_prompts_in_one_step_equal_plain_forwards(tiny, monkeypatch, scores):
+def test_several_prompts_in_one_step_equal_plain_forwards(tiny, monkeypatch, scores, fused):
     """Rows of three prompts of different lengths (one fragmented) in one forward, every prompt read once per
     group: with room in SCORES_BUDGET the three prompts are one attention call (their K/V gathered, padded to the
     longest; queries of an uneven number of rows each), without it each prompt alone in place. Either way every
-    row's logits are a plain forward's, in an extend and in decode steps."""
+    row's logits are a plain forward's, in an extend and in decode steps; with the fused CPU kernel and with the
+    hand-written attention that CUDA runs (`FUSED_CPU` off)."""
+    monkeypatch.setattr(kvcache, "FUSED_CPU", fused)
     monkeypatch.setattr(kvcache, "BLOCK", 4)
     monkeypatch.setattr(kvcache, "JOIN_PROMPT", 0)
     monkeypatch.setattr(kvcache, "SCORES_BUDGET", scores)
