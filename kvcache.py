@@ -531,11 +531,10 @@ def _attend(q, k, v, scale, qpos=None, bias=None):
     the LSE). On this project's CPU it costs half the hand-written form's time at a decode step's sizes, where a
     call's cost is its operations, not its FLOPs. Elsewhere (a chunk's causal limit; CUDA, where the fused kernels
     that return the LSE take other arguments: not run here; the tests run it on the CPU with FUSED_CPU off) the
-    hand-written form: queries in blocks, each
-    block's causal mask built from the positions, so no scores or mask tensor exceeds SCORES_BUDGET elements
-    whatever the chunk and span (one query row of scores at least); one exponential pass over the scores
-    (m = max, p = exp(s - m), out = p v / sum p, lse = m + log sum p), the scale on the queries, the smaller
-    tensor."""
+    hand-written form: queries in blocks, each block's causal mask built from the positions, so no scores or mask
+    tensor exceeds SCORES_BUDGET elements whatever the chunk and span (one query row of scores at least); one
+    exponential pass over the scores (m = max, p = exp(s - m), out = p v / sum p, lse = m + log sum p), the scale
+    on the queries, the smaller tensor."""
     n, h, m, d = q.shape
     c = k.shape[2]
     if FUSED_CPU and qpos is None and q.device.type == "cpu":

@@ -304,23 +304,24 @@ def test_decode_step_takes_rows_shortest_first(tiny, monkeypatch):
 @pytest.mark.parametrize("scores", [2 ** 24, 512], ids=["one_block", "query_blocks"])
 def test_attend_fused_kernel_equals_hand_written(monkeypatch, scores):
     """`_attend` without a causal limit: the fused CPU kernel and the hand-written form (CUDA's; in query blocks
-    when SCORES_BUDGET is small) give the same output and log-sum-exp, keys hidden by the -inf bias included, in
-    fp32 from bf16 inputs; and the LSE is the log of the softmax's denominator."""
+    when SCORES_BUDGET is small) give the same output and log-sum-exp, keys hidden by the -inf bias included (at
+    1,500 keys whole tiles of the kernel hidden from a row), in fp32 from bf16 inputs; and the LSE is the log of
+    the softmax's denominator."""
     monkeypatch.setattr(kvcache, "SCORES_BUDGET", scores)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(3, 2, n, 16, generator=gen).to(torch.bfloat16) for n in (5, 40, 40))
-    hide = torch.arange(40) >= torch.tensor([40, 17, 1])[:, None]                  # row 2 sees one key
-    bias = kvcache._hidden(hide)[:, None, None]
-    out, lse = {}, {}
-    for fused in (True, False):
-        monkeypatch.setattr(kvcache, "FUSED_CPU", fused)
-        out[fused], lse[fused] = kvcache._attend(q, k, v, 0.25, bias=bias)
-    assert out[True].dtype == torch.float32 and lse[True].shape == (3, 2, 5, 1)
-    torch.testing.assert_close(out[True], out[False], atol=1e-6, rtol=0)
-    torch.testing.assert_close(lse[True], lse[False], atol=1e-5, rtol=0)
-    s = (q.float() @ k.float().transpose(-1, -2)) * 0.25 + bias
-    torch.testing.assert_close(lse[True][..., 0], s.logsumexp(-1), atol=1e-5, rtol=0)
-    torch.testing.assert_close(out[True][2], v.float()[2, :, :1].expand(2, 5, 16), atol=1e-6, rtol=0)
+    for c, ends in ((40, [40, 17, 1]), (1500, [100, 1500, 1])):                 # row 2 sees one key
+        q, k, v = (torch.randn(3, 2, n, 16, generator=gen).to(torch.bfloat16) for n in (5, c, c))
+        bias = kvcache._hidden(torch.arange(c) >= torch.tensor(ends)[:, None])[:, None, None]
+        out, lse = {}, {}
+        for fused in (True, False):
+            monkeypatch.setattr(kvcache, "FUSED_CPU", fused)
+            out[fused], lse[fused] = kvcache._attend(q, k, v, 0.25, bias=bias)
+        assert out[True].dtype == torch.float32 and lse[True].shape == (3, 2, 5, 1)
+        torch.testing.assert_close(out[True], out[False], atol=1e-6, rtol=0)
+        torch.testing.assert_close(lse[True], lse[False], atol=1e-5, rtol=0)
+        s = (q.float() @ k.float().transpose(-1, -2)) * 0.25 + bias
+        torch.testing.assert_close(lse[True][..., 0], s.logsumexp(-1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[True][2], v.float()[2, :, :1].expand(2, 5, 16), atol=1e-6, rtol=0)
 
 
 def test_block_pool_runs_free_list_and_growth():
