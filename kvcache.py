@@ -269,7 +269,7 @@ class GroupKV:
         order = sorted(range(len(rows)), key=lambda i: self.rows[rows[i]].length)
         seqs = [self.rows[rows[i]] for i in order]
         back = None
-        if order != sorted(order):
+        if order != list(range(len(order))):          # not already shortest first
             tokens = tokens.index_select(0, _on(self.device, order))
             back = torch.empty(len(order), dtype=torch.long)
             back[order] = torch.arange(len(order))
