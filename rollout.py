@@ -363,7 +363,8 @@ def assistant_turns(cfg: RolloutConfig) -> int:
     return max(cfg.max_turns, 1) + 1
 
 
-def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int, held: int = 0, turns: int | None = None) -> int:
+def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int, held: int = 0, turns: int | None = None,
+               this_turn: bool = False) -> int:
     """Pool blocks one row may come to hold: the scheduler's worst case (docs/method.md §8). Its own suffix
         own = min(held + T * max_new_tokens + (T - 1) * (TEXT_PER_TURN + C * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL),
                   max_context - prompt_len)
@@ -375,7 +376,9 @@ def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int, held: int = 0, 
     (T > 1), the sub-agents of one turn (they live while their caller waits): C x (a clip prompt +
     subagent_max_new_tokens), each two sequences of its own. A sequence of n tokens holds ceil(n / BLOCK) blocks.
     The bound is loose (real turns are shorter than max_new_tokens): a larger --rollout-memory-gb admits more at
-    once, and each turn's end tightens it (Engine.respond)."""
+    once, and each turn's end tightens it (Engine.respond). `this_turn`: only what the row may hold by the end of
+    its current turn (T = 1 in `own`; the sub-agents still counted while T > 1): the grant continuous batching
+    makes at a turn's start (Engine.admit)."""
     turns = assistant_turns(cfg) if turns is None else turns
     if cfg.tool_mode == "subagent":
         per_call = cfg.subagent_max_new_tokens
@@ -384,8 +387,22 @@ def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int, held: int = 0, 
     else:
         per_call, subs = clip_tokens(cfg.crop_max_frames, cfg.crop_max_pixels, factor), 0
     response = TEXT_PER_TURN + cfg.max_calls_per_turn * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL
-    own = min(held + turns * cfg.max_new_tokens + (turns - 1) * response, max(1, cfg.max_context - prompt_len))
+    t = 1 if this_turn else turns
+    own = min(held + t * cfg.max_new_tokens + (t - 1) * response, max(1, cfg.max_context - prompt_len))
     return blocks_for(own) + (subs if turns > 1 else 0)
+
+
+def safe(groups: list[tuple[int, int]], free: int) -> bool:
+    """The banker's algorithm (Dijkstra), for one resource: can every group, holding `held` blocks and promised
+    at most `need` in all ((held, need) pairs), reach its worst case in some order, if each in turn takes what it
+    still may need from `free` and returns everything it holds at its end? With one resource the order to try is
+    the one by what each still may need, smallest first. Continuous batching keeps the engine in such a state at
+    every grant, so some row can always go on (no deadlock) and the pool never outgrows the budget."""
+    for held, need in sorted(groups, key=lambda g: g[1] - g[0]):
+        if need - held > free:
+            return False
+        free += held
+    return True
 
 
 def memory_budget(cfg: RolloutConfig, device) -> int:
@@ -407,7 +424,7 @@ def memory_budget(cfg: RolloutConfig, device) -> int:
 STATS = {"decode_steps": 0, "host_syncs": 0}   # counted by Engine.step: the bench reports syncs per step
 
 
-@dataclass
+@dataclass(eq=False)
 class _Row:
     """Mutable state of one trajectory during a rollout (the engine's bookkeeping)."""
     traj: Trajectory
@@ -420,7 +437,9 @@ class _Row:
     tools: bool = True                   # False: one turn, no tools (a sub-agent, a plain generation)
     caller: "_Row | None" = None         # a sub-agent's caller, and which of its calls this is
     call: int = 0
-    reserve: int = 0                     # pool blocks promised to this row
+    reserve: int = 0                     # pool blocks this row may come to hold (its worst case, row_blocks)
+    grant: int = 0                       # pool blocks it may hold now (continuous: to its turn's end; waves: reserve)
+    left: int = 0                        # assistant turns still to write, once a turn has ended
     kv: int = 0                          # its row and its prompt in the GroupKV
     prompt: int = 0
     pending: list[int] = field(default_factory=list)    # sampled tokens not yet in the cache
@@ -437,15 +456,20 @@ class Engine:
         queued group --admit--> active --step (its turn ends)--> end_turn --tools--> ready --admit--> active ...
                                                                           \\--> retire (its blocks back at once)
 
-    admit: queued prompt groups, in order, while their worst case (the prompt's blocks + each row's `row_blocks`)
-        fits the pool: their prompts prefilled in one forward, each forked into its G rows; sub-agents (their room
-        is their caller's); ready chunks (a turn's tool responses) prefilled on top of their rows in one forward.
-        All of it joins the next decode step.
+    admit: ready chunks (a turn's tool responses), queued prompt groups in order, sub-agents (their room is their
+        caller's). Each row is granted the blocks its turn may take (`row_blocks(this_turn=True)`) only while the
+        engine stays `safe`: every admitted group could still reach its worst case (the prompt's blocks + each
+        row's `row_blocks`) in some order, with what is free and what the groups before it return. So groups are
+        admitted on what they may hold by their turn's end, not on their whole worst case (the budget's point:
+        paged K/V holds only what a row uses), a row whose grant is not safe waits for blocks to come back, and
+        the pool never grows. The groups' prompts are prefilled in one forward, each forked into its G rows; the
+        ready chunks on top of their rows in one forward. All of it joins the next decode step.
     step: one decode step of the active rows (one forward, one (n, V) sampling op, one host sync); a row whose
         turn ends (<|im_end|>, its max_new tokens, max_context) leaves at once and the others go on.
-    retire: a finished row frees its blocks and its promise; its prompt's blocks go with the prompt's last row.
-    continuous=False runs fixed waves instead (the bench's baseline): new groups only into an empty engine, and a
-    turn's responses only once every row of the batch has ended its turn. A row's tokens depend only on its seed
+    retire: a finished row frees its blocks and its grant; its prompt's blocks go with the prompt's last row.
+    continuous=False runs fixed waves instead (the bench's baseline): new groups only into an empty engine, each
+    admitted on its whole worst case (a static batch cannot pause a row for memory), and a turn's responses only
+    once every row of the batch has ended its turn. A row's tokens depend only on its seed
     and counter, never on its neighbours, so any schedule gives the same trajectories."""
 
     def __init__(self, model, processor, cfg: RolloutConfig, ids: dict, pool: video.DecodePool | None = None,
@@ -461,7 +485,7 @@ class Engine:
         self.queued: deque = deque()     # (prompt chunk, rows, prompt blocks) not admitted yet
         self.subs, self.ready = [], []   # (chunk, row): sub-agent prompts, next-turn chunks
         self.active, self.logits, self.seeds, self.counters = [], None, None, None
-        self.members = {}                # prompt id -> [rows not retired, blocks promised to the prompt]
+        self.groups = {}                 # prompt id -> (its rows not retired, its prompt's blocks)
         self.kv, self.need = None, 0
         self.sub_text = processor.tokenizer.apply_chat_template(
             [{"role": "user", "content": [{"type": "video", "video": "clip"}, {"type": "text", "text": SUBAGENT_PROMPT}]}],
@@ -509,29 +533,65 @@ class Engine:
                 self.end_turn(r)
 
     def admit(self) -> None:
-        """Queued groups that fit, sub-agents, ready chunks -> the active batch (see the class docstring)."""
+        """Ready chunks, queued groups that fit, sub-agents -> the active batch (see the class docstring)."""
         if not self.cfg.continuous and self.active:
             return                                          # waves: nothing joins a running batch
+        ready, waiting = [], []
+        for r, c in self.ready:                             # the next turn of rows whose response is ready
+            grant = self.turn_grant(r, self.kv.prompts[r.prompt].length, self.kv.rows[r.kv].length + len(c.ids), r.left)
+            if self.grant((r.prompt,), grant - r.grant):
+                r.grant = grant
+                ready.append((r, c))
+            else:
+                waiting.append((r, c))
+        self.ready = waiting
         groups = []
         while self.queued and (self.cfg.continuous or not self.kv.rows):
             chunk, rows, prompt_blocks = self.queued[0]
-            if not self.kv.reserve(prompt_blocks + sum(r.reserve for r in rows), force=self.kv.reserved == 0):
+            for r in rows:
+                r.grant = self.turn_grant(r, len(chunk.ids), 0, assistant_turns(self.cfg))
+            if not self.grant(groups + [self.queued[0]], prompt_blocks + sum(r.grant for r in rows)):
                 break
             groups.append(self.queued.popleft())
-        new = [(c, rows, b) for c, rows, b in groups] + [(c, [s], 0) for c, s in self.subs]
+        new = groups + [(c, [s], 0) for c, s in self.subs]
         self.subs = []
         if new:
             prompts, logits = self.kv.add_prompts(self.model, [c for c, _, _ in new], self.pad)
             for (c, rows, b), p in zip(new, prompts):
                 for r, k in zip(rows, self.kv.fork(p, len(rows))):
                     r.kv, r.prompt = k, p
-                self.members[p] = [len(rows), b]
+                self.groups[p] = (list(rows), b)
             self.join([r for _, rows, _ in new for r in rows],
                       torch.cat([lg.expand(len(rows), -1) for (_, rows, _), lg in zip(new, logits)]))
-        if self.ready:
-            rows, chunks = [r for r, _ in self.ready], [c for _, c in self.ready]
-            self.ready = []
-            self.join(rows, self.kv.extend(self.model, [r.kv for r in rows], chunks, self.pad))
+        if ready:
+            rows = [r for r, _ in ready]
+            self.join(rows, self.kv.extend(self.model, [r.kv for r in rows], [c for _, c in ready], self.pad))
+
+    def turn_grant(self, r: _Row, prompt_len: int, held: int, turns: int) -> int:
+        """Blocks row r may hold by the end of its next turn, with `held` tokens in its suffix as it starts and
+        `turns` assistant turns left (waves: its whole worst case)."""
+        if not self.cfg.continuous:
+            return r.reserve
+        return min(r.reserve, row_blocks(self.cfg, prompt_len, self.factor, held, turns, this_turn=True))
+
+    def grant(self, who: tuple, blocks: int) -> bool:
+        """Grant `blocks` more if the engine stays safe: `who` is (prompt id,) for a row of an admitted group,
+        or the queued (chunk, rows, prompt blocks) being admitted, the last of them the one asking. Always into
+        an empty engine (a group larger than the budget then runs alone)."""
+        if not self.kv.reserved or blocks <= 0:
+            return self.kv.reserve(blocks, force=True)
+        if not self.cfg.continuous:                         # waves: whole worst cases side by side
+            return self.kv.reserve(blocks)
+        ledger = lambda rows, b: (b + sum(r.grant for r in rows), b + sum(r.reserve for r in rows))  # (held, worst)
+        state = {p: ledger(rows, b) for p, (rows, b) in self.groups.items()}
+        if isinstance(who[0], int):                         # a row of an admitted group: its group holds more
+            held, worst = state[who[0]]
+            state[who[0]] = (held + blocks, worst)
+        else:                                               # queued groups, admitted in this round or asking
+            state.update({("queued", i): ledger(rows, b) for i, (_, rows, b) in enumerate(who)})
+        if not safe(list(state.values()), self.kv.pool.n_blocks - self.kv.reserved - blocks):
+            return False
+        return self.kv.reserve(blocks, force=True)
 
     def join(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """Rows (with their next-token logits (k, V)) into the active batch, kept ordered by prompt so that the
@@ -663,14 +723,16 @@ class Engine:
         if len(r.traj.token_ids) >= self.cfg.max_context:
             r.traj.truncated = True
             return self.retire(r)
-        # the worst case tightens now that this turn's length and its response are known: what is left of the
-        # promise beyond it goes back to the scheduler (never below what the row holds or may still write)
-        turns = 1 if forced else assistant_turns(self.cfg) - len(r.traj.turns)
+        # the worst case tightens now that this turn's length and its response are known, and the grant comes down
+        # to the blocks the row holds (its sub-agents are done): what is left goes back to the scheduler, and the
+        # next turn's grant is asked for at admit
+        r.left = 1 if forced else assistant_turns(self.cfg) - len(r.traj.turns)
         prompt_len = self.kv.prompts[r.prompt].length
-        tight = row_blocks(self.cfg, prompt_len, self.factor, self.kv.rows[r.kv].length + len(c.ids), turns)
-        if tight < r.reserve:
-            self.kv.release(r.reserve - tight)
-            r.reserve = tight
+        r.reserve = min(r.reserve, row_blocks(self.cfg, prompt_len, self.factor,
+                                              self.kv.rows[r.kv].length + len(c.ids), r.left))
+        hold = len(self.kv.rows[r.kv].blocks) if self.cfg.continuous else r.reserve
+        self.kv.release(r.grant - hold)
+        r.grant = hold
         self.ready.append((r, c))
 
     def retire(self, r: _Row, last_turn: bool = False) -> None:
@@ -680,13 +742,14 @@ class Engine:
         if last_turn and self.on_turn is not None:
             self.on_turn(r.traj, None)
         self.kv.free_row(r.kv)
-        self.kv.release(r.reserve)
-        left = self.members[r.prompt]
-        left[0] -= 1
-        if not left[0]:
+        self.kv.release(r.grant)
+        r.grant = 0
+        rows, prompt_blocks = self.groups[r.prompt]
+        rows.remove(r)
+        if not rows:
             self.kv.free_prompt(r.prompt)
-            self.kv.release(left[1])
-            del self.members[r.prompt]
+            self.kv.release(prompt_blocks)
+            del self.groups[r.prompt]
 
 
 def vision_ids(ids: dict) -> list[int]:

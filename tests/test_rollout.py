@@ -204,7 +204,8 @@ def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode, small_t
 
 
 # Three records, G = 2, turn lengths varying ~6x (a few tokens to a long think), calls in some turns: under a
-# budget of 1.75 groups (two do not fit; a group fits beside one row of another) rows finish, groups wait and are admitted while other rows decode.
+# budget of one group's worst case and another's first turns (two worst cases do not fit side by side) rows finish, groups wait and are admitted while
+# other rows decode, and a row waits for its next turn's blocks.
 LONG = turn("a much longer chain of thought " * 6, "<answer>B</answer>")
 BUDGET_SCRIPTS = {
     (0, 0): [turn("look", call(28.0, 36.0)), LONG], (0, 1): [ANSWER],
@@ -216,23 +217,43 @@ BUDGET_SCRIPTS = {
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
 def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, mode, shrunk_thresholds, monkeypatch):
     """The same trajectories (tokens, roles, answers, windows, recorded log-probs) with an unbounded budget, with
-    a budget of 1.75 groups (continuous batching: a group is admitted while other rows decode, the pool never
-    holds more than the budget), and in fixed waves; and the budgeted run's log-probs equal a full recompute."""
+    a budget of one group's worst case and another's first turns (continuous batching: groups are admitted on their turns' grants, so two
+    run side by side where their worst cases would not fit; a group is admitted while other rows decode; a row
+    waits for its next turn's blocks (refused once, as an unsafe grant would be); the pool never holds more than the budget, every row within its grant), and
+    in fixed waves (one group at a time); and the budgeted run's log-probs equal a full recompute."""
     model, processor = tiny
     root, recs = split
     pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     cfg = config(tool_mode=mode, group_size=2, memory_budget_bytes=1 << 40)
     lens = [len(rollout.encode_prompt(processor, r, root, cfg)[2].ids) + 3 for r in recs[:3]]
-    group = max(kvcache.blocks_for(n) + 2 * rollout.row_blocks(cfg, n, rollout.video_factor(processor)) for n in lens)
-    budget = int(1.75 * group) * kvcache.BLOCK * kvcache.kv_bytes_per_token(model)
-    engines, joined = _record_engines(monkeypatch), []
-    add_prompts = kvcache.GroupKV.add_prompts
+    factor, turns = rollout.video_factor(processor), rollout.assistant_turns(cfg)
+    group = max(kvcache.blocks_for(n) + 2 * rollout.row_blocks(cfg, n, factor) for n in lens)
+    opening = max(kvcache.blocks_for(n) + 2 * rollout.row_blocks(cfg, n, factor, 0, turns, this_turn=True) for n in lens)
+    blocks = group + opening                            # one group's worst case and another's first turns
+    budget = blocks * kvcache.BLOCK * kvcache.kv_bytes_per_token(model)
+    engines, joined, side_by_side, refused = _record_engines(monkeypatch), [], [], []
+    add_prompts, step, grant = kvcache.GroupKV.add_prompts, rollout.Engine.step, rollout.Engine.grant
 
     def watched(self, model, chunks, pad_id):          # a group admitted while rows of others are decoding
         joined.append(sum(r.tools for r in engines[-1].active))
         return add_prompts(self, model, chunks, pad_id)
 
+    def watched_step(self):                            # groups in flight; every row within its grant
+        side_by_side.append((self.cfg.continuous, len({r.prompt for r in self.active if r.tools})))
+        assert all(len(self.kv.rows[r.kv].blocks) <= r.grant for r in self.active if r.tools)
+        assert self.kv.reserved <= self.kv.pool.n_blocks
+        return step(self)
+
+    def watched_grant(self, who, blocks):              # under the budget, the first row to ask for its next turn
+        if (self.cfg.continuous and self.kv.pool.n_blocks < self.need and isinstance(who[0], int) and blocks > 0
+                and not refused):                      # is refused once: it waits while the others decode
+            refused.append(len(self.active))
+            return False
+        return grant(self, who, blocks)
+
     monkeypatch.setattr(kvcache.GroupKV, "add_prompts", watched)
+    monkeypatch.setattr(rollout.Engine, "step", watched_step)
+    monkeypatch.setattr(rollout.Engine, "grant", watched_grant)
     runs = {}
     for name, kw in [("unbounded", {}), ("budget", dict(memory_budget_bytes=budget)),
                      ("waves", dict(memory_budget_bytes=budget, continuous=False))]:
@@ -242,8 +263,12 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
         pool = engines[first].kv.pool
         assert pool.peak <= pool.n_blocks
         if name != "unbounded":
-            assert pool.n_blocks <= int(1.75 * group) < engines[first].need
-    assert max(joined) > 0                              # continuous: admitted beside decoding rows
+            assert pool.n_blocks <= blocks < engines[first].need
+        if name == "budget":
+            assert max(joined) > 0                      # continuous: admitted beside decoding rows
+            assert max(n for cont, n in side_by_side if cont) >= 2 and refused[0] > 0
+            side_by_side.clear()
+    assert max(n for _, n in side_by_side) == 1         # waves: one group's worst case at a time
     ref = runs["unbounded"]
     turn_lengths = [len(x) for t in ref for x in t.turns]
     assert [t.n_tool_turns for t in ref] == [1, 0, 0, 2, 0, 1] and max(turn_lengths) >= 4 * min(turn_lengths)
@@ -253,6 +278,69 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
             torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
     for t, full in zip(runs["budget"], recomputed_logprobs(model, runs["budget"], pad)):
         torch.testing.assert_close(torch.tensor(t.logprobs), full, atol=1e-4, rtol=0)
+
+
+def test_safe_is_the_bankers_rule():
+    """`safe` tries one order (what each group still may need, smallest first); with one resource that order
+    succeeds whenever any order does: checked against every order of random states."""
+    import itertools
+    import random
+    rng = random.Random(0)
+
+    def any_order(groups, free):
+        for order in itertools.permutations(groups):
+            f = free
+            for held, need in order:
+                if need - held > f:
+                    break
+                f += held
+            else:
+                return True
+        return False
+    answers = []
+    for _ in range(400):
+        groups = [(h, h + rng.randint(0, 9)) for h in (rng.randint(0, 6) for _ in range(rng.randint(1, 4)))]
+        free = rng.randint(0, 8)
+        answers.append(rollout.safe(groups, free))
+        assert answers[-1] == any_order(groups, free), (groups, free)
+    assert 50 < sum(answers) < 350                         # both answers occur
+    assert rollout.safe([(3, 10), (2, 5)], 5) and not rollout.safe([(6, 10), (2, 5)], 2)
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_engine_grants_only_what_keeps_it_safe(tiny, continuous):
+    """Engine.grant on a hand-made state: a pool of 10 blocks, group 1 holding 3 of a worst case of 10, group 2
+    holding 2 of 5, 5 free. Continuous batching grants group 1 two more blocks (group 2 can still finish with the
+    3 left, and its 5 then carry group 1 to its end) but not three (then neither can finish: a deadlock could
+    come), and group 2 three; a new group only where the engine stays safe. Waves grant whole worst cases side by
+    side and nothing past the pool."""
+    model, processor = tiny
+    cfg = config(continuous=continuous)
+    engine = rollout.Engine(model, processor, cfg, rollout.special_token_ids(processor))
+    engine.kv = kvcache.GroupKV(model, "cpu", 10)
+
+    def state():
+        engine.groups = {1: ([rollout._Row(None, "", grant=2, reserve=9)], 1), 2: ([rollout._Row(None, "", grant=1, reserve=4)], 1)}
+        engine.kv.reserved = 5
+    queued = lambda grant, reserve: [(None, [rollout._Row(None, "", grant=grant, reserve=reserve)], 1)]
+    if continuous:
+        state()
+        assert not engine.grant((1,), 3) and engine.kv.reserved == 5
+        assert engine.grant((1,), 2) and engine.kv.reserved == 7
+        state()
+        assert engine.grant((2,), 3) and engine.kv.reserved == 8
+        state()                                            # a new group holding 2 of a worst case of 3
+        assert engine.grant(queued(1, 2), 2) and engine.kv.reserved == 7
+        state()                                            # ... of 8: then group 2 alone could finish
+        assert not engine.grant(queued(1, 7), 2) and engine.kv.reserved == 5
+    else:
+        state()
+        assert engine.grant(queued(4, 4), 5) and engine.kv.reserved == 10
+        state()
+        assert not engine.grant(queued(5, 5), 6) and engine.kv.reserved == 5
+    engine.kv.reserved = 0                                 # into an empty engine: always (the group runs alone)
+    engine.groups = {}
+    assert engine.grant(queued(20, 20), 21) and engine.kv.reserved == 21
 
 
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
