@@ -516,13 +516,13 @@ class Engine:
     @torch.no_grad()
     def run(self) -> None:
         """Roll out everything queued. The pool holds the budget's blocks, or all the queued work's worst case if
-        that is less, and at least the largest single group (which then runs alone, with a warning)."""
+        that is less, and at least the largest single group's worst case (with a warning when that is more)."""
         need = [blocks_for(len(c.ids)) + sum(r.reserve for r in rows) for c, rows, _ in self.queued]
         need += [blocks_for(len(c.ids)) + blocks_for(s.max_new) for c, s in self.subs]
         budget = memory_budget(self.cfg, self.device) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
         if need and max(need) > budget:
             warnings.warn(f"rollout memory budget ({budget} blocks of {kvcache.BLOCK} tokens) is below one prompt group's "
-                          f"worst case ({max(need)} blocks): groups run one at a time", stacklevel=2)
+                          f"worst case ({max(need)} blocks): the pool holds that instead", stacklevel=2)
         self.need = sum(need)
         self.kv = GroupKV(self.model, self.device, max(max(need, default=1), min(budget, self.need)))
         while self.queued or self.subs or self.ready or self.active:
@@ -577,13 +577,13 @@ class Engine:
     def grant(self, who: tuple, blocks: int) -> bool:
         """Grant `blocks` more if the engine stays safe: `who` is (prompt id,) for a row of an admitted group,
         or the queued (chunk, rows, prompt blocks) being admitted, the last of them the one asking. Always into
-        an empty engine (a group larger than the budget then runs alone)."""
+        an empty engine (the pool holds at least any one group's worst case, so a group alone is always safe)."""
         if not self.kv.reserved or blocks <= 0:
             return self.kv.reserve(blocks, force=True)
         if not self.cfg.continuous:                         # waves: whole worst cases side by side
             return self.kv.reserve(blocks)
         ledger = lambda rows, b: (b + sum(r.grant for r in rows), b + sum(r.reserve for r in rows))  # (held, worst)
-        state = {p: ledger(rows, b) for p, (rows, b) in self.groups.items()}
+        state = {p: ledger(rows, b) for p, (rows, b) in self.groups.items() if b}  # sub-agents: none
         if isinstance(who[0], int):                         # a row of an admitted group: its group holds more
             held, worst = state[who[0]]
             state[who[0]] = (held + blocks, worst)

@@ -44,12 +44,14 @@ Time:
   per context token (x3 for backward);
 - the reference (frozen) and old-policy forwards add 2 N per token each where the recipe needs them.
 - the rollout runs under a memory budget (`--rollout-memory-gb`, the engine's admission rule): per GPU, HBM minus
-  the full bf16 weights (held during the rollout) minus --workspace-gb for activations and logits; a prompt group
-  is admitted while its prompt K/V plus the suffix K/V its G rows may grow to (every round at its limit) fits,
-  so a GPU's groups run in `waves` = ceil(groups per GPU / groups that fit) rounds of `concurrency` groups.
-  Each wave decodes all its steps; a step reads the weights once plus the wave's visible K/V, so waves cost
-  weight reads (bandwidth), not memory. Continuous batching (a finished row's blocks go to the next group)
-  makes the real schedule no slower than these whole waves: the projection is an upper bound on decode time.
+  the full bf16 weights (held during the rollout) minus --workspace-gb for activations and logits; here a prompt
+  group counts its prompt K/V plus the suffix K/V its G rows may grow to (every round at its limit), and a GPU's
+  groups run in `waves` = ceil(groups per GPU / groups whose worst cases fit side by side) rounds of `concurrency`
+  groups. Each wave decodes all its steps; a step reads the weights once plus the wave's visible K/V, so waves
+  cost weight reads (bandwidth), not memory. The engine admits at least this much (its banker's rule grants a row
+  its current turn's blocks while every group could still reach its worst case; whole worst cases side by side
+  always can: docs/method.md §8) and refills as rows finish (continuous batching), so the real schedule is no
+  slower than these whole waves: the projection is an upper bound on decode time.
 The batch is global: `prompts` are the papers' prompts per step over all GPUs (train.py --prompts-per-step).
 Reported: ParaVT's ~250 s per step on 8 GPUs (docs/method.md §5). The CPU bench's measured ratio (shared
 prefix memory) enters as the --shared-prefix switch; efficiencies are assumptions, printed with the table.

@@ -9,6 +9,7 @@ log-probs are real and can be checked against a full recompute.
 """
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -280,6 +281,31 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
         torch.testing.assert_close(torch.tensor(t.logprobs), full, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["interleaved", "subagent"])
+def test_a_budget_below_one_group_holds_one_group(tiny, split, script, mode, shrunk_thresholds, monkeypatch):
+    """A budget below one group's worst case: the pool holds the largest group's worst case instead (a warning
+    says so), never grows, and the trajectories equal an unbounded run's."""
+    model, processor = tiny
+    root, recs = split
+    cfg = config(tool_mode=mode, group_size=2)
+    engines, runs = _record_engines(monkeypatch), []
+    for budget in (1 << 40, 4 * kvcache.BLOCK * kvcache.kv_bytes_per_token(model)):
+        script(BUDGET_SCRIPTS, sub="A blue square.")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs.append(rollout.run_agent(model, processor, recs[:3], root,
+                                          config(**{**cfg.__dict__, "memory_budget_bytes": budget}), seed=SEED))
+    messages = [str(w.message) for w in caught]
+    assert any("below one prompt group's worst case" in m for m in messages)
+    assert not any("pool grew" in m for m in messages)
+    pool = engines[-1].kv.pool
+    assert pool.n_blocks < engines[-1].need and pool.peak <= pool.n_blocks
+    assert [t.n_tool_turns for t in runs[1]] == [1, 0, 0, 2, 0, 1]
+    for t, r in zip(runs[1], runs[0]):
+        assert (t.token_ids, t.roles, t.answer, t.windows) == (r.token_ids, r.roles, r.answer, r.windows)
+        torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+
+
 def test_safe_is_the_bankers_rule():
     """`safe` tries one order (what each group still may need, smallest first); with one resource that order
     succeeds whenever any order does: checked against every order of random states."""
@@ -338,7 +364,7 @@ def test_engine_grants_only_what_keeps_it_safe(tiny, continuous):
         assert engine.grant(queued(4, 4), 5) and engine.kv.reserved == 10
         state()
         assert not engine.grant(queued(5, 5), 6) and engine.kv.reserved == 5
-    engine.kv.reserved = 0                                 # into an empty engine: always (the group runs alone)
+    engine.kv.reserved = 0                                 # into an empty engine: always
     engine.groups = {}
     assert engine.grant(queued(20, 20), 21) and engine.kv.reserved == 21
 
