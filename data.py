@@ -49,6 +49,8 @@ import os
 import random
 import re
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -333,7 +335,7 @@ def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: 
     sidecar is missing or disagrees (a half-written or damaged cache entry)."""
     counts = _kind_counts(n, DEFAULT_MIX if mix is None else mix)
     kinds = np.random.default_rng([seed, n]).permutation([k for k in KINDS for _ in range(counts.get(k, 0))])
-    records = []
+    records, todo = [], []
     for i, kind in enumerate(kinds):
         rid = f"syn-{seed}-{i:05d}"
         rng = np.random.default_rng([seed, i])
@@ -344,21 +346,29 @@ def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: 
         rec["video"] = f"{name}.mp4"
         path, side = os.path.join(root, rec["video"]), os.path.join(root, f"{name}.json")
         if not _cached(path, side, spec):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(side)  # video first, sidecar last: a sidecar always vouches for a whole video
-            frames = render_frames(duration, marks, seed=int(rng.integers(2 ** 31)))
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp.mp4"  # per process: ranks sharing a root do not collide
-            try:
-                video.write_video(tmp, frames, FPS)
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
-            atomic_write(side, json.dumps({"spec": spec, "bytes": os.path.getsize(path)}).encode())
+            todo.append((path, side, spec, marks, int(rng.integers(2 ** 31))))
         records.append(rec)
+    # each video is encoded on its own (one x264 thread, so byte-for-byte the same in any order): a thread per core
+    with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda job: _render(*job, duration=duration), todo))
     return records
+
+
+def _render(path: str, side: str, spec: dict, marks: list, seed: int, duration: float) -> None:
+    """Encode one synthetic video to `path` (through a temporary file), then its sidecar."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(side)  # video first, sidecar last: a sidecar always vouches for a whole video
+    frames = render_frames(duration, marks, seed=seed)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp.mp4"  # per process and thread: no collisions
+    try:
+        video.write_video(tmp, frames, FPS)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    atomic_write(side, json.dumps({"spec": spec, "bytes": os.path.getsize(path)}).encode())
 
 
 def _cached(path: str, side: str, spec: dict) -> bool:

@@ -655,7 +655,7 @@ def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
 # its gating_choices (the SFT warm start also shows such overviews, so gated RL starts in distribution).
 TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=8,
-                     prompts_per_step=4, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
+                     prompts_per_step=8, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
                      kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
                      mask_truncated=1, vision_lr_scale=0.0, gating_choices="4,8,16,32")
 GATING_CHOICES = "4,8,16,32,64"          # ParaVT's K range (a real checkpoint, or a preset)
@@ -663,7 +663,7 @@ GATING_CHOICES = "4,8,16,32,64"          # ParaVT's K range (a real checkpoint, 
 
 # The embedded default (`python train.py` with no arguments): sizes chosen for a 2-core CPU
 # (frame sizes and prompt settings of the tiny model: rollout.TINY_ROLLOUT).
-TINY_TASK = dict(n_train=256, n_eval=96, duration=64.0)
+TINY_TASK = dict(n_train=256, n_eval=192, duration=64.0)
 
 
 def parse_args(argv=None, description: str = "") -> argparse.Namespace:
@@ -724,8 +724,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--n-eval", type=int, default=TINY_TASK["n_eval"], help="synthetic task: held-out prompts")
     g.add_argument("--task-duration", type=float, default=TINY_TASK["duration"], help="synthetic task: video seconds")
     g.add_argument("--task-mix", default=None, help="synthetic task: kind=weight,... (default: data.DEFAULT_MIX)")
-    g.add_argument("--direct-crop", type=float, default=0.0,
-                   help="synthetic SFT: chance the oracle crops a direct clue it could read off the overview")
+    g.add_argument("--direct-crop", type=float, default=0.5,
+                   help="synthetic SFT: chance the oracle crops a direct clue it could read off the overview (so both "
+                        "right behaviours are in the SFT data and RL chooses between them)")
     g.add_argument("--sft-budget-fraction", type=float, default=0.1,
                    help="synthetic SFT: chance a trajectory that calls the tool is also recorded at a smaller tool-turn "
                         "budget (forced answer from what was seen), so budget-limited evaluation finds a trained model")
@@ -734,7 +735,7 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                         "(default: on when RL gates)")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
     g = p.add_argument_group("SFT")
-    g.add_argument("--sft-steps", type=int, default=600, help="SFT optimizer steps")
+    g.add_argument("--sft-steps", type=int, default=500, help="SFT optimizer steps")
     g.add_argument("--sft-batch", type=int, default=8, help="trajectories per SFT step (per rank)")
     g.add_argument("--sft-micro-batch", type=int, default=2,
                    help="rows per forward, grouped by length within the batch (same gradient, fewer pad tokens)")
@@ -790,6 +791,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--released-scoring", action="store_true",
                    help="score generated tokens only, as the ParaVT release did (forced prefix/tool responses unseen)")
     g.add_argument("--final-eval", action="store_true", help="held-out evaluation at the end (always on for --stage all)")
+    g.add_argument("--eval-before", action="store_true",
+                   help="--stage all: also evaluate the initial model (off by default: the untrained tiny model "
+                        "answers at chance, and its evaluation costs ~35 s of the 10-minute default)")
     g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N RL steps (0 = only at the end)")
     g.add_argument("--logprob-chunk", type=int, default=1024,
                    help="tokens per chunk of token_logprobs (old and reference log-probs, no grad)")

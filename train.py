@@ -853,7 +853,7 @@ def main(rank: int, args) -> dict:
             return evaluation.evaluate_held_out(m, processor, held, video_root, cfg, run, name)
 
     summary = {}
-    if args.stage == "all" and not state:
+    if args.stage == "all" and not state and args.eval_before:
         summary["before"] = evaluate(model, "before")
     if args.stage in ("all", "sft") and stage0 != "rl":
         items, n_bad = sft_examples(train_recs, processor, video_root, cfg, sft_data=args.sft_data, seed=args.seed,

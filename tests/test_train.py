@@ -53,7 +53,7 @@ def _setup(cache_env, one_thread):
 
 def test_smoke_stage_all(tmp_path, capsys, tiny):
     """The default pipeline end to end: SFT, RL with every metric logged, evaluation, curves, summary line."""
-    run(smoke_argv(tmp_path, "--stage", "all", "--mask-truncated", "0"))
+    run(smoke_argv(tmp_path, "--stage", "all", "--mask-truncated", "0", "--eval-before"))
     out = capsys.readouterr().out.strip().splitlines()
     assert any(l.startswith("recipe: para_grpo (PARA-GRPO: R_acc + R_fmt + R_tool, exploration anchoring (sequence), "
                             "nFrames gating K in {4, 8}") for l in out)          # the method, named at the start
