@@ -6,7 +6,7 @@ colour goes through `model.visual`; the cosine similarity of the flattened featu
 printed. Near 1 means the tower maps the two colours to the same features, and no language model after it can
 read them apart (the cause of the seed-to-seed spread of the default run: docs/experiments.md).
 
-    python bench/colour_probe.py runs/default/ckpt-sft-000600 runs/seed1/ckpt-sft-000600
+    python bench/colour_probe.py runs/default/ckpt-sft-000500 runs/seed1/ckpt-sft-000500
     python bench/colour_probe.py init:0 init:1                 # the random init of seeds 0 and 1
 
 The last line is one JSON object: {checkpoint: {"red-green": cosine, ...}}.

@@ -8,7 +8,7 @@ tool-call ratio on each; then the MCQs B answered right and A wrong ("fixed"), t
 two-sided sign test of fixed against broken (exact binomial, ties dropped): how likely a split at least this
 uneven is if RL changed answers at random.
 
-    python eval.py --model runs/s0/ckpt-sft-000600 --synthetic-n 432 --synthetic-seed 3000 --out runs/eval/s0-sft.jsonl
+    python eval.py --model runs/s0/ckpt-sft-000500 --synthetic-n 432 --synthetic-seed 3000 --out runs/eval/s0-sft.jsonl
     python eval.py --model runs/s0/ckpt-rl-000020 --synthetic-n 432 --synthetic-seed 3000 --out runs/eval/s0-rl.jsonl
     python bench/paired.py runs/eval/s0-sft.jsonl runs/eval/s0-rl.jsonl --n 432 --seed 3000
 
