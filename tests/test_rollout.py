@@ -205,8 +205,8 @@ def test_cached_logprobs_equal_full_recompute(tiny, split, script, mode, small_t
 
 
 # Three records, G = 2, turn lengths varying ~6x (a few tokens to a long think), calls in some turns: under a
-# budget of one group's worst case and another's first turns (two worst cases do not fit side by side) rows finish, groups wait and are admitted while
-# other rows decode, and a row waits for its next turn's blocks.
+# budget of one group's worst case and another's first turns (two worst cases do not fit side by side) rows
+# finish, groups wait and are admitted while other rows decode, and a row waits for its next turn's blocks.
 LONG = turn("a much longer chain of thought " * 6, "<answer>B</answer>")
 BUDGET_SCRIPTS = {
     (0, 0): [turn("look", call(28.0, 36.0)), LONG], (0, 1): [ANSWER],
@@ -218,10 +218,11 @@ BUDGET_SCRIPTS = {
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
 def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, mode, shrunk_thresholds, monkeypatch):
     """The same trajectories (tokens, roles, answers, windows, recorded log-probs) with an unbounded budget, with
-    a budget of one group's worst case and another's first turns (continuous batching: groups are admitted on their turns' grants, so two
-    run side by side where their worst cases would not fit; a group is admitted while other rows decode; a row
-    waits for its next turn's blocks (refused once, as an unsafe grant would be); the pool never holds more than the budget, every row within its grant), and
-    in fixed waves (one group at a time); and the budgeted run's log-probs equal a full recompute."""
+    a budget of one group's worst case and another's first turns (continuous batching: groups are admitted on
+    their turns' grants, so two run side by side where their worst cases would not fit; a group is admitted
+    while other rows decode; a row waits for its next turn's blocks (refused once, as an unsafe grant would be);
+    the pool never holds more than the budget, every row within its grant), and in fixed waves (one group at a
+    time); and the budgeted run's log-probs equal a full recompute."""
     model, processor = tiny
     root, recs = split
     pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
