@@ -569,6 +569,12 @@ def synthetic_data(seed: int, n_train: int, n_eval: int, duration: float, mix: s
     return train, held, root
 
 
+def synthetic_rl(seed: int, n: int, duration: float, mix: str | None, cache: str) -> list:
+    """The synthetic task's RL prompts (seed 4000 + s): disjoint from the SFT split (1000 + s), whose oracle
+    trajectories the warm start learns by heart, and from the held-out one (2000 + s)."""
+    return make_split(os.path.join(cache, "synthetic"), n, seed=4000 + seed, mix=parse_mix(mix), duration=duration)
+
+
 def split_held_out(records: list, n: int, seed: int) -> tuple[list, list]:
     """(train, held-out): `n` records drawn with `seed` are held out, and training never draws them."""
     if len(records) < 2:

@@ -327,18 +327,18 @@ def evaluate(model, processor, records: list[dict], video_root: str, cfg, bench:
 
 
 def evaluate_held_out(model, processor, records: list, video_root: str, cfg, run: runtime.Run,
-                      name: str, report_questions: int = 8) -> dict:
+                      name: str, report_questions: int = 8, batch_size: int = 8) -> dict:
     """train.py's held-out evaluation: the greedy agent on the held-out records through this runner (official-style scores plus format
     compliance, tool-call ratio, clue score, turns), split over the ranks as `eval.py --gpus N` splits them
     (question i on rank i % N); rank 0 merges the predictions into RUN_DIR/eval/<name>.jsonl, scores them once
     and writes a trajectory report of the first `report_questions` questions in RUN_DIR/report/<name>/index.html.
-    Every rank returns rank 0's figures."""
+    `batch_size`: questions per batched rollout (train.py --eval-batch). Every rank returns rank 0's figures."""
     out = os.path.join(run.run_dir, "eval", f"{name}.jsonl")
     if run.rank == 0:                                  # new weights: never resume another evaluation's answers
         remove_predictions(out)
     runtime.barrier(run.world)
     with runtime.full_weights(model):
-        m = evaluate(model, processor, records, video_root, cfg, bench="records", out_path=out, batch_size=8,
+        m = evaluate(model, processor, records, video_root, cfg, bench="records", out_path=out, batch_size=batch_size,
                                 rank=run.rank, world=run.world)
     if run.rank == 0 and report_questions:
         import report

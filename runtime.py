@@ -657,13 +657,13 @@ TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fp
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=8,
                      prompts_per_step=8, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
                      kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
-                     mask_truncated=1, vision_lr_scale=0.0, gating_choices="4,8,16,32")
+                     mask_truncated=1, vision_lr_scale=0.0, gating_choices="4,8,16,32", eval_batch=64)
 GATING_CHOICES = "4,8,16,32,64"          # ParaVT's K range (a real checkpoint, or a preset)
 
 
 # The embedded default (`python train.py` with no arguments): sizes chosen for a 2-core CPU
 # (frame sizes and prompt settings of the tiny model: rollout.TINY_ROLLOUT).
-TINY_TASK = dict(n_train=256, n_eval=192, duration=64.0)
+TINY_TASK = dict(n_train=256, n_eval=192, n_rl=0, duration=64.0)
 
 
 def parse_args(argv=None, description: str = "") -> argparse.Namespace:
@@ -722,6 +722,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="train on SFT trajectories whose tool calls the environment would refuse (default: skip them)")
     g.add_argument("--n-train", type=int, default=TINY_TASK["n_train"], help="synthetic task: training prompts")
     g.add_argument("--n-eval", type=int, default=TINY_TASK["n_eval"], help="synthetic task: held-out prompts")
+    g.add_argument("--n-rl", type=int, default=TINY_TASK["n_rl"],
+                   help="synthetic task: RL prompts of their own split (seed 4000 + s), apart from the SFT split's, "
+                        "whose oracle answers the warm start learns; 0: RL on the SFT split's prompts (see "
+                        "docs/experiments.md: not the default, its effect was within the run-to-run spread)")
     g.add_argument("--task-duration", type=float, default=TINY_TASK["duration"], help="synthetic task: video seconds")
     g.add_argument("--task-mix", default=None, help="synthetic task: kind=weight,... (default: data.DEFAULT_MIX)")
     g.add_argument("--direct-crop", type=float, default=0.5,
@@ -794,6 +798,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--eval-before", action="store_true",
                    help="--stage all: also evaluate the initial model (off by default: the untrained tiny model "
                         "answers at chance, and its evaluation costs ~35 s of the 10-minute default)")
+    g.add_argument("--eval-batch", type=int, default=None,
+                   help="held-out questions per batched rollout (default 8; the tiny model: 64, the same answers in "
+                        "less time; a real checkpoint's overviews are held in memory for the whole batch)")
     g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N RL steps (0 = only at the end)")
     g.add_argument("--logprob-chunk", type=int, default=1024,
                    help="tokens per chunk of token_logprobs (old and reference log-probs, no grad)")
@@ -828,6 +835,10 @@ def resolve(args) -> None:
     args.recipe = rewards.RECIPE_ALIASES.get(args.recipe, args.recipe)
     if args.vision_lr_scale is None:
         args.vision_lr_scale = 1.0
+    if args.eval_batch is None:
+        args.eval_batch = 8
+    if args.eval_batch < 1:
+        raise ValueError(f"--eval-batch must be >= 1 (held-out questions per batched rollout), got {args.eval_batch}")
     if args.vision_lr_scale < 0:
         raise ValueError(f"--vision-lr-scale must be >= 0 (0 freezes the vision tower), got {args.vision_lr_scale}")
     if args.gating_choices is None:

@@ -53,6 +53,7 @@ import random
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -657,29 +658,38 @@ class SFTSettings:
 def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.RolloutConfig, *,
                  sft_data: str | None, seed: int, gated_choices: list[int], always_call: bool = False,
                  direct_crop: float = 0.0, budget_fraction: float = 0.0, keep_bad_calls: bool = False,
-                 max_bad_fraction: float = 0.2, log=print) -> tuple[list, int]:
+                 max_bad_fraction: float = 0.2, workers: int = 1, log=print) -> tuple[list, int]:
     """(encoded SFT trajectories, number skipped). From `sft_data` (trajectory records, docs/data.md), or the
     synthetic task's oracle: each record with the evaluation overview, and once more with a K drawn from
     `gated_choices` when given; with probability `budget_fraction` a trajectory that calls the tool is also
     recorded at a smaller tool-turn budget (the forced-answer message, then an answer from what was seen), so
     the model learns to answer when its budget runs out. Bad records and trajectories whose tool calls the environment would refuse
     are reported (file:line, reason) and skipped (`keep_bad_calls` keeps the latter); more than
-    `max_bad_fraction` bad stops the run."""
+    `max_bad_fraction` bad stops the run. `workers`: threads encoding the trajectories (the same items, in order)."""
     if sft_data:
         found, errors = data.sft_pairs(sft_data)
         pairs = [(rec, msgs, where, None, cfg) for rec, msgs, where in found]
     else:
         pairs, errors = data.oracle_sft_pairs(records, cfg, seed, gated_choices, always_call, direct_crop,
                                               budget_fraction)
-    items, n_bad_calls = [], 0
-    for rec, msgs, where, k, c in pairs:     # k: the overview's frame count (None: the rollout's own rule)
+
+    def encode(pair):                        # k: the overview's frame count (None: the rollout's own rule)
+        rec, msgs, where, k, c = pair
         try:
             item = rollout.encode_messages(processor, rec, msgs, video_root, c, nframes=k)
         except (ValueError, KeyError, TypeError, OSError) as e:
-            errors.append(f"{where}: {e}")
+            return None, f"{where}: {e}"
+        duration = rec.get("duration") or video.probe(data.resolve_video(video_root, rec["video"])).duration
+        return item, data.bad_calls(msgs, duration, cfg.min_window)
+
+    # a thread per core: decoding and the processor's tensor work run outside the GIL; map keeps the order
+    with ThreadPoolExecutor(max(1, min(workers, len(pairs)))) as pool:
+        encoded = list(pool.map(encode, pairs))
+    items, n_bad_calls = [], 0
+    for (rec, msgs, where, k, c), (item, why) in zip(pairs, encoded):
+        if item is None:
+            errors.append(why)
             continue
-        why = data.bad_calls(msgs, rec.get("duration") or video.probe(data.resolve_video(video_root, rec["video"])).duration,
-                        cfg.min_window)
         if why and not keep_bad_calls:
             errors.append(f"{where}: tool calls the environment would refuse ({'; '.join(why[:3])}); "
                           f"skipped (--keep-bad-calls trains on them)")
@@ -843,6 +853,10 @@ def main(rank: int, args) -> dict:
         train_recs, held, video_root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration,
                                                       args.task_mix, os.environ.get("PARAVT_CACHE", "cache"))
         held_note = "synthetic"
+    rl_recs = train_recs                 # real data: --data's prompts (the SFT trajectories are --sft-data's)
+    if not args.data and args.n_rl and args.stage != "sft":
+        rl_recs = data.synthetic_rl(args.seed, args.n_rl, args.task_duration, args.task_mix,
+                                    os.environ.get("PARAVT_CACHE", "cache"))
     run.static["held_out"] = held_note
     cfg = rollout_config(args)
     state = run.resume(ckpt, model) if ckpt else None
@@ -850,7 +864,8 @@ def main(rank: int, args) -> dict:
 
     def evaluate(m, name: str) -> dict:
         with autocast(args.precision, device):
-            return evaluation.evaluate_held_out(m, processor, held, video_root, cfg, run, name)
+            return evaluation.evaluate_held_out(m, processor, held, video_root, cfg, run, name,
+                                                batch_size=args.eval_batch)
 
     summary = {}
     if args.stage == "all" and not state and args.eval_before:
@@ -860,7 +875,7 @@ def main(rank: int, args) -> dict:
                                     gated_choices=args.gating_choices if args.sft_gated_overviews else [],
                                     always_call=args.always_call, direct_crop=args.direct_crop,
                                     budget_fraction=args.sft_budget_fraction, keep_bad_calls=args.keep_bad_calls, max_bad_fraction=args.max_bad_fraction,
-                                    log=lambda m: print0(rank, m))
+                                    workers=torch.get_num_threads(), log=lambda m: print0(rank, m))
         run.counters["bad_samples"] += 0 if state else n_bad          # a resumed run counted them before
         optimizer = make_optimizer(model, args.sft_lr, args.vision_lr_scale)
         run.load_optimizer(ckpt, model, optimizer, state, "sft")
@@ -874,7 +889,7 @@ def main(rank: int, args) -> dict:
                                     PRECISION[args.precision]) if args.kl_coef > 0 else None
         with video.DecodePool(args.decode_workers, args.decode_timeout,
                               video.FrameCache(int(args.frame_cache_gb * 2 ** 30), disk_dir=args.frame_cache)) as pool:
-            run_rl(run, model, ref_model, processor, optimizer, train_recs, video_root, cfg, grpo_settings(args),
+            run_rl(run, model, ref_model, processor, optimizer, rl_recs, video_root, cfg, grpo_settings(args),
                    args.rl_steps, args.lr, args.warmup_steps, pad_id, start=step0 if stage0 == "rl" else 0,
                    eval_every=args.eval_every, evaluate=evaluate, pool=pool)
     if args.stage == "all" or args.final_eval:

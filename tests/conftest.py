@@ -13,9 +13,9 @@ import rollout
 import runtime
 import train
 
-# The fast smoke configuration: tiny default model, 8 training prompts, groups of 2, 12 new tokens a turn,
-# overviews gated to 4 or 8 frames.
-SMOKE = ["--sft-steps", "2", "--rl-steps", "2", "--n-train", "8", "--n-eval", "4", "--group-size", "2",
+# The fast smoke configuration: tiny default model, 8 SFT prompts and 4 RL prompts, groups of 2, 12 new tokens a
+# turn, overviews gated to 4 or 8 frames.
+SMOKE = ["--sft-steps", "2", "--rl-steps", "2", "--n-train", "8", "--n-rl", "4", "--n-eval", "4", "--group-size", "2",
          "--prompts-per-step", "2", "--max-new-tokens", "12", "--sft-batch", "4", "--gating-choices", "4,8"]
 
 

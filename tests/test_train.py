@@ -117,8 +117,8 @@ def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
 
 def test_rl_decodes_in_the_pool_and_reuses_cached_overviews(tmp_path):
     """The RL loop decodes through the decode pool and its frame cache: the next step's overviews are decoded
-    while a step trains, and prompts drawn again hit the cache (two training prompts, so every step repeats)."""
-    run(smoke_argv(tmp_path, "--stage", "rl", "--rl-steps", "3", "--n-train", "2", "--mask-truncated", "0"))
+    while a step trains, and prompts drawn again hit the cache (two RL prompts, so every step repeats)."""
+    run(smoke_argv(tmp_path, "--stage", "rl", "--rl-steps", "3", "--n-rl", "2", "--mask-truncated", "0"))
     rows = metrics(tmp_path)
     assert all(r["decode_s"] >= 0 and r["decode_wait_s"] >= 0 for r in rows)
     assert rows[0]["decode_s"] > 0                                   # step 1 decoded its overviews in the pool
@@ -149,6 +149,62 @@ def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
                                     gated_choices=args.gating_choices if args.sft_gated_overviews else [])
     assert bad == 0 and len(items) == len(records) * len(ks)
     assert {t.nframes for t in items} == ks and [t.record_id for t in items[::len(ks)]] == [r["id"] for r in records]
+
+
+@pytest.mark.parametrize("n_rl, split", [(4, "syn-4000-"), (0, "syn-1000-")])
+def test_rl_draws_its_own_prompts(tmp_path, monkeypatch, n_rl, split):
+    """The synthetic RL stage samples prompts of its own split (seed 4000 + s), never the SFT split's (1000 + s),
+    whose oracle answers the warm start learned by heart, nor the held-out ones (2000 + s); `--n-rl 0` goes back
+    to the SFT split's prompts."""
+    seen, real_run_agent = [], rollout.run_agent
+
+    def spy(model, processor, records, *a, **k):
+        seen.extend(r["id"] for r in records)
+        return real_run_agent(model, processor, records, *a, **k)
+
+    monkeypatch.setattr(rollout, "run_agent", spy)
+    run(smoke_argv(tmp_path, "--stage", "rl", "--mask-truncated", "0", "--n-rl", str(n_rl)))
+    assert len(seen) == 4 and all(i.startswith(split) for i in seen), seen
+    rl = data.synthetic_rl(0, 4, 64.0, None, os.environ["PARAVT_CACHE"])
+    sft, held, _ = data.synthetic_data(0, 8, 4, 64.0, None, os.environ["PARAVT_CACHE"])
+    assert not {r["id"] for r in rl} & {r["id"] for r in sft + held}
+    assert not {r["video"] for r in rl} & {r["video"] for r in sft + held}
+
+
+def test_sft_examples_in_threads_are_the_serial_ones(tmp_path, tiny):
+    """`sft_examples(workers=2)` (train.py: a thread per core) encodes the very trajectories of the serial loop, in
+    its order: the same token ids, roles and pixels."""
+    model, processor = tiny
+    args = runtime.parse_args(smoke_argv(tmp_path))
+    records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
+                                            os.environ["PARAVT_CACHE"])
+    kw = dict(sft_data=None, seed=0, gated_choices=args.gating_choices, direct_crop=0.5, budget_fraction=0.5)
+    one, _ = train.sft_examples(records, processor, root, train.rollout_config(args), workers=1, **kw)
+    two, _ = train.sft_examples(records, processor, root, train.rollout_config(args), workers=2, **kw)
+    assert len(one) == len(two) > len(records)
+    for a, b in zip(one, two):
+        assert (a.record_id, a.token_ids, a.roles, a.nframes) == (b.record_id, b.token_ids, b.roles, b.nframes)
+        assert len(a.videos) == len(b.videos) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+                                                      for x, y in zip(a.videos, b.videos))
+
+
+def test_held_out_batch_size_reaches_the_rollout(tmp_path, monkeypatch):
+    """--eval-batch: the tiny model's default 64, a real checkpoint's 8 (its overviews stay in memory for the
+    whole batch), and the held-out evaluation rolls out that many questions at a time."""
+    assert runtime.parse_args([]).eval_batch == 64
+    assert runtime.parse_args(["--preset", "paravt"]).eval_batch == 8
+    with pytest.raises(SystemExit):
+        runtime.parse_args(["--eval-batch", "0"])
+    import eval as evaluation
+    sizes, real_predict = [], evaluation.predict
+
+    def spy(records, run_batch, out_path=None, batch_size=1, *a, **k):
+        sizes.append(batch_size)
+        return real_predict(records, run_batch, out_path, batch_size, *a, **k)
+
+    monkeypatch.setattr(evaluation, "predict", spy)
+    run(smoke_argv(tmp_path, "--stage", "sft", "--final-eval", "--eval-batch", "3"))
+    assert sizes == [3]
 
 
 def test_sampled_video_placeholder_is_left_out_of_the_update(tmp_path, monkeypatch):
