@@ -570,8 +570,8 @@ def synthetic_data(seed: int, n_train: int, n_eval: int, duration: float, mix: s
 
 
 def synthetic_rl(seed: int, n: int, duration: float, mix: str | None, cache: str) -> list:
-    """The synthetic task's RL prompts (seed 4000 + s): disjoint from the SFT split (1000 + s), whose oracle
-    trajectories the warm start learns by heart, and from the held-out one (2000 + s)."""
+    """The synthetic task's RL prompts (seed 4000 + s): disjoint from the SFT split (1000 + s), so RL samples
+    questions the warm start never saw, and from the held-out one (2000 + s). `train.py --n-rl N`."""
     return make_split(os.path.join(cache, "synthetic"), n, seed=4000 + seed, mix=parse_mix(mix), duration=duration)
 
 

@@ -723,9 +723,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--n-train", type=int, default=TINY_TASK["n_train"], help="synthetic task: training prompts")
     g.add_argument("--n-eval", type=int, default=TINY_TASK["n_eval"], help="synthetic task: held-out prompts")
     g.add_argument("--n-rl", type=int, default=TINY_TASK["n_rl"],
-                   help="synthetic task: RL prompts of their own split (seed 4000 + s), apart from the SFT split's, "
-                        "whose oracle answers the warm start learns; 0: RL on the SFT split's prompts (see "
-                        "docs/experiments.md: not the default, its effect was within the run-to-run spread)")
+                   help="synthetic task: RL prompts of their own split (seed 4000 + s), questions the warm start "
+                        "never saw; 0: RL on the SFT split's prompts (the default: a split of its own changed "
+                        "nothing beyond RL's run-to-run spread, docs/experiments.md)")
     g.add_argument("--task-duration", type=float, default=TINY_TASK["duration"], help="synthetic task: video seconds")
     g.add_argument("--task-mix", default=None, help="synthetic task: kind=weight,... (default: data.DEFAULT_MIX)")
     g.add_argument("--direct-crop", type=float, default=0.5,

@@ -153,9 +153,8 @@ def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
 
 @pytest.mark.parametrize("n_rl, split", [(4, "syn-4000-"), (0, "syn-1000-")])
 def test_rl_draws_its_own_prompts(tmp_path, monkeypatch, n_rl, split):
-    """The synthetic RL stage samples prompts of its own split (seed 4000 + s), never the SFT split's (1000 + s),
-    whose oracle answers the warm start learned by heart, nor the held-out ones (2000 + s); `--n-rl 0` goes back
-    to the SFT split's prompts."""
+    """`--n-rl N`: the synthetic RL stage samples prompts of its own split (seed 4000 + s), never the SFT split's
+    (1000 + s) nor the held-out ones (2000 + s); `--n-rl 0` (the default) samples the SFT split's prompts."""
     seen, real_run_agent = [], rollout.run_agent
 
     def spy(model, processor, records, *a, **k):
