@@ -846,17 +846,17 @@ def main(rank: int, args) -> dict:
     model, processor = policy_model(ckpt or args.model, device, args.precision, world, args.seed, args.grad_checkpointing)
     pad_id = processor.tokenizer.pad_token_id
     run.processor = processor
+    cache = os.environ.get("PARAVT_CACHE", "cache")     # the synthetic task's rendered videos
     if args.data:
         train_recs, held, video_root, held_note = data.load_data(args.data, args.eval_data, args.video_root, args.held_out,
                                                             args.seed, args.max_bad_fraction, lambda m: print0(rank, m))
     else:
         train_recs, held, video_root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration,
-                                                      args.task_mix, os.environ.get("PARAVT_CACHE", "cache"))
+                                                      args.task_mix, cache)
         held_note = "synthetic"
     rl_recs = train_recs                 # real data: --data's prompts (the SFT trajectories are --sft-data's)
     if not args.data and args.n_rl and args.stage != "sft":
-        rl_recs = data.synthetic_rl(args.seed, args.n_rl, args.task_duration, args.task_mix,
-                                    os.environ.get("PARAVT_CACHE", "cache"))
+        rl_recs = data.synthetic_rl(args.seed, args.n_rl, args.task_duration, args.task_mix, cache)
     run.static["held_out"] = held_note
     cfg = rollout_config(args)
     state = run.resume(ckpt, model) if ckpt else None

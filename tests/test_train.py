@@ -170,10 +170,13 @@ def test_rl_draws_its_own_prompts(tmp_path, monkeypatch, n_rl, split):
     assert not {r["video"] for r in rl} & {r["video"] for r in sft + held}
 
 
-def test_sft_examples_in_threads_are_the_serial_ones(tmp_path, tiny):
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])
+def test_sft_examples_in_threads_are_the_serial_ones(tmp_path, tiny, name):
     """`sft_examples(workers=2)` (train.py: a thread per core) encodes the very trajectories of the serial loop, in
-    its order: the same token ids, roles and pixels."""
-    model, processor = tiny
+    its order: the same token ids, roles and pixels; with the tiny tokenizer and with the real Qwen tokenizer (the
+    threads share one processor)."""
+    model, processor = tiny if name == "tiny" else model_lib.load_model(name, device="cpu", seed=0,
+                                                                        tiny_corpus=rollout.prompt_corpus())
     args = runtime.parse_args(smoke_argv(tmp_path))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
