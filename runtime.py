@@ -652,10 +652,13 @@ def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
 
 # The embedded tiny model's settings; a real checkpoint without --preset gets paravt's (rollout.PRESETS). The
 # default run is PARA-GRPO: ParaVT's reward with sequence-level exploration anchoring, nFrames gating over
-# its gating_choices (the SFT warm start also shows such overviews, so gated RL starts in distribution).
+# its gating_choices (the SFT warm start also shows such overviews, so gated RL starts in distribution). Groups of
+# 16 on 4 prompts (Video-o3's group size; the same 64 rollouts a step as 8 x 8): after SFT most groups of 8 got one
+# reward for every sample and taught nothing (61 % of them on seed 0); with 16 fewer do (51 %), and RL gained on
+# every seed where 8 x 8 lost on two (docs/experiments.md, "2026-12-03: groups of 16").
 TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
-                     max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=8,
-                     prompts_per_step=8, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
+                     max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=16,
+                     prompts_per_step=4, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
                      kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
                      mask_truncated=1, vision_lr_scale=0.0, gating_choices="4,8,16,32", eval_batch=64)
 GATING_CHOICES = "4,8,16,32,64"          # ParaVT's K range (a real checkpoint, or a preset)
