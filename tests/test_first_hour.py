@@ -43,7 +43,7 @@ def test_spawned_rank_dies_with_its_launcher(tmp_path):
         sys.path.insert(0, {str(REPO)!r})
         pid = os.fork()
         if pid == 0:
-            import train
+            import runtime
             runtime.die_with_parent()
             open({str(tmp_path / 'armed')!r}, 'w').close()
             time.sleep(60)
@@ -56,6 +56,9 @@ def test_spawned_rank_dies_with_its_launcher(tmp_path):
     while not (tmp_path / "armed").exists() and time.time() < deadline:
         time.sleep(0.05)
     child = int((tmp_path / "child").read_text())
+    if not (tmp_path / "armed").exists():            # the child died before arming: nothing was tested
+        launcher.kill()
+        pytest.fail("the child never called runtime.die_with_parent()")
     launcher.kill()
     launcher.wait()
     deadline = time.time() + 5
