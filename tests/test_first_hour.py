@@ -58,6 +58,7 @@ def test_spawned_rank_dies_with_its_launcher(tmp_path):
     child = int((tmp_path / "child").read_text())
     if not (tmp_path / "armed").exists():            # the child died before arming: nothing was tested
         launcher.kill()
+        launcher.wait()
         pytest.fail("the child never called runtime.die_with_parent()")
     launcher.kill()
     launcher.wait()
