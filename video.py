@@ -4,7 +4,7 @@ Video decoding and frame sampling for the agent: the overview the model skims an
 
 Conventions (every function here):
 - frames are uint8 RGB tensors of shape (T, 3, H, W); 10-bit or other pixel formats are converted
-  to 8-bit RGB by FFmpeg (`to_ndarray(format="rgb24")`).
+  to 8-bit RGB by FFmpeg's swscale (`to_rgb`).
 - times are float64 numpy arrays (T,) holding each frame's real presentation time in seconds,
   pts * time_base, counted from the video stream's start_time. They are absolute in the original
   video, for the overview and for every crop, so the model can name windows it has seen (docs/method.md §3).
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import av
+from av.video.reformatter import VideoReformatter
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -244,8 +245,23 @@ def _window(frames, start: float, end: float, edge: dict):
             yield t, frame
 
 
+_LOCAL = threading.local()  # per thread: .deadline (DecodePool), .rgb (the reused pixel-format converter)
+
+
+def to_rgb(frame: av.VideoFrame) -> np.ndarray:
+    """(H, W, 3) uint8: the pixels of `frame.to_ndarray(format="rgb24")`, through this thread's one converter.
+    PyAV's own call makes a new swscale context, and its worker threads, for every frame: ~0.2 ms a 64x64
+    frame on an idle machine and ~5 ms while the model keeps the cores busy, most of the synthetic task's
+    decoding time. One reused single-threaded context gives the same pixels in ~0.01 ms (bench/frame_convert.py);
+    decoding runs in a pool of threads (`DecodePool`), so frames convert in parallel there."""
+    conv = getattr(_LOCAL, "rgb", None)
+    if conv is None:
+        conv = _LOCAL.rgb = VideoReformatter()
+    return conv.reformat(frame, format="rgb24", threads=1).to_ndarray()
+
+
 def _to_tensor(frame, max_pixels: int | None, factor: int) -> torch.Tensor:
-    x = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)[None]  # (1, 3, H, W)
+    x = torch.from_numpy(to_rgb(frame)).permute(2, 0, 1)[None]  # (1, 3, H, W)
     return x if max_pixels is None else resize_frames(x, max_pixels, factor)
 
 
@@ -275,9 +291,6 @@ def _pick(frames, targets: np.ndarray, max_pixels: int | None, factor: int) -> l
         x = prev[2] if prev[2] is not None else _to_tensor(prev[1], max_pixels, factor)
         chosen += [(prev[0], x)] * (len(targets) - j)
     return chosen
-
-
-_LOCAL = threading.local()        # .deadline: time.monotonic() past which this thread's decode gives up (DecodePool)
 
 
 def _check_deadline(path: str) -> None:
@@ -842,6 +855,7 @@ def write_video(path, frames, fps: float, codec: str = "libx264", crf: int = 18,
         container_format = "mp4"
     rate = Fraction(fps).limit_denominator(1001)
     options = {"movflags": "faststart"} if faststart else {}
+    to_yuv = VideoReformatter()  # one converter for the whole file (a new one per frame costs ~0.2-5 ms: to_rgb)
     with av.open(path, mode="w", format=container_format, options=options) as out:
         vs, i = None, 0
         for frames in chunks:
@@ -857,7 +871,8 @@ def write_video(path, frames, fps: float, codec: str = "libx264", crf: int = 18,
                     vs.codec_context.gop_size = gop
             for x in frames.permute(0, 2, 3, 1).numpy():  # (H, W, 3) each
                 # convert to yuv420p ourselves: PyAV's implicit conversion inside encode() is not deterministic
-                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(x), format="rgb24").reformat(format="yuv420p")
+                rgb = av.VideoFrame.from_ndarray(np.ascontiguousarray(x), format="rgb24")
+                frame = to_yuv.reformat(rgb, format="yuv420p", threads=1)
                 frame.pts, frame.time_base = i, 1 / rate
                 out.mux(vs.encode(frame))
                 i += 1

@@ -258,6 +258,46 @@ def test_10bit_h264_comes_out_as_uint8_rgb():
         assert diff.mean() < 1.0 and diff.max() < 8 and ours.std() > 10
 
 
+def test_reused_converter_gives_pyav_pixels():
+    """`to_rgb` (one swscale context per thread, reconfigured when the input changes) returns exactly what
+    PyAV's per-frame `to_ndarray(format="rgb24")` does, on every frame of four codecs, sizes and bit depths
+    read in turn by the same thread, two files interleaved frame by frame."""
+    files = ["av1_video.mkv", "h264_10bits.mp4", "h265_video.mp4", "nasa_13013.mp4"]
+    containers = [av.open(str(REAL / f)) for f in files]
+    try:
+        streams = [c.decode(c.streams.video[0]) for c in containers]
+        checked = {f: 0 for f in files}
+        for i in range(0, len(files), 2):            # pairs: av1 with 10-bit h264, h265 with the NASA clip
+            for a, b in zip(streams[i], streams[i + 1]):
+                for name, frame in ((files[i], a), (files[i + 1], b)):
+                    ours, ref = video.to_rgb(frame), frame.to_ndarray(format="rgb24")
+                    assert ours.dtype == np.uint8 and ours.shape == ref.shape and np.array_equal(ours, ref), name
+                    checked[name] += 1
+    finally:
+        for c in containers:
+            c.close()
+    assert min(checked.values()) >= 10, checked
+
+
+def test_write_video_bytes_as_with_a_converter_per_frame():
+    """write_video converts through one reused converter: the file is byte for byte the one that converting each
+    frame with its own (PyAV's `frame.reformat`) gives, so synthetic-task caches written before stay valid."""
+    frames = video.synthetic_frames(24, 64, 96, seed=5)
+    ours = io.BytesIO()
+    video.write_video(ours, frames, FPS)
+    ref, rate = io.BytesIO(), Fraction(FPS)
+    with av.open(ref, mode="w", format="mp4") as out:
+        vs = out.add_stream("libx264", rate=rate)
+        vs.width, vs.height, vs.pix_fmt = 96, 64, "yuv420p"
+        vs.options = {"crf": "18", "preset": "ultrafast", "threads": "1"}
+        for i, x in enumerate(frames.permute(0, 2, 3, 1).numpy()):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(x), format="rgb24").reformat(format="yuv420p")
+            frame.pts, frame.time_base = i, 1 / rate
+            out.mux(vs.encode(frame))
+        out.mux(vs.encode(None))
+    assert len(ours.getvalue()) > 1000 and ours.getvalue() == ref.getvalue()
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def make_bad(kind: str, tmp_path) -> Path:
