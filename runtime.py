@@ -654,8 +654,9 @@ def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
 # default run is PARA-GRPO: ParaVT's reward with sequence-level exploration anchoring, nFrames gating over
 # its gating_choices (the SFT warm start also shows such overviews, so gated RL starts in distribution). Groups of
 # 16 on 4 prompts (Video-o3's group size; the same 64 rollouts a step as 8 x 8): after SFT most groups of 8 got one
-# reward for every sample and taught nothing (61 % of them on seed 0); with 16 fewer do (51 %), and RL gained on
-# every seed where 8 x 8 lost on two, on one CPU kind (docs/experiments.md, "2026-12-03: groups of 16 on 4 prompts").
+# reward for every sample and taught nothing (61 % of them on seed 0); with 16 fewer do (51 %), and seed 0's RL
+# gains 5.8 points where 8 x 8 lost 0.6; seeds 1 and 2 still end one question below SFT, on one CPU kind at 2
+# threads (docs/experiments.md, "2026-12-03 (later): the default's own command, 2 threads").
 TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=16,
                      prompts_per_step=4, lr=1e-4, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
