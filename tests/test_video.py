@@ -10,6 +10,7 @@ every frame's true pts_time from FFmpeg.
 import io
 import json
 import math
+import sys
 from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,9 @@ import torch
 
 import video
 from video import VideoError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import frame_convert  # noqa: E402  (the per-frame-converter encoder, the reference for write_video's bytes)
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "real_videos"
 NASA = REAL / "nasa_13013.mp4"
@@ -281,20 +285,12 @@ def test_reused_converter_gives_pyav_pixels():
 
 def test_write_video_bytes_as_with_a_converter_per_frame():
     """write_video converts through one reused converter: the file is byte for byte the one that converting each
-    frame with its own (PyAV's `frame.reformat`) gives, so synthetic-task caches written before stay valid."""
+    frame with its own (PyAV's `frame.reformat`, bench/frame_convert.write_per_frame) gives, so synthetic-task
+    caches written before stay valid."""
     frames = video.synthetic_frames(24, 64, 96, seed=5)
-    ours = io.BytesIO()
+    ours, ref = io.BytesIO(), io.BytesIO()
     video.write_video(ours, frames, FPS)
-    ref, rate = io.BytesIO(), Fraction(FPS)
-    with av.open(ref, mode="w", format="mp4") as out:
-        vs = out.add_stream("libx264", rate=rate)
-        vs.width, vs.height, vs.pix_fmt = 96, 64, "yuv420p"
-        vs.options = {"crf": "18", "preset": "ultrafast", "threads": "1"}
-        for i, x in enumerate(frames.permute(0, 2, 3, 1).numpy()):
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(x), format="rgb24").reformat(format="yuv420p")
-            frame.pts, frame.time_base = i, 1 / rate
-            out.mux(vs.encode(frame))
-        out.mux(vs.encode(None))
+    frame_convert.write_per_frame(ref, frames, FPS)
     assert len(ours.getvalue()) > 1000 and ours.getvalue() == ref.getvalue()
 
 
