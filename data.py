@@ -432,6 +432,22 @@ def _shows(window: list[float], patches: list[tuple[float, float, float]]) -> bo
     return any(window[0] <= f < window[1] for _, f0, f1 in patches for f in (f0, f1))
 
 
+def glyphs_seen(record: dict, nframes: int, windows, crop_fps: float = 1.0, crop_max_frames: int = 16
+                ) -> bool | None:
+    """Whether every glyph a synthetic colour question's answer reads fell in a frame the policy was shown: the
+    K-frame overview's or one of its executed crops' (`windows`, sampled as the rollout samples them). A crop
+    can cover a glyph's slot and still miss it between its frames. None where this cannot tell (as
+    `tool_needed`)."""
+    glyphs = (record.get("meta") or {}).get("glyph_windows")
+    if record.get("task") != "mcq" or not glyphs or not nframes:
+        return None
+    duration = float(record.get("duration") or record["clues"][-1][1])
+    patches = overview_patch_times(duration, nframes)
+    for a, b in windows or []:
+        patches += crop_patch_times(a, b, duration, crop_fps, crop_max_frames)
+    return all(_shows(g, patches) for g in glyphs)
+
+
 def tool_needed(record: dict, nframes: int) -> bool | None:
     """Whether a synthetic colour question needs the tool under a K-frame overview: some glyph its answer reads
     lies in no overview frame (a needle between frames, a mark the overview misses). None for a question this

@@ -6,7 +6,10 @@ checkpoint) and prints, for each side, the MCQ accuracy overall, by question kin
 K-frame overview hides a glyph the answer reads (data.tool_needed: the tool is needed) and on the others, with the
 tool-call ratio on each; then the MCQs B answered right and A wrong ("fixed"), the reverse ("broken"), and the
 two-sided sign test of fixed against broken (exact binomial, ties dropped): how likely a split at least this
-uneven is if RL changed answers at random.
+uneven is if RL changed answers at random. Why an answer changed: each side's accuracy where every glyph the answer
+reads fell in a frame it was shown (overview or crop: data.glyphs_seen) and where none did, and the fixed / broken
+answers split by what changed: what was seen ("look": one side's frames showed the glyphs, the other's did not),
+the reading of the same evidence ("read": both saw them), or a guess ("guess": neither did).
 
     python eval.py --model runs/s0/ckpt-sft-000500 --synthetic-n 432 --synthetic-seed 3000 --out runs/eval/s0-sft.jsonl
     python eval.py --model runs/s0/ckpt-rl-000020 --synthetic-n 432 --synthetic-seed 3000 --out runs/eval/s0-rl.jsonl
@@ -26,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import benchmarks  # noqa: E402
 import data  # noqa: E402
 import eval as evaluation  # noqa: E402
+import rollout  # noqa: E402
 
 KINDS = ("single_clue", "multi_clue", "search", "direct")
 
@@ -49,16 +53,28 @@ def correct(records: list[dict], rows: list[dict], where: str) -> dict[str, bool
             for r in records if r["task"] == "mcq"}
 
 
-def summary(records: list[dict], rows: list[dict], right: dict[str, bool], nframes: int) -> dict:
-    """MCQ accuracy (%) overall, by kind and by tool need at K = nframes; tool-call ratio by tool need."""
+def seen(records: list[dict], rows: list[dict], nframes: int) -> dict[str, bool]:
+    """MCQ id -> every glyph its answer reads fell in a frame shown (the K-frame overview, the crops of `windows`
+    as the tiny default's rollout samples them: rollout.TINY_ROLLOUT's crop_fps and crop_max_frames)."""
     by_id = {str(r["id"]): r for r in rows}
-    groups = {"all": [], **{k: [] for k in KINDS}, "tool_needed": [], "tool_not_needed": []}
+    fps, cap = rollout.TINY_ROLLOUT["crop_fps"], rollout.TINY_ROLLOUT["crop_max_frames"]
+    return {r["id"]: bool(data.glyphs_seen(r, nframes, by_id[r["id"]].get("windows"), fps, cap))
+            for r in records if r["task"] == "mcq"}
+
+
+def summary(records: list[dict], rows: list[dict], right: dict[str, bool], nframes: int) -> dict:
+    """MCQ accuracy (%) overall, by kind, by tool need at K = nframes and by whether the glyphs were seen;
+    tool-call ratio by tool need."""
+    by_id = {str(r["id"]): r for r in rows}
+    shown = seen(records, rows, nframes)
+    groups = {"all": [], **{k: [] for k in KINDS}, "tool_needed": [], "tool_not_needed": [], "seen": [],
+              "unseen": []}
     calls = {"tool_needed": [], "tool_not_needed": []}
     for rec in records:
         if rec["task"] != "mcq":
             continue
         need = "tool_needed" if data.tool_needed(rec, nframes) else "tool_not_needed"
-        for g in ("all", rec["meta"]["kind"], need):
+        for g in ("all", rec["meta"]["kind"], need, "seen" if shown[rec["id"]] else "unseen"):
             groups[g].append(right[rec["id"]])
         calls[need].append(by_id[rec["id"]].get("calls", 0) > 0)
     out = {g: 100.0 * sum(v) / len(v) for g, v in groups.items() if v}
@@ -72,9 +88,13 @@ def compare(records: list[dict], rows_a: list[dict], rows_b: list[dict], nframes
     a, b = correct(records, rows_a, where[0]), correct(records, rows_b, where[1])
     fixed = sum(b[i] and not a[i] for i in a)
     broken = sum(a[i] and not b[i] for i in a)
+    seen_a, seen_b = seen(records, rows_a, nframes), seen(records, rows_b, nframes)
+    why = lambda i: "read" if seen_a[i] and seen_b[i] else "look" if seen_a[i] != seen_b[i] else "guess"
+    split = lambda changed: {w: sum(changed(i) and why(i) == w for i in a) for w in ("look", "read", "guess")}
     return {"a": summary(records, rows_a, a, nframes), "b": summary(records, rows_b, b, nframes),
             "right_a": sum(a.values()), "right_b": sum(b.values()), "mcq": len(a),
-            "fixed": fixed, "broken": broken, "sign_test_p": sign_test(fixed, broken)}
+            "fixed": fixed, "broken": broken, "sign_test_p": sign_test(fixed, broken),
+            "fixed_by": split(lambda i: b[i] and not a[i]), "broken_by": split(lambda i: a[i] and not b[i])}
 
 
 def main(argv=None) -> dict:
@@ -92,7 +112,7 @@ def main(argv=None) -> dict:
                          args.nframes, (args.a, args.b))
     except (ValueError, OSError) as e:
         raise SystemExit(f"paired.py: {e}") from None
-    cols = ["all", *KINDS, "tool_needed", "tool_not_needed"]
+    cols = ["all", *KINDS, "tool_needed", "tool_not_needed"]   # the seen split has its own lines below
     n = result["a"]["n"]
     print("| checkpoint | " + " | ".join(f"{c} ({n[c]})" for c in cols) + " | tool-call ratio needed / not |")
     print("|---" * (len(cols) + 2) + "|")
@@ -102,6 +122,13 @@ def main(argv=None) -> dict:
               + f" | {s.get('tool_call_ratio_needed', float('nan')):.2f} / {s.get('tool_call_ratio_not_needed', float('nan')):.2f} |")
     print(f"MCQs right: {result['right_a']} -> {result['right_b']} of {result['mcq']}; fixed {result['fixed']}, "
           f"broken {result['broken']}, sign test p = {result['sign_test_p']:.3g}")
+    for side, path in (("a", args.a), ("b", args.b)):
+        s = result[side]
+        print(f"glyphs seen by {path}: {s['n']['seen']} of {result['mcq']}, right {s.get('seen', float('nan')):.1f} % "
+              f"of those, {s.get('unseen', float('nan')):.1f} % of the rest")
+    print("fixed by " + ", ".join(f"{w} {n}" for w, n in result["fixed_by"].items())
+          + "; broken by " + ", ".join(f"{w} {n}" for w, n in result["broken_by"].items())
+          + " (look: what the frames showed changed; read: both saw the glyphs; guess: neither did)")
     print(json.dumps(result))
     return result
 

@@ -46,3 +46,37 @@ def test_a_missing_question_is_an_error_naming_the_file():
     rows = [{"id": r["id"], "answer": r["answer"]} for r in recs if r["task"] == "mcq"][1:]
     with pytest.raises(ValueError, match=r"rl\.jsonl: no prediction for 1 question"):
         paired.compare(recs, rows + [{"id": "q0", "answer": "A"}], rows, where=("sft.jsonl", "rl.jsonl"))
+
+
+def test_glyphs_seen_counts_the_frames_a_crop_samples_not_its_span():
+    recs = [r for r in records() if r["task"] == "mcq" and data.tool_needed(r, 8)]
+    rec = next(r for r in recs if len(r["meta"]["glyph_windows"]) == 1)
+    (g0, g1), duration = rec["meta"]["glyph_windows"][0], rec["duration"]
+    assert data.glyphs_seen(rec, 8, None) is False                  # the overview alone misses it (tool needed)
+    assert data.glyphs_seen(rec, 8, [(max(0.0, g0 - 2), min(duration, g1 + 2))]) is True   # a tight crop shows it
+    far = (0.0, 8.0) if g0 > 20 else (duration - 8.0, duration)
+    assert data.glyphs_seen(rec, 8, [far]) is False
+    # a wide crop covers the slot and may still miss it between frames: decided by the frames it samples
+    wide = (0.0, duration)
+    frames = [f for _, f0, f1 in data.crop_patch_times(*wide, duration, 1.0, 16) for f in (f0, f1)]
+    assert data.glyphs_seen(rec, 8, [wide], 1.0, 16) == any(g0 <= f < g1 for f in frames)
+    assert data.glyphs_seen({"task": "grounding", "meta": {}}, 8, None) is None
+
+
+def test_changed_answers_split_by_what_was_seen():
+    recs = [r for r in records() if r["task"] == "mcq" and data.tool_needed(r, 8)
+            and len(r["meta"]["glyph_windows"]) == 1][:3]
+    wrong = lambda r: "ABCD"[("ABCD".index(r["answer"]) + 1) % 4]
+    tight = lambda r: [[max(0.0, r["meta"]["glyph_windows"][0][0] - 2), r["meta"]["glyph_windows"][0][1] + 2]]
+    # q0: A misses the glyph and guesses wrong, B crops it and is right (look); q1: both see it, B misreads (read);
+    # q2: neither sees it, B's guess is right (guess)
+    rows_a = [{"id": recs[0]["id"], "answer": wrong(recs[0]), "windows": []},
+              {"id": recs[1]["id"], "answer": recs[1]["answer"], "windows": tight(recs[1])},
+              {"id": recs[2]["id"], "answer": wrong(recs[2]), "windows": []}]
+    rows_b = [{"id": recs[0]["id"], "answer": recs[0]["answer"], "windows": tight(recs[0])},
+              {"id": recs[1]["id"], "answer": wrong(recs[1]), "windows": tight(recs[1])},
+              {"id": recs[2]["id"], "answer": recs[2]["answer"], "windows": []}]
+    out = paired.compare(recs, rows_a, rows_b, nframes=8)
+    assert out["fixed_by"] == {"look": 1, "read": 0, "guess": 1} and out["broken_by"] == {"look": 0, "read": 1, "guess": 0}
+    assert out["a"]["n"]["seen"] == 1 and out["b"]["n"]["seen"] == 2
+    assert out["a"]["seen"] == 100.0 and out["b"]["seen"] == 50.0 and out["b"]["unseen"] == 100.0
