@@ -657,8 +657,8 @@ def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
 # reward for every sample and taught nothing (61 % of them on seed 0); with 16 fewer do (51 %), and seed 0's RL
 # gains 5.8 points where 8 x 8 lost 0.6. RL rate 5e-5 (was 1e-4): the crops this policy takes are a few windows
 # around the overview's frames, and each RL step moves a preference between them that all questions share, in the
-# direction of its 4 prompts; at 1e-4 that move broke as many answers as it fixed on seeds 1 and 2 (seed 2: 14
-# broken, 1 fixed by a changed crop). At 5e-5: held-out SFT -> RL +8.1, 0.0, +1.1 points, no seed below its SFT
+# direction of its 4 prompts; at 1e-4 that move broke more answers than it fixed on seeds 1 and 2 (seed 2: 14
+# broken, 1 fixed by a changed crop). At 5e-5: held-out SFT -> RL +8.1, 0.0, +1.2 points, no seed below its SFT
 # (docs/experiments.md, "2026-12-03 (evening): why RL broke answers, question by question").
 TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=16,
