@@ -452,11 +452,8 @@ def tool_needed(record: dict, nframes: int) -> bool | None:
     """Whether a synthetic colour question needs the tool under a K-frame overview: some glyph its answer reads
     lies in no overview frame (a needle between frames, a mark the overview misses). None for a question this
     cannot tell (grounding, or a record without the synthetic task's glyph windows, e.g. real data)."""
-    glyphs = (record.get("meta") or {}).get("glyph_windows")
-    if record.get("task") != "mcq" or not glyphs or not nframes:
-        return None
-    patches = overview_patch_times(float(record.get("duration") or record["clues"][-1][1]), nframes)
-    return not all(_shows(g, patches) for g in glyphs)
+    seen = glyphs_seen(record, nframes, None)
+    return None if seen is None else not seen
 
 
 def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = False,

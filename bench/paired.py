@@ -62,11 +62,11 @@ def seen(records: list[dict], rows: list[dict], nframes: int) -> dict[str, bool]
             for r in records if r["task"] == "mcq"}
 
 
-def summary(records: list[dict], rows: list[dict], right: dict[str, bool], nframes: int) -> dict:
-    """MCQ accuracy (%) overall, by kind, by tool need at K = nframes and by whether the glyphs were seen;
-    tool-call ratio by tool need."""
+def summary(records: list[dict], rows: list[dict], right: dict[str, bool], shown: dict[str, bool], nframes: int
+            ) -> dict:
+    """MCQ accuracy (%) overall, by kind, by tool need at K = nframes and by whether the glyphs were seen
+    (`shown`: `seen`'s map); tool-call ratio by tool need."""
     by_id = {str(r["id"]): r for r in rows}
-    shown = seen(records, rows, nframes)
     groups = {"all": [], **{k: [] for k in KINDS}, "tool_needed": [], "tool_not_needed": [], "seen": [],
               "unseen": []}
     calls = {"tool_needed": [], "tool_not_needed": []}
@@ -91,7 +91,7 @@ def compare(records: list[dict], rows_a: list[dict], rows_b: list[dict], nframes
     seen_a, seen_b = seen(records, rows_a, nframes), seen(records, rows_b, nframes)
     why = lambda i: "read" if seen_a[i] and seen_b[i] else "look" if seen_a[i] != seen_b[i] else "guess"
     split = lambda changed: {w: sum(changed(i) and why(i) == w for i in a) for w in ("look", "read", "guess")}
-    return {"a": summary(records, rows_a, a, nframes), "b": summary(records, rows_b, b, nframes),
+    return {"a": summary(records, rows_a, a, seen_a, nframes), "b": summary(records, rows_b, b, seen_b, nframes),
             "right_a": sum(a.values()), "right_b": sum(b.values()), "mcq": len(a),
             "fixed": fixed, "broken": broken, "sign_test_p": sign_test(fixed, broken),
             "fixed_by": split(lambda i: b[i] and not a[i]), "broken_by": split(lambda i: a[i] and not b[i])}
