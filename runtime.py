@@ -659,14 +659,12 @@ def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
 # around the overview's frames, and each RL step moves a preference between them that all questions share, in the
 # direction of its 4 prompts; at 1e-4 that move broke more answers than it fixed on seeds 1 and 2 (seed 2: 14
 # broken, 1 fixed by a changed crop). At 5e-5: held-out SFT -> RL +8.1, 0.0, +1.2 points, no seed below its SFT
-# (docs/experiments.md, "2026-12-03 (evening): why RL broke answers, question by question"). 30 RL steps (was 20):
-# at 20, seed 1's RL changed no held-out answer; at 30 each seed ends above its SFT (+7.0, +0.6, +1.7; seed 1 by
-# one question), ~100 s more a run (docs/experiments.md, "2026-12-03 (night): 30 RL steps").
+# (docs/experiments.md, "2026-12-03 (evening): why RL broke answers, question by question").
 TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=16,
                      prompts_per_step=4, lr=5e-5, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
                      kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
-                     mask_truncated=1, vision_lr_scale=0.0, gating_choices="4,8,16,32", eval_batch=64, rl_steps=30)
+                     mask_truncated=1, vision_lr_scale=0.0, gating_choices="4,8,16,32", eval_batch=64)
 GATING_CHOICES = "4,8,16,32,64"          # ParaVT's K range (a real checkpoint, or a preset)
 
 
@@ -758,7 +756,7 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="learning rate of the vision tower, as a multiple of --sft-lr / --lr (SFT and RL; 0 freezes "
                         "it); tiny: 0 (its random features keep colours apart), else 1.0")
     g = p.add_argument_group("RL (defaults: the preset's, or the tiny model's)")
-    g.add_argument("--rl-steps", type=int, default=None, help="RL optimizer steps; tiny: 30, else 20")
+    g.add_argument("--rl-steps", type=int, default=20, help="RL optimizer steps")
     g.add_argument("--recipe", choices=rewards.RECIPES + tuple(rewards.RECIPE_ALIASES), default=None,
                    help="reward recipe: para_grpo (ParaVT's PARA-GRPO; old name paravt), vtgr (Video-o3), combined, "
                         "vanilla (see train.py's docstring)")
@@ -846,8 +844,6 @@ def resolve(args) -> None:
         args.vision_lr_scale = 1.0
     if args.eval_batch is None:
         args.eval_batch = 8
-    if args.rl_steps is None:
-        args.rl_steps = 20
     if args.eval_batch < 1:
         raise ValueError(f"--eval-batch must be >= 1 (held-out questions per batched rollout), got {args.eval_batch}")
     if args.vision_lr_scale < 0:

@@ -96,8 +96,6 @@ def test_the_default_run_is_para_grpo():
     assert not runtime.parse_args(["--sft-gated-overviews", "0"]).gating
     assert runtime.parse_args(["--gating", "0"]).sft_gated_overviews == 0
     assert runtime.parse_args(["--preset", "paravt"]).gating_choices == [4, 8, 16, 32, 64]
-    assert (args.rl_steps, runtime.parse_args(["--preset", "paravt"]).rl_steps) == (30, 20)
-    assert runtime.parse_args(["--rl-steps", "7"]).rl_steps == 7
 
 
 def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
