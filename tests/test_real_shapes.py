@@ -157,14 +157,15 @@ def test_rollout_turn_at_real_shapes(real_8b_cut, trajectories, mode):
 
 def text_tdam(tok, ids: list[int], prompt_len: int) -> torch.Tensor:
     """(L, L) TDAM mask with every span found from the decoded text (Qwen has no <answer> token): overview =
-    the prompt's outer <|vision_start|> .. <|vision_end|>, answer = after the text "<answer>" to the end,
-    calls = the policy's <tool_call> blocks, observations = <tool_response> blocks that hold video."""
+    the prompt's first <|vision_start|> .. last <|vision_end|> (with or without the outer pair that transformers
+    before 5.25 keeps around the frames), answer = after the text "<answer>" to the end, calls = the policy's
+    <tool_call> blocks, observations = <tool_response> blocks that hold video."""
     text, offsets = model_lib.decode_with_offsets(tok, ids)
     spans = lambda chars: model_lib.text_spans_to_token_spans(offsets, chars)
-    start = text.find("<|vision_start|>")
-    end = text.find("<|vision_end|><|vision_end|>") + 2 * len("<|vision_end|>")
-    [overview] = spans([(start, end)])
     policy_from = offsets[prompt_len][0]
+    start = text.find("<|vision_start|>")
+    end = text.rfind("<|vision_end|>", 0, policy_from) + len("<|vision_end|>")
+    [overview] = spans([(start, end)])
     answers = [a for a in model_lib.tagged_spans(text, "<answer>", "</answer>") if a[0] >= policy_from]
     calls = [c for c in model_lib.tagged_spans(text, "<tool_call>", "</tool_call>", inner=False) if c[0] >= policy_from]
     obs = [o for o in spans(model_lib.tagged_spans(text, "<tool_response>", "</tool_response>"))
