@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 import model as model_lib
 import rollout
@@ -265,7 +266,7 @@ def test_video_pad_runs_from_text(tok):
     c1 = text.rfind("<|vision_end|>") + len("<|vision_end|>")
     [(v0, v1)] = model_lib.text_spans_to_token_spans(offsets, [(c0, c1)])
     got = tok.decode(ids[v0:v1], skip_special_tokens=False)
-    outer = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 25)
+    outer = Version(transformers.__version__) < Version("5.25")            # as model.check_transformers compares
     assert got.count("seconds>") == 4 and got.count("<|vision_start|>") == 4 + outer
     assert got.startswith("<|vision_start|><10.2 seconds>" if outer else "<10.2 seconds><|vision_start|>")
     assert ids[v0:v1].count(video_id) == 16 and ids[v1 - 1] == tok.convert_tokens_to_ids("<|vision_end|>")
