@@ -44,9 +44,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-# The first transformers whose Qwen3-VL forward takes `cache=` (5.23 names it past_key_values and would
-# drop our `cache=` into **kwargs, silently decoding without the engine's K/V store); requirements.txt pins it.
-MIN_TRANSFORMERS = "5.24.0"
+# Two reasons for the floor: Qwen3-VL's forward takes `cache=` from 5.24 on (5.23 names it past_key_values and
+# would drop our `cache=` into **kwargs, silently decoding without the engine's K/V store), and 5.24's processor
+# nests a video's per-frame <|vision_start|> .. <|vision_end|> pairs inside the chat template's outer pair, a
+# layout no Qwen3-VL checkpoint was trained on (Qwen's processor replaces the outer pair; 5.25 does so again).
+MIN_TRANSFORMERS = "5.25.0"
 
 
 def check_transformers(version: str) -> None:
@@ -55,7 +57,7 @@ def check_transformers(version: str) -> None:
     from packaging.version import Version
     if Version(version) < Version(MIN_TRANSFORMERS):
         raise RuntimeError(f"transformers {version} is installed; this code needs transformers>={MIN_TRANSFORMERS} "
-                           f"(Qwen3-VL forward with the `cache=` argument): pip install 'transformers>={MIN_TRANSFORMERS},<6'")
+                           f"(Qwen3-VL forward with `cache=`, Qwen's video token layout): pip install 'transformers>={MIN_TRANSFORMERS},<6'")
 
 
 check_transformers(importlib.metadata.version("transformers"))

@@ -291,15 +291,16 @@ def test_special_token_ids(tiny):
 
 # ----------------------------------------------------------------------------- the transformers floor
 
-@pytest.mark.parametrize("version", ["4.57.6", "5.0.0", "5.20.0", "5.23.0", "5.24.0.dev0"])
+@pytest.mark.parametrize("version", ["4.57.6", "5.0.0", "5.20.0", "5.23.0", "5.24.0", "5.25.0.dev0"])
 def test_check_transformers_below_floor_raises(version):
     """Below 5.24 Qwen3-VL's forward has no `cache=` argument: the engine's K/V store would be silently
-    ignored (the keyword lands in **kwargs), so importing model.py must refuse such a version."""
+    ignored (the keyword lands in **kwargs); 5.24 nests a video's frames in an extra outer vision pair that no
+    Qwen3-VL checkpoint was trained on. Importing model.py must refuse such a version."""
     with pytest.raises(RuntimeError, match=re.escape(version) + ".*" + re.escape(model_lib.MIN_TRANSFORMERS)):
         model_lib.check_transformers(version)
 
 
-@pytest.mark.parametrize("version", ["5.24.0", "5.24.1", "5.30.0"])
+@pytest.mark.parametrize("version", ["5.25.0", "5.25.1", "5.30.0"])
 def test_check_transformers_at_or_above_floor_passes(version):
     model_lib.check_transformers(version)
 

@@ -16,8 +16,6 @@ import unicodedata
 import numpy as np
 import pytest
 import torch
-import transformers
-from packaging.version import Version
 
 import model as model_lib
 import rollout
@@ -260,15 +258,14 @@ def test_video_pad_runs_from_text(tok):
     video_id = tok.convert_tokens_to_ids("<|video_pad|>")
     assert [t0 for t0, t1 in pads] == [j for j, i in enumerate(ids) if i == video_id]
     assert all(t1 == t0 + 1 for t0, t1 in pads) and len(pads) == 4 * 2 * 2     # 4 temporal patches x 2x2
-    # the whole video: per temporal patch "<t seconds><|vision_start|> pads <|vision_end|>"; transformers before
-    # 5.25 also keeps the chat template's outer <|vision_start|> .. <|vision_end|> around them all, 5.25 drops it
-    c0 = min(text.find("<|vision_start|>"), text.find("<10.2 seconds>"))
+    # the whole video: per temporal patch "<t seconds><|vision_start|> pads <|vision_end|>", and no outer
+    # <|vision_start|> .. <|vision_end|> pair around them all (the processor replaces the chat template's)
+    c0 = text.find("<10.2 seconds>")
     c1 = text.rfind("<|vision_end|>") + len("<|vision_end|>")
     [(v0, v1)] = model_lib.text_spans_to_token_spans(offsets, [(c0, c1)])
     got = tok.decode(ids[v0:v1], skip_special_tokens=False)
-    outer = Version(transformers.__version__) < Version("5.25")            # as model.check_transformers compares
-    assert got.count("seconds>") == 4 and got.count("<|vision_start|>") == 4 + outer
-    assert got.startswith("<|vision_start|><10.2 seconds>" if outer else "<10.2 seconds><|vision_start|>")
+    assert got.count("seconds>") == 4 and got.count("<|vision_start|>") == 4 == got.count("<|vision_end|>")
+    assert text[:c0].count("<|vision_start|>") == 0 and got.startswith("<10.2 seconds><|vision_start|>")
     assert ids[v0:v1].count(video_id) == 16 and ids[v1 - 1] == tok.convert_tokens_to_ids("<|vision_end|>")
 
 
