@@ -57,7 +57,8 @@ def check_transformers(version: str) -> None:
     from packaging.version import Version
     if Version(version) < Version(MIN_TRANSFORMERS):
         raise RuntimeError(f"transformers {version} is installed; this code needs transformers>={MIN_TRANSFORMERS} "
-                           f"(Qwen3-VL forward with `cache=`, Qwen's video token layout): pip install 'transformers>={MIN_TRANSFORMERS},<6'")
+                           f"(Qwen3-VL forward with `cache=`, Qwen's video token layout): "
+                           f"pip install 'transformers>={MIN_TRANSFORMERS},<6'")
 
 
 check_transformers(importlib.metadata.version("transformers"))

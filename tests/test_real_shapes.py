@@ -157,8 +157,8 @@ def test_rollout_turn_at_real_shapes(real_8b_cut, trajectories, mode):
 
 def text_tdam(tok, ids: list[int], prompt_len: int) -> torch.Tensor:
     """(L, L) TDAM mask with every span found from the decoded text (Qwen has no <answer> token): overview =
-    the prompt's first <|vision_start|> .. last <|vision_end|>, answer = after the text "<answer>" to the end, calls = the policy's
-    <tool_call> blocks, observations = <tool_response> blocks that hold video."""
+    the prompt's first <|vision_start|> .. last <|vision_end|>, answer = after the text "<answer>" to the end,
+    calls = the policy's <tool_call> blocks, observations = <tool_response> blocks that hold video."""
     text, offsets = model_lib.decode_with_offsets(tok, ids)
     spans = lambda chars: model_lib.text_spans_to_token_spans(offsets, chars)
     policy_from = offsets[prompt_len][0]
