@@ -56,15 +56,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def sample_stats(rec: dict, trajs: list, adv: torch.Tensor, crop_fps: float, crop_max_frames: int) -> list[dict]:
+def sample_stats(rec: dict, trajs: list, adv: torch.Tensor, crop_fps: float, crop_max_frames: int,
+                 nframes: int = 8) -> list[dict]:
     """Per sample: the time its think names for the mark (None if it names none), the patch time the whole-video
-    crop printed for the mark, whether the answer is right, and its group advantage."""
+    crop printed for the mark, whether a frame it was shown held the glyph (its overview or executed crops,
+    data.glyphs_seen), whether the answer is right, and its group advantage."""
     duration = float(rec["duration"])
     true = data.seen_at(rec["clues"][0], data.crop_patch_times(0.0, duration, duration, crop_fps, crop_max_frames))
     out = []
     for t, a in zip(trajs, adv.tolist()):
         m = STATED.search(t.text)
         out.append({"stated": float(m.group(1)) if m else None, "true": true, "advantage": a,
+                    "seen": bool(data.glyphs_seen(rec, nframes, t.windows, crop_fps, crop_max_frames)),
                     "right": rewards.accuracy_reward(t.text, rec["answer"], rec["task"]) > 0})
     return out
 
@@ -75,6 +78,8 @@ def summary(samples: list[dict], n_patch_times: int) -> dict:
     miss = [s for s in named if abs(s["stated"] - s["true"]) >= 0.05]
     mean = lambda xs: sum(xs) / len(xs) if xs else None
     return {"samples": len(samples), "named": len(named), "named_right": len(hit), "chance": 1 / n_patch_times,
+            "glyph_seen_given_right_time": mean([s["seen"] for s in hit]),
+            "glyph_seen_given_wrong_time": mean([s["seen"] for s in miss]),
             "answer_right_given_right_time": mean([s["right"] for s in hit]),
             "answer_right_given_wrong_time": mean([s["right"] for s in miss]),
             "advantage_right_time": mean([s["advantage"] for s in hit]),
@@ -102,7 +107,8 @@ def main(argv=None) -> dict:
     for i, rec in enumerate(records):
         group = trajs[i * G:(i + 1) * G]
         R = torch.tensor([rewards.score_trajectory(t, rec, args.recipe)[0] for t in group])
-        stats = sample_stats(rec, group, rewards.group_advantages(R, G), cfg.crop_fps, cfg.crop_max_frames)
+        stats = sample_stats(rec, group, rewards.group_advantages(R, G), cfg.crop_fps, cfg.crop_max_frames,
+                             args.nframes)
         samples += stats
         named = [s["stated"] for s in stats if s["stated"] is not None]
         print(f"{rec['id']}: mark at {rec['clues'][0]}, printed {stats[0]['true']} s; right answers "
