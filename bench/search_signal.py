@@ -48,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=16, help="samples per question (the default's RL group)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (the default's RL)")
     p.add_argument("--nframes", type=int, default=8, help="overview frames (the evaluation's K)")
+    p.add_argument("--max-turns", type=int, default=3, help="tool rounds (the default's RL)")
     p.add_argument("--recipe", default="para_grpo", help="the reward whose group advantage is reported")
     p.add_argument("--sample-seed", type=int, default=1, help="seeds the sampling")
     args = p.parse_args(argv)
@@ -99,7 +100,7 @@ def main(argv=None) -> dict:
                if r.get("meta", {}).get("kind") == "search"][:args.questions]
     if not records:
         raise SystemExit(f"search_signal.py: the split of seed {2000 + args.seed} (n = {args.n}) has no search question")
-    model, processor, cfg = evaluation.load_agent(ckpt, "cpu", "paravt", None, None, None, None)
+    model, processor, cfg = evaluation.load_agent(ckpt, "cpu", "paravt", None, None, args.max_turns, None)
     cfg = dataclasses.replace(cfg, temperature=args.temperature, group_size=args.group)
     trajs = rollout.run_agent(model, processor, records, root, cfg, seed=args.sample_seed,
                               nframes=[args.nframes] * len(records))
