@@ -75,8 +75,9 @@ def sample_stats(rec: dict, trajs: list, adv: torch.Tensor, crop_fps: float, cro
 
 def summary(samples: list[dict], n_patch_times: int) -> dict:
     named = [s for s in samples if s["stated"] is not None]
-    hit = [s for s in named if abs(s["stated"] - s["true"]) < 0.05]
-    miss = [s for s in named if abs(s["stated"] - s["true"]) >= 0.05]
+    right = lambda s: s["true"] is not None and abs(s["stated"] - s["true"]) < 0.05   # None: the crop missed it
+    hit = [s for s in named if right(s)]
+    miss = [s for s in named if not right(s)]
     mean = lambda xs: sum(xs) / len(xs) if xs else None
     return {"samples": len(samples), "named": len(named), "named_right": len(hit), "chance": 1 / n_patch_times,
             "glyph_seen_given_right_time": mean([s["seen"] for s in hit]),

@@ -46,6 +46,11 @@ def test_named_time_checked_against_the_printed_patch_time():
     assert out["advantage_right_time"] == pytest.approx(0.25) and out["advantage_wrong_time"] == pytest.approx(-0.25)
 
 
+def test_a_time_named_where_the_crop_showed_no_mark_is_a_wrong_time():
+    out = search_signal.summary([{"stated": 20.0, "true": None, "right": False, "seen": False, "advantage": -1.0}], 8)
+    assert (out["named"], out["named_right"], out["advantage_wrong_time"]) == (1, 0, -1.0)
+
+
 def test_nothing_named_gives_none_not_a_division_by_zero():
     out = search_signal.summary([{"stated": None, "true": 12.0, "right": True, "seen": True, "advantage": 0.0}], 8)
     assert out["named"] == 0 and out["answer_right_given_right_time"] is None and out["advantage_wrong_time"] is None
