@@ -779,6 +779,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--dynamic-sampling", type=int, default=None,
                    help="1: drop zero-variance groups and draw more prompts until the batch is full (DAPO)")
     g.add_argument("--max-draws", type=int, default=4, help="dynamic sampling: rollout rounds per step at most")
+    g.add_argument("--placebo", action="store_true",
+                   help="a control run: each group's advantages dealt to its samples at random (the same update sizes, "
+                        "none of the reward's information); what RL gains over it is what the reward taught")
     g.add_argument("--mask-truncated", type=int, default=None, help="1: exclude trajectories cut by a limit from the loss")
     g.add_argument("--train-subagents", action="store_true", help="train sub-agent tokens with their caller's advantage")
     g.add_argument("--tool-mode", choices=("interleaved", "subagent"), default=None,

@@ -6,7 +6,8 @@ The file reads top to bottom (docs/method.md has every formula and its source):
                        live), grpo_loss_on_logprobs (the loss training runs: token-mean over the policy's tokens, from hidden
                        states through ops.token_loss), anchor_credit (token-level anchoring), get_lr
     2. the RL step     collect_groups (nFrames gating -> rollout.run_agent -> rewards.score_trajectory -> group
-                       advantages, dynamic sampling), policy_update (the PPO-clip step), run_rl (the loop)
+                       advantages, dynamic sampling; placebo_advantages, the control run), policy_update (the
+                       PPO-clip step), run_rl (the loop)
     3. forward passes  forward_hidden, forward_logprobs: whole trajectories -> hidden states / log-probs
     4. the SFT step    sft_examples (recorded or oracle trajectories), TDAM spans from the text, run_sft
     5. main            one rank of a run: model, data, SFT, RL, the held-out evaluation
@@ -249,6 +250,7 @@ class GRPOSettings:
     gating_choices: tuple = (4, 8, 16, 32, 64)
     dynamic_sampling: bool = False
     max_draws: int = 4                   # dynamic sampling: rollout rounds per step at most
+    placebo: bool = False                # a control run: each group's advantages dealt to its samples at random
     shaping: bool = False
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -296,6 +298,18 @@ def draw_prompts(records: list, s: GRPOSettings, seed: int, rank: int, world: in
     return recs, [rewards.gate_nframes(r["id"], step, s.gating_choices, seed=seed) if s.gating else None for r in recs]
 
 
+def placebo_advantages(adv: torch.Tensor, group_size: int, seed: int) -> torch.Tensor:
+    """A placebo for RL studies (`--placebo`): each group's advantages permuted among its samples, at random
+    (seeded). The update keeps every size of the real one (each group's multiset of advantages, zero-variance
+    groups at 0, the same tokens, clip, rate and optimizer) and loses what the reward says about which sample did
+    better. So what RL gains over its placebo is what the reward taught, and what the placebo loses is what the
+    updates' noise alone costs (docs/experiments.md, "the placebo"). adv: (B,), groups contiguous."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = adv.view(-1, group_size)
+    order = torch.stack([torch.randperm(group_size, generator=gen) for _ in range(len(groups))])
+    return groups.gather(1, order).view(-1)
+
+
 def collect_groups(run: Run, model, ref_model, processor, records: list, video_root: str,
                    cfg: rollout.RolloutConfig, s: GRPOSettings, step: int, pad_id: int,
                    pool: video.DecodePool | None = None) -> Groups:
@@ -325,6 +339,8 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
         # by the shaping's 10 or clipped with the reward; then normalise within the group
         total = (rewards.shape_reward(r) if s.shaping else r) - s.kl_coef * kl
         adv = rewards.group_advantages(total, G)
+        if s.placebo:
+            adv = placebo_advantages(adv, G, seed=run.seed * 1_000_003 + step * 101 + run.rank + draws * 7_919)
         keep = torch.tensor([t.error is None and t.token_ids != [] and trainable(t, video_id) for t in out])
         if s.mask_truncated:
             keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in out])
@@ -485,7 +501,8 @@ def recipe_line(s: GRPOSettings) -> str:
     parts = [reward, f"exploration anchoring ({s.anchoring})" if s.anchoring != "none" else "no anchoring",
              f"nFrames gating K in {{{', '.join(map(str, s.gating_choices))}}}" if s.gating else "no gating",
              (f"k1 KL {s.kl_coef:g} in the reward" if s.kl_in_reward else f"{s.kl_estimator} KL {s.kl_coef:g}")
-             if s.kl_coef else "no KL"] + (["shaping clip(10 (R - 0.2), +-20)"] if s.shaping else [])
+             if s.kl_coef else "no KL"] + (["shaping clip(10 (R - 0.2), +-20)"] if s.shaping else []) + (
+             ["PLACEBO: each group's advantages dealt to its samples at random"] if s.placebo else [])
     return f"recipe: {s.recipe} ({RECIPE_NAMES[s.recipe]}: {', '.join(parts)})"
 
 

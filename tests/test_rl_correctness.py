@@ -165,6 +165,40 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
     assert g.draws == 1 and g.items == []
 
 
+def test_placebo_deals_each_groups_advantages_to_its_samples_at_random(monkeypatch):
+    """--placebo (the control run): the logged rewards are the real ones, and each group's advantages are the real
+    group's permuted among its samples: the same multiset, a zero-variance group still 0, the order changed;
+    seeded by (seed, step, rank, draw), so a rerun deals the same and another step deals otherwise."""
+    G = 4
+
+    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None):
+        return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, [], text=str(k))
+                for k, r in enumerate(recs) for s in range(G)]
+
+    def score(t, rec, *a):                # group 0: R = 0, 1, 2, 3; group 1: all 1 (no signal); group 2: 3, 2, 1, 0
+        return [float(t.sample), 1.0, float(3 - t.sample)][int(t.text)], {"acc": 0.0, "anchor": 0.0}
+
+    monkeypatch.setattr(rollout, "run_agent", fake_agent)
+    monkeypatch.setattr(rewards, "score_trajectory", score)
+    model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
+    run, records = SimpleNamespace(seed=0, rank=0, world=1), [{"id": "r0"}]
+
+    def advantages(placebo, step=1):
+        s = train.GRPOSettings(group_size=G, prompts_per_step=3, mask_truncated=False, placebo=placebo)
+        g = train.collect_groups(run, model, None, None, records, "", rollout.RolloutConfig(), s, step, 0)
+        return torch.tensor([a for _, a, _ in g.items]).view(3, G), g.rewards
+
+    real, r_real = advantages(False)
+    fake, r_fake = advantages(True)
+    assert torch.equal(r_real, r_fake)                                          # the rewards logged: the real ones
+    assert torch.equal(real.sort(1).values, fake.sort(1).values)                # each group's advantages, dealt
+    assert fake[1].abs().sum() == 0 and real[0, 3] > 0 > real[0, 0]
+    assert not torch.equal(real, fake)
+    assert torch.equal(advantages(True)[0], fake) and not torch.equal(advantages(True, step=2)[0], fake)
+    assert "PLACEBO" in train.recipe_line(train.GRPOSettings(placebo=True))
+    assert "PLACEBO" not in train.recipe_line(train.GRPOSettings())
+
+
 # ----------------------------------------------------------------------------- the global batch split over ranks
 
 @pytest.mark.parametrize("world", [1, 2, 3])
