@@ -303,7 +303,8 @@ def placebo_advantages(adv: torch.Tensor, group_size: int, seed: int) -> torch.T
     (seeded). The update keeps every size of the real one (each group's multiset of advantages, zero-variance
     groups at 0, the same tokens, clip, rate and optimizer) and loses what the reward says about which sample did
     better. So what RL gains over its placebo is what the reward taught, and what the placebo loses is what the
-    updates' noise alone costs (docs/experiments.md, "the placebo"). adv: (B,), groups contiguous."""
+    updates' noise alone costs (docs/experiments.md, "the placebo"). Token-level anchoring's credit (--anchoring
+    token) is added later and stays the sample's own. adv: (B,), groups contiguous."""
     gen = torch.Generator().manual_seed(seed)
     groups = adv.view(-1, group_size)
     order = torch.stack([torch.randperm(group_size, generator=gen) for _ in range(len(groups))])
