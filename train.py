@@ -323,11 +323,12 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
     share = rank_share(s.prompts_per_step, run.rank, run.world)
     trajs, comps, R, KL, items, n_groups, n_zero = [], [], [], [], [], 0, 0
     draws = 0
+    draw_seed = lambda d: run.seed * 1_000_003 + step * 101 + run.rank + d * 7_919   # a draw's rollout seed
     while share and draws < (s.max_draws if s.dynamic_sampling else 1):
         recs, ks = draw_prompts(records, s, run.seed, run.rank, run.world, step, draws)
         with autocast(s.precision, model):
             out = rollout.run_agent(model, processor, recs, video_root, cfg, nframes=ks, pool=pool,
-                                    seed=run.seed * 1_000_003 + step * 101 + run.rank + draws * 7_919)
+                                    seed=draw_seed(draws))
         draws += 1
         scored = [rewards.score_trajectory(t, recs[i // G], s.recipe, s.anchoring, s.released_scoring)
                   for i, t in enumerate(out)]
@@ -341,7 +342,7 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
         total = (rewards.shape_reward(r) if s.shaping else r) - s.kl_coef * kl
         adv = rewards.group_advantages(total, G)
         if s.placebo:
-            adv = placebo_advantages(adv, G, seed=run.seed * 1_000_003 + step * 101 + run.rank + draws * 7_919)
+            adv = placebo_advantages(adv, G, seed=draw_seed(draws))      # draws is counted up by now
         keep = torch.tensor([t.error is None and t.token_ids != [] and trainable(t, video_id) for t in out])
         if s.mask_truncated:
             keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in out])
