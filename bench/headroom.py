@@ -102,8 +102,8 @@ def main(argv=None) -> dict:
     modes = {"greedy": dataclasses.replace(cfg, temperature=0.0, group_size=1),
              "sampled": dataclasses.replace(cfg, temperature=args.temperature, group_size=args.group)}
     right = {name: {} for name in modes}
-    for i in range(0, len(records), args.batch):
-        chunk = records[i:i + args.batch]
+    for i in range(0, len(records), args.batch):      # every chunk reuses the per-position sampling seeds
+        chunk = records[i:i + args.batch]             # (rollout.row_seed): different prompts, so counts are unbiased
         for name, c in modes.items():
             trajs = rollout.run_agent(model, processor, chunk, root, c, seed=args.sample_seed,
                                       nframes=[args.nframes] * len(chunk))
