@@ -9,7 +9,8 @@ from a wrong behaviour the policy prefers, which takes many more steps the lower
 the reward has nothing to raise. Greedy-right questions with p < 1/2 are the ones sharpening can break.
 
 Per question: greedy right or wrong, and p over `--group` samples at `--temperature` (the default's RL: 16 at 0.7),
-the evaluation's overview (K = 8). Printed: the counts by (greedy, p bin), the greedy accuracy, the mean sampled
+the evaluation's overview (K = 8); an answer is the final turn's, scored as eval.py scores it (R_acc reads the first
+<answer> of the whole trajectory: the two differ only where an earlier turn holds an answer, a format error). Printed: the counts by (greedy, p bin), the greedy accuracy, the mean sampled
 accuracy, and the accuracy of the sampled mode (p > 1/2 counted right): the held-out accuracy an RL that only
 sharpened the policy's present preferences would reach.
 
@@ -109,8 +110,8 @@ def main(argv=None) -> dict:
                                       nframes=[args.nframes] * len(chunk))
             for j, rec in enumerate(chunk):
                 group = trajs[j * c.group_size:(j + 1) * c.group_size]
-                right[name][rec["id"]] = sum(rewards.accuracy_reward(t.text, rec["answer"], rec["task"]) > 0
-                                             for t in group) / len(group)
+                right[name][rec["id"]] = sum(rewards.score_answer(t.answer, rec["answer"], rec["task"]) > 0
+                                             for t in group) / len(group)     # the final turn's, as eval.py scores
     greedy = {q: p > 0 for q, p in right["greedy"].items()}
     result = {"model": ckpt, "seed": args.seed, "group": args.group, "temperature": args.temperature,
               "nframes": args.nframes, **headroom(greedy, right["sampled"]), "seconds": round(time.time() - t0, 1)}
