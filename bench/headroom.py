@@ -10,9 +10,10 @@ the reward has nothing to raise. Greedy-right questions with p < 1/2 are the one
 
 Per question: greedy right or wrong, and p over `--group` samples at `--temperature` (the default's RL: 16 at 0.7),
 the evaluation's overview (K = 8); an answer is the final turn's, scored as eval.py scores it (R_acc reads the first
-<answer> of the whole trajectory: the two differ only where an earlier turn holds an answer, a format error). Printed: the counts by (greedy, p bin), the greedy accuracy, the mean sampled
-accuracy, and the accuracy of the sampled mode (p > 1/2 counted right): the held-out accuracy an RL that only
-sharpened the policy's present preferences would reach.
+<answer> of the whole trajectory: the two differ only where an earlier turn holds an answer, a format error).
+Printed: the counts by (greedy, p bin), the greedy accuracy, the mean sampled accuracy, and the accuracy of the
+sampled mode (p > 1/2 counted right): the held-out accuracy an RL that only sharpened the policy's present
+preferences would reach.
 
     python bench/headroom.py --model runs/default/ckpt-sft-000500 --seed 0
     python bench/headroom.py --model RUN/ckpt-rl-000020 --seed 2 --group 8
