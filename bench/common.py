@@ -32,6 +32,20 @@ def checkpoint_dir(path: str) -> str:
     return found
 
 
+def checkpoint_or_exit(path: str, script: str) -> str:
+    """checkpoint_dir for a command-line study: a path that is neither exits with `script: the reason`."""
+    try:
+        return checkpoint_dir(path)
+    except FileNotFoundError as e:
+        raise SystemExit(f"{script}: {e}") from None
+
+
+def synthetic_root() -> str:
+    """The folder the synthetic task's videos are rendered into ($PARAVT_CACHE/synthetic, as train.py and eval.py)."""
+    import os
+    return os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
+
+
 def set_threads(n: int) -> int:
     """Use n intra-op threads (0 = leave torch's default). Token-by-token decoding of a tiny model is
     latency-bound; on a shared CPU, threads waiting on each other slow every small matmul, so the

@@ -24,7 +24,6 @@ JSON object.
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ import benchmarks  # noqa: E402
 import eval as evaluation  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
-from bench.common import checkpoint_dir  # noqa: E402
+from bench.common import checkpoint_or_exit, synthetic_root  # noqa: E402
 
 BINS = ((0.0, "p = 0"), (0.25, "0 < p < 1/4"), (0.5, "1/4 <= p < 1/2"), (0.75, "1/2 <= p < 3/4"), (1.0, "3/4 <= p < 1"))
 
@@ -91,12 +90,9 @@ def headroom(greedy: dict[str, bool], sampled: dict[str, float]) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()
-    try:
-        ckpt = checkpoint_dir(args.model)
-    except FileNotFoundError as e:
-        raise SystemExit(f"headroom.py: {e}") from None
+    ckpt = checkpoint_or_exit(args.model, "headroom.py")
     torch.manual_seed(args.sample_seed)
-    root = os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
+    root = synthetic_root()
     records = [r for r in benchmarks.synthetic_records(root, n=args.n, seed=2000 + args.seed) if r["task"] == "mcq"]
     if not records:
         raise SystemExit(f"headroom.py: the split of seed {2000 + args.seed} (n = {args.n}) has no MCQ")

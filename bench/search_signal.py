@@ -19,7 +19,6 @@ question and, last, one JSON object.
 import argparse
 import dataclasses
 import json
-import os
 import re
 import sys
 import time
@@ -34,7 +33,7 @@ import data  # noqa: E402
 import eval as evaluation  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
-from bench.common import checkpoint_dir  # noqa: E402
+from bench.common import checkpoint_or_exit, synthetic_root  # noqa: E402
 
 STATED = re.compile(r"shows a mark near ([0-9]+(?:\.[0-9]+)?) seconds")
 
@@ -91,12 +90,9 @@ def summary(samples: list[dict], n_patch_times: int) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()
-    try:
-        ckpt = checkpoint_dir(args.model)
-    except FileNotFoundError as e:
-        raise SystemExit(f"search_signal.py: {e}") from None
+    ckpt = checkpoint_or_exit(args.model, "search_signal.py")
     torch.manual_seed(args.sample_seed)
-    root = os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
+    root = synthetic_root()
     records = [r for r in benchmarks.synthetic_records(root, n=args.n, seed=2000 + args.seed)
                if r.get("meta", {}).get("kind") == "search"][:args.questions]
     if not records:

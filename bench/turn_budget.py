@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import benchmarks  # noqa: E402
 import eval as evaluation  # noqa: E402
-from bench.common import checkpoint_dir  # noqa: E402
+from bench.common import checkpoint_or_exit, synthetic_root  # noqa: E402
 
 KINDS = ("single_clue", "multi_clue", "search", "direct")
 
@@ -68,11 +68,8 @@ def by_kind(records: list[dict], rows: list[dict]) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()
-    try:
-        ckpt = checkpoint_dir(args.model)
-    except FileNotFoundError as e:
-        raise SystemExit(f"turn_budget.py: {e}") from None
-    root = os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
+    ckpt = checkpoint_or_exit(args.model, "turn_budget.py")
+    root = synthetic_root()
     records = benchmarks.synthetic_records(root, n=args.n, seed=args.seed)
     os.makedirs(args.out, exist_ok=True)
     results = {}

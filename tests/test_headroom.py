@@ -55,7 +55,7 @@ def test_main_scores_each_questions_group_across_chunks(monkeypatch, capsys):
                         for k in range(cfg.group_size)]
         return out
 
-    monkeypatch.setattr(headroom, "checkpoint_dir", lambda path: path)
+    monkeypatch.setattr(headroom, "checkpoint_or_exit", lambda path, script: path)
     monkeypatch.setattr(headroom.benchmarks, "synthetic_records", lambda root, n, seed: records)
     monkeypatch.setattr(headroom.evaluation, "load_agent", lambda *a: (None, None, rollout.RolloutConfig()))
     monkeypatch.setattr(headroom.rollout, "run_agent", fake_run_agent)
@@ -68,3 +68,8 @@ def test_main_scores_each_questions_group_across_chunks(monkeypatch, capsys):
     assert out["counts"] == {"right, p = 0": 1, "right, 1/2 <= p < 3/4": 1, "right, p = 1": 2,
                              "wrong, 1/4 <= p < 1/2": 1, "wrong, 3/4 <= p < 1": 1, "wrong, p = 1": 1}
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["questions"] == 7
+
+
+def test_a_path_without_a_checkpoint_exits_naming_the_script_and_the_path(tmp_path):
+    with pytest.raises(SystemExit, match=r"^headroom\.py: .*empty: neither a checkpoint dir"):
+        headroom.main(["--model", str(tmp_path / "empty")])
