@@ -458,7 +458,7 @@ def tool_needed(record: dict, nframes: int) -> bool | None:
 
 def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = False,
                  window_noise: float = 1.0, nframes: int = 8, direct_crop: float = 0.0, crop_fps: float = 1.0,
-                 crop_max_frames: int = 16, budget: int | None = None) -> list[dict]:
+                 crop_max_frames: int = 16, budget: int | None = None, call_prior: float = 1.0) -> list[dict]:
     """The SFT target after the prompt: assistant strings (docs/method.md §2 format) and one tool message per call.
 
     The oracle acts only on what it has seen: the K-frame overview (`nframes` = the overview the rollout uses),
@@ -477,7 +477,11 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     `budget` (tool rounds allowed, for teaching the forced answer): when the oracle needs more rounds, the
     recording stops after `budget` of them (at 0: after the first turn, whose calls are then not executed) and
     the last turn answers from what was seen: right if every glyph the answer needs was in a frame seen, else a
-    guessed letter. The rollout sends its forced-answer message at that point (rollout.response_chunk_text)."""
+    guessed letter. The rollout sends its forced-answer message at that point (rollout.response_chunk_text).
+    `call_prior` (a teacher that knows the tool, not when it pays): where the answer needs a crop (every kind but
+    a big glyph the overview shows), the oracle calls with this probability and otherwise says what it sees and
+    "I will guess." (a letter, right 1 time in 4). The coin ignores the question, so the SFT policy calls at
+    that rate everywhere and learning when to call is left to RL; at 1 (the oracle) nothing is drawn."""
     kind, clues, colours = record["meta"].get("kind", record["data_type"]), record["clues"], record["meta"]["colours"]
     if kind not in KINDS:
         raise ValueError(f"{record['id']}: oracle trajectories exist for {KINDS} only, not {kind!r}")
@@ -524,6 +528,8 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
         think = (f"I see a mark {near[0]} but the shape is too small to read. I will crop it." if near
                  else "I see no mark in the overview. I will crop the whole video.")
         final = f"The clip shows a {colours[0]} shape."
+    if call_prior < 1.0 and not always_call and not (kind == "direct" and near) and rng.random() >= call_prior:
+        return [turn(think.rsplit(" I will ", 1)[0] + " I will guess.", f"<answer>{'ABCD'[int(rng.integers(4))]}</answer>")]
     frames = lambda w: crop_patch_times(*w, duration, crop_fps, crop_max_frames)
     rounds = [(turn(think, "\n".join(_call(a, b) for a, b in windows)), list(enumerate(windows)))]
     # a whole-video crop that showed a mark but not its glyph: crop close around where it showed the mark
@@ -675,7 +681,8 @@ def bad_calls(messages: list[dict], duration: float | None, min_window: float) -
 
 
 def oracle_sft_pairs(records: list[dict], cfg, seed: int, gated_choices: list[int], always_call: bool = False,
-                     direct_crop: float = 0.0, budget_fraction: float = 0.0) -> tuple[list, list[str]]:
+                     direct_crop: float = 0.0, budget_fraction: float = 0.0, call_prior: float = 1.0
+                     ) -> tuple[list, list[str]]:
     """The synthetic task's SFT trajectories, (record, messages, where, K, rollout config) each, and the records
     the oracle could not answer: each record with the evaluation overview (cfg.overview_nframes, else 8 frames),
     and once more with a K drawn from `gated_choices` when given; with probability `budget_fraction` a trajectory
@@ -687,7 +694,8 @@ def oracle_sft_pairs(records: list[dict], cfg, seed: int, gated_choices: list[in
     for r in records:
         for k in [cfg.overview_nframes or 8] + ([int(rng.choice(gated_choices))] if gated_choices else []):
             oracle = functools.partial(oracle_turns, r, rng, always_call=always_call, nframes=k,
-                                       direct_crop=direct_crop, crop_fps=cfg.crop_fps, crop_max_frames=cfg.crop_max_frames)
+                                       direct_crop=direct_crop, crop_fps=cfg.crop_fps, crop_max_frames=cfg.crop_max_frames,
+                                       call_prior=call_prior)
             try:
                 msgs = oracle()
                 pairs.append((r, msgs, r["id"], k, cfg))

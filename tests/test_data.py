@@ -438,3 +438,48 @@ def test_parse_mix():
                          ("direct=-1", "mix must map")]:
         with pytest.raises(ValueError, match=message):
             data.parse_mix(bad)
+
+
+def _needle(rid: str, kind: str, starts: list[float]) -> dict:
+    """A hand-made synthetic colour question (metadata only: the oracle never opens the video)."""
+    colours = ["red", "blue"][:len(starts)]
+    return {"id": rid, "video": "v.mp4", "data_type": kind, "task": "mcq", "duration": 64.0, "answer": "B",
+            "clues": [[s, s + 8.0] for s in starts], "meta": {"kind": kind, "colours": colours,
+                                                              "glyph_windows": [[s + 2.0, s + 6.0] for s in starts]}}
+
+
+def test_call_prior_leaves_when_to_call_to_a_coin():
+    """call_prior < 1: where the answer needs a crop (a small glyph, a mark the overview misses, two marks), the
+    oracle crops with that chance and otherwise says what it saw and guesses a letter in one turn, the same words
+    up to "I will" (the decision is one continuation); the coin ignores the question (the same share on every
+    kind); a big glyph the overview shows is untouched; call_prior = 1 draws nothing extra (the SFT data of a run
+    without the option is unchanged)."""
+    patches = data.overview_patch_times(64.0, 4)
+    missed = next(float(s) for s in range(49) if data.seen_at([s, s + 8.0], patches) is None)
+    shown = next(float(s) for s in range(49) if data.seen_at([s, s + 8.0], patches) is not None)
+    needs = [_needle("a", "single_clue", [shown]), _needle("b", "search", [missed]),
+             _needle("c", "multi_clue", sorted([missed, shown])), _needle("e", "direct", [missed])]
+    assert [data.seen_at(c, patches) is None for r in needs for c in r["clues"]] == [False, True, True, False, True]
+    big = _needle("d", "direct", [shown])
+    for prior in (0.0, 1.0):
+        for r in needs + [big]:
+            msgs = data.oracle_turns(r, np.random.default_rng(0), nframes=4, call_prior=prior)
+            oracle = data.oracle_turns(r, np.random.default_rng(0), nframes=4)
+            if prior == 0.0 and r is not big:
+                assert len(msgs) == 1 and not parse_tool_calls(msgs[0]["content"]), r["id"]
+                said, did = msgs[0]["content"].split("</think>")[0], oracle[0]["content"].split("</think>")[0]
+                assert said.endswith(" I will guess.\n") and said.rsplit(" I will ", 1)[0] == did.rsplit(" I will ", 1)[0]
+                assert extract_answer(msgs[0]["content"]) in tuple("ABCD")
+            else:
+                assert msgs == oracle, (r["id"], prior)
+    for r in needs[1:2] + needs[3:]:  # prior 1 draws no coin (a whole-video search draws nothing at all)
+        rng = np.random.default_rng(3)
+        data.oracle_turns(r, rng, nframes=4, call_prior=1.0)
+        assert rng.random() == np.random.default_rng(3).random()
+    rng, n = np.random.default_rng(1), 400
+    for r in needs:
+        called = sum(len(data.oracle_turns(r, rng, nframes=4, call_prior=0.4)) > 1 for _ in range(n))
+        assert abs(called / n - 0.4) < 0.08, (r["id"], called)
+    letters = Counter(extract_answer(data.oracle_turns(needs[0], rng, nframes=4, call_prior=0.0)[0]["content"])
+                      for _ in range(n))
+    assert set(letters) == set("ABCD") and min(letters.values()) > n / 8             # a guess, not the answer
