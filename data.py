@@ -480,7 +480,8 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
     guessed letter. The rollout sends its forced-answer message at that point (rollout.response_chunk_text).
     `call_prior` (a teacher that knows the tool, not when it pays): where the answer needs a crop (every kind but
     a big glyph the overview shows), the oracle calls with this probability and otherwise says what it sees and
-    "I will guess." (a letter, right 1 time in 4). The coin ignores the question, so the SFT policy calls at
+    "I will guess." (a letter, right 1 time in 4, which is context and not a target: `target_chars`; random
+    targets would teach the answer token noise). The coin ignores the question, so the SFT policy calls at
     that rate everywhere and learning when to call is left to RL; at 1 (the oracle) nothing is drawn."""
     kind, clues, colours = record["meta"].get("kind", record["data_type"]), record["clues"], record["meta"]["colours"]
     if kind not in KINDS:
@@ -529,7 +530,8 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
                  else "I see no mark in the overview. I will crop the whole video.")
         final = f"The clip shows a {colours[0]} shape."
     if call_prior < 1.0 and not always_call and not (kind == "direct" and near) and rng.random() >= call_prior:
-        return [turn(think.rsplit(" I will ", 1)[0] + " I will guess.", f"<answer>{'ABCD'[int(rng.integers(4))]}</answer>")]
+        guess = turn(think.rsplit(" I will ", 1)[0] + " I will guess.", f"<answer>{'ABCD'[int(rng.integers(4))]}</answer>")
+        return [{**guess, "target_chars": guess["content"].index("<answer>") + len("<answer>")}]
     frames = lambda w: crop_patch_times(*w, duration, crop_fps, crop_max_frames)
     rounds = [(turn(think, "\n".join(_call(a, b) for a, b in windows)), list(enumerate(windows)))]
     # a whole-video crop that showed a mark but not its glyph: crop close around where it showed the mark
@@ -681,24 +683,28 @@ def bad_calls(messages: list[dict], duration: float | None, min_window: float) -
 
 
 def oracle_sft_pairs(records: list[dict], cfg, seed: int, gated_choices: list[int], always_call: bool = False,
-                     direct_crop: float = 0.0, budget_fraction: float = 0.0, call_prior: float = 1.0
+                     direct_crop: float = 0.0, budget_fraction: float = 0.0, tool_free: float = 0.0
                      ) -> tuple[list, list[str]]:
     """The synthetic task's SFT trajectories, (record, messages, where, K, rollout config) each, and the records
     the oracle could not answer: each record with the evaluation overview (cfg.overview_nframes, else 8 frames),
     and once more with a K drawn from `gated_choices` when given; with probability `budget_fraction` a trajectory
     that calls the tool is also recorded at a smaller tool-turn budget (the forced-answer message, then an answer
     from what was seen; its config's max_turns cut to match), so the model learns to answer when its budget runs
-    out. `cfg` is the rollout's RolloutConfig (crop fps and frame cap: the oracle sees what a crop shows)."""
+    out; with probability `tool_free` a trajectory that calls the tool is also recorded as a tool-free teacher
+    would answer (what it saw, then a guess where the answer needs a crop; `oracle_turns` with call_prior 0), so
+    the SFT policy calls the tool on about 1 / (1 + tool_free) of those questions whatever they show and when to
+    call is left to RL. `cfg` is the rollout's RolloutConfig (crop fps and frame cap: the oracle sees what a crop shows)."""
     rng = np.random.default_rng(seed)
     pairs, errors = [], []
     for r in records:
         for k in [cfg.overview_nframes or 8] + ([int(rng.choice(gated_choices))] if gated_choices else []):
             oracle = functools.partial(oracle_turns, r, rng, always_call=always_call, nframes=k,
-                                       direct_crop=direct_crop, crop_fps=cfg.crop_fps, crop_max_frames=cfg.crop_max_frames,
-                                       call_prior=call_prior)
+                                       direct_crop=direct_crop, crop_fps=cfg.crop_fps, crop_max_frames=cfg.crop_max_frames)
             try:
                 msgs = oracle()
                 pairs.append((r, msgs, r["id"], k, cfg))
+                if oracle_rounds(msgs) and tool_free and rng.random() < tool_free:
+                    pairs.append((r, oracle(call_prior=0.0), f"{r['id']} (tool-free)", k, cfg))
                 if (rounds := oracle_rounds(msgs)) and rng.random() < budget_fraction:
                     b = int(rng.integers(rounds))
                     pairs.append((r, oracle(budget=b), f"{r['id']} (budget {b})", k, dataclasses.replace(cfg, max_turns=b)))

@@ -933,7 +933,9 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
     """Token ids + roles + videos of a recorded trajectory (docs/method.md §9 trajectory record, messages after the
     prompt). Assistant text is POLICY except the forced "<think>\\n" prefix; tool results are rebuilt by
     the real tool path: a text result (a sub-agent summary) is used verbatim, a video item is cropped by
-    `run_calls` exactly as a rollout would. Raises ValueError/VideoError on a bad record or video."""
+    `run_calls` exactly as a rollout would. An assistant message with `"target_chars": N` is a target for its first
+    N characters only; the rest (and its <|im_end|>) is context, as the environment's tokens are (a recorded guess:
+    data.oracle_turns). Raises ValueError/VideoError on a bad record or video."""
     factor = video_factor(processor)
     path, duration, c, n = encode_prompt(processor, record, video_root, cfg, nframes)
     t = Trajectory(str(record.get("id", "")), 0, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids),
@@ -950,7 +952,9 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
             raise ValueError(f"{record.get('id')}: expected an assistant message at position {i}, got {m['role']!r}")
         text = message_text(m)
         body = text[len(THINK_PREFIX):] if text.startswith(THINK_PREFIX) else text
-        add(tok(body + "<|im_end|>", add_special_tokens=False)["input_ids"], POLICY)
+        cut = len(body) if m.get("target_chars") is None else max(0, int(m["target_chars"]) - (len(text) - len(body)))
+        add(tok(body[:cut], add_special_tokens=False)["input_ids"], POLICY)          # SFT targets
+        add(tok(body[cut:] + "<|im_end|>", add_special_tokens=False)["input_ids"], POLICY if cut == len(body) else ENV)
         turn = THINK_PREFIX + body
         t.turns.append(turn)
         calls = parse_tool_calls(turn)

@@ -744,9 +744,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--sft-gated-overviews", type=int, default=None,
                    help="synthetic SFT: each record also with a K-frame overview, K drawn from --gating-choices "
                         "(default: on when RL gates)")
-    g.add_argument("--sft-call-prior", type=float, default=1.0,
-                   help="synthetic SFT: chance the oracle crops where the answer needs a crop (else it guesses): "
-                        "below 1 the SFT data shows the tool but not when it pays, which RL then learns")
+    g.add_argument("--sft-tool-free", type=float, default=0.0,
+                   help="synthetic SFT: chance a trajectory that calls the tool is also recorded as a tool-free "
+                        "teacher answers it (a guess where a crop is needed): the SFT data then shows the tool but "
+                        "not when it pays, which RL learns")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
     g = p.add_argument_group("SFT")
     g.add_argument("--sft-steps", type=int, default=500, help="SFT optimizer steps")

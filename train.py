@@ -676,7 +676,7 @@ class SFTSettings:
 
 def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.RolloutConfig, *,
                  sft_data: str | None, seed: int, gated_choices: list[int], always_call: bool = False,
-                 direct_crop: float = 0.0, budget_fraction: float = 0.0, call_prior: float = 1.0,
+                 direct_crop: float = 0.0, budget_fraction: float = 0.0, tool_free: float = 0.0,
                  keep_bad_calls: bool = False,
                  max_bad_fraction: float = 0.2, workers: int = 1, log=print) -> tuple[list, int]:
     """(encoded SFT trajectories, number skipped). From `sft_data` (trajectory records, docs/data.md), or the
@@ -691,7 +691,7 @@ def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.R
         pairs = [(rec, msgs, where, None, cfg) for rec, msgs, where in found]
     else:
         pairs, errors = data.oracle_sft_pairs(records, cfg, seed, gated_choices, always_call, direct_crop,
-                                              budget_fraction, call_prior)
+                                              budget_fraction, tool_free)
 
     def encode(pair):                        # k: the overview's frame count (None: the rollout's own rule)
         rec, msgs, where, k, c = pair
@@ -894,7 +894,7 @@ def main(rank: int, args) -> dict:
         items, n_bad = sft_examples(train_recs, processor, video_root, cfg, sft_data=args.sft_data, seed=args.seed,
                                     gated_choices=args.gating_choices if args.sft_gated_overviews else [],
                                     always_call=args.always_call, direct_crop=args.direct_crop,
-                                    call_prior=args.sft_call_prior,
+                                    tool_free=args.sft_tool_free,
                                     budget_fraction=args.sft_budget_fraction, keep_bad_calls=args.keep_bad_calls, max_bad_fraction=args.max_bad_fraction,
                                     workers=torch.get_num_threads(), log=lambda m: print0(rank, m))
         run.counters["bad_samples"] += 0 if state else n_bad          # a resumed run counted them before

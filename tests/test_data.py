@@ -483,3 +483,25 @@ def test_call_prior_leaves_when_to_call_to_a_coin():
     letters = Counter(extract_answer(data.oracle_turns(needs[0], rng, nframes=4, call_prior=0.0)[0]["content"])
                       for _ in range(n))
     assert set(letters) == set("ABCD") and min(letters.values()) > n / 8             # a guess, not the answer
+
+
+def test_tool_free_recordings_beside_the_oracles():
+    """oracle_sft_pairs(tool_free=g): each recording that calls the tool gets, with chance g, a twin recorded as a
+    tool-free teacher answers it (no call; a guess where a crop is needed, the overview's reading of a big glyph),
+    tagged "(tool-free)"; recordings without a call get none; g = 0 leaves the pairs of a run without the option."""
+    import rollout
+    cfg = rollout.RolloutConfig(**rollout.TINY_ROLLOUT)
+    recs = [_needle(f"n{i}", kind, [float(8 * i % 48)]) for i, kind in enumerate(["single_clue", "search", "direct"] * 8)]
+    base, _ = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8])
+    assert data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], tool_free=0.0)[0] == base
+    pairs, errors = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], tool_free=1.0)
+    twins = [(r, msgs, k) for r, msgs, where, k, _ in pairs if where.endswith("(tool-free)")]
+    callers = [p for p in pairs if not p[2].endswith("(tool-free)") and data.oracle_rounds(p[1])]
+    assert not errors and len(twins) == len(callers) > 0
+    for r, msgs, k in twins:
+        assert len(msgs) == 1 and not parse_tool_calls(msgs[0]["content"])
+        big = r["data_type"] == "direct" and data.seen_at(r["clues"][0], data.overview_patch_times(64.0, k)) is not None
+        assert msgs[0]["content"].split("</think>")[0].endswith(".\n") and ("I will guess." in msgs[0]["content"]) != big
+        assert not big or extract_answer(msgs[0]["content"]) == r["answer"]
+    some = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], tool_free=0.5)[0]
+    assert 0 < sum(p[2].endswith("(tool-free)") for p in some) < len(twins)

@@ -573,3 +573,23 @@ def test_sft_records_as_the_papers_write_them(tiny, split):
     assert [len(c) for c in a.calls] == [2, 1, 0]
     assert a.text.count(rollout.FORCED_ANSWER) == 1                      # after the last tool turn only
     assert a.text.index(rollout.FORCED_ANSWER) > a.text.index("still red")
+
+
+def test_target_chars_leaves_the_rest_of_a_turn_as_context(tiny, split):
+    """An assistant message with target_chars = N: the same tokens as without it, its first N characters POLICY
+    (SFT targets) and the rest with its <|im_end|> ENV (context, as a recorded guess's letter is)."""
+    model, processor = tiny
+    root, records = split
+    cfg = rollout.RolloutConfig(**rollout.TINY_ROLLOUT)
+    text = "<think>\nI cannot read it. I will guess.\n</think>\n<answer>C</answer>"
+    cut = text.index("<answer>") + len("<answer>")
+    full = rollout.encode_messages(processor, records[0], [{"role": "assistant", "content": text}], root, cfg)
+    part = rollout.encode_messages(processor, records[0], [{"role": "assistant", "content": text, "target_chars": cut}],
+                                   root, cfg)
+    assert part.token_ids == full.token_ids and part.text == full.text and part.answer == full.answer == "C"
+    tok = processor.tokenizer
+    policy = [t for t, r in zip(part.token_ids, part.roles) if r == rollout.POLICY]
+    after = [t for t, r in zip(part.token_ids[part.prompt_len:], part.roles[part.prompt_len:]) if r == rollout.ENV]
+    assert tok.decode(policy) == text[len(rollout.THINK_PREFIX):cut]
+    assert tok.decode(after) == rollout.THINK_PREFIX + "C</answer><|im_end|>"
+    assert sum(r == rollout.POLICY for r in full.roles) == len(policy) + 3         # the letter, </answer>, <|im_end|>
