@@ -693,7 +693,7 @@ def oracle_sft_pairs(records: list[dict], cfg, seed: int, gated_choices: list[in
     out; with probability `tool_free` a trajectory that calls the tool is also recorded as a tool-free teacher
     would answer (what it saw, then a guess where the answer needs a crop; `oracle_turns` with call_prior 0), so
     the SFT policy calls the tool on about 1 / (1 + tool_free) of those questions whatever they show and when to
-    call is left to RL. `cfg` is the rollout's RolloutConfig (crop fps and frame cap: the oracle sees what a crop shows)."""
+    call is left to RL (not with `always_call`, a teacher that always calls). `cfg` is the rollout's RolloutConfig (crop fps and frame cap: the oracle sees what a crop shows)."""
     rng = np.random.default_rng(seed)
     pairs, errors = [], []
     for r in records:
@@ -703,7 +703,7 @@ def oracle_sft_pairs(records: list[dict], cfg, seed: int, gated_choices: list[in
             try:
                 msgs = oracle()
                 pairs.append((r, msgs, r["id"], k, cfg))
-                if oracle_rounds(msgs) and tool_free and rng.random() < tool_free:
+                if oracle_rounds(msgs) and tool_free and not always_call and rng.random() < tool_free:
                     pairs.append((r, oracle(call_prior=0.0), f"{r['id']} (tool-free)", k, cfg))
                 if (rounds := oracle_rounds(msgs)) and rng.random() < budget_fraction:
                     b = int(rng.integers(rounds))

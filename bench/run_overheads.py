@@ -53,7 +53,8 @@ def main():
     def examples(workers):
         return train.sft_examples(train_recs[:a.records], processor, root, cfg, sft_data=None, seed=0,
                                   gated_choices=args.gating_choices, direct_crop=args.direct_crop,
-                                  budget_fraction=args.sft_budget_fraction, workers=workers, log=lambda m: None)[0]
+                                  budget_fraction=args.sft_budget_fraction, tool_free=args.sft_tool_free,
+                                  workers=workers, log=lambda m: None)[0]
 
     def answers(batch):
         out = os.path.join(cache, f"eval-{batch}.jsonl")

@@ -503,5 +503,7 @@ def test_tool_free_recordings_beside_the_oracles():
         big = r["data_type"] == "direct" and data.seen_at(r["clues"][0], data.overview_patch_times(64.0, k)) is not None
         assert msgs[0]["content"].split("</think>")[0].endswith(".\n") and ("I will guess." in msgs[0]["content"]) != big
         assert not big or extract_answer(msgs[0]["content"]) == r["answer"]
+    always = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], always_call=True, tool_free=1.0)[0]
+    assert not any(p[2].endswith("(tool-free)") for p in always)          # a teacher that always calls has no twin
     some = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], tool_free=0.5)[0]
     assert 0 < sum(p[2].endswith("(tool-free)") for p in some) < len(twins)
