@@ -593,3 +593,7 @@ def test_target_chars_leaves_the_rest_of_a_turn_as_context(tiny, split):
     assert tok.decode(policy) == text[len(rollout.THINK_PREFIX):cut]
     assert tok.decode(after) == rollout.THINK_PREFIX + "C</answer><|im_end|>"
     assert sum(r == rollout.POLICY for r in full.roles) == len(policy) + 3         # the letter, </answer>, <|im_end|>
+    for bad in (-1, len(text) + 1, "12", 3.0, True):
+        with pytest.raises(ValueError, match="target_chars"):
+            rollout.encode_messages(processor, records[0], [{"role": "assistant", "content": text, "target_chars": bad}],
+                                    root, cfg)
