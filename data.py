@@ -530,8 +530,9 @@ def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = Fal
                  else "I see no mark in the overview. I will crop the whole video.")
         final = f"The clip shows a {colours[0]} shape."
     if call_prior < 1.0 and not always_call and not (kind == "direct" and near) and rng.random() >= call_prior:
-        guess = turn(think.rsplit(" I will ", 1)[0] + " I will guess.", f"<answer>{'ABCD'[int(rng.integers(4))]}</answer>")
-        return [{**guess, "target_chars": guess["content"].index("<answer>") + len("<answer>")}]
+        letter = "ABCD"[int(rng.integers(4))]
+        guess = turn(think.rsplit(" I will ", 1)[0] + " I will guess.", f"<answer>{letter}</answer>")
+        return [{**guess, "target_chars": guess["content"].index("<answer>") + len("<answer>")}]   # letter: context
     frames = lambda w: crop_patch_times(*w, duration, crop_fps, crop_max_frames)
     rounds = [(turn(think, "\n".join(_call(a, b) for a, b in windows)), list(enumerate(windows)))]
     # a whole-video crop that showed a mark but not its glyph: crop close around where it showed the mark
@@ -693,7 +694,8 @@ def oracle_sft_pairs(records: list[dict], cfg, seed: int, gated_choices: list[in
     out; with probability `tool_free` a trajectory that calls the tool is also recorded as a tool-free teacher
     would answer (what it saw, then a guess where the answer needs a crop; `oracle_turns` with call_prior 0), so
     the SFT policy calls the tool on about 1 / (1 + tool_free) of those questions whatever they show and when to
-    call is left to RL (not with `always_call`, a teacher that always calls). `cfg` is the rollout's RolloutConfig (crop fps and frame cap: the oracle sees what a crop shows)."""
+    call is left to RL (not with `always_call`, a teacher that always calls). `cfg` is the rollout's RolloutConfig
+    (crop fps and frame cap: the oracle sees what a crop shows)."""
     rng = np.random.default_rng(seed)
     pairs, errors = [], []
     for r in records:

@@ -935,7 +935,7 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
     the real tool path: a text result (a sub-agent summary) is used verbatim, a video item is cropped by
     `run_calls` exactly as a rollout would. An assistant message with `"target_chars": N` is a target for its first
     N characters only; the rest (and its <|im_end|>) is context, as the environment's tokens are (a recorded guess:
-    data.oracle_turns). Raises ValueError/VideoError on a bad record or video."""
+    data.oracle_turns); the two parts are tokenized apart. Raises ValueError/VideoError on a bad record or video."""
     factor = video_factor(processor)
     path, duration, c, n = encode_prompt(processor, record, video_root, cfg, nframes)
     t = Trajectory(str(record.get("id", "")), 0, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids),

@@ -677,13 +677,14 @@ class SFTSettings:
 def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.RolloutConfig, *,
                  sft_data: str | None, seed: int, gated_choices: list[int], always_call: bool = False,
                  direct_crop: float = 0.0, budget_fraction: float = 0.0, tool_free: float = 0.0,
-                 keep_bad_calls: bool = False,
-                 max_bad_fraction: float = 0.2, workers: int = 1, log=print) -> tuple[list, int]:
+                 keep_bad_calls: bool = False, max_bad_fraction: float = 0.2, workers: int = 1, log=print
+                 ) -> tuple[list, int]:
     """(encoded SFT trajectories, number skipped). From `sft_data` (trajectory records, docs/data.md), or the
     synthetic task's oracle: each record with the evaluation overview, and once more with a K drawn from
     `gated_choices` when given; with probability `budget_fraction` a trajectory that calls the tool is also
     recorded at a smaller tool-turn budget (the forced-answer message, then an answer from what was seen), so
-    the model learns to answer when its budget runs out. Bad records and trajectories whose tool calls the environment would refuse
+    the model learns to answer when its budget runs out; with probability `tool_free` also as a tool-free teacher
+    answers it (data.oracle_sft_pairs: when to call is then left to RL). Bad records and trajectories whose tool calls the environment would refuse
     are reported (file:line, reason) and skipped (`keep_bad_calls` keeps the latter); more than
     `max_bad_fraction` bad stops the run. `workers`: threads encoding the trajectories (the same items, in order)."""
     if sft_data:
