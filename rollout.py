@@ -952,14 +952,15 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
             raise ValueError(f"{record.get('id')}: expected an assistant message at position {i}, got {m['role']!r}")
         text = message_text(m)
         body = text[len(THINK_PREFIX):] if text.startswith(THINK_PREFIX) else text
-        cut = len(body)
-        if (n := m.get("target_chars")) is not None:
+        if (n := m.get("target_chars")) is None:
+            add(tok(body + "<|im_end|>", add_special_tokens=False)["input_ids"], POLICY)
+        else:                                  # targets up to character n, then context
             if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(text):
                 raise ValueError(f"{record.get('id')}: message {i}: target_chars {n!r} is not a character count "
                                  f"in 0..{len(text)}")
             cut = max(0, n - (len(text) - len(body)))
-        add(tok(body[:cut], add_special_tokens=False)["input_ids"], POLICY)          # SFT targets
-        add(tok(body[cut:] + "<|im_end|>", add_special_tokens=False)["input_ids"], POLICY if cut == len(body) else ENV)
+            add(tok(body[:cut], add_special_tokens=False)["input_ids"], POLICY)
+            add(tok(body[cut:] + "<|im_end|>", add_special_tokens=False)["input_ids"], ENV)
         turn = THINK_PREFIX + body
         t.turns.append(turn)
         calls = parse_tool_calls(turn)
