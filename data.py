@@ -705,9 +705,10 @@ def oracle_sft_pairs(records: list[dict], cfg, seed: int, gated_choices: list[in
             try:
                 msgs = oracle()
                 pairs.append((r, msgs, r["id"], k, cfg))
-                if oracle_rounds(msgs) and tool_free and not always_call and rng.random() < tool_free:
+                rounds = oracle_rounds(msgs)
+                if rounds and tool_free and not always_call and rng.random() < tool_free:
                     pairs.append((r, oracle(call_prior=0.0), f"{r['id']} (tool-free)", k, cfg))
-                if (rounds := oracle_rounds(msgs)) and rng.random() < budget_fraction:
+                if rounds and rng.random() < budget_fraction:
                     b = int(rng.integers(rounds))
                     pairs.append((r, oracle(budget=b), f"{r['id']} (budget {b})", k, dataclasses.replace(cfg, max_turns=b)))
             except (ValueError, KeyError) as e:

@@ -46,7 +46,7 @@ import video
 from data import INSTRUCTIONS, content_text, format_question, message_text, resolve_video
 import kvcache
 from kvcache import Chunk, GroupKV, blocks_for, kv_bytes_per_token
-from model import TOOLS_INTRO, TOOLS_OUTRO, special_token_ids
+from model import TOOLS_INTRO, TOOLS_OUTRO, decode_with_offsets, special_token_ids
 from rewards import ToolCall, call_window, extract_answer, parse_tool_calls
 
 ENV, POLICY = 0, 1
@@ -935,7 +935,7 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
     the real tool path: a text result (a sub-agent summary) is used verbatim, a video item is cropped by
     `run_calls` exactly as a rollout would. An assistant message with `"target_chars": N` is a target for its first
     N characters only; the rest (and its <|im_end|>) is context, as the environment's tokens are (a recorded guess:
-    data.oracle_turns); the two parts are tokenized apart. Raises ValueError/VideoError on a bad record or video."""
+    data.oracle_turns); a token that straddles character N (Qwen's ">C" of "<answer>C") is context. Raises ValueError/VideoError on a bad record or video."""
     factor = video_factor(processor)
     path, duration, c, n = encode_prompt(processor, record, video_root, cfg, nframes)
     t = Trajectory(str(record.get("id", "")), 0, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids),
@@ -952,15 +952,16 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
             raise ValueError(f"{record.get('id')}: expected an assistant message at position {i}, got {m['role']!r}")
         text = message_text(m)
         body = text[len(THINK_PREFIX):] if text.startswith(THINK_PREFIX) else text
+        ids = tok(body + "<|im_end|>", add_special_tokens=False)["input_ids"]
         if (n := m.get("target_chars")) is None:
-            add(tok(body + "<|im_end|>", add_special_tokens=False)["input_ids"], POLICY)
-        else:                                  # targets up to character n, then context
+            add(ids, POLICY)
+        else:                  # the same tokens; a target where a token ends by character n, context from there on
             if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(text):
                 raise ValueError(f"{record.get('id')}: message {i}: target_chars {n!r} is not a character count "
                                  f"in 0..{len(text)}")
-            cut = max(0, n - (len(text) - len(body)))
-            add(tok(body[:cut], add_special_tokens=False)["input_ids"], POLICY)
-            add(tok(body[cut:] + "<|im_end|>", add_special_tokens=False)["input_ids"], ENV)
+            cut = n - (len(text) - len(body))
+            for tid, (_, end) in zip(ids, decode_with_offsets(tok, ids)[1]):
+                add([tid], POLICY if end <= cut else ENV)
         turn = THINK_PREFIX + body
         t.turns.append(turn)
         calls = parse_tool_calls(turn)

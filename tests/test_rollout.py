@@ -16,6 +16,7 @@ import torch
 
 import data
 import kvcache
+import model as model_lib
 import rollout
 import video
 from model import load_model
@@ -575,10 +576,14 @@ def test_sft_records_as_the_papers_write_them(tiny, split):
     assert a.text.index(rollout.FORCED_ANSWER) > a.text.index("still red")
 
 
-def test_target_chars_leaves_the_rest_of_a_turn_as_context(tiny, split):
-    """An assistant message with target_chars = N: the same tokens as without it, its first N characters POLICY
-    (SFT targets) and the rest with its <|im_end|> ENV (context, as a recorded guess's letter is)."""
+@pytest.mark.parametrize("tokenizer", ["tiny", "qwen"])
+def test_target_chars_leaves_the_rest_of_a_turn_as_context(tiny, split, tokenizer):
+    """An assistant message with target_chars = N: the same tokens as without it (on Qwen's tokenizer too, whose
+    ">C" joins the tag's end and the letter), POLICY (SFT targets) where a token ends by character N, ENV
+    (context, as a recorded guess's letter is) from there on, its <|im_end|> included; a bad N is a clear error."""
     model, processor = tiny
+    if tokenizer == "qwen":
+        processor = model_lib.build_processor(model_lib.qwen_tokenizer(), model_lib.ModelConfig())
     root, records = split
     cfg = rollout.RolloutConfig(**rollout.TINY_ROLLOUT)
     text = "<think>\nI cannot read it. I will guess.\n</think>\n<answer>C</answer>"
@@ -588,11 +593,16 @@ def test_target_chars_leaves_the_rest_of_a_turn_as_context(tiny, split):
                                    root, cfg)
     assert part.token_ids == full.token_ids and part.text == full.text and part.answer == full.answer == "C"
     tok = processor.tokenizer
+    roles = part.roles[part.prompt_len:]
     policy = [t for t, r in zip(part.token_ids, part.roles) if r == rollout.POLICY]
-    after = [t for t, r in zip(part.token_ids[part.prompt_len:], part.roles[part.prompt_len:]) if r == rollout.ENV]
-    assert tok.decode(policy) == text[len(rollout.THINK_PREFIX):cut]
-    assert tok.decode(after) == rollout.THINK_PREFIX + "C</answer><|im_end|>"
-    assert sum(r == rollout.POLICY for r in full.roles) == len(policy) + 3         # the letter, </answer>, <|im_end|>
+    context = [t for t, r in zip(part.token_ids[part.prompt_len:], roles) if r == rollout.ENV]
+    target = text[len(rollout.THINK_PREFIX):cut]
+    expected = target if tokenizer == "tiny" else target[:-1]          # Qwen: ">C" is one token, context
+    assert tok.decode(policy) == expected
+    assert tok.decode(context) == rollout.THINK_PREFIX + text[len(rollout.THINK_PREFIX) + len(expected):] + "<|im_end|>"
+    after = roles[roles.index(rollout.POLICY):]                         # the message's tokens, after <think>\n
+    assert after == sorted(after, key=lambda r: r != rollout.POLICY)     # one cut: targets, then context
+    assert sum(r == rollout.POLICY for r in full.roles) == len(after)    # without target_chars: all targets
     for bad in (-1, len(text) + 1, "12", 3.0, True):
         with pytest.raises(ValueError, match="target_chars"):
             rollout.encode_messages(processor, records[0], [{"role": "assistant", "content": text, "target_chars": bad}],
