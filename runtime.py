@@ -664,7 +664,8 @@ TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fp
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=16,
                      prompts_per_step=4, lr=5e-5, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
                      kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
-                     mask_truncated=1, vision_lr_scale=0.0, gating_choices="4,8,16,32", eval_batch=64)
+                     mask_truncated=1, vision_lr_scale=0.0, gating_choices="4,8,16,32", eval_batch=64,
+                     sft_tool_free=1.0, sft_batch=10)
 GATING_CHOICES = "4,8,16,32,64"          # ParaVT's K range (a real checkpoint, or a preset)
 
 
@@ -744,14 +745,14 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--sft-gated-overviews", type=int, default=None,
                    help="synthetic SFT: each record also with a K-frame overview, K drawn from --gating-choices "
                         "(default: on when RL gates)")
-    g.add_argument("--sft-tool-free", type=float, default=0.0,
+    g.add_argument("--sft-tool-free", type=float, default=None,
                    help="synthetic SFT: chance a trajectory that calls the tool is also recorded as a tool-free "
                         "teacher answers it (a guess where a crop is needed): the SFT data then shows the tool but "
-                        "not when it pays, which RL learns")
+                        "not when it pays, which RL learns (tiny default 1; 0: the oracle alone)")
     g.add_argument("--always-call", action="store_true", help="SFT oracle calls the tool on every question (a strong tool prior)")
     g = p.add_argument_group("SFT")
     g.add_argument("--sft-steps", type=int, default=500, help="SFT optimizer steps")
-    g.add_argument("--sft-batch", type=int, default=8, help="trajectories per SFT step (per rank)")
+    g.add_argument("--sft-batch", type=int, default=None, help="trajectories per SFT step (per rank; tiny: 10, else 8)")
     g.add_argument("--sft-micro-batch", type=int, default=2,
                    help="rows per forward, grouped by length within the batch (same gradient, fewer pad tokens)")
     g.add_argument("--sft-lr", type=float, default=None, help="SFT peak learning rate (tiny: 2e-3; presets: 1e-5)")
@@ -851,6 +852,10 @@ def resolve(args) -> None:
         args.vision_lr_scale = 1.0
     if args.eval_batch is None:
         args.eval_batch = 8
+    if args.sft_batch is None:
+        args.sft_batch = 8
+    if args.sft_tool_free is None:
+        args.sft_tool_free = 0.0
     if args.eval_batch < 1:
         raise ValueError(f"--eval-batch must be >= 1 (held-out questions per batched rollout), got {args.eval_batch}")
     if args.vision_lr_scale < 0:

@@ -98,6 +98,19 @@ def test_the_default_run_is_para_grpo():
     assert runtime.parse_args(["--preset", "paravt"]).gating_choices == [4, 8, 16, 32, 64]
 
 
+def test_the_default_cold_start_leaves_when_to_call_to_rl():
+    """The tiny default's SFT records a tool-free twin beside each oracle trajectory that calls the tool
+    (--sft-tool-free 1) on 10 recordings a step; a preset (a real checkpoint) keeps the oracle alone at 8, and a
+    flag overrides either."""
+    args = runtime.parse_args([])
+    assert (args.sft_tool_free, args.sft_batch) == (1.0, 10)
+    assert train.sft_settings(args).batch == 10
+    preset = runtime.parse_args(["--preset", "paravt"])
+    assert (preset.sft_tool_free, preset.sft_batch) == (0.0, 8)
+    assert (runtime.parse_args(["--sft-tool-free", "0", "--sft-batch", "8"]).sft_tool_free,
+            runtime.parse_args(["--sft-batch", "8"]).sft_batch) == (0.0, 8)
+
+
 def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
     """The 1-minute version of the default run (the embedded default visibly learns): a smaller task
     (16 s videos, direct questions only: a big glyph the overview shows), 100 SFT steps, then greedy
