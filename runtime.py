@@ -660,6 +660,14 @@ def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
 # direction of its 4 prompts; at 1e-4 that move broke more answers than it fixed on seeds 1 and 2 (seed 2: 14
 # broken, 1 fixed by a changed crop). At 5e-5: held-out SFT -> RL +8.1, 0.0, +1.2 points, no seed below its SFT
 # (docs/experiments.md, "2026-12-03 (evening): why RL broke answers, question by question").
+# The cold start leaves RL when to call (sft_tool_free=1): beside each oracle SFT trajectory that calls the tool, a
+# twin recorded as a tool-free teacher answers it (the same first words, then a guess), so the SFT policy calls on
+# about half the questions that need a crop whatever they show, and RL learns when the crop pays (what both papers'
+# RL trains). The oracle alone calls exactly where a crop pays: RL had no decision left and 20 steps moved 1-7 of
+# 173 held-out answers, each seed ending a question below its SFT checkpoint. SFT takes 10 recordings a step (8
+# before) so the twins do not thin out the oracle's crops to read: at 8, seed 2's SFT policy read glyphs it saw
+# right 84 % of the time and ended RL at 75 % on another CPU (docs/experiments.md, "2026-12-04 (Intel Xeon
+# session): the default's cold start leaves RL when to call").
 TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=16,
                      prompts_per_step=4, lr=5e-5, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,

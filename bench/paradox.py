@@ -86,7 +86,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--skip-sft", metavar="DIR", default=None,
                    help="reuse a warm start: a checkpoint dir, or a run dir (its newest checkpoint)")
     p.add_argument("--plot-only", action="store_true", help="only redraw the figure and table from the run dirs")
-    p.add_argument("--sft-steps", type=int, default=450, help="SFT warm-start steps (batch 8, train.py's)")
+    p.add_argument("--sft-steps", type=int, default=450, help="SFT warm-start steps (at train.py's SFT batch)")
     p.add_argument("--rl-steps", type=int, default=24, help="RL steps of every run")
     p.add_argument("--group-size", type=int, default=16, help="GRPO samples per prompt (the default run's)")
     p.add_argument("--prompts-per-step", type=int, default=1, help="prompts per RL step (rollouts = this x group)")
