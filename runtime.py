@@ -663,11 +663,11 @@ def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
 # The cold start leaves RL when to call (sft_tool_free=1): beside each oracle SFT trajectory that calls the tool, a
 # twin recorded as a tool-free teacher answers it (the same first words, then a guess), so the SFT policy calls on
 # about half the questions that need a crop whatever they show, and RL learns when the crop pays (what both papers'
-# RL trains). The oracle alone calls exactly where a crop pays: RL had no decision left and 20 steps moved 1-7 of
-# 173 held-out answers, each seed ending a question below its SFT checkpoint. SFT takes 10 recordings a step (8
-# before) so the twins do not thin out the oracle's crops to read: at 8, seed 2's SFT policy read glyphs it saw
-# right 84 % of the time and ended RL at 75 % on another CPU (docs/experiments.md, "2026-12-04 (Intel Xeon
-# session): the default's cold start leaves RL when to call").
+# RL trains). The oracle alone calls exactly where a crop pays, which leaves RL no decision: its 20 steps moved a
+# few held-out answers either way (-0.2 points on average). With the twins: +2.3, +12.7, +9.2. SFT takes 10
+# recordings a step (8 before) so the twins thin out the oracle's crops to read less: at 8, seed 2's SFT policy
+# read glyphs it saw right 84 % of the time and ended RL at 75 % on another CPU (docs/experiments.md, "2026-12-04
+# (Intel Xeon session): the default's cold start leaves RL when to call").
 TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
                      max_turns=3, max_calls_per_turn=5, max_new_tokens=128, recipe="para_grpo", group_size=16,
                      prompts_per_step=4, lr=5e-5, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
@@ -864,6 +864,9 @@ def resolve(args) -> None:
         args.sft_batch = 8
     if args.sft_tool_free is None:
         args.sft_tool_free = 0.0
+    if not 0.0 <= args.sft_tool_free <= 1.0:
+        raise ValueError(f"--sft-tool-free is a probability (0: the oracle alone, 1: a twin beside every recording "
+                         f"that calls the tool), got {args.sft_tool_free}")
     if args.eval_batch < 1:
         raise ValueError(f"--eval-batch must be >= 1 (held-out questions per batched rollout), got {args.eval_batch}")
     if args.vision_lr_scale < 0:

@@ -98,7 +98,7 @@ def test_the_default_run_is_para_grpo():
     assert runtime.parse_args(["--preset", "paravt"]).gating_choices == [4, 8, 16, 32, 64]
 
 
-def test_the_default_cold_start_leaves_when_to_call_to_rl():
+def test_the_default_cold_start_leaves_when_to_call_to_rl(capsys):
     """The tiny default's SFT records a tool-free twin beside each oracle trajectory that calls the tool
     (--sft-tool-free 1) on 10 recordings a step; a preset (a real checkpoint) keeps the oracle alone at 8, and a
     flag overrides either."""
@@ -109,6 +109,9 @@ def test_the_default_cold_start_leaves_when_to_call_to_rl():
     assert (preset.sft_tool_free, preset.sft_batch) == (0.0, 8)
     assert (runtime.parse_args(["--sft-tool-free", "0", "--sft-batch", "8"]).sft_tool_free,
             runtime.parse_args(["--sft-batch", "8"]).sft_batch) == (0.0, 8)
+    with pytest.raises(SystemExit):
+        runtime.parse_args(["--sft-tool-free", "1.5"])
+    assert "--sft-tool-free is a probability" in capsys.readouterr().err
 
 
 def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
