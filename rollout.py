@@ -953,15 +953,17 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
         text = message_text(m)
         body = text[len(THINK_PREFIX):] if text.startswith(THINK_PREFIX) else text
         ids = tok(body + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        if (n := m.get("target_chars")) is None:
+        if (chars := m.get("target_chars")) is None:
             add(ids, POLICY)
-        else:                  # the same tokens; a target where a token ends by character n, context from there on
-            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(text):
-                raise ValueError(f"{record.get('id')}: message {i}: target_chars {n!r} is not a character count "
+        else:                  # the same tokens: targets up to the first that ends past the cut, context from it on
+            if not isinstance(chars, int) or isinstance(chars, bool) or not 0 <= chars <= len(text):
+                raise ValueError(f"{record.get('id')}: message {i}: target_chars {chars!r} is not a character count "
                                  f"in 0..{len(text)}")
-            cut = n - (len(text) - len(body))
-            for tid, (_, end) in zip(ids, decode_with_offsets(tok, ids)[1]):
-                add([tid], POLICY if end <= cut else ENV)
+            cut = chars - (len(text) - len(body))
+            ends = [end for _, end in decode_with_offsets(tok, ids)[1]]
+            k = next((j for j, end in enumerate(ends) if end > cut), len(ids))
+            add(ids[:k], POLICY)
+            add(ids[k:], ENV)
         turn = THINK_PREFIX + body
         t.turns.append(turn)
         calls = parse_tool_calls(turn)
