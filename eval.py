@@ -124,12 +124,18 @@ def error_row(record: dict, exc: BaseException) -> dict:
 
 def _run_safely(run_batch: Callable, batch: list[dict]) -> list[dict]:
     """run_batch on a batch; if a record's video is missing/undecodable (OSError, ValueError incl.
-    VideoError), rerun one by one so only that record becomes an error row."""
+    VideoError), rerun one by one so only that record becomes an error row. The reruns start after the failed
+    call's frames are gone: its traceback holds them, and with them the engine and its K/V pool."""
+    failure = None
     try:
         rows = run_batch(batch)
     except (OSError, ValueError) as exc:
+        failure = exc.with_traceback(None)           # the error's text, not the failed call's frames
+        failure.__context__ = failure.__cause__ = None
+    if failure is not None:
         if len(batch) == 1:
-            return [error_row(batch[0], exc)]
+            return [error_row(batch[0], failure)]
+        del failure
         return [row for rec in batch for row in _run_safely(run_batch, [rec])]
     assert [str(r["id"]) for r in rows] == [r["id"] for r in batch], "run_batch must return one row per record, in order"
     for row, rec in zip(rows, batch):

@@ -52,19 +52,52 @@ MAX_CHUNKS = 8                  # the default chunk rule splits a loss into at m
 
 
 def _kernel(fn, use_compile: bool):
-    """The chunk kernel `fn`, compiled on first use with fixed shapes, or `fn` itself when compile is off."""
+    """The chunk kernel `fn`, compiled on first use (`_CompiledKernel`), or `fn` itself when compile is off."""
     if not use_compile or os.environ.get("TOKEN_LOGPROBS_COMPILE", "1") == "0":
         return fn
     if fn not in _compiled_kernels:
-        _compiled_kernels[fn] = torch.compile(fn, dynamic=False)
+        _compiled_kernels[fn] = _CompiledKernel(fn)
     return _compiled_kernels[fn]
+
+
+class _CompiledKernel:
+    """
+    A chunk kernel under torch.compile(dynamic=False, fullgraph=True), called so that one graph serves a whole
+    run: the two values that change within a run are graph inputs, not constants (issue 54, defect 5: as
+    constants, SFT's widths at T = 1 then RL's at T = 0.7 passed Dynamo's recompile limit, 8 graphs a function,
+    and RL's chunks ran eagerly with fp32 (V, C) temporaries no memory plan counts).
+      - the chunk width C, the last dim of every tensor argument (the (V, C) buffer, the (C,) vectors), is marked
+        dynamic: one symbol; V, the dtypes and the device stay static (fixed within a run);
+      - a float argument (the temperature) is passed as a 0-dim fp32 tensor on the buffer's device.
+    So each kernel compiles once per (V, dtype, device): 8 such in one process before the limit. Widths of 1 would
+    specialise (Dynamo's 0/1 rule), so the callers pad chunks to at least 2 rows (_MIN_WIDTH). Past the limit,
+    fullgraph=True raises FailOnRecompileLimitHit (as it raises on a graph break) instead of falling back to eager.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+
+    def __call__(self, *args):
+        device = args[0].device
+        call = []
+        for a in args:
+            if isinstance(a, float):
+                a = torch.full((), a, dtype=torch.float32, device=device)   # an input: any T, one graph
+            elif a.dim():
+                torch._dynamo.mark_dynamic(a, a.dim() - 1)                    # the chunk width C
+            call.append(a)
+        return self.compiled(*call)
+
+
+_MIN_WIDTH = 2   # the narrowest chunk: a width of 1 would compile a graph of its own (see _CompiledKernel)
 
 
 def _chunk_logprobs(logits_t, targets, temperature: float = 1.0):
     """One chunk forward: logits^T (V, C) -> log p(target) (C,) and logsumexp (C,) of logits / T, both fp32."""
     z = logits_t.float()                                          # the upcast fuses into the reductions
-    if temperature != 1.0:                                        # (T = 1 skips it: bit-for-bit the plain model)
-        z = z / temperature
+    if isinstance(temperature, torch.Tensor) or temperature != 1.0:   # eager T = 1 skips it; compiled T is a
+        z = z / temperature                                       # tensor (z / 1 is exact: the plain model)
     if torch.compiler.is_compiling():
         # compiled, the sum over the vocab (the buffer's outer axis) runs serially per column: in fp32 it is off
         # by ~1.6e-5 at V = 151,936, summed in fp64 by ~1.2e-6, at the same speed
@@ -78,7 +111,9 @@ def _chunk_logprobs(logits_t, targets, temperature: float = 1.0):
 
 def _chunk_grad_logits_(logits_t, targets, lse, grad_out, temperature: float = 1.0):
     """One chunk backward, in place: logits^T (V, C) <- (g / T) (onehot(t) - softmax(logits / T)), vocab-major."""
-    z = logits_t.float() if temperature == 1.0 else logits_t.float() / temperature
+    z = logits_t.float()
+    if isinstance(temperature, torch.Tensor) or temperature != 1.0:   # as in _chunk_logprobs
+        z = z / temperature
     probs = torch.exp(z - lse[None, :])                           # softmax from the saved logsumexp, fp32
     vocab = torch.arange(logits_t.shape[0], device=logits_t.device)
     onehot = (vocab[:, None] == targets[None, :]).float()
@@ -205,11 +240,13 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     softmax math in fp32, and grad_W sums the chunks in fp32.
 
     The softmax math of a chunk (forward: logsumexp and gather; backward: the in-place gradient) runs
-    under `torch.compile(dynamic=False)`, compiled lazily on first use, which fuses it into one pass
-    over the buffer; the GEMMs are library calls either way. The last chunk is zero-padded to
-    C tokens so one shape is compiled; when N < chunk_size the chunk shrinks to the next power of two
-    >= N. `compile=False` or env TOKEN_LOGPROBS_COMPILE=0 runs the same code eagerly (with a few
-    (V, C) temporaries). Call it outside any compiled region: its Python loop is the point.
+    under `torch.compile(dynamic=False, fullgraph=True)`, compiled lazily on first use, which fuses it into
+    one pass over the buffer; the GEMMs are library calls either way. The last chunk is zero-padded to
+    C tokens; when N < chunk_size the chunk shrinks to the next power of two >= N (at least 2). The width C
+    is a dynamic dim and T a tensor input (`_CompiledKernel`): one graph per kernel, V, dtype and device for a
+    whole run, whatever C and T; a fallback to eager past Dynamo's recompile limit raises instead.
+    `compile=False` or env TOKEN_LOGPROBS_COMPILE=0 runs the same code eagerly (with a few (V, C) temporaries).
+    Call it outside any compiled region: its Python loop is the point.
     Source: the fused "linear + cross-entropy" of Liger-Kernel (arXiv 2410.10989), here returning
     per-token log-probs (GRPO needs those, not one summed loss), hence the recompute in backward.
     """
@@ -220,7 +257,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     lead_shape, dim = targets.shape, lm_head_weight.shape[1]
     hidden, targets = hidden.reshape(-1, dim), targets.reshape(-1).long()  # (N, D), (N,)
     n = targets.shape[0]
-    chunk = min(chunk_size, 1 << max(n - 1, 0).bit_length())  # a few fixed shapes, so dynamic=False stays cheap
+    chunk = max(min(chunk_size, 1 << max(n - 1, 0).bit_length()), _MIN_WIDTH)  # N < C: next power of two >= N
     return _TokenLogprobs.apply(hidden, lm_head_weight, targets, chunk, float(temperature),
                                 compile).reshape(lead_shape)
 
@@ -336,8 +373,8 @@ def token_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     V = 151,936, where Liger's alone gives 128), and when the whole (N, V) logits are no bigger
     than that smallest buffer, the plain path (log_softmax over all logits, ordinary autograd). An
     explicit chunk_size always takes the fused path (shrunk to the next power of two >= N when N is
-    smaller). The softmax math of a chunk runs under torch.compile(dynamic=False) on the padded (V, C)
-    shape as in `token_logprobs` (env TOKEN_LOGPROBS_COMPILE=0 or compile=False: eager); the GEMMs are
+    smaller, at least 2). The softmax math of a chunk runs compiled on the padded (V, C) buffer as in
+    `token_logprobs`, one graph for any C and T (env TOKEN_LOGPROBS_COMPILE=0 or compile=False: eager); the GEMMs are
     library calls. bf16: GEMMs in bf16, softmax math in fp32, grad_W summed in fp32, cast to W's dtype.
     Measured (bench/logprob_bench.py, the GRPO loss, fp32, 2-core CPU): see docs/experiments.md.
     Sources: Liger-Kernel's fused linear losses (arXiv 2410.10989) and Cut Cross-Entropy (arXiv
@@ -357,7 +394,7 @@ def token_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         logp = F.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
         return loss_fn(logp, slice(0, n)).float()
     chunk = _auto_chunk(n, dim, vocab) if chunk_size is None else chunk_size
-    chunk = min(chunk, 1 << max(n - 1, 0).bit_length())          # N < C: the next power of two >= N
+    chunk = max(min(chunk, 1 << max(n - 1, 0).bit_length()), _MIN_WIDTH)   # N < C: next power of two >= N
     grad_on = torch.is_grad_enabled()
     return _TokenLoss.apply(hidden, weight, targets, loss_fn, chunk, float(temperature), compile,
                             grad_on and hidden.requires_grad, grad_on and weight.requires_grad)

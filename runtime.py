@@ -20,6 +20,7 @@ config + processor, train_state/ (DCP), trainer.pt), eval/, report/, .lock.
 import argparse
 import contextlib
 import ctypes
+import datetime
 import fcntl
 import functools
 import json
@@ -436,11 +437,37 @@ def setup_distributed(rank: int, gpus: int | None, device: str, threads: int) ->
         os.environ.setdefault("WORLD_SIZE", str(world))
         if use_cuda:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=int(os.environ["RANK"]), world_size=world)
+        init_process_group(int(os.environ["RANK"]), world, use_cuda)
         rank = dist.get_rank()
     if threads or (world > 1 and not use_cuda):          # CPU ranks split the cores
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
     return rank, world, torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
+
+
+def process_group_backend(use_cuda: bool) -> str:
+    """The process group's device map: NCCL for CUDA tensors alone on GPUs, gloo for CPU tensors alone on CPU.
+    Each group serves one device type, as NCCL does, so a CPU run on gloo refuses a tensor on the wrong device
+    just as a GPU run would (a plain "gloo" group serves CPU and CUDA tensors alike, and hid collectives that
+    handed NCCL CPU tensors)."""
+    return "cuda:nccl" if use_cuda else "cpu:gloo"
+
+
+def init_process_group(rank: int, world: int, use_cuda: bool, timeout_s: float | None = None) -> None:
+    """The run's process group, with `process_group_backend`'s device map (the tests create theirs here too)."""
+    kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group(process_group_backend(use_cuda), rank=rank, world_size=world, **kw)
+
+
+def collective_device(backend_config: str | None = None) -> torch.device:
+    """Where a collective's tensor must live: the device type the process group serves, read off its backend
+    config ("cuda:nccl" -> this rank's CUDA device; "cpu:gloo" or "cpu:gloo, cuda:gloo" -> the CPU)."""
+    config = dist.get_backend_config() if backend_config is None else backend_config
+    served = {part.split(":")[0].strip() for part in config.split(",")}
+    if "cpu" in served:
+        return torch.device("cpu")
+    if "cuda" in served:
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ValueError(f"collective_device: the process group serves {sorted(served)}, neither cpu nor cuda")
 
 
 def shard_model(model, param_dtype: torch.dtype | None = None) -> None:
@@ -535,7 +562,8 @@ def barrier(world: int) -> None:
 
 
 def _all_reduce(values: list[float], op) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    """One all-reduce of a list of numbers, on the device the process group serves (NCCL: CUDA tensors only)."""
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=op)
     return t.tolist()
 
@@ -673,7 +701,7 @@ TINY_DEFAULTS = dict(tool_mode="interleaved", overview_nframes=None, overview_fp
                      prompts_per_step=4, lr=5e-5, sft_lr=2e-3, clip_low=0.2, clip_high=0.3, kl_coef=0.0,
                      kl_estimator="k3", kl_in_reward=0, temperature=0.7, shaping=0, gating=None, dynamic_sampling=0,
                      mask_truncated=1, vision_lr_scale=0.0, gating_choices="4,8,16,32", eval_batch=64,
-                     sft_tool_free=1.0, sft_batch=10)
+                     sft_tool_free=1.0, sft_batch=10, overview_tokens=16384, max_context=32768)
 GATING_CHOICES = "4,8,16,32,64"          # ParaVT's K range (a real checkpoint, or a preset)
 
 
@@ -761,6 +789,8 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g = p.add_argument_group("SFT")
     g.add_argument("--sft-steps", type=int, default=500, help="SFT optimizer steps")
     g.add_argument("--sft-batch", type=int, default=None, help="trajectories per SFT step (per rank; tiny: 10, else 8)")
+    g.add_argument("--sft-cache-gb", type=float, default=8.0,
+                   help="SFT trajectories' pixels kept in host memory (per rank); the rest encoded again when drawn")
     g.add_argument("--sft-micro-batch", type=int, default=2,
                    help="rows per forward, grouped by length within the batch (same gradient, fewer pad tokens)")
     g.add_argument("--sft-lr", type=float, default=None, help="SFT peak learning rate (tiny: 2e-3; presets: 1e-5)")
@@ -802,6 +832,16 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--max-turns", type=int, default=None, help="tool rounds before the forced answer")
     g.add_argument("--max-calls-per-turn", type=int, default=None, help="parallel calls executed per turn")
     g.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per assistant turn")
+    presets = {name: p["rollout"] for name, p in sorted(rollout.PRESETS.items())}
+    g.add_argument("--max-context", type=int, default=None,
+                   help="tokens a trajectory may hold (prompt, turns, tool responses); a row that reaches it ends "
+                        "truncated (--mask-truncated) (default: " + ", ".join(f"{n} {r['max_context']:,}" for n, r in
+                        presets.items()) + f" (its whole protocol at every limit), the tiny model "
+                        f"{TINY_DEFAULTS['max_context']:,})")
+    g.add_argument("--overview-tokens", type=int, default=None,
+                   help="visual tokens of the whole overview (frames sized to fit; default: " + ", ".join(
+                       f"{n} {r['overview_tokens']:,}" for n, r in presets.items()) + " (its prompt within the "
+                       "release's 18,432 tokens); the tiny model's frames are 64x64 instead)")
     g.add_argument("--temperature", type=float, default=None, help="RL sampling temperature (ParaVT: 0.7)")
     g.add_argument("--overview-nframes", type=int, default=None,
                    help="overview frames when gating is off (0 = the fps rule; default: the preset's, 8 on the tiny model)")
@@ -894,6 +934,9 @@ def resolve(args) -> None:
         setattr(args, flag, bool(getattr(args, flag)))
     if args.group_size < 2:
         raise ValueError("--group-size must be >= 2 (group advantages need a group)")
+    if args.max_context < 1 or args.overview_tokens < 1:
+        raise ValueError(f"--max-context and --overview-tokens are token counts >= 1, got {args.max_context} and "
+                         f"{args.overview_tokens}")
     if args.prompts_per_step < 1:
         raise ValueError(f"--prompts-per-step must be >= 1 (prompts per step over all ranks), got {args.prompts_per_step}")
     if args.rollout_memory_gb is not None and args.rollout_memory_gb <= 0:

@@ -414,7 +414,10 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     n_pad = (all_max(len(batches)) if world > 1 else len(batches)) - len(batches)
     if n_pad and not batches:                           # nothing kept here: zero-weight passes on a filler row
         fb = rollout.collate([filler], model, pad_id)
-        fill = (fb, None, torch.zeros(1, fb["input_ids"].shape[1] - 1), None)
+        with torch.no_grad():                           # a KL loss term needs the filler's reference log-probs
+            fill_ref = forward_logprobs(ref_model, fb, s.logprob_chunk, s.temperature, compile=s.compile,
+                                        precision=s.precision) if use_ref else None
+        fill = (fb, None, torch.zeros(1, fb["input_ids"].shape[1] - 1), fill_ref)
     else:
         fill = (batches[-1], old[-1], advs[-1], ref[-1]) if batches else None
     gn, stats = None, {"clip_frac": 0.0, "kl": 0.0}
@@ -587,9 +590,10 @@ def forward_hidden(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None 
     FSDP: the lm_head unit is gathered here, since the kernels read lm_head.weight directly (its gradient is
     reduce-scattered with the final norm's, in backward)."""
     device = next(model.parameters()).device
-    kw = {k: v.to(device) for k, v in batch.items() if k not in ("roles",)}
-    if "pixel_values_videos" in kw:
-        kw["pixel_values_videos"] = kw["pixel_values_videos"].to(next(model.parameters()).dtype)
+    # the pixels go in the compute dtype (bf16 under --precision bf16, where the parameters, FSDP2's shards
+    # included, are fp32 master weights); the tower's first matmul rounds them so under autocast anyway
+    cast = {"pixel_values_videos": model_lib.compute_dtype(model)}
+    kw = {k: v.to(device, cast.get(k, v.dtype)) for k, v in batch.items() if k not in ("roles",)}
     if attn_mask_4d is not None:
         kw["attention_mask"] = attn_mask_4d.to(device)
     if tdam is not None:                  # the spec is the mask (padding included); positions come from collate
@@ -674,19 +678,80 @@ class SFTSettings:
     precision: str = "fp32"              # fp32 | bf16: the forward passes' compute dtype (autocast)
 
 
+class SFTItems:
+    """The SFT trajectories, each encoded on demand and kept while its pixels fit `cache_bytes`. A trajectory's
+    pixels are the processor's fp32 frames (one 64-frame overview at Qwen's settings: 360 MiB), so a cold start of
+    1,000 records held whole would be 352 GiB a rank; here what does not fit is dropped (least recently used first)
+    and encoded again when a step draws it, the next step's draw encoded by a thread while this one trains
+    (`prefetch`). Encoding is deterministic: a dropped item comes back the same, token for token, pixel for
+    pixel. The embedded default's trajectories all fit (never encoded twice). items[i] -> a Trajectory."""
+
+    def __init__(self, pairs: list, encode, cache_bytes: float):
+        self.pairs, self.encode, self.cache_bytes = pairs, encode, cache_bytes
+        self.cache: dict[int, rollout.Trajectory] = {}      # insertion order = least recently used first
+        self.held, self.encodes = 0, 0
+        self.pending: dict[int, object] = {}
+        self.worker = ThreadPoolExecutor(1)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __getitem__(self, i: int) -> rollout.Trajectory:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        if i in self.cache:
+            self.cache[i] = self.cache.pop(i)               # most recently used
+            return self.cache[i]
+        pending = self.pending.pop(i, None)
+        t = pending.result() if pending is not None else self._encode(i)
+        self.keep(i, t)
+        return t
+
+    def _encode(self, i: int) -> rollout.Trajectory:
+        self.encodes += 1
+        item, _ = self.encode(self.pairs[i])
+        if item is None:                                     # it encoded before: its video changed since
+            raise ValueError(f"SFT record {self.pairs[i][2]} no longer encodes")
+        return item
+
+    def keep(self, i: int, t: rollout.Trajectory) -> None:
+        size = self._size(t)
+        while self.cache and self.held + size > self.cache_bytes:
+            self.held -= self._size(self.cache.pop(next(iter(self.cache))))
+        if size <= self.cache_bytes:
+            self.cache[i] = t
+            self.held += size
+
+    @staticmethod
+    def _size(t) -> int:
+        return sum(pix.nbytes for pix, _ in t.videos if pix is not None)
+
+    def prefetch(self, indices: list[int]) -> None:
+        """Encode the items of `indices` that are not held, one thread beside the training step (at most one
+        step's batch ahead)."""
+        for i in dict.fromkeys(indices):
+            if i not in self.cache and i not in self.pending:
+                self.pending[i] = self.worker.submit(self._encode, i)
+
+
 def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.RolloutConfig, *,
                  sft_data: str | None, seed: int, gated_choices: list[int], always_call: bool = False,
                  direct_crop: float = 0.0, budget_fraction: float = 0.0, tool_free: float = 0.0,
-                 keep_bad_calls: bool = False, max_bad_fraction: float = 0.2, workers: int = 1, log=print
-                 ) -> tuple[list, int]:
-    """(encoded SFT trajectories, number skipped). From `sft_data` (trajectory records, docs/data.md), or the
+                 keep_bad_calls: bool = False, max_bad_fraction: float = 0.2, workers: int = 1,
+                 cache_bytes: float = float("inf"), log=print) -> tuple[SFTItems, int]:
+    """(the SFT trajectories, number skipped). From `sft_data` (trajectory records, docs/data.md), or the
     synthetic task's oracle: each record with the evaluation overview, and once more with a K drawn from
     `gated_choices` when given; with probability `budget_fraction` a trajectory that calls the tool is also
     recorded at a smaller tool-turn budget (the forced-answer message, then an answer from what was seen), so
     the model learns to answer when its budget runs out; with probability `tool_free` also as a tool-free teacher
-    answers it (data.oracle_sft_pairs: when to call is then left to RL). Bad records and trajectories whose tool calls the environment would refuse
-    are reported (file:line, reason) and skipped (`keep_bad_calls` keeps the latter); more than
-    `max_bad_fraction` bad stops the run. `workers`: threads encoding the trajectories (the same items, in order)."""
+    answers it (data.oracle_sft_pairs: when to call is then left to RL). Every record is encoded once here to
+    check it: bad records and trajectories whose tool calls the environment would refuse are reported
+    (file:line, reason) and skipped (`keep_bad_calls` keeps the latter); more than `max_bad_fraction` bad stops
+    the run. `workers`: threads encoding the trajectories (the same items, in order). The items keep at most
+    `cache_bytes` of pixels (`SFTItems`; --sft-cache-gb), the rest encoded again when drawn."""
     if sft_data:
         found, errors = data.sft_pairs(sft_data)
         pairs = [(rec, msgs, where, None, cfg) for rec, msgs, where in found]
@@ -703,26 +768,30 @@ def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.R
         duration = rec.get("duration") or video.probe(data.resolve_video(video_root, rec["video"])).duration
         return item, data.bad_calls(msgs, duration, cfg.min_window)
 
-    # a thread per core: decoding and the processor's tensor work run outside the GIL; map keeps the order
-    with ThreadPoolExecutor(max(1, min(workers, len(pairs)))) as pool:
-        encoded = list(pool.map(encode, pairs))
-    items, n_bad_calls = [], 0
-    for (rec, msgs, where, k, c), (item, why) in zip(pairs, encoded):
-        if item is None:
-            errors.append(why)
-            continue
-        if why and not keep_bad_calls:
-            errors.append(f"{where}: tool calls the environment would refuse ({'; '.join(why[:3])}); "
-                          f"skipped (--keep-bad-calls trains on them)")
-            n_bad_calls += 1
-            continue
-        items.append(item)
+    good, n_bad_calls = [], 0
+    items = SFTItems(good, encode, cache_bytes)
+    # a thread per core: decoding and the processor's tensor work run outside the GIL; map keeps the order; a
+    # window of 2 per thread in flight, each result dropped here unless the cache keeps it
+    workers = max(1, min(workers, len(pairs)))
+    windows = (pairs[j:j + 2 * workers] for j in range(0, len(pairs), 2 * workers))
+    with ThreadPoolExecutor(workers) as pool:
+        for pair, (item, why) in ((p, r) for w in windows for p, r in zip(w, pool.map(encode, w))):
+            if item is None:
+                errors.append(why)
+                continue
+            if why and not keep_bad_calls:
+                errors.append(f"{pair[2]}: tool calls the environment would refuse ({'; '.join(why[:3])}); "
+                              f"skipped (--keep-bad-calls trains on them)")
+                n_bad_calls += 1
+                continue
+            good.append(pair)
+            items.keep(len(good) - 1, item)
     for e in errors[:5]:
         log(f"skipped SFT record: {e}")
     if len(errors) > 5:
         log(f"... {len(errors) - 5} more SFT records skipped")
-    if not items or len(errors) > max_bad_fraction * (len(items) + len(errors)):
-        raise ValueError(f"{len(errors)} of {len(items) + len(errors)} SFT records are bad; first: {errors[:3]}")
+    if not good or len(errors) > max_bad_fraction * (len(good) + len(errors)):
+        raise ValueError(f"{len(errors)} of {len(good) + len(errors)} SFT records are bad; first: {errors[:3]}")
     return items, len(errors)
 
 
@@ -821,6 +890,14 @@ def sft_backward(model, items: list, rows: int, pad_id: int, loss_chunk: int | N
     return torch.stack(parts).sum(), n_tok
 
 
+def sft_draw(seed: int, step: int, rank: int, n: int, s: SFTSettings) -> tuple[list[int], bool]:
+    """A step's SFT batch on a rank (indices into the items) and whether it runs TDAM: seeded by (seed, step,
+    rank) alone (string seeds: draws independent across steps), so the next step's can be prefetched."""
+    rng = random.Random(f"sft:{seed}:{step}:{rank}")
+    idx = [rng.randrange(n) for _ in range(s.batch)]
+    return idx, rng.random() < s.tdam_ratio
+
+
 def run_sft(run: Run, model, items: list, optimizer, s: SFTSettings, pad_id: int, tokenizer,
             start: int = 0) -> None:
     """SFT steps start+1 .. s.steps: a batch drawn per step (per rank), TDAM on a fraction of batches, AdamW
@@ -829,9 +906,10 @@ def run_sft(run: Run, model, items: list, optimizer, s: SFTSettings, pad_id: int
     for step in tqdm(range(start + 1, s.steps + 1), desc="sft", disable=run.rank != 0, initial=start, total=s.steps):
         t0 = time.time()
         lr = set_lr(optimizer, get_lr(step - 1, s.steps, s.lr, warmup_steps=min(10, s.steps // 10)))
-        rng = random.Random(f"sft:{run.seed}:{step}:{run.rank}")   # string seeds: draws independent across steps
-        batch = [items[rng.randrange(len(items))] for _ in range(s.batch)]
-        tdam = rng.random() < s.tdam_ratio
+        idx, tdam = sft_draw(run.seed, step, run.rank, len(items), s)
+        if step < s.steps and hasattr(items, "prefetch"):   # the next step's trajectories, encoded meanwhile
+            items.prefetch(sft_draw(run.seed, step + 1, run.rank, len(items), s)[0])
+        batch = [items[i] for i in idx]
         loss, n_tok = sft_backward(model, batch, s.micro_batch, pad_id, s.loss_chunk or None, tokenizer if tdam else None,
                                    s.compile, run.counters, s.precision)
         if tdam and run.counters.get("tdam_no_answer") and "tdam" not in run.warned:
@@ -897,7 +975,8 @@ def main(rank: int, args) -> dict:
                                     always_call=args.always_call, direct_crop=args.direct_crop,
                                     tool_free=args.sft_tool_free,
                                     budget_fraction=args.sft_budget_fraction, keep_bad_calls=args.keep_bad_calls, max_bad_fraction=args.max_bad_fraction,
-                                    workers=torch.get_num_threads(), log=lambda m: print0(rank, m))
+                                    workers=torch.get_num_threads(), cache_bytes=args.sft_cache_gb * 2 ** 30,
+                                    log=lambda m: print0(rank, m))
         run.counters["bad_samples"] += 0 if state else n_bad          # a resumed run counted them before
         optimizer = make_optimizer(model, args.sft_lr, args.vision_lr_scale)
         run.load_optimizer(ckpt, model, optimizer, state, "sft")
@@ -1013,6 +1092,7 @@ def rollout_config(args) -> rollout.RolloutConfig:
                                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                            group_size=args.group_size, overview_fps=args.overview_fps,
                                            overview_max_frames=args.overview_max_frames,
+                                           overview_tokens=args.overview_tokens, max_context=args.max_context,
                                            memory_budget_bytes=int(args.rollout_memory_gb * 2 ** 30)
                                            if args.rollout_memory_gb else None), **extra})
 

@@ -38,8 +38,9 @@ import data
 import kvcache
 import ops
 import rollout
+import runtime
 import train
-from model import ModelConfig, build_tiny, special_token_ids
+from model import ModelConfig, build_tiny, cast_parameters, special_token_ids
 
 
 def sync(device):
@@ -68,7 +69,7 @@ def build(args, device):
     config, processor = qwen3vl_config("8b"), qwen_tokenizer()
     with torch.device(device):
         model = use_linear_patch_embed(Qwen3VLForConditionalGeneration(config))
-    return model.to(torch.bfloat16).eval(), processor
+    return cast_parameters(model, torch.bfloat16).eval(), processor   # rotary inv_freq stays fp32
 
 
 class ToolScript:
@@ -147,7 +148,7 @@ def section_train(model, processor, trajs, args, device) -> dict:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29512")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+        runtime.init_process_group(0, 1, use_cuda=device.type == "cuda")
     model.train()
     model.gradient_checkpointing_enable()
     for layer in model.model.language_model.layers:

@@ -260,7 +260,7 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     torch.set_num_threads(args.threads)
     if world > 1:
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-        torch.distributed.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=rank, world_size=world)
+        runtime.init_process_group(rank, world, use_cuda=args.device != "cpu")
     device = torch.device(args.device if args.device == "cpu" else f"cuda:{rank}")
     if device.type == "cuda":
         torch.cuda.set_device(device)

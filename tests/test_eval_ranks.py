@@ -5,7 +5,6 @@ decision is made once, so every rank calls the (collective) save together.
 
     pytest tests/test_eval_ranks.py -q
 """
-import datetime
 import json
 import os
 import subprocess
@@ -140,7 +139,7 @@ def test_one_process_resumes_what_two_left(records_file, one_process, tmp_path, 
 
 def _init(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    runtime.init_process_group(rank, world, use_cuda=False, timeout_s=60)
     torch.set_num_threads(1)
 
 

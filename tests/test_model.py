@@ -264,6 +264,23 @@ def test_load_model_from_directory(tiny, saved, clip):
     assert torch.equal(logits(model2, kw), logits(tiny[0], kw))
 
 
+@pytest.mark.parametrize("source", ["tiny", "saved"])
+def test_bf16_load_keeps_the_rotary_frequencies_fp32(tiny, saved, source):
+    """--precision bf16's loads (eval.py on CUDA, the KL reference) put the parameters in bf16 and leave every
+    buffer as it was: a bf16 inv_freq is off by about 14 rad of angle at 16k tokens. Both paths of load_model:
+    the embedded default and a checkpoint directory (from_pretrained, then the cast)."""
+    model, _ = model_lib.load_model(source if source == "tiny" else str(saved), device="cpu", dtype=torch.bfloat16,
+                                    tiny_corpus=rollout.prompt_corpus())
+    reference = dict(tiny[0].named_buffers())
+    rotary = [n for n, _ in model.named_buffers() if n.endswith("inv_freq")]
+    assert rotary and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    for name, buf in model.named_buffers():
+        assert buf.dtype == reference[name].dtype, name
+        assert torch.equal(buf, reference[name]), name
+    angle = lambda m: 16384 * dict(m.named_buffers())[rotary[0]].double()
+    assert (angle(model) - angle(tiny[0])).abs().max() == 0
+
+
 @pytest.mark.parametrize("rel", [
     "missing",               # absolute path to a directory that does not exist
     "nested/missing/model",  # several levels below the temporary folder

@@ -156,6 +156,63 @@ def test_token_loss_compiled_matches_naive():
     assert ops._chunk_grad_logits_ in ops._compiled_kernels   # the compiled path really ran
 
 
+def test_compiled_kernels_sft_then_rl_never_fall_back(monkeypatch):
+    """
+    Regression (issue 54, defect 5): the chunk kernels were compiled with each chunk width a static shape and the
+    temperature a constant, so a run's SFT (T = 1, several widths) then RL (T = 0.7) passed Dynamo's recompile
+    limit (8 graphs a function) and RL's chunks ran eagerly, silently, with fp32 (V, C) temporaries. A real
+    sequence, fp32 then bf16: SFT's fused loss on 40 / 100 / 300 / 700 tokens (auto chunks of 8 / 16 / 64 / 128
+    rows, the small-logits limit shrunk with V), forward and backward, and no-grad log-probs at T = 1; then RL at
+    T = 0.7: old and reference log-probs (token_logprobs, chunk 1024 shrunk to 1 -> 2 / 64 / 512 rows) and the
+    GRPO loss. Each compiled call equals its eager twin; none may fall back (fail_on_recompile_limit_hit makes a
+    fallback an error); 4 graphs in all: one per kernel (forward, gradient) and dtype, whatever C and T.
+    """
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(ops, "_compiled_kernels", {})
+    vocab, dim = 512, 16
+    monkeypatch.setattr(ops, "_MIN_CHUNK_LOGITS", 8 * vocab)      # chunks of >= 8 rows, as >= 64 at Qwen's V
+    rel = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+    def problem(n, dtype, seed):
+        gen = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(1, n, dim, generator=gen).to(dtype)
+        weight = (torch.randn(vocab, dim, generator=gen) * 0.3).to(dtype)
+        return hidden, weight, torch.randint(0, vocab, (1, n), generator=gen), torch.ones(1, n, dtype=torch.bool)
+
+    def both(fn, *args):                        # compiled and eager: the same values, gradients included
+        ours, eager = fn(*args, compile=True), fn(*args, compile=False)
+        for a, b in zip(ours, eager):
+            assert_rel_close(a, b, rel[dtype])                             # dtype: the loop's, below
+        return ours[0]
+
+    def loss_grads(loss, **kw):
+        return lambda h, w, compile: value_and_grads(lambda h, w: loss(h, w, compile=compile, **kw), h, w)[:3]
+
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for dtype in (torch.float32, torch.bfloat16):
+            for n in (40, 100, 300, 700):                                             # SFT, T = 1
+                hidden, weight, targets, mask = problem(n, dtype, n)
+                assert ops._auto_chunk(n, dim, vocab) == {40: 8, 100: 16, 300: 64, 700: 128}[n]
+                both(loss_grads(lambda h, w, **kw: sft_token_loss(h, w, targets, mask, **kw)), hidden, weight)
+            with torch.no_grad():
+                both(lambda h, w, compile: (token_logprobs(h, w, targets, compile=compile),), hidden, weight)
+            for n in (1, 40, 300):                                                    # RL, T = 0.7
+                hidden, weight, targets, mask = problem(n, dtype, n + 1)
+                with torch.no_grad():
+                    old = both(lambda h, w, compile: (token_logprobs(h, w, targets, compile=compile,
+                                                                     temperature=0.7),), hidden, weight)
+                    ref = both(lambda h, w, compile: (token_logprobs(h, w, targets, compile=compile,
+                                                                     temperature=0.7),), hidden, weight * 0.9)
+                adv = torch.randn(1, generator=torch.Generator().manual_seed(n))
+                both(loss_grads(lambda h, w, **kw: grpo_loss(h, w, targets, old + 0.1, adv, mask, clip_low=0.2,
+                                                             clip_high=0.3, kl_coef=0.05, ref_logprobs=ref,
+                                                             temperature=0.7, **kw)), hidden, weight)
+    assert set(ops._compiled_kernels) == {ops._chunk_logprobs, ops._chunk_grad_logits_}
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 4, f"{graphs} graphs compiled, expected one per kernel and dtype (2 x 2)"
+
 def test_token_loss_auto_chunk_takes_the_fused_path(monkeypatch):
     """chunk_size None above the small-logits limit: Liger's chunk, the fused Function, the same values."""
     hidden, weight, targets, *_ = make_batch(B=1, L=40, vocab=1000, seed=5)

@@ -247,12 +247,12 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
       thresholds  module constants to set first (conftest.SMALL_THRESHOLDS: a spawned rank does not inherit the
                   test's monkeypatches)"""
     loss_chunk, precision, adamw_lr = opts.get("loss_chunk", 0), opts.get("precision", "fp32"), opts.get("adamw_lr")
-    tied = opts.get("tied", False)
+    tied, kl_coef = opts.get("tied", False), opts.get("kl_coef", 0.0)
     set_thresholds(opts.get("thresholds", {}))
     torch.set_num_threads(1)
     if world > 1:                      # (a spawned rank's own environment; world 1 runs in the test process)
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        runtime.init_process_group(rank, world, use_cuda=False)
     if tied:
         model, processor = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())
         model.config.tie_word_embeddings = True
@@ -276,12 +276,17 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
     mine = [(trajs[i], adv, {"anchor": 0.0}) for i, adv in items_of_rank[rank]]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0) if adamw_lr is None else \
         train.make_optimizer(model, adamw_lr, vision_lr_scale=1.0)
-    s = train.GRPOSettings(micro_batch=1, temperature=0.7, loss_chunk=loss_chunk, precision=precision)
+    s = train.GRPOSettings(micro_batch=1, temperature=0.7, loss_chunk=loss_chunk, precision=precision,
+                           kl_coef=kl_coef, kl_estimator="k3", kl_in_reward=False)
+    ref_model = None                   # a KL loss term: a frozen reference other than the initial policy
+    if kl_coef:
+        ref_model = model_lib.load_model("tiny", device="cpu", seed=1, tiny_corpus=rollout.prompt_corpus())[0]
+        ref_model.requires_grad_(False)
     full = lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
     grads = {}
     step = lambda loss: (grads.update({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}),
                          optimizer.step(), optimizer.zero_grad())
-    gn, _ = train.policy_update(model, None, optimizer, mine, s, processor.tokenizer.pad_token_id, processor.tokenizer, world,
+    gn, _ = train.policy_update(model, ref_model, optimizer, mine, s, processor.tokenizer.pad_token_id, processor.tokenizer, world,
                                 filler=trajs[0], step_fn=step)
     hook.remove()
     for name, real in collectives.items():
@@ -304,6 +309,22 @@ def _run_ranks(world: int, items_of_rank: dict, out: str, **opts) -> dict:
         torch.multiprocessing.spawn(_rank_update, args=(world, runtime.find_free_port(), items_of_rank, out, opts),
                                     nprocs=world)
     return torch.load(out, weights_only=True)
+
+
+def test_two_rank_update_with_a_kl_loss_term_where_one_rank_keeps_nothing(encoded, tmp_path):
+    """A k3 KL loss term (--kl-coef 0.1 --kl-in-reward 0) on 2 gloo ranks, rank 1 holding no trajectory (ParaVT's 7
+    prompts on 8 GPUs leave rank 7 none): rank 1's zero-weight filler pass takes the filler's own reference
+    log-probs (before: none, and grpo_loss refused a KL term without them, so the job died at step 1). Both ranks
+    return, and the update equals one process's on the same trajectories, the KL's gradient included."""
+    trajs, _ = encoded
+    torch.save(trajs, tmp_path / "trajs.pt")
+    items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0), (1, -1.0)], 1: []}
+    two = _run_ranks(2, items, str(tmp_path / "two.pt"), kl_coef=0.1)
+    one = _run_ranks(1, items, str(tmp_path / "one.pt"), kl_coef=0.1)
+    no_kl = _run_ranks(1, items, str(tmp_path / "no_kl.pt"))
+    assert any(not torch.equal(one[n], no_kl[n]) for n in one), "the KL term changed nothing"
+    for n in one:
+        torch.testing.assert_close(two[n], one[n], atol=2e-5, rtol=1e-4, msg=n)
 
 
 @pytest.mark.parametrize("split", ["both_ranks_learn", "rank1_idle"])

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -204,6 +205,39 @@ def test_sft_examples_in_threads_are_the_serial_ones(tmp_path, tiny, name):
         assert (a.record_id, a.token_ids, a.roles, a.nframes) == (b.record_id, b.token_ids, b.roles, b.nframes)
         assert len(a.videos) == len(b.videos) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
                                                       for x, y in zip(a.videos, b.videos))
+
+
+def test_sft_items_keep_at_most_their_budget_of_pixels_and_train_the_same(tmp_path, tiny):
+    """--sft-cache-gb shrunk to two trajectories' pixels: sft_examples encodes every record to check it but keeps
+    at most that budget (a 1,000-record cold start at Qwen's sizes held whole: 352 GiB a rank), a step draws the
+    rest encoded again (the next step's batch by a thread meanwhile), each comes back as it was (ids, roles,
+    pixels), and SFT steps give the weights of the unbounded run, bit for bit."""
+    model, processor = tiny
+    args = runtime.parse_args(smoke_argv(tmp_path))
+    records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
+                                            os.environ["PARAVT_CACHE"])
+    kw = dict(sft_data=None, seed=0, gated_choices=[])
+    whole, _ = train.sft_examples(records, processor, root, train.rollout_config(args), **kw)
+    budget = 2 * max(train.SFTItems._size(t) for t in whole) + 1
+    held, _ = train.sft_examples(records, processor, root, train.rollout_config(args), cache_bytes=budget, **kw)
+    assert len(held) == len(whole) > 4 and held.held <= budget and len(held.cache) <= 2
+    for i in range(len(whole)):
+        a, b = whole[i], held[i]
+        assert (a.record_id, a.token_ids, a.roles) == (b.record_id, b.token_ids, b.roles)
+        assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a.videos, b.videos))
+        assert held.held <= budget
+    assert held.encodes >= len(whole) - 2 and whole.encodes == 0          # re-encoded when drawn; never, unbounded
+    s = train.SFTSettings(steps=3, batch=4, micro_batch=2, lr=1e-3, tdam_ratio=0.0)
+    out = {}
+    for name, items in (("whole", whole), ("held", held)):
+        m = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
+        run_ = runtime.Run(str(tmp_path / name), 0, 1, 0, 100, 0, False, 1.0)
+        run_.processor = processor
+        train.run_sft(run_, m, items, train.make_optimizer(m, s.lr, 0.0), s, processor.tokenizer.pad_token_id,
+                      processor.tokenizer)
+        out[name] = {n: p.detach().clone() for n, p in m.named_parameters()}
+        assert items.held <= (budget if name == "held" else float("inf")) and not items.pending
+    assert all(torch.equal(out["whole"][n], out["held"][n]) for n in out["whole"])
 
 
 def test_held_out_batch_size_reaches_the_rollout(tmp_path, monkeypatch):
@@ -615,7 +649,7 @@ RANK_TRAJS = {0: [("need", 1, 1.0, None), ("easy", 0, 1.0, None), ("easy", 1, 0.
 def _rank_metrics(rank: int, world: int, port: int, out: str) -> None:
     if world > 1:
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        runtime.init_process_group(rank, world, use_cuda=False)
     mine = RANK_TRAJS[rank] if world > 1 else RANK_TRAJS[0] + RANK_TRAJS[1]
     trajs = [_traj(rid, calls, err) for rid, calls, _, err in mine]
     comps = [{"acc": acc, "format": 1.0} for _, _, acc, _ in mine]
@@ -845,6 +879,26 @@ def test_bf16_step_moves_the_fp32_master_weights(tdam_batch):
     assert moved_pure < 0.1, moved_pure
     with pytest.raises(ValueError, match="fp32"):            # never an AdamW step on bf16 parameters
         train.make_optimizer(pure, 1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_forward_hands_the_model_pixels_in_the_compute_dtype(tdam_batch, precision):
+    """The training forward hands the model its pixels in the dtype it computes in: bf16 under --precision bf16
+    (whose parameters are fp32 master weights, FSDP2 shards or not), fp32 otherwise. Cast to the parameters'
+    dtype, a bf16 run's (patches, 1536) pixels went to the device in fp32, twice their size. The hidden states
+    are the same as with fp32 pixels, bit for bit: the tower's first matmul rounds them to bf16 under autocast."""
+    _, batch = tdam_batch
+    model, _ = train.policy_model("tiny", torch.device("cpu"), precision, world=1, seed=0)
+    seen = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["pixel_values_videos"].dtype),
+                                                 with_kwargs=True)
+    with torch.no_grad(), train.autocast(precision, model):
+        hidden = train.forward_hidden(model, batch)[0]
+    hook.remove()
+    assert seen == [{"fp32": torch.float32, "bf16": torch.bfloat16}[precision]]
+    with torch.no_grad(), train.autocast(precision, model), \
+            mock.patch.object(model_lib, "compute_dtype", lambda m: torch.float32):
+        assert torch.equal(train.forward_hidden(model, batch)[0], hidden)
 
 
 def test_bf16_tdam_sft_step_on_one_process(tdam_batch):
