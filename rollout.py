@@ -71,7 +71,8 @@ class RolloutConfig:
     overview_fps: float = 2.0
     overview_max_frames: int = 768
     overview_nframes: int | None = None  # exactly K frames (nFrames gating); None = fps rule
-    overview_max_pixels: int | None = None   # per frame; None = 16k visual tokens over the whole overview
+    overview_max_pixels: int | None = None   # per frame; None = overview_tokens over the whole overview
+    overview_tokens: int = 16384         # visual tokens of the whole overview without a per-frame cap (Video-o3's 16k)
     crop_fps: float = 2.0
     crop_max_frames: int = video.CLIP_MAX_FRAMES   # frames of one crop at most (a long window is sampled sparser)
     crop_max_pixels: int | None = None   # per-frame cap on top of the level quota (tiny default: 64*64)
@@ -80,7 +81,7 @@ class RolloutConfig:
     subagent_max_frames: int = 16
     subagent_max_pixels: int = 224 * 224
     subagent_max_new_tokens: int = 512
-    max_context: int = 32768             # a row that would exceed this is cut and flagged
+    max_context: int = 32768             # tokens a row may hold (--max-context); one that reaches it is cut and flagged
     tools_block: bool = True             # Hermes tools block in the system prompt (real checkpoints expect it)
     memory_budget_bytes: int | None = None   # K/V the engine may hold (--rollout-memory-gb); None: memory_budget()
     continuous: bool = True              # continuous batching; False: fixed waves (the benchmark's baseline)
@@ -91,14 +92,21 @@ class RolloutConfig:
 # the training flags of train.py (recipe, group, learning rates, clip range, KL, temperature, sampling).
 PRESETS = {
     "paravt": dict(
-        rollout=dict(tool_mode="subagent", overview_nframes=64, max_turns=3, max_calls_per_turn=5, max_new_tokens=2048),
+        rollout=dict(tool_mode="subagent", overview_nframes=64, max_turns=3, max_calls_per_turn=5, max_new_tokens=2048,
+                     overview_tokens=16384, max_context=32768),
         eval_max_turns=3,
         train=dict(recipe="para_grpo", group_size=8, prompts_per_step=7, lr=2e-6, sft_lr=1e-5, clip_low=0.2,
                    clip_high=0.2, kl_coef=0.01, kl_estimator="k1", kl_in_reward=1, temperature=0.7, shaping=1,
                    gating=1, dynamic_sampling=0, mask_truncated=0)),
+    # Video-o3's sizes (its release: prompts of at most 18,432 tokens, 8,192 new tokens a turn; crops in
+    # video.LEVEL_TOKENS) and a context that holds the whole protocol, so no full-length row is cut and masked: a
+    # 768-frame overview of 12,288 visual tokens and 384 timestamps (12 tokens each with their markers, videos under
+    # 27 h) leaves 1,536 of the 18,432 to the system prompt, tools and question; then row_blocks' worst case:
+    # 7 turns x 8,192 + 6 rounds x (96 + 5 fine clips x (3,072 + 64 x 16 + 64) + 64) (docs/method.md §5).
     "videoo3": dict(
         rollout=dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
-                     max_turns=6, max_calls_per_turn=5, max_new_tokens=2048),
+                     overview_tokens=12288, max_turns=6, max_calls_per_turn=5, max_new_tokens=8192,
+                     max_context=18432 + 7 * 8192 + 6 * (96 + 5 * (3072 + 64 * 16 + 64) + 64)),    # 201,536
         eval_max_turns=8,
         train=dict(recipe="vtgr", group_size=16, prompts_per_step=32, lr=1e-6, sft_lr=1e-5, clip_low=0.2,
                    clip_high=0.3, kl_coef=0.0, kl_estimator="k3", kl_in_reward=0, temperature=1.0, shaping=0,
@@ -241,10 +249,10 @@ def prompt_text(processor, record: dict, tools_block: bool = True) -> str:
 
 def overview_kwargs(duration: float, cfg: RolloutConfig, factor: int, nframes: int | None) -> dict:
     """`video.sample_overview` arguments of an overview: exactly `nframes` frames (gating) or the fps rule, each
-    frame sized so the whole overview costs about 16k visual tokens (Video-o3's budget) unless
-    cfg.overview_max_pixels is set."""
+    frame sized so the whole overview costs at most cfg.overview_tokens visual tokens (Video-o3's 16k; its preset
+    12,288) unless cfg.overview_max_pixels is set."""
     n = nframes or video.even_count(max(1, round(duration * cfg.overview_fps)), cfg.overview_max_frames)
-    max_pixels = cfg.overview_max_pixels or min(768, 16384 // max(1, n // 2)) * factor * factor
+    max_pixels = cfg.overview_max_pixels or min(768, cfg.overview_tokens // max(1, n // 2)) * factor * factor
     return dict(fps=cfg.overview_fps, max_frames=cfg.overview_max_frames, nframes=nframes, max_pixels=max_pixels,
                 factor=factor)
 
@@ -405,6 +413,22 @@ def safe(groups: list[tuple[int, int]], free: int) -> bool:
     return True
 
 
+def split_group(group: tuple, budget: int) -> list[tuple]:
+    """A queued (prompt chunk, rows, prompt blocks) whose worst case (the prompt once + every row's reserve)
+    exceeds the budget, as consecutive parts of its rows that each fit (at least one row a part), each with its
+    own copy of the prompt's K/V: a Video-o3 group of 16 rows of ~200k tokens at 8B is ~400 GiB of worst case,
+    one row ~30 GiB. A row samples from its own seed and draw counter, so the parts sample what the whole group
+    would (the prompt is prefilled once per part)."""
+    chunk, rows, prompt = group
+    parts, part = [], []
+    for r in rows:
+        if part and prompt + sum(x.reserve for x in part) + r.reserve > budget:
+            parts.append(part)
+            part = []
+        part.append(r)
+    return [(chunk, p, prompt) for p in parts + [part]]
+
+
 def memory_budget(cfg: RolloutConfig, device) -> int:
     """Bytes of K/V a rollout may hold: cfg.memory_budget_bytes (--rollout-memory-gb), else on CUDA 80 % of the
     memory not allocated now (free + cached by the allocator: beside the weights; the other 20 % is left for
@@ -517,9 +541,10 @@ class Engine:
     def run(self) -> None:
         """Roll out everything queued. The pool holds the budget's blocks, or all the queued work's worst case if
         that is less, and at least the largest single group's worst case (with a warning when that is more)."""
+        budget = memory_budget(self.cfg, self.device) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
+        self.queued = deque(part for group in self.queued for part in split_group(group, budget))
         need = [blocks_for(len(c.ids)) + sum(r.reserve for r in rows) for c, rows, _ in self.queued]
         need += [blocks_for(len(c.ids)) + blocks_for(s.max_new) for c, s in self.subs]
-        budget = memory_budget(self.cfg, self.device) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
         if need and max(need) > budget:
             warnings.warn(f"rollout memory budget ({budget} blocks of {kvcache.BLOCK} tokens) is below one prompt group's "
                           f"worst case ({max(need)} blocks): the pool holds that instead", stacklevel=2)

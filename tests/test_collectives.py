@@ -83,3 +83,26 @@ def test_every_collective_on_two_ranks_of_a_one_device_type_group(tmp_path):
     assert [r["id"] for r in got[0]["rows"]] == [f"q{i}" for i in range(5)] and got[1]["rows"] is None
     assert [r["response"][-1] for r in got[0]["rows"]] == ["0", "1", "0", "1", "0"]     # question i -> rank i % 2
     assert [r["id"] for r in ev.read_predictions(tmp_path / "preds.jsonl")] == [f"q{i}" for i in range(5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_collectives_on_an_nccl_group(monkeypatch):
+    """The first machine with a GPU: the group as a CUDA run creates it (one rank, cuda:nccl) takes every
+    collective helper (before: `No backend type associated with device type cpu` at the first one)."""
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(runtime.find_free_port()))
+    torch.cuda.set_device(0)
+    runtime.init_process_group(0, 1, use_cuda=True)
+    try:
+        assert dist.get_backend_config() == "cuda:nccl" and runtime.collective_device().type == "cuda"
+        assert (runtime.all_sum(3), runtime.all_max(7), runtime.all_sum_float(0.5)) == (3, 7, 0.5)
+        assert runtime._all_reduce([1.0, 2.0], dist.ReduceOp.SUM) == [1.0, 2.0]
+        # the collective paths of the world > 1 helpers, on this 1-rank group
+        assert runtime.all_sums([1, 2.5], world=2) == [1.0, 2.5]
+        assert runtime.all_mean({"a": 4.0}, world=2) == {"a": 2.0}                 # a sum over 1 rank, / 2
+        box = [None]
+        dist.all_gather_object(box, "names")
+        assert box == ["names"]
+    finally:
+        dist.destroy_process_group()

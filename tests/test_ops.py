@@ -156,7 +156,9 @@ def test_token_loss_compiled_matches_naive():
     assert ops._chunk_grad_logits_ in ops._compiled_kernels   # the compiled path really ran
 
 
-def test_compiled_kernels_sft_then_rl_never_fall_back(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_compiled_kernels_sft_then_rl_never_fall_back(monkeypatch, device):
     """
     Regression (issue 54, defect 5): the chunk kernels were compiled with each chunk width a static shape and the
     temperature a constant, so a run's SFT (T = 1, several widths) then RL (T = 0.7) passed Dynamo's recompile
@@ -179,7 +181,8 @@ def test_compiled_kernels_sft_then_rl_never_fall_back(monkeypatch):
         gen = torch.Generator().manual_seed(seed)
         hidden = torch.randn(1, n, dim, generator=gen).to(dtype)
         weight = (torch.randn(vocab, dim, generator=gen) * 0.3).to(dtype)
-        return hidden, weight, torch.randint(0, vocab, (1, n), generator=gen), torch.ones(1, n, dtype=torch.bool)
+        targets, mask = torch.randint(0, vocab, (1, n), generator=gen), torch.ones(1, n, dtype=torch.bool)
+        return hidden.to(device), weight.to(device), targets.to(device), mask.to(device)
 
     def both(fn, *args):                        # compiled and eager: the same values, gradients included
         ours, eager = fn(*args, compile=True), fn(*args, compile=False)
@@ -205,13 +208,14 @@ def test_compiled_kernels_sft_then_rl_never_fall_back(monkeypatch):
                                                                      temperature=0.7),), hidden, weight)
                     ref = both(lambda h, w, compile: (token_logprobs(h, w, targets, compile=compile,
                                                                      temperature=0.7),), hidden, weight * 0.9)
-                adv = torch.randn(1, generator=torch.Generator().manual_seed(n))
+                adv = torch.randn(1, generator=torch.Generator().manual_seed(n)).to(device)
                 both(loss_grads(lambda h, w, **kw: grpo_loss(h, w, targets, old + 0.1, adv, mask, clip_low=0.2,
                                                              clip_high=0.3, kl_coef=0.05, ref_logprobs=ref,
                                                              temperature=0.7, **kw)), hidden, weight)
     assert set(ops._compiled_kernels) == {ops._chunk_logprobs, ops._chunk_grad_logits_}
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == 4, f"{graphs} graphs compiled, expected one per kernel and dtype (2 x 2)"
+
 
 def test_token_loss_auto_chunk_takes_the_fused_path(monkeypatch):
     """chunk_size None above the small-logits limit: Liger's chunk, the fused Function, the same values."""

@@ -21,13 +21,17 @@ rollout's own overview budget).
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+import kvcache
 import model as model_lib
 import ops
 import rollout
+import runtime
 import train
+import video
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "real_videos"
 VIDEO = "nasa_13013.mp4"                          # 13 s of NASA footage, 320x180 / 480x270 streams
@@ -226,3 +230,62 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     model.eval()
     assert torch.isfinite(sft) and n == len(t.logprobs) and 5.0 < float(sft.detach()) < 20.0   # ~ln(151936)
     assert not torch.equal(before, model.lm_head.weight)
+
+
+def worst_frames(n: int, max_pixels: int, factor: int) -> torch.Tensor:
+    """n frames of the shape whose visual tokens per temporal patch reach max_pixels / factor^2 exactly (a x b
+    cells of factor x factor pixels, a * b = that quota; the most any aspect ratio gets), as video.resize_frames
+    leaves them."""
+    t = max_pixels // factor ** 2
+    a = max(d for d in range(1, int(t ** 0.5) + 1) if t % d == 0)
+    frames = torch.zeros(n, 3, a * factor, t // a * factor, dtype=torch.uint8)
+    assert video.resize_frames(frames[:1], max_pixels, factor).shape == frames[:1].shape
+    return frames
+
+
+def test_videoo3_full_protocol_fits_its_context():
+    """Defect 9 of issue 54: the Video-o3 preset holds its own protocol (docs/method.md §5). At the real Qwen3-VL
+    processor settings (patch 16, merge 2, temporal patch 2, Qwen's tokenizer) a full-length trajectory: the prompt
+    with a 768-frame overview of a 10-hour video (five-digit timestamps) at the most visual tokens a frame shape
+    gets, max_turns rounds of max_calls_per_turn fine crops of 64 s (128 frames, the fine quota reached), each turn
+    max_new_tokens long. It fits the preset's max_context, so the engine (which ends a row truncated once it holds
+    max_context tokens) never cuts it and --mask-truncated drops no full-length row; the prompt stays within the
+    release's 18,432 tokens; the engine's worst case (row_blocks) covers it. The preset used to hold 32,768
+    tokens: the prompt and about 1.5 of the 6 rounds of 5 medium crops."""
+    cfg = train.rollout_config(runtime.parse_args(["--preset", "videoo3", "--model", "Qwen/Qwen3-VL-8B-Instruct"]))
+    published = model_lib.qwen3vl_config("8b", text_layers=None, vision_depth=None)
+    v = published.vision_config
+    processor = model_lib.build_processor(model_lib.qwen_tokenizer(), model_lib.ModelConfig(
+        patch_size=v.patch_size, spatial_merge=v.spatial_merge_size, temporal_patch=v.temporal_patch_size))
+    factor = rollout.video_factor(processor)
+    assert (factor, processor.video_processor.temporal_patch_size) == (32, 2)
+    pad = lambda c: int((c.ids == published.video_token_id).sum())
+    duration = 36_000.0
+    record = {"id": "long", "video": "long.mp4", "task": "mcq", "answer": "C",
+              "question": "After the woman in the red coat leaves the kitchen for the second time, what does the man "
+                          "standing by the window pick up from the table and where does he put it?",
+              "options": ["a blue notebook, into his bag", "a set of keys, into his pocket",
+                          "a coffee mug, onto the shelf", "a phone, onto the sofa"]}
+    kw = rollout.overview_kwargs(duration, cfg, factor, cfg.overview_nframes)
+    n = video.even_count(round(duration * cfg.overview_fps), cfg.overview_max_frames)
+    overview = video.Clip(worst_frames(n, kw["max_pixels"], factor), video.uniform_targets(0.0, duration, n), "v", n)
+    prompt = rollout.encode_chunk(processor, rollout.prompt_text(processor, record, cfg.tools_block), [overview])
+    assert n == 768 and len(prompt.ids) <= 18_432, (n, pad(prompt), len(prompt.ids))
+    rounds = []
+    for k in range(cfg.max_turns):
+        windows = [(duration - 64.0 * (5 * k + j + 1), duration - 64.0 * (5 * k + j)) for j in range(cfg.max_calls_per_turn)]
+        n_crop, px = video.crop_budget(64.0, "fine", cfg.crop_fps, cfg.crop_max_frames, factor ** 2)
+        px = min(px, cfg.crop_max_pixels or px)
+        clips = [video.Clip(worst_frames(n_crop, px, factor), video.uniform_targets(s, e, n_crop), "v", n_crop)
+                 for s, e in windows]
+        c = rollout.encode_chunk(processor, rollout.response_chunk_text([rollout.clip_part(w) for w in windows],
+                                                                        forced=k == cfg.max_turns - 1), clips)
+        assert n_crop == 128 and pad(c) == cfg.max_calls_per_turn * video.LEVEL_TOKENS["fine"]
+        rounds.append(len(c.ids))
+    turns = rollout.assistant_turns(cfg) * cfg.max_new_tokens          # every turn at its limit, <|im_end|> included
+    total = len(prompt.ids) + sum(rounds) + turns
+    assert total < cfg.max_context, (len(prompt.ids), rounds, turns, total, cfg.max_context)
+    assert cfg.max_context <= published.text_config.max_position_embeddings
+    assert rollout.row_blocks(cfg, len(prompt.ids), factor) * kvcache.BLOCK >= total - len(prompt.ids)
+    # the context is the release's prompt budget + the engine's worst case of a row's suffix, not a guess
+    assert rollout.row_blocks(cfg, 18_432, factor) == rollout.blocks_for(cfg.max_context - 18_432)

@@ -285,12 +285,15 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
 
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
 def test_a_budget_below_one_group_holds_one_group(tiny, split, script, mode, shrunk_thresholds, monkeypatch):
-    """A budget below one group's worst case: the pool holds the largest group's worst case instead (a warning
-    says so), never grows, and the trajectories equal an unbounded run's."""
+    """A budget below one group's worst case: the group runs as parts of its rows that fit, each with its own copy
+    of the prompt (here a row a part: a Video-o3 group at its full context is ~400 GiB at 8B, a row ~30 GiB); a row
+    above the budget alone makes the pool hold its worst case instead (a warning says so); the pool never grows,
+    and the trajectories equal an unbounded run's."""
     model, processor = tiny
     root, recs = split
     cfg = config(tool_mode=mode, group_size=2)
-    engines, runs = _record_engines(monkeypatch), []
+    engines, runs, parts, split = _record_engines(monkeypatch), [], [], rollout.split_group
+    monkeypatch.setattr(rollout, "split_group", lambda *a: (lambda out: parts.append(len(out)) or out)(split(*a)))
     for budget in (1 << 40, 4 * kvcache.BLOCK * kvcache.kv_bytes_per_token(model)):
         script(BUDGET_SCRIPTS, sub="A blue square.")
         with warnings.catch_warnings(record=True) as caught:
@@ -303,6 +306,7 @@ def test_a_budget_below_one_group_holds_one_group(tiny, split, script, mode, shr
     pool = engines[-1].kv.pool
     assert pool.n_blocks < engines[-1].need and pool.peak <= pool.n_blocks
     assert [t.n_tool_turns for t in runs[1]] == [1, 0, 0, 2, 0, 1]
+    assert parts == [1, 1, 1, 2, 2, 2]                  # unbounded: whole groups; then each group of 2 in its rows
     for t, r in zip(runs[1], runs[0]):
         assert (t.token_ids, t.roles, t.answer, t.windows) == (r.token_ids, r.roles, r.answer, r.windows)
         torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
