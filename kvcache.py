@@ -38,7 +38,8 @@ PREFILL_TOKENS (tokens of one prefill forward, padding included: the chunks of a
 so that their activations stay bounded beside the budget), SLAB_PADDING (K elements of padding, rows x keys x
 kv_heads x head_dim, that a slab of rows may take on at once rather than start another slab: about where padded keys
 and an attention call cost the same on this project's CPU; a decode step takes its rows shortest first).
-Precision: scores, softmax and the weighted sum run in fp32 whatever the model's dtype; the output is rounded to it.
+Precision: scores, softmax, the LSE and the merge run in fp32 whatever the model's dtype and the ambient autocast
+(autocast is off inside the attention: the RL step's --precision bf16); the output is rounded to the compute dtype.
 Departures: plain PyTorch. A row's suffix is gathered (copied) from its blocks into slabs of at most SCORES_BUDGET
 elements for each forward, and bf16 K/V are upcast to fp32 for the attention (a prompt's whole, for each layer),
 where a GPU deployment would read the block table inside a fused kernel that keeps fp32 accumulators and returns
@@ -425,10 +426,18 @@ class GroupKV:
         return k, v
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, key=None, value=None, module=None) -> torch.Tensor:
-        """q (n, heads, l, d) of this forward's rows -> (n, l, heads, d)."""
+        """q (n, heads, l, d) of this forward's rows -> (n, l, heads, d), in the compute dtype (autocast's where it
+        is on, else q's). The attention runs with autocast off, in fp32: under the RL step's autocast (--precision
+        bf16) its matmuls would otherwise round the scores and the LSE to bf16 (tests/test_engine_precision.py)."""
+        dtype = autocast_dtype(q.device.type) or q.dtype
+        with torch.autocast(q.device.type, enabled=False):
+            return self._attend_rows(layer, q, scale, key, value, module).to(dtype)
+
+    def _attend_rows(self, layer: int, q: torch.Tensor, scale: float, key, value, module) -> torch.Tensor:
         fwd = self.fwd
-        if fwd.prompt_mode:                                # whole prompts from position 0: plain causal SDPA
-            return sdpa_attention_forward(module, q, key, value, None, scaling=scale, is_causal=True)[0]
+        if fwd.prompt_mode:                                # whole prompts from position 0: plain causal SDPA, fp32
+            return sdpa_attention_forward(module, q.float(), key.float(), value.float(), None, scaling=scale,
+                                          is_causal=True)[0]
         n, H, l, d = q.shape
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         Hkv = pool_k.shape[1]
@@ -534,7 +543,12 @@ def _attend(q, k, v, scale, qpos=None, bias=None):
     hand-written form: queries in blocks, each block's causal mask built from the positions, so no scores or mask
     tensor exceeds SCORES_BUDGET elements whatever the chunk and span (one query row of scores at least); one
     exponential pass over the scores (m = max, p = exp(s - m), out = p v / sum p, lse = m + log sum p), the scale
-    on the queries, the smaller tensor."""
+    on the queries, the smaller tensor. Autocast is off inside (its matmuls would round the scores to bf16)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _attend_fp32(q, k, v, scale, qpos, bias)
+
+
+def _attend_fp32(q, k, v, scale, qpos, bias):
     n, h, m, d = q.shape
     c = k.shape[2]
     if FUSED_CPU and qpos is None and q.device.type == "cpu":
