@@ -453,3 +453,32 @@ def test_parse_options_lettered_or_not():
     assert ev.parse_options("A. red|B) blue|(C) green") == ["red", "blue", "green"]
     assert ev.parse_options(" red | blue ") == ["red", "blue"]
     assert ev.parse_options("U.S. flag|Canada") == ["U.S. flag", "Canada"]     # a full stop is not a letter's
+
+
+def test_a_failed_batch_is_rerun_after_its_engine_is_gone():
+    """_run_safely reruns a failed batch record by record only after the failed call's frames are released: its
+    traceback held them, and with them the engine's K/V pool (a real run's tens of GB), alive through every rerun."""
+    import gc
+    import weakref
+
+    class Pool:                                       # stands for the engine's K/V pool
+        pass
+    pools = []
+
+    def run_batch(batch):
+        pool = Pool()                                 # a local of the failing call's frame
+        pools.append(weakref.ref(pool))
+        if len(batch) > 1 or batch[0]["id"] == "bad":
+            raise ValueError("cannot decode bad.mp4")
+        alive = [p for p in pools[:-1] if p() is not None]
+        assert not alive, f"{len(alive)} failed engines still alive during the rerun"
+        return [{"id": batch[0]["id"], "response": "<answer>A</answer>"}]
+
+    gc.disable()                                      # released by reference counting, not by a later collection
+    try:
+        rows = ev._run_safely(run_batch, [{"id": "a", "answer": "A"}, {"id": "bad", "answer": "A"},
+                                          {"id": "c", "answer": "A"}])
+    finally:
+        gc.enable()
+    assert [r["id"] for r in rows] == ["a", "bad", "c"]
+    assert rows[1]["error"] == "ValueError: cannot decode bad.mp4" and rows[0]["response"] == "<answer>A</answer>"
