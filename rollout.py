@@ -34,10 +34,12 @@ and draw counter, so the budget changes when a row runs, never what it samples.
 Shapes: positions (3, B, L) for (t, h, w); logits (B, V); the cache's shapes: kvcache.py.
 """
 import json
+import os
 import re
+import sys
 import time
 import warnings
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +49,7 @@ from data import INSTRUCTIONS, content_text, format_question, message_text, reso
 import kvcache
 from kvcache import Chunk, GroupKV, blocks_for, kv_bytes_per_token
 from model import TOOLS_INTRO, TOOLS_OUTRO, decode_with_offsets, special_token_ids
+from ops import autocast_dtype
 from rewards import ToolCall, call_window, extract_answer, parse_tool_calls
 
 ENV, POLICY = 0, 1
@@ -429,23 +432,118 @@ def split_group(group: tuple, budget: int) -> list[tuple]:
     return [(chunk, p, prompt) for p in parts + [part]]
 
 
-def memory_budget(cfg: RolloutConfig, device) -> int:
-    """Bytes of K/V a rollout may hold: cfg.memory_budget_bytes (--rollout-memory-gb), else on CUDA 80 % of the
-    memory not allocated now (free + cached by the allocator: beside the weights; the other 20 % is left for
-    activations, logits and attention blocks), else CPU_BUDGET_GB."""
+def memory_budget(cfg: RolloutConfig, device, model=None) -> int:
+    """Bytes of K/V a rollout may hold: cfg.memory_budget_bytes (--rollout-memory-gb), else on CUDA
+    `default_budget` of the memory not allocated now (free + cached by the allocator: beside the weights) and of
+    the weight copies autocast will keep (`autocast_copies` of `model`), else CPU_BUDGET_GB."""
     if cfg.memory_budget_bytes:
         return int(cfg.memory_budget_bytes)
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(0.8 * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)))
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return default_budget(free, autocast_copies(model) if model is not None else 0, autocast_dtype("cuda"), world)
     return int(CPU_BUDGET_GB * 2 ** 30)
+
+
+def default_budget(free: int, cast_params: int, autocast: torch.dtype | None, world: int) -> int:
+    """The default K/V budget on a GPU: 80 % of `free` bytes (the other 20 % for activations, logits and attention
+    blocks) after the weight copies autocast will make. One process (world 1) under autocast (`autocast`: its
+    dtype, bf16 on the fp32 master weights of --precision bf16) casts each of `cast_params` weights once at the
+    first forward and keeps the copy until its region ends (autocast's weight cache), i.e. through the rollout:
+    cast_params x 2 bytes that are not allocated yet when the budget is read. With FSDP2 (world > 1) the rollout
+    runs on the bf16 all-gathered weights (runtime.full_weights, allocated before: outside `free`), which autocast
+    does not cast."""
+    copies = cast_params * autocast.itemsize if autocast is not None and world == 1 else 0
+    return max(0, int(0.8 * (free - copies)))
+
+
+def autocast_copies(model) -> int:
+    """Parameters autocast casts and keeps (its weight cache holds casts of leaf fp32 tensors that require grad):
+    the fp32 weights and biases of the linear and convolution layers that require grad (a frozen vision tower's
+    are cast per call and freed; embeddings and norms are not cast). tests/test_rollout.py measures it."""
+    layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    params = {id(p): p for m in model.modules() if isinstance(m, layers) for p in m.parameters(recurse=False)
+              if p.dtype == torch.float32 and p.requires_grad}
+    return sum(p.numel() for p in params.values())
 
 
 # -----------------------------------------------------------------------------
 # the engine: a scheduler over the paged cache (kvcache.GroupKV)
 
-STATS = {"decode_steps": 0, "host_syncs": 0}   # counted by Engine.step: the bench reports syncs per step
+STATS = {"decode_steps": 0}   # counted by Engine.step; the benches divide HostSyncCounter's in_steps by it
+
+
+class HostSyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts the host syncs of the torch calls made while it is active (`with HostSyncCounter(device) as syncs:`),
+    as they happen, not by design: each read of a `device` tensor's values into Python (item, tolist, numpy, bool /
+    int / float / index of a tensor, and the ops whose output size depends on the values: nonzero, argwhere,
+    masked_select, unique, equal, one-argument where, bool-mask indexing, repeat_interleave by a tensor without
+    output_size), each copy of a GPU tensor to the host (cpu, to, copy_), and each blocking copy from the host to a
+    GPU `device` (to or copy_ without non_blocking; torch.tensor / as_tensor of host data with `device`: on the
+    CPU too, where a GPU run would block). On the CPU every tensor is on the device, so host-side bookkeeping
+    tensors (the processor's, a chunk's positions) count as well: an upper bound outside the decode steps.
+    count: all of them; in_steps: those inside Engine.step (a decode step: sampling, the stop check, the next
+    forward); sites: a Counter of "op file:line" (the caller's frame), to find them."""
+
+    READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__", "nonzero",
+             "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose", "is_nonzero"}
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device).type
+        self.count, self.in_steps, self.sites = 0, 0, Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if self._syncs(name, args, kwargs):
+            caller = sys._getframe(1)
+            self.count += 1
+            self.sites[f"{name} {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"] += 1
+            f = caller
+            while f is not None and not (f.f_code.co_name == "step" and f.f_code.co_filename == __file__):
+                f = f.f_back
+            self.in_steps += f is not None
+        return func(*args, **kwargs)
+
+    def _on(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type == self.device
+
+    def _syncs(self, name: str, args: tuple, kw: dict) -> bool:
+        first = args[0] if args else None
+        gpu = lambda t: isinstance(t, torch.Tensor) and t.device.type != "cpu"
+        blocking = not kw.get("non_blocking", False) and not any(a is True for a in args[1:])
+        if name in self.READS:
+            return self._on(first)
+        if name == "where":
+            return len(args) + len(kw) == 1 and self._on(first)
+        if name == "repeat_interleave":
+            return self._on(first) and isinstance(args[1] if len(args) > 1 else kw.get("repeats"), torch.Tensor) \
+                and kw.get("output_size") is None
+        if name in ("__getitem__", "__setitem__", "index_put_", "index_put"):
+            index = torch.utils._pytree.tree_leaves(args[1:2])
+            return self._on(first) and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in index)
+        if name == "cpu":
+            return gpu(first) and self._on(first)
+        if name == "to":
+            target = [torch.device(a) for a in [*args[1:], kw.get("device")] if isinstance(a, (str, torch.device))]
+            target += [a.device for a in args[1:] if isinstance(a, torch.Tensor)]
+            if not target or not isinstance(first, torch.Tensor):
+                return False
+            if target[0].type == "cpu":
+                return gpu(first) and self._on(first)                       # to the host
+            return first.device.type == "cpu" and target[0].type == self.device and blocking
+        if name == "copy_" and len(args) > 1:
+            dst, src = first, args[1]
+            if dst.device.type == "cpu":
+                return gpu(src) and self._on(src)
+            return isinstance(src, torch.Tensor) and src.device.type == "cpu" and self._on(dst) and blocking
+        if name in ("tensor", "as_tensor", "asarray") and kw.get("device") is not None:
+            return torch.device(kw["device"]).type == self.device and not isinstance(first, torch.Tensor)
+        return False
 
 
 @dataclass(eq=False)
@@ -541,7 +639,7 @@ class Engine:
     def run(self) -> None:
         """Roll out everything queued. The pool holds the budget's blocks, or all the queued work's worst case if
         that is less, and at least the largest single group's worst case (with a warning when that is more)."""
-        budget = memory_budget(self.cfg, self.device) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
+        budget = memory_budget(self.cfg, self.device, self.model) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
         self.queued = deque(part for group in self.queued for part in split_group(group, budget))
         need = [blocks_for(len(c.ids)) + sum(r.reserve for r in rows) for c, rows, _ in self.queued]
         need += [blocks_for(len(c.ids)) + blocks_for(s.max_new) for c, s in self.subs]
@@ -623,15 +721,15 @@ class Engine:
         rows of a prompt go together as queries against its K/V."""
         for r in rows:
             r.turn_tokens = []
-        seeds = torch.tensor([r.seed for r in rows], device=self.device)
-        counters = torch.tensor([len(r.traj.logprobs) for r in rows], device=self.device)   # each row's draw index
+        seeds = kvcache._on(self.device, [r.seed for r in rows])
+        counters = kvcache._on(self.device, [len(r.traj.logprobs) for r in rows])   # each row's draw index
         if self.active:
             logits, seeds, counters = (torch.cat(p) for p in ((self.logits, logits), (self.seeds, seeds),
                                                              (self.counters, counters)))
         rows = self.active + rows
         order = sorted(range(len(rows)), key=lambda j: rows[j].prompt)
         if order != list(range(len(rows))):
-            o = torch.tensor(order, device=self.device)
+            o = kvcache._on(self.device, order)
             logits, seeds, counters, rows = logits[o], seeds[o], counters[o], [rows[j] for j in order]
         self.active, self.logits, self.seeds, self.counters = rows, logits, seeds, counters
 
@@ -645,7 +743,6 @@ class Engine:
         lp = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
         toks, lps = torch.stack([tok.double(), lp.double()]).tolist()      # the step's one host sync
         STATS["decode_steps"] += 1
-        STATS["host_syncs"] += 1
         keep, ended = [], []
         for j, (r, t, p) in enumerate(zip(self.active, toks, lps)):
             t = int(t)
@@ -660,7 +757,7 @@ class Engine:
             else:
                 keep.append(j)
         if len(keep) < len(self.active):                    # rows leave: their blocks stay where they are
-            k = torch.tensor(keep, dtype=torch.long, device=self.device)
+            k = kvcache._on(self.device, keep)              # pinned, non-blocking: no second sync
             self.active = [self.active[j] for j in keep]
             tok, self.logits, self.seeds, self.counters = tok[k], self.logits[k], self.seeds[k], self.counters[k]
         if self.active:

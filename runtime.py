@@ -811,7 +811,12 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--lr", type=float, default=None, help="RL peak learning rate")
     g.add_argument("--warmup-steps", type=int, default=0, help="RL linear warmup steps")
     g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer passes per batch (old log-probs recomputed first)")
-    g.add_argument("--micro-batch", type=int, default=8, help="trajectories per training forward")
+    g.add_argument("--micro-batch", type=int, default=8, help="trajectories per training forward (at most)")
+    g.add_argument("--micro-batch-tokens", type=int, default=16384,
+                   help="padded tokens per training forward at most (rows x the longest row): consecutive rows join a "
+                        "micro-batch while it stays within this and --micro-batch; a longer row goes alone. A row "
+                        "alone is not padded, so attention keeps SDPA's flash path (a padded batch makes transformers "
+                        "build a dense B x L x L mask)")
     g.add_argument("--clip-low", type=float, default=None, help="PPO clip eps_low")
     g.add_argument("--clip-high", type=float, default=None, help="PPO clip eps_high (Video-o3's clip higher: 0.3)")
     g.add_argument("--kl-coef", type=float, default=None, help="beta of the KL to the frozen reference (0 = off)")
@@ -939,6 +944,9 @@ def resolve(args) -> None:
                          f"{args.overview_tokens}")
     if args.prompts_per_step < 1:
         raise ValueError(f"--prompts-per-step must be >= 1 (prompts per step over all ranks), got {args.prompts_per_step}")
+    if args.micro_batch < 1 or args.micro_batch_tokens < 1:
+        raise ValueError(f"--micro-batch and --micro-batch-tokens must be >= 1 (rows and padded tokens per training "
+                         f"forward), got {args.micro_batch} and {args.micro_batch_tokens}")
     if args.rollout_memory_gb is not None and args.rollout_memory_gb <= 0:
         raise ValueError(f"--rollout-memory-gb must be > 0 (the rollout's K/V budget in GB), got {args.rollout_memory_gb}")
     if args.recipe == "vtgr" and args.anchoring == "sequence":

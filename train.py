@@ -258,7 +258,8 @@ class GRPOSettings:
     mask_truncated: bool = True
     train_subagents: bool = False
     ppo_epochs: int = 1
-    micro_batch: int = 8
+    micro_batch: int = 8                 # rows per training forward at most
+    micro_batch_tokens: int = 16384      # ... and rows x longest row at most (`micro_batches`)
     clip_low: float = 0.2
     clip_high: float = 0.3
     temperature: float = 0.7             # the rollout's T; every log-prob in the loss uses it too
@@ -364,6 +365,24 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
     return Groups(trajs, comps, cat(R), cat(KL), items, n_groups, draws, n_zero / max(1, len(trajs) // G))
 
 
+def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[slice]:
+    """Consecutive micro-batches of items of these lengths, in their order: a micro-batch takes the next item
+    while it holds fewer than `rows` and (items + 1) x its longest length stays <= `tokens` (the padded tensor's
+    size); an item longer than `tokens` goes alone. Why by tokens: rows of unequal length are padded, and a padded
+    batch makes transformers build a dense (B, 1, L, L) attention mask, which leaves SDPA's flash path (8 rows of
+    32k tokens: 8.6 G mask elements a layer call); one row (or rows of one length) has no padding, no mask and
+    the causal flash kernel. So Video-o3's and ParaVT's rows (17k-32k tokens) go one at a time under the default
+    budget, and the tiny model's (a few hundred tokens) eight at a time, as `rows` alone groups them
+    (docs/method.md §5)."""
+    out, start, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start >= rows or (i - start + 1) * max(longest, n) > tokens):
+            out.append(slice(start, i))
+            start, longest = i, 0
+        longest = max(longest, n)
+    return out + [slice(start, len(lengths))] if lengths else out
+
+
 def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> list[float]:
     """sum_t k1_t = sum_t (log pi(o_t) - log pi_ref(o_t)) over each trajectory's policy tokens, at temperature T
     (0 for a trajectory that cannot be collated): ParaVT's per-token KL folded into the reward (verl's
@@ -371,8 +390,8 @@ def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> 
     advantages."""
     out = [0.0] * len(trajs)
     ok = [i for i, t in enumerate(trajs) if t.error is None and t.token_ids and trainable(t, model.config.video_token_id)]
-    for j in range(0, len(ok), s.micro_batch):
-        idx = ok[j:j + s.micro_batch]
+    for sl in micro_batches([len(trajs[i].token_ids) for i in ok], s.micro_batch, s.micro_batch_tokens):
+        idx = ok[sl]
         b = rollout.collate([trajs[i] for i in idx], model, pad_id, share_videos=True)
         with torch.no_grad():
             lp = forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile, precision=s.precision)
@@ -386,13 +405,15 @@ def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> 
 
 def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad_id: int, tokenizer,
                   world: int, filler=None, step_fn=None) -> tuple[float | None, dict]:
-    """GRPO update on the kept trajectories: s.ppo_epochs passes of micro-batches, token-mean over the policy
+    """GRPO update on the kept trajectories: s.ppo_epochs passes of micro-batches (`micro_batches`: at most
+    s.micro_batch rows and s.micro_batch_tokens padded tokens each, in order), token-mean over the policy
     tokens of ALL ranks (each rank normalises by N_global / world, and FSDP averages the ranks' gradients).
     With several epochs the old log-probs are recomputed first by a no-grad forward (with one, they equal the
     current ones). A rank with nothing to learn still runs zero-weight passes on `filler` (any trajectory it
     sampled), so every rank joins the same collectives; the step is skipped only when no rank has a token.
     `step_fn(loss)` clips, checks and applies the gradients (Run.optimizer_step). Returns (grad norm, stats)."""
-    chunks = [items[i:i + s.micro_batch] for i in range(0, len(items), s.micro_batch)]
+    chunks = [items[sl] for sl in micro_batches([len(t.token_ids) for t, _, _ in items], s.micro_batch,
+                                                 s.micro_batch_tokens)]
     batches = [rollout.collate([t for t, _, _ in c], model, pad_id, share_videos=True) for c in chunks]
     advs = []
     for c, b in zip(chunks, batches):

@@ -10,7 +10,8 @@ Sections (each prints a line and lands in the last-line JSON):
 2. rollout    run_agent on 8 prompts x group 8 x 3 tool turns, interleaved and sub-agent modes. The random
               weights never write a tool call, so the sampler runs as always (on the device, its cost
               counted) and its draws are then replaced by a scripted turn that calls crop_video
-              (tokens/s over sampled tokens, peak memory, host syncs per decode step)
+              (tokens/s over sampled tokens, peak memory, host syncs per decode step: measured by
+              rollout.HostSyncCounter on a group-2 rerun of one prompt)
 3. train      one PARA-GRPO update on the rollout: FSDP2 (fully_shard per decoder layer) on one rank,
               gradient checkpointing, bf16, forward_hidden (vision once per prompt), grpo_loss, AdamW
 4. loss       ops.token_loss (fused, chunked) vs naive logits -> log_softmax at 16k tokens, bf16
@@ -24,6 +25,7 @@ Sections (each prints a line and lands in the last-line JSON):
 The 8B config and real tokenizer come from model.qwen3vl_config / model.qwen_tokenizer.
 """
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -74,24 +76,21 @@ def build(args, device):
 
 class ToolScript:
     """Runs the real sampler, then replaces each row's draw by the next token of a scripted turn: a
-    crop_video call in every turn (the forced-answer turn included), so every row takes all its turns."""
+    crop_video call in every turn (the forced-answer turn included), so every row takes all its turns. On the
+    device, by each row's draw counter (its k-th draw: token k of the script, cyclically): no host sync of its own,
+    so the rollout's measured syncs are the engine's."""
 
-    def __init__(self, processor, duration: float):
+    def __init__(self, processor, duration: float, device):
         tok = processor.tokenizer
         end = tok.convert_tokens_to_ids("<|im_end|>")
         text = ("look closer\n</think>\n<tool_call>\n{\"name\": \"crop_video\", \"arguments\": {\"start_time\": "
                 f"{duration / 4:.1f}, \"end_time\": {duration / 2:.1f}}}}}\n</tool_call>")
-        self.toks = tok(text, add_special_tokens=False)["input_ids"] + [end]
-        self.state, self.sample = {}, rollout.sample_tokens
+        self.toks = torch.tensor(tok(text, add_special_tokens=False)["input_ids"] + [end], device=device)
+        self.sample = rollout.sample_tokens
 
     def __call__(self, logits, seeds, counters, temperature, top_p):
-        drawn = self.sample(logits, seeds, counters, temperature, top_p)     # the real cost, on the device
-        out = []
-        for s in seeds.tolist():
-            p = self.state.get(s, 0)
-            out.append(self.toks[p])
-            self.state[s] = (p + 1) % len(self.toks)
-        return torch.tensor(out, device=drawn.device)
+        self.sample(logits, seeds, counters, temperature, top_p)             # the real cost, on the device
+        return self.toks[counters % len(self.toks)]
 
 
 def section_prefill(model, processor, root, rec, args, device) -> dict:
@@ -120,22 +119,27 @@ def section_rollout(model, processor, root, recs, args, device) -> tuple[dict, l
                                     group_size=args.group, overview_nframes=args.rollout_frames,
                                     overview_max_pixels=args.frame_pixels, crop_max_pixels=args.frame_pixels,
                                     subagent_max_pixels=args.frame_pixels, subagent_max_new_tokens=args.new_tokens)
-        rollout.sample_tokens = ToolScript(processor, recs[0]["duration"])
+        rollout.sample_tokens = ToolScript(processor, recs[0]["duration"], device)
         try:
             reset_peak(device)
-            before = dict(rollout.STATS)
             sync(device)
             t0 = time.perf_counter()
             out = rollout.run_agent(model, processor, recs[:args.prompts], root, cfg, seed=0)
             sync(device)
             s = time.perf_counter() - t0
+            # the host syncs as they happen (rollout.HostSyncCounter: a Python hook on every torch call, so not in
+            # the timed run): one prompt of the same rollout, group 2
+            counted = rollout.STATS["decode_steps"]
+            with rollout.HostSyncCounter(device) as syncs:
+                rollout.run_agent(model, processor, recs[:1], root, dataclasses.replace(cfg, group_size=2), seed=0)
+            counted = rollout.STATS["decode_steps"] - counted
         finally:
             rollout.sample_tokens = rollout.sample_tokens.sample
-        steps = rollout.STATS["decode_steps"] - before["decode_steps"]
         sampled = sum(len(t.logprobs) + sum(len(st.logprobs) for st in t.subagents) for t in out)
         res[mode] = dict(trajectories=len(out), tool_turns=sum(t.n_tool_turns for t in out), sampled_tokens=sampled,
                          seconds=s, tok_s=sampled / s, peak_mb=peak_mb(device),
-                         host_syncs_per_step=(rollout.STATS["host_syncs"] - before["host_syncs"]) / max(1, steps),
+                         host_syncs_per_step=syncs.in_steps / max(1, counted),
+                         host_syncs_outside_steps=syncs.count - syncs.in_steps,
                          errors=sum(t.error is not None for t in out))
         if mode == "interleaved":
             trajs = out

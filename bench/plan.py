@@ -18,7 +18,10 @@ Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x
   GroupKV) a prompt's overview is stored once per group, each row only its suffix; without it, G times; a
   sub-agent (ParaVT) is a sequence pair of its own (its clip prompt, its summary) while its caller waits;
 - activations, what a training forward keeps for its backward (gradient checkpointing, one micro-batch in
-  flight; each term counted tensor by tensor in bench/rehearsal.py's runs): the root unit (vision tower,
+  flight: the rows train.micro_batches puts in one at the recipe's lengths under --micro-batch and
+  --micro-batch-tokens, `update_rows`; one row at both recipes' lengths under train.py's defaults, so no row is
+  padded and attention takes SDPA's flash path without a mask; each term counted tensor by tensor in
+  bench/rehearsal.py's runs): the root unit (vision tower,
   embeddings) and the lm_head unit stay all-gathered in bf16 from the forward to their backward (2 B/param; one
   GPU, no FSDP: autocast's bf16 casts of the decoder layers' and the vision tower's weights instead); per token,
   each decoder layer's input and the embeddings' output in the residual stream's dtype (bf16 under FSDP2, fp32
@@ -64,6 +67,8 @@ from common import ROOT  # noqa: F401  (puts the repo on sys.path: kvcache's blo
 
 import kvcache
 import ops
+import runtime
+import train
 
 QWEN3VL_8B = dict(layers=36, d_model=4096, q_dim=32 * 128, kv_dim=8 * 128, mlp=12288, vocab=151936,
                   params=8.2e9, text_params=7.6e9, params_head=151936 * 4096, params_root=151936 * 4096 + 0.6e9,
@@ -139,6 +144,12 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
     )
 
 
+def update_rows(lengths: list[int], micro_batch: int, micro_batch_tokens: int) -> int:
+    """Rows in flight in the RL update: the largest micro-batch train.micro_batches forms from rows of these
+    lengths (in order) under --micro-batch and --micro-batch-tokens."""
+    return max([sl.stop - sl.start for sl in train.micro_batches(lengths, micro_batch, micro_batch_tokens)] + [0])
+
+
 def waves(groups_gpu: float, group_kv: float, budget: float) -> tuple[int, int]:
     """(concurrency, waves): how many prompt groups the budget admits at once (at least one: a group that does
     not fit alone is refused by the engine, so `fits` is false then), and how many rounds a GPU's groups take."""
@@ -148,7 +159,7 @@ def waves(groups_gpu: float, group_kv: float, budget: float) -> tuple[int, int]:
 
 
 def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode_batch_eff: float,
-            workspace_gb: float, budget_gb: float | None) -> dict:
+            workspace_gb: float, budget_gb: float | None, micro_batch: int = 8, micro_batch_tokens: int = 16384) -> dict:
     G, P, gpus = r["group"], r["prompts"], r["gpus"]
     rows = P * G
     rows_gpu = rows / gpus
@@ -161,14 +172,18 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     group_kv = ((1 if shared else G) * r["overview_tokens"] + G * suffix) * KV_BYTES_PER_TOKEN
     concurrency, n_waves = waves(prompts_gpu, group_kv, budget)
     # memory per GPU, part by part (memory_parts): the rollout holds the resident state, the full bf16 weights and
-    # the K/V of the groups in flight; the update the resident state and one micro-batch (one row) in flight
+    # the K/V of the groups in flight; the update the resident state and one micro-batch in flight: the rows
+    # train.micro_batches forms from this GPU's rows (all of length seq: no padding), a prompt's rows sharing its
+    # overview's vision pass (collate share_videos)
     prompt_copies = concurrency if shared else concurrency * G
     sub = r["subagent_calls"] * concurrency * G if r["subagent_tokens"] else 0   # one turn's sub-agents, every row
     sub_prompt = r["response_tokens"] * 2 if sub else 0                          # a clip prompt: ~2 summaries' worth
-    policy = (r["rounds"] + 1) * r["turn_tokens"]
-    patches = PATCHES_PER_TOKEN * (r["overview_tokens"] + (0 if r["subagent_tokens"] else r["rounds"] * r["response_tokens"]))
-    parts = memory_parts(QWEN3VL_8B, gpus, concurrency, concurrency * G, r["overview_tokens"], suffix, seq, patches,
-                         policy, shared, r["ref_forward"], sub, sub_prompt, r["subagent_tokens"])
+    flight = update_rows([seq] * math.ceil(rows_gpu), micro_batch, micro_batch_tokens)
+    policy = flight * (r["rounds"] + 1) * r["turn_tokens"]
+    patches = PATCHES_PER_TOKEN * (math.ceil(flight / G) * r["overview_tokens"]
+                                   + flight * (0 if r["subagent_tokens"] else r["rounds"] * r["response_tokens"]))
+    parts = memory_parts(QWEN3VL_8B, gpus, concurrency, concurrency * G, r["overview_tokens"], suffix, flight * seq,
+                         patches, policy, shared, r["ref_forward"], sub, sub_prompt, r["subagent_tokens"])
     kv = parts["kv"]
     resident = parts["weights_shard"] + parts["optimizer"] + parts["reference"]
     mem_rollout = (resident + parts["weights_rollout"] + kv) / 2 ** 30 + workspace_gb
@@ -189,7 +204,7 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     train_tokens = rows_gpu * seq
     fwd = 2 * TEXT_PARAMS * train_tokens + attn(train_tokens, seq / 2)
     update_s = (fwd * 4 + fwd * (1 + r["ref_forward"])) / (BF16_FLOPS * mfu)
-    return dict(recipe=name, gpus=gpus, rows=rows, seq_tokens=seq, budget_gb=budget / 2 ** 30,
+    return dict(recipe=name, gpus=gpus, rows=rows, seq_tokens=seq, update_rows=flight, budget_gb=budget / 2 ** 30,
                 group_kv_gb=group_kv / 2 ** 30, concurrency=concurrency, waves=n_waves, kv_gb_per_gpu=kv / 2 ** 30,
                 mem_rollout_gb=mem_rollout, mem_train_gb=mem_train,
                 fits=group_kv <= budget and mem_rollout < HBM_GB and mem_train < HBM_GB,
@@ -208,12 +223,17 @@ def main() -> None:
                    help="per-GPU memory kept for activations, logits and the allocator beside weights and K/V")
     p.add_argument("--rollout-memory-gb", type=float, default=None,
                    help="the rollout's K/V budget per GPU (train.py's flag); default: HBM - bf16 weights - workspace")
+    flags = runtime.parse_args([])                        # train.py's defaults (the one place they live)
+    p.add_argument("--micro-batch", type=int, default=flags.micro_batch, help="train.py's flag: rows per training forward")
+    p.add_argument("--micro-batch-tokens", type=int, default=flags.micro_batch_tokens,
+                   help="train.py's flag: padded tokens per training forward")
     args = p.parse_args()
     rows = [project(n, r, bool(args.shared_prefix), args.mfu, args.hbm_efficiency, args.decode_batch_efficiency,
-                    args.workspace_gb, args.rollout_memory_gb) for n, r in RECIPES.items()]
-    head = ["recipe", "GPUs", "rows", "tokens/row", "budget GB", "group KV GB", "groups x waves", "KV GB/GPU",
+                    args.workspace_gb, args.rollout_memory_gb, args.micro_batch, args.micro_batch_tokens)
+            for n, r in RECIPES.items()]
+    head = ["recipe", "GPUs", "rows", "tokens/row", "update rows", "budget GB", "group KV GB", "groups x waves", "KV GB/GPU",
             "rollout GB/GPU", "train GB/GPU", "fits 141 GB", "rollout s", "update s", "step s"]
-    cells = [[r["recipe"], r["gpus"], r["rows"], r["seq_tokens"], f"{r['budget_gb']:.1f}", f"{r['group_kv_gb']:.1f}",
+    cells = [[r["recipe"], r["gpus"], r["rows"], r["seq_tokens"], r["update_rows"], f"{r['budget_gb']:.1f}", f"{r['group_kv_gb']:.1f}",
               f"{r['concurrency']} x {r['waves']}", f"{r['kv_gb_per_gpu']:.1f}", f"{r['mem_rollout_gb']:.1f}",
               f"{r['mem_train_gb']:.1f}", r["fits"], f"{r['rollout_s']:.0f}", f"{r['update_s']:.0f}", f"{r['step_s']:.0f}"]
              for r in rows]

@@ -1,11 +1,12 @@
 """
-A rehearsal of the real run: one RL step and one SFT step of the paravt preset as train.py runs them on an 8B
-checkpoint, at the real sequence lengths, with --precision bf16 and gradient checkpointing on 2 gloo ranks
-(FSDP2), the peak memory of each part measured beside bench/plan.py's projection (`plan.memory_parts`) for the
-same sizes.
+A rehearsal of the real run: one RL step and one SFT step of the paravt preset, and the RL update of the videoo3
+preset, as train.py runs them on an 8B checkpoint, at the real sequence lengths, with --precision bf16 and gradient
+checkpointing on 2 gloo ranks (FSDP2), the peak memory of each part measured beside bench/plan.py's projection
+(`plan.memory_parts`) for the same sizes.
 
     python bench/rehearsal.py                    # CPU, 2 ranks, the real lengths (~16k-token overview)
     python bench/rehearsal.py --ci               # under a minute: tiny widths, a small video (tests/test_plan.py)
+    python bench/rehearsal.py --steps videoo3    # only the Video-o3 update (8 rows of ~28k tokens)
     python bench/rehearsal.py --ranks 1 --device cuda --hidden 4096 --mlp 12288 --heads 32 --text-layers 4
 
 What runs, through train.py's own functions:
@@ -20,8 +21,15 @@ What runs, through train.py's own functions:
   RL step   train.collect_groups in each tool mode (subagent, then interleaved), G = 2 rows a rank, a scripted
             policy (the real sampler runs; its draws are replaced by two tool rounds of two parallel crop_video
             calls, then the answer: A on sample 0, B on sample 1, so the advantages differ), the rewards, the k1
-            KL in the reward; then one train.policy_update over both modes' rows (micro-batch 2: a group in flight)
+            KL in the reward; then one train.policy_update over both modes' rows (--micro-batch 2 and the default
+            --micro-batch-tokens: one row a micro-batch at the real lengths, train.micro_batches)
   SFT step  train.sft_backward on the same scripted interleaved trajectory, TDAM on (--tdam), then AdamW
+  Video-o3  train.policy_update of the videoo3 preset (--micro-batch 8, the default --micro-batch-tokens) on 8 rows
+            over the ranks (4 a rank on 2), each a recorded episode encoded as a rollout would (rollout.encode_messages:
+            the 12,288-token overview at 2 fps, then two tool rounds of two parallel fine crops, ~28k tokens, the
+            rows' lengths a little apart, so a batch of them would be padded), the rows of a rank sharing their
+            overview's pixels as a group's do; the code forms micro-batches of one row: no SDPA call gets a dense mask
+            (counted), and the measured parts stand beside plan.memory_parts' for one row in flight
 Measured per rank (CPU: the bytes of live tensors, counted op by op (common.LiveTensors); CUDA: the allocator's
 counters), projected by plan.memory_parts from this run's own token counts:
   weights_shard, weights_rollout, reference, optimizer, grads   the tensors' bytes (master shard fp32, all-gathered
@@ -34,13 +42,15 @@ counters), projected by plan.memory_parts from this run's own token counts:
   backward     the peak above its start during a backward (the recomputed layer, the gradients), largest
   loss         the peak above its start during the fused loss (grpo_loss; torch.compile on CUDA as train.py's
                default, eager on CPU)
-The last line printed is one JSON object: measured, projected and their ratio per part, and the sizes.
+The last line printed is one JSON object: measured, projected and their ratio per part (the Video-o3 update's
+under "videoo3"), and the sizes.
 """
 import argparse
 import contextlib
 import dataclasses
 import json
 import os
+import resource
 import tempfile
 import time
 
@@ -59,16 +69,19 @@ RECORD = {"id": "rehearsal", "video": "rehearsal.mp4", "question": "Which colour
           "options": ["red", "green", "blue", "yellow"], "task": "mcq", "answer": "A"}
 SAMPLE_SEED = 0                       # Run.seed: the scripted rows are found by their sampling seeds
 GROUP = 2                             # rows a rank samples (one prompt a rank)
+VIDEOO3_ROWS = 8                      # rows of the Video-o3 update over all ranks
 PARTS = ("weights_shard", "weights_rollout", "reference", "optimizer", "grads", "kv", "activations", "backward",
          "loss")
+VIDEOO3_PARTS = ("weights_shard", "optimizer", "grads", "activations", "backward", "loss")    # the update's
 
 # -----------------------------------------------------------------------------
 # the scripted policy and the inputs
 
 
-def call(start: float, end: float) -> str:
-    return ('<tool_call>\n{"name": "crop_video", "arguments": {"start_time": %.1f, "end_time": %.1f}}\n</tool_call>'
-            % (start, end))
+def call(start: float, end: float, resolution: str | None = None) -> str:
+    level = f', "resolution": "{resolution}"' if resolution else ""
+    return ('<tool_call>\n{"name": "crop_video", "arguments": {"start_time": %.1f, "end_time": %.1f%s}}\n</tool_call>'
+            % (start, end, level))
 
 
 def turns(duration: float, answer: str) -> list[str]:
@@ -76,6 +89,15 @@ def turns(duration: float, answer: str) -> list[str]:
     d = duration
     return [f"Two moments to check.\n</think>\n{call(d / 8, d / 4)}\n{call(d / 2, d * 5 / 8)}",
             f"Closer on both.\n</think>\n{call(d / 8, d / 8 + 2)}\n{call(d / 2, d / 2 + 2)}",
+            f"The first clip shows it.\n</think>\n<answer>{answer}</answer>"]
+
+
+def videoo3_turns(duration: float, answer: str, row: int) -> list[str]:
+    """Video-o3's episode: two tool rounds of two parallel crops at the fine level (3,072 visual tokens a clip: 8 s
+    then 4 s windows), then the answer; `row` more words of thought in the first turn set the rows apart in length."""
+    d, more = duration, " Again." * row
+    return [f"Two moments to check.{more}\n</think>\n{call(d / 8, d / 4, 'fine')}\n{call(d / 2, d * 5 / 8, 'fine')}",
+            f"Closer on both.\n</think>\n{call(d / 8, d / 8 + 4, 'fine')}\n{call(d / 2, d / 2 + 4, 'fine')}",
             f"The first clip shows it.\n</think>\n<answer>{answer}</answer>"]
 
 
@@ -204,14 +226,22 @@ def pool_bytes(pool) -> tuple[int, int]:
 def phases(meter: Meter, out: dict):
     """Per training micro-batch: activations (kept by the forward), loss (the fused loss's peak) and backward (its
     peak), each the largest seen, by wrapping train.forward_hidden, train.grpo_loss / sft_token_loss and
-    Tensor.backward for the duration."""
+    Tensor.backward for the duration; the most rows in a forward, and the SDPA calls handed a dense mask
+    (transformers builds one for a padded batch)."""
     saved = train.forward_hidden, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out.setdefault("dense_masks", 0)
+
+    def attention(*a, **k):
+        out["dense_masks"] += k.get("attn_mask") is not None and k["attn_mask"].dim() == 4
+        return sdpa(*a, **k)
 
     def forward_hidden(*a, **k):
         start = meter.reset()
         result = saved[0](*a, **k)
         out["activations"] = max(out.get("activations", 0), meter.now() - start)
         out["flight_tokens"] = max(out.get("flight_tokens", 0), int(a[1]["attention_mask"].sum()))
+        out["flight_rows"] = max(out.get("flight_rows", 0), int(a[1]["input_ids"].shape[0]))
         pixels = a[1].get("pixel_values_videos")
         out["flight_patches"] = max(out.get("flight_patches", 0), 0 if pixels is None else int(pixels.shape[0]))
         return result
@@ -232,21 +262,24 @@ def phases(meter: Meter, out: dict):
 
     train.forward_hidden, torch.Tensor.backward = forward_hidden, backward
     train.grpo_loss, train.sft_token_loss = measured(saved[1], 5), measured(saved[2], 3)   # the args' masks
+    torch.nn.functional.scaled_dot_product_attention = attention
     try:
         with meter.counting():
             yield
     finally:
         train.forward_hidden, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward = saved
+        torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
 # -----------------------------------------------------------------------------
 # one rank
 
 
-def sft_messages(duration: float, video_name: str) -> list[dict]:
-    """The scripted interleaved episode as a recorded trajectory: each turn, then its clips as the tool's turn."""
+def sft_messages(duration: float, video_name: str, texts: list[str] | None = None) -> list[dict]:
+    """The scripted interleaved episode (`texts`, default `turns`) as a recorded trajectory: each turn, then its
+    clips as the tool's turn."""
     msgs = []
-    for i, text in enumerate(turns(duration, "A")):
+    for i, text in enumerate(texts or turns(duration, "A")):
         msgs.append({"role": "assistant", "content": rollout.THINK_PREFIX + text})
         for c in rollout.parse_tool_calls(text) if i < 2 else []:
             a, b = c.arguments["start_time"], c.arguments["end_time"]
@@ -255,8 +288,90 @@ def sft_messages(duration: float, video_name: str) -> list[dict]:
     return msgs
 
 
+def budget_flag(args) -> list[str]:
+    """train.py's --micro-batch-tokens as this run sets it (none: train.py's default)."""
+    return ["--micro-batch-tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
+
+
+def videoo3_update(rank: int, world: int, args, ckpt: str, root: str, out_dir: str, model, processor, meter: Meter,
+                   device: torch.device) -> dict:
+    """The videoo3 preset's RL update on this rank's share of VIDEOO3_ROWS recorded episodes (`videoo3_turns`,
+    advantage +1 on the right answer, -1 on the wrong), through train.policy_update and AdamW: the parts measured
+    (bytes: AdamW's moments, the gradient shards, and per micro-batch `phases`), the sizes, the seconds."""
+    t0 = time.time()
+    vargs = runtime.parse_args(["--model", ckpt, "--preset", "videoo3", "--precision", "bf16", "--device", device.type,
+                                "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), "--micro-batch",
+                                "8", *budget_flag(args), "--run-dir", os.path.join(out_dir, "run-videoo3")])
+    s, cfg = train.grpo_settings(vargs), train.rollout_config(vargs)
+    rec, tok = dict(RECORD, duration=args.duration), processor.tokenizer
+    trajs = []
+    for i in range(train.rank_share(VIDEOO3_ROWS, rank, world)):
+        row = rank + world * i                                         # rows 0, 2, 4, 6 on rank 0 of 2
+        t = rollout.encode_messages(processor, rec, sft_messages(args.duration, rec["video"], videoo3_turns(
+            args.duration, "AB"[row % 2], row)), root, cfg)
+        if t.n_calls != 4 or t.tool_failures or t.answer not in "AB":
+            raise RuntimeError(f"videoo3: the recorded episode did not encode as written: {t.n_calls} calls, "
+                               f"{t.tool_failures} failed, answer {t.answer!r}")
+        if trajs:                  # the group's overview: one tensor for its rows, as a rollout's rows share it
+            assert torch.equal(t.videos[0][1], trajs[0].videos[0][1])
+            t.videos[0] = trajs[0].videos[0]
+        trajs.append(t)
+    items = [(t, 1.0 if t.answer == "A" else -1.0, {"anchor": 0.0}) for t in trajs]
+    lengths = [len(t.token_ids) for t in trajs]
+    think = len(tok(rollout.THINK_PREFIX, add_special_tokens=False)["input_ids"])
+    sizes = dict(rows=len(trajs), tokens=lengths, overview_tokens=trajs[0].prompt_len + think,
+                 micro_batch=s.micro_batch, micro_batch_tokens=s.micro_batch_tokens,
+                 planned_rows=plan.update_rows(lengths, s.micro_batch, s.micro_batch_tokens))
+    run = runtime.Run(vargs.run_dir, rank, world, SAMPLE_SEED, 10 ** 6, 0, False, 1.0)
+    run.processor = processor
+    optimizer = train.make_optimizer(model, vargs.lr, vargs.vision_lr_scale)
+    measured, grads, timing = {"weights_shard": tensor_bytes(model.parameters())}, {}, {"encode_s": time.time() - t0}
+
+    def step(loss):
+        grads["grads"] = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        return run.optimizer_step(model, optimizer, loss, "rl", 1, [])
+
+    model.train()
+    t0 = time.time()
+    with phases(meter, measured):
+        sizes["grad_norm"], _ = train.policy_update(model, None, optimizer, items, s, tok.pad_token_id, tok, world,
+                                                    items[0][0], step)
+    timing["update_s"] = time.time() - t0
+    measured["grads"] = grads["grads"]
+    measured["optimizer"] = tensor_bytes(v for st in optimizer.state.values() for v in st.values()
+                                         if torch.is_tensor(v) and v.dim())
+    for k in ("flight_tokens", "flight_rows", "flight_patches", "policy_tokens", "dense_masks"):
+        sizes[k] = measured.pop(k)
+    return dict(measured=measured, sizes=sizes, timing=timing)
+
+
+def model_sizes(model) -> dict:
+    """The parameter counts `shape` takes: the lm_head, the decoder layers, the root unit (all but those and the
+    final norm), the vision tower."""
+    text = model.model.language_model
+    count = lambda mod: sum(p.numel() for p in mod.parameters())
+    head, layers = count(model.lm_head), count(text.layers)
+    return dict(params_head=head, params_layers=layers, params_root=count(model) - head - layers - count(text.norm),
+                params_vision=count(model.model.visual))
+
+
+def save_rank(out_dir: str, rank: int, world: int, model, result: dict) -> None:
+    """Write out_dir/rank<r>.json (the result, the model's parameter counts, the resident memory) and leave the
+    process group."""
+    result["sizes"] = {**result.get("sizes", {}), **model_sizes(model)}
+    result.update(params=model_lib.count_parameters(model),
+                  text_params=sum(p.numel() for n, p in model.named_parameters() if ".visual." not in f".{n}"),
+                  peak_rss_gb=rss_mb() / 1024, max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_dir: str) -> None:
-    """One rank of the rehearsal: the RL step, then the SFT step; writes out_dir/rank<r>.json."""
+    """One rank of the rehearsal (--steps): the paravt RL step, then the SFT step, then the Video-o3 update;
+    writes out_dir/rank<r>.json."""
     torch.set_num_threads(args.threads)
     if world > 1:
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -267,12 +382,15 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     targs = runtime.parse_args(["--model", ckpt, "--preset", "paravt", "--group-size", str(GROUP),
                                 "--prompts-per-step", str(world), "--gating", "0", "--precision", "bf16",
                                 "--device", device.type, "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), "--micro-batch",
-                                str(GROUP), "--run-dir", os.path.join(out_dir, "run")])
+                                str(GROUP), *budget_flag(args), "--run-dir", os.path.join(out_dir, "run")])
     m, t0 = {}, time.time()
     model, processor = train.policy_model(ckpt, device, targs.precision, world, 0, targs.grad_checkpointing)
     meter = Meter(device, model)
     tok, pad_id = processor.tokenizer, processor.tokenizer.pad_token_id
     m["weights_shard"] = tensor_bytes(model.parameters())
+    if args.steps == "videoo3":
+        vo3 = videoo3_update(rank, world, args, ckpt, root, out_dir, model, processor, meter, device)
+        return save_rank(out_dir, rank, world, model, dict(rank=rank, videoo3=vo3, timing={"build_s": time.time() - t0}))
     ref = runtime.reference_model(targs.run_dir, ckpt, False, device, 0, train.PRECISION[targs.precision])
     m["reference"] = tensor_bytes(ref.parameters())
     run = runtime.Run(targs.run_dir, rank, world, SAMPLE_SEED, 10 ** 6, 0, False, 1.0)
@@ -327,7 +445,8 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     m["grads"], m["optimizer"] = grads["grads"], tensor_bytes(v for st in optimizer.state.values() for v in st.values()
                                                                if torch.is_tensor(v) and v.dim())
     sizes["rl_flight_tokens"], sizes["rl_policy_tokens"] = m.pop("flight_tokens"), m.pop("policy_tokens")
-    sizes["rl_flight_patches"] = m.pop("flight_patches")
+    sizes["rl_flight_patches"], sizes["rl_flight_rows"] = m.pop("flight_patches"), m.pop("flight_rows")
+    sizes["rl_dense_masks"] = m.pop("dense_masks")
     sizes["rl_grad_norm"] = gn
     # the SFT step: the scripted interleaved episode as a recorded trajectory, TDAM on, gradient checkpointing
     sft_items = [rollout.encode_messages(processor, rec, sft_messages(args.duration, rec["video"]), root,
@@ -344,21 +463,13 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     sizes["sft_tokens"], sizes["sft_policy_tokens"] = len(sft_items[0].token_ids), n_tok
     sizes["sft_patches"] = sft.pop("flight_patches")
     sizes["tdam_no_answer"] = run.counters.get("tdam_no_answer", 0)
-    sft.pop("flight_tokens"), sft.pop("policy_tokens")
-    text = model.model.language_model
-    count = lambda mod: sum(p.numel() for p in mod.parameters())
-    sizes["params_head"], sizes["params_layers"] = count(model.lm_head), count(text.layers)
-    sizes["params_root"] = count(model) - sizes["params_head"] - sizes["params_layers"] - count(text.norm)
-    sizes["params_vision"] = count(model.model.visual)
-    result = dict(rank=rank, measured=m, sft=sft, sizes=sizes, timing=timing,
-                  params=model_lib.count_parameters(model),
-                  text_params=sum(p.numel() for n, p in model.named_parameters() if ".visual." not in f".{n}"),
-                  peak_rss_gb=rss_mb() / 1024)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if world > 1:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    for k in ("flight_tokens", "policy_tokens", "flight_rows", "dense_masks"):
+        sft.pop(k)
+    vo3 = None
+    if args.steps == "all":
+        del sft_opt, ref, items, sft_items, g
+        vo3 = videoo3_update(rank, world, args, ckpt, root, out_dir, model, processor, meter, device)
+    save_rank(out_dir, rank, world, model, dict(rank=rank, measured=m, sft=sft, sizes=sizes, timing=timing, videoo3=vo3))
 
 
 # -----------------------------------------------------------------------------
@@ -393,29 +504,57 @@ def project(r: dict, args, world: int) -> dict:
     return dict(inter, kv=max(inter["kv"], sub["kv"]))
 
 
-def report(ranks: list[dict], args) -> dict:
-    """The table, a line on the SFT step, and the last-line JSON (the ranks' raw figures in it, for --from-json)."""
-    r0 = ranks[0]
-    measured = {k: max(r["measured"][k] for r in ranks) for k in r0["measured"]}
-    projected = project(r0, args, args.ranks)
+def project_videoo3(r: dict, args, world: int) -> dict:
+    """plan.memory_parts for the Video-o3 update at this run's sizes: the micro-batch in flight as measured (one row
+    at the real lengths: train.micro_batches, as plan.update_rows counts it), no reference model."""
+    z = r["videoo3"]["sizes"]
+    parts = plan.memory_parts(shape(r, args), world, prompts=1, rows=1, overview_tokens=z["overview_tokens"],
+                              suffix_tokens=0, flight_tokens=z["flight_tokens"], flight_patches=z["flight_patches"],
+                              policy_tokens=z["policy_tokens"], shared=True, reference=False,
+                              compiled=args.device == "cuda")
+    return {k: parts[k] for k in VIDEOO3_PARTS}
+
+
+def compare(measured: dict, projected: dict, names: tuple, title: str) -> dict:
+    """The table of measured vs projected bytes per part (printed) and its JSON form."""
     gb = lambda b: b / 2 ** 30
     ratio = lambda k: measured[k] / projected[k] if projected[k] else None
-    rows = [[k, gb(measured[k]), gb(projected[k]), ratio(k) or float("nan")] for k in PARTS]
-    print(table(rows, ["part (per rank)", "measured GB", "plan GB", "ratio"]))
-    print(f"K/V pool allocated: {gb(measured['kv_pool']):.3f} GB (the blocks in use at their most: "
-          f"{gb(measured['kv']):.3f} GB)")
-    sft = {k: gb(max(r["sft"].get(k, 0) for r in ranks)) for k in ("activations", "backward", "loss")}
-    print("SFT step (GB):", json.dumps({k: round(v, 3) for k, v in sft.items()}), "| sizes:", json.dumps(r0["sizes"]),
-          "| seconds:", json.dumps({k: round(v, 1) for k, v in r0["timing"].items()}), flush=True)
+    rows = [[k, gb(measured[k]), gb(projected[k]), ratio(k) or float("nan")] for k in names]
+    print(table(rows, [f"{title} (per rank)", "measured GB", "plan GB", "ratio"]))
+    return {k: dict(measured_gb=gb(measured[k]), plan_gb=gb(projected[k]), ratio=ratio(k)) for k in names}
+
+
+def report(ranks: list[dict], args) -> dict:
+    """The tables, a line on the SFT step and one on the Video-o3 update, and the last-line JSON (the ranks' raw
+    figures in it, for --from-json)."""
+    r0 = ranks[0]
+    gb = lambda b: b / 2 ** 30
     summary = dict(ci=args.ci, ranks=args.ranks, device=args.device, params=r0["params"], sizes=r0["sizes"],
                    shape=dict(text_layers=args.text_layers, vision_depth=args.vision_depth, hidden=args.hidden,
                               mlp=args.mlp, heads=args.heads, kv_heads=8, head_dim=128,
                               vision_width=args.vision_width or 1152, vocab=model_lib.QWEN_VOCAB_SIZE,
-                              video=args.size, duration=args.duration),
-                   parts={k: dict(measured_gb=gb(measured[k]), plan_gb=gb(projected[k]), ratio=ratio(k))
-                          for k in PARTS},
-                   kv_pool_gb=gb(measured["kv_pool"]), sft_gb=sft, timing=r0["timing"],
-                   peak_rss_gb=max(r["peak_rss_gb"] for r in ranks),
+                              video=args.size, duration=args.duration), timing=r0["timing"])
+    if "measured" in r0:                                # the paravt RL and SFT steps
+        measured = {k: max(r["measured"][k] for r in ranks) for k in r0["measured"]}
+        summary["parts"] = compare(measured, project(r0, args, args.ranks), PARTS, "paravt RL step")
+        print(f"K/V pool allocated: {gb(measured['kv_pool']):.3f} GB (the blocks in use at their most: "
+              f"{gb(measured['kv']):.3f} GB)")
+        sft = {k: gb(max(r["sft"].get(k, 0) for r in ranks)) for k in ("activations", "backward", "loss")}
+        print("SFT step (GB):", json.dumps({k: round(v, 3) for k, v in sft.items()}), "| sizes:",
+              json.dumps(r0["sizes"]), "| seconds:", json.dumps({k: round(v, 1) for k, v in r0["timing"].items()}),
+              flush=True)
+        summary.update(kv_pool_gb=gb(measured["kv_pool"]), sft_gb=sft)
+    if r0.get("videoo3"):
+        v0 = r0["videoo3"]
+        measured = {k: max(r["videoo3"]["measured"][k] for r in ranks) for k in VIDEOO3_PARTS}
+        parts = compare(measured, project_videoo3(r0, args, args.ranks), VIDEOO3_PARTS, "videoo3 RL update")
+        print("Video-o3 update | sizes:", json.dumps(v0["sizes"]), "| seconds:",
+              json.dumps({k: round(v, 1) for k, v in v0["timing"].items()}), flush=True)
+        summary["videoo3"] = dict(parts=parts, sizes=v0["sizes"], timing=v0["timing"],
+                                  dense_masks=sum(r["videoo3"]["sizes"]["dense_masks"] for r in ranks),
+                                  rows=[r["videoo3"]["sizes"]["rows"] for r in ranks])
+    summary.update(peak_rss_gb=max(r["peak_rss_gb"] for r in ranks),
+                   max_rss_gb=max(r.get("max_rss_gb", 0.0) for r in ranks),
                    args={k: v for k, v in vars(args).items() if k not in ("out", "from_json")}, per_rank=ranks)
     if args.out:
         with open(args.out, "w") as f:
@@ -440,6 +579,12 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=64.0, help="the video's seconds")
     ap.add_argument("--tdam", type=int, default=1, help="1: the SFT step with TDAM masks")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--steps", choices=("all", "paravt", "videoo3"), default="all",
+                    help="all: the paravt RL and SFT steps, then the Video-o3 update; paravt: the first two; videoo3: "
+                         "the Video-o3 update alone")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="train.py's --micro-batch-tokens for both RL updates (default: train.py's; --ci: 2048, "
+                         "which its rows of ~1-2k tokens fill one at a time, as the real lengths fill the default)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--from-json", metavar="JSON", help="report again from a run's --out (its measurements, today's plan)")
     args = ap.parse_args()
@@ -451,6 +596,7 @@ def main() -> None:
     if args.ci:
         args.text_layers, args.vision_depth, args.hidden, args.mlp, args.heads = 2, 1, 256, 512, 8
         args.vision_width, args.vision_mlp, args.size, args.duration = 64, 128, "128x96", 16.0
+        args.micro_batch_tokens = args.micro_batch_tokens or 2048
     try:
         size = tuple(int(x) for x in args.size.split("x"))
     except ValueError:

@@ -120,15 +120,48 @@ def test_sample_never_draws_banned_token_at_qwen_vocab():
         assert rollout.sample_tokens(nucleus, seeds, counters, 1.0, 0.9).tolist() == [4321] * 64
 
 
-def test_decode_step_one_host_sync(tiny, split):
+def test_host_sync_counter_counts_reads():
+    """HostSyncCounter counts the host reads it sees, one per call: 3 item + 1 tolist -> 4; bool / int / float /
+    index of a tensor, nonzero, a bool-mask index: one each; ops that stay on the device and a copy to where the
+    tensor already is: none. Toward a GPU device ("meta" stands in: no CPU tensor is on it) a copy from the host
+    counts when it blocks (no non_blocking; torch.tensor with the device), and a host tensor's item does not."""
+    t = torch.arange(4.0)
+    with rollout.HostSyncCounter("cpu") as c:
+        for i in range(3):
+            t[i].item()
+        t.tolist()
+    assert c.count == 4 and sorted(c.sites.values()) == [1, 3] and all("test_kvcache.py" in k for k in c.sites)
+    with rollout.HostSyncCounter("cpu") as c:
+        bool(t[1]), int(t[1]), float(t[1]), [0, 1, 2][t.long()[1]], t.nonzero(), t[t > 1]
+        (t * 2).sum(), t.index_select(0, torch.tensor([1])), t.to("cpu"), t.cpu()
+    assert c.count == 6, c.sites
+    with rollout.HostSyncCounter("meta") as c:
+        t.to("meta"), t.to("meta", non_blocking=True), torch.tensor([1, 2], device="meta"), t[0].item()
+    assert c.count == 2, c.sites
+
+
+def test_decode_step_one_host_sync(tiny, split, monkeypatch):
+    """Measured, not counted by construction: HostSyncCounter over a rollout sees one host sync per decode step
+    inside Engine.step (the sampled tokens and log-probs, read for the stop check), the prefills' reads apart; a
+    sampler that also reads a value (a deliberate .item()) makes it two per step."""
     model, processor = tiny
     root, recs = split
     cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_turns": 0, "max_new_tokens": 6, "group_size": 3,
                                    "temperature": 1.0})
-    before = dict(rollout.STATS)
-    rollout.run_agent(model, processor, recs[:1], root, cfg, seed=0)
-    steps = rollout.STATS["decode_steps"] - before["decode_steps"]
-    assert steps >= 1 and rollout.STATS["host_syncs"] - before["host_syncs"] == steps
+
+    def measured():
+        before = rollout.STATS["decode_steps"]
+        with rollout.HostSyncCounter("cpu") as syncs:
+            rollout.run_agent(model, processor, recs[:1], root, cfg, seed=0)
+        return rollout.STATS["decode_steps"] - before, syncs
+
+    steps, syncs = measured()
+    assert steps >= 1 and syncs.in_steps == steps, syncs.sites
+    assert syncs.count > syncs.in_steps                      # the prefill's (the vision tower's grid, ...)
+    sample = rollout.sample_tokens
+    monkeypatch.setattr(rollout, "sample_tokens", lambda logits, *a: (logits.amax().item(), sample(logits, *a))[1])
+    again, more = measured()
+    assert again == steps and more.in_steps == 2 * steps, more.sites
 
 
 # ----------------------------------------------------------------------------- the paged, shared-prompt cache

@@ -40,6 +40,23 @@ def test_a_small_budget_means_more_waves_and_more_decode_time():
     assert small["rollout_s"] > big["rollout_s"] and small["kv_gb_per_gpu"] < big["kv_gb_per_gpu"]
 
 
+def test_the_update_holds_the_micro_batch_train_py_forms():
+    """The update's memory counts the rows train.micro_batches puts in one micro-batch at the recipe's lengths
+    (plan.update_rows): under train.py's defaults (--micro-batch 8, --micro-batch-tokens 16,384) one row at both
+    recipes' lengths (17k and 36k tokens), so no row is padded; a budget that lets rows share a forward puts more
+    rows in flight and the update needs more memory. Before, the plan assumed one row whatever the flags."""
+    assert plan.update_rows([36000] * 64, 8, 16384) == 1 and plan.update_rows([900] * 64, 8, 16384) == 8
+    assert plan.update_rows([100, 5000, 100, 100], 8, 10000) == 2 and plan.update_rows([], 8, 16384) == 0
+    run = lambda *a: json.loads(subprocess.run([sys.executable, str(BENCH / "plan.py"), *a], capture_output=True,
+                                               text=True, check=True).stdout.strip().splitlines()[-1])["recipes"]
+    default, wide = run(), run("--micro-batch-tokens", "131072")
+    for name in default:
+        assert default[name]["update_rows"] == 1, name
+        assert wide[name]["update_rows"] == min(8, 131072 // wide[name]["seq_tokens"]) > 1, name
+        assert wide[name]["parts_gb"]["activations"] > 2 * default[name]["parts_gb"]["activations"], name
+        assert wide[name]["mem_train_gb"] > default[name]["mem_train_gb"], name
+
+
 def test_memory_parts_kv_counts_whole_blocks_and_one_prompt_copy_per_group():
     """The K/V part in pool blocks: each sequence rounds up to kvcache.BLOCK tokens; the shared prompt is stored
     once per group (G copies unshared); a sub-agent is a prompt and a row of its own; one process stores bf16 keys too."""

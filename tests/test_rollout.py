@@ -10,6 +10,7 @@ log-probs are real and can be checked against a full recompute.
 import json
 import re
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -421,6 +422,55 @@ def test_rollout_memory_flag_reaches_the_engine(capsys):
     with pytest.raises(SystemExit):
         runtime.parse_args(["--rollout-memory-gb", "0"])
     assert "--rollout-memory-gb must be > 0" in capsys.readouterr().err
+
+
+class _KeptCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Elements of the fp32 -> bf16 casts made while active that are still alive (weakrefs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32 and out.dtype == torch.bfloat16:
+            self.casts.append((weakref.ref(out), out.numel()))
+        return out
+
+    @property
+    def alive(self) -> int:
+        return sum(n for ref, n in self.casts if ref() is not None)
+
+
+def test_default_budget_counts_autocast_weight_copies(monkeypatch):
+    """On one GPU under autocast (--precision bf16 on fp32 master weights) the default budget leaves room for the
+    weights' bf16 copies autocast keeps through the rollout (2 bytes a cast weight: 16 GB at 8B); with FSDP2 (world
+    > 1: bf16 all-gathered weights, allocated before the budget is read) or without autocast there are none. The
+    count is autocast's: after a bf16 autocast forward of the tiny model (vision tower frozen) the casts still alive
+    are exactly `autocast_copies`' elements, the frozen tower's not among them. The default took 80 % of the free
+    memory whatever the precision."""
+    GB = 2 ** 30
+    assert rollout.default_budget(10 * GB, GB // 2, torch.bfloat16, 1) == int(0.8 * 9 * GB)
+    assert rollout.default_budget(10 * GB, GB // 2, None, 1) == int(0.8 * 10 * GB)              # fp32: no autocast
+    assert rollout.default_budget(10 * GB, GB // 2, torch.bfloat16, 2) == int(0.8 * 10 * GB)    # FSDP2
+    assert rollout.default_budget(GB, GB, torch.bfloat16, 1) == 0
+    model, _ = load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
+    whole = rollout.autocast_copies(model)
+    for p in model.model.visual.parameters():
+        p.requires_grad_(False)
+    text = rollout.autocast_copies(model)
+    assert 0 < text < whole < sum(p.numel() for p in model.parameters())
+    ids = torch.randint(300, model.get_input_embeddings().weight.shape[0], (1, 16))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        with _KeptCasts() as kept:
+            model(input_ids=ids)
+        assert kept.alive == text
+    # the wiring: memory_budget on a GPU with 10 GB free under bf16 autocast, one process
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GB, 80 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: GB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: GB)
+    monkeypatch.setattr(rollout, "autocast_dtype", lambda device: torch.bfloat16)
+    assert rollout.memory_budget(rollout.RolloutConfig(), "cuda", model) == int(0.8 * (10 * GB - 2 * text))
 
 
 def test_bf16_rollout_keeps_pixels_in_the_model_dtype(split, script, monkeypatch):

@@ -1053,6 +1053,41 @@ def test_grpo_loss_micro_batches_add_up_with_global_normaliser():
     assert (parts[0] + parts[1]).item() == pytest.approx(full.item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("lengths, rows, tokens, expected", [
+    ([10] * 5, 2, 100, [(0, 2), (2, 4), (4, 5)]),           # rows alone decide: 2 x 10 <= 100
+    ([10] * 5, 8, 30, [(0, 3), (3, 5)]),                    # tokens decide: 3 x 10 <= 30 < 4 x 10
+    ([10, 30, 200, 5, 5, 5], 8, 100, [(0, 2), (2, 3), (3, 6)]),   # 200 > 100 goes alone, in its place
+    ([60, 40, 30], 8, 100, [(0, 1), (1, 3)]),               # 2 x 60 > 100; then 2 x 40 <= 100 < 3 x 40
+    ([40, 60], 8, 100, [(0, 1), (1, 2)]),                   # the longest so far counts: 2 x 60 > 100
+    ([50, 50, 50], 8, 100, [(0, 2), (2, 3)]),               # (items + 1) x longest == tokens still joins
+    ([30, 5, 30, 5], 8, 10 ** 6, [(0, 4)]),                 # never sorted: one batch in the given order
+    ([], 8, 100, []),
+])
+def test_micro_batches_are_consecutive_within_rows_and_padded_tokens(lengths, rows, tokens, expected):
+    """train.micro_batches: consecutive items in their order, at most `rows` a micro-batch and items x its longest
+    <= `tokens`; an item longer than `tokens` alone (the update's micro-batches and sequence_kl's)."""
+    got = train.micro_batches(lengths, rows, tokens)
+    assert [(s.start, s.stop) for s in got] == expected
+    assert [i for s in got for i in range(len(lengths))[s]] == list(range(len(lengths)))
+
+
+def test_micro_batch_tokens_flag_is_the_settings_default_and_one_row_at_video_o3_lengths():
+    """--micro-batch-tokens (default 16,384, the GRPOSettings default) reaches the settings; at Video-o3's and
+    ParaVT's row lengths (17k-32k tokens) the default budget makes every micro-batch one row, at the tiny
+    default's (a few hundred tokens, eight rows of its longest oracle rows in 6k) the fixed chunks of
+    --micro-batch are unchanged (the embedded default computes what it did)."""
+    args = runtime.parse_args([])
+    assert args.micro_batch_tokens == train.GRPOSettings().micro_batch_tokens == 16384
+    assert train.grpo_settings(runtime.parse_args(["--micro-batch-tokens", "4096"])).micro_batch_tokens == 4096
+    with pytest.raises(SystemExit):
+        runtime.parse_args(["--micro-batch-tokens", "0"])
+    s = train.grpo_settings(runtime.parse_args(["--preset", "videoo3"]))
+    assert [sl.stop - sl.start for sl in train.micro_batches([27000, 31000, 26500, 32000], s.micro_batch,
+                                                             s.micro_batch_tokens)] == [1, 1, 1, 1]
+    tiny = [400, 560, 812, 386] * 16                      # a step of the default: 4 prompts x 16 rows
+    assert train.micro_batches(tiny, 8, args.micro_batch_tokens) == [slice(i, i + 8) for i in range(0, 64, 8)]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(advantages=torch.zeros(3)), "advantages"),                   # one advantage per sequence, B = 2
     (dict(mask=torch.ones(2, 4)), r"must all be \(B, L\)"),            # mask longer than the sequences
