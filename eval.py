@@ -9,7 +9,7 @@ one question about one video. One evaluation path: train.py's held-out evaluatio
                   (one bar over every rank's questions), agent_runner(), trajectory_row()
     figures       agent_figures(records, rows): format compliance, tool-call ratio, clue score, tool
                   turns, r_acc; error_reasons(rows)
-    presets       rollout_config(): each paper's protocol (rollout.PRESETS, shared with train.py) for evaluation
+    presets       rollout_config(): each preset's evaluation protocol (recipes.PRESETS, shared with train.py)
     ask           ask_record(video, question, options), ask(): each turn printed as it completes
                   (rollout.run_agent's on_turn, turn_lines), the answer alone on the last line
     CLI           python eval.py                                    # synthetic split, tiny model (CPU smoke)
@@ -41,12 +41,12 @@ import torch
 from tqdm import tqdm
 
 import data
+import recipes
 import rewards
 import runtime
 import video
 from benchmarks import (BENCHES, EXTRACTORS, TIME_EXTRACTORS, describe, format_report, load, score, sniff,
                         synthetic_records)
-from rollout import PRESETS
 
 
 def say(message: str) -> None:
@@ -222,25 +222,15 @@ def predict(records: list[dict], run_batch: Callable, out_path=None, batch_size:
 
 # ----------------------------------------------------------------------------- the agent
 
-def tiny_overrides() -> dict:
-    """The embedded tiny model on CPU: the small frames the synthetic task is designed for."""
+def rollout_config(preset: str = "paravt", tool_mode: str | None = None, tiny: bool = False, **overrides):
+    """rollout.RolloutConfig of a preset's evaluation (recipes.preset_values; on the tiny model with its frames):
+    greedy, one sample a question, the preset's eval_max_turns tool rounds (Video-o3 trains with 6 and evaluates
+    with 8), then `tool_mode` and `overrides`; names a field RolloutConfig lacks."""
     import rollout
-    return dict(rollout.TINY_ROLLOUT)
-
-
-def rollout_config(preset: str = "paravt", tool_mode: str | None = None, **overrides):
-    """rollout.RolloutConfig of a preset (+ overrides); names a field RolloutConfig lacks."""
-    import rollout
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    p = PRESETS[preset]                 # the same protocol train.py trains with, its evaluation's turn budget
-    values = {**p["rollout"], "max_turns": p["eval_max_turns"], "temperature": 0.0, "group_size": 1,
-              **({"tool_mode": tool_mode} if tool_mode else {}), **overrides}
-    fields = {f.name for f in dataclasses.fields(rollout.RolloutConfig)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ValueError(f"preset {preset!r} sets {unknown}, which rollout.RolloutConfig does not have")
-    return rollout.RolloutConfig(**values)
+    values = recipes.preset_values(preset, tiny=tiny)
+    return rollout.RolloutConfig.of(values, **{"max_turns": values["eval_max_turns"], "temperature": 0.0,
+                                               "group_size": 1, **({"tool_mode": tool_mode} if tool_mode else {}),
+                                               **overrides})
 
 
 def segments(traj, tokenizer) -> list[list[str]]:
@@ -496,8 +486,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="checkpoint dir, a train.py run dir (its best checkpoint by "
                    "evaluation, else its newest), hub id or 'tiny' (default tiny unless --predictions)")
-    g.add_argument("--preset", choices=sorted(PRESETS), default="paravt",
-                   help="paravt: 64 frames, 3 turns, <=5 calls, subagent; videoo3: 2 fps <=768 frames, 8 turns, interleaved")
+    g.add_argument("--preset", choices=sorted(recipes.PRESETS), default=None,
+                   help="paravt: 64 frames, 3 turns, <=5 calls, subagent; videoo3: 2 fps <=768 frames, 8 turns, "
+                        "interleaved; tiny: the embedded default's (default: tiny for the tiny model, else paravt)")
     g.add_argument("--tool-mode", choices=("subagent", "interleaved"), default=None,
                    help="override the preset's mode (the tiny model defaults to interleaved, as train.py trains it)")
     g.add_argument("--batch-size", type=int, default=8, help="questions per rollout.run_agent call (one batched rollout)")
@@ -588,18 +579,16 @@ def model_path(name: str) -> str:
 
 def load_agent(name: str, device, preset: str, tool_mode: str | None, max_new_tokens: int | None,
                max_turns: int | None, overview_nframes: int | None):
-    """(model, processor, RolloutConfig) of --model under --preset and the flags that override it; the tiny
-    model (fresh or trained) gets its frame sizes, 128 new tokens a turn and the interleaved mode, as train.py."""
+    """(model, processor, RolloutConfig) of --model under --preset (None: tiny for the tiny model, else paravt)
+    and the flags that override it; the tiny model (fresh or trained) gets its frame sizes (recipes.TINY_FRAMES)."""
     import model as model_lib
     import rollout
     model, processor = model_lib.load_model(name, device=device, tiny_corpus=rollout.prompt_corpus())
     tiny = hasattr(model.config, "tiny_model_config")      # the embedded default, fresh or trained
-    overrides = {**(tiny_overrides() if tiny else {}),
-                 **({"max_new_tokens": max_new_tokens or 128} if tiny or max_new_tokens else {}),
+    overrides = {**({"max_new_tokens": max_new_tokens} if max_new_tokens else {}),
                  **({"max_turns": max_turns} if max_turns is not None else {}),
                  **({"overview_nframes": overview_nframes} if overview_nframes else {})}
-    tool_mode = tool_mode or ("interleaved" if tiny else None)   # the mode `python train.py` trains
-    return model, processor, rollout_config(preset, tool_mode, **overrides)
+    return model, processor, rollout_config(preset or ("tiny" if tiny else "paravt"), tool_mode, tiny, **overrides)
 
 
 def _agent(args, device):
@@ -612,6 +601,8 @@ def run(args: argparse.Namespace):
     each rank runs rank_main on job_of(args): the records are loaded, and synthetic videos rendered, once)."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)")
+    if args.preset is None:      # the tiny model, fresh or trained, is evaluated as train.py trains it
+        args.preset = "tiny" if recipes.is_tiny(model_path(args.model or "tiny")) else "paravt"
     if args.video is not None:
         record, root = ask_record(args.video, args.question, args.options)     # before the model loads
         if args.threads:

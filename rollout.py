@@ -3,7 +3,7 @@ The agent's rollout engine: batched multi-turn decoding on a paged K/V cache und
 `crop_video` calls executed either by sub-agents (ParaVT, arXiv 2605.20342) or as clips interleaved into the
 same context (Video-o3, arXiv 2601.23224). The file reads in the order a rollout runs:
 
-    1. settings      RolloutConfig, PRESETS (the papers' recipes), Trajectory
+    1. settings      RolloutConfig (the presets are in recipes.py), Trajectory
     2. sampling      sample_tokens: temperature, top-p, Gumbel-max with counter-hashed noise (one (B, V) op)
     3. the prompt    system + Hermes tools block + overview video + question -> a kvcache.Chunk
     4. tools         run_calls (a turn's parallel crop_video calls -> clips), the tool responses' text
@@ -40,6 +40,7 @@ import sys
 import time
 import warnings
 from collections import Counter, deque
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,7 @@ import torch
 import video
 from data import INSTRUCTIONS, content_text, format_question, message_text, resolve_video
 import kvcache
+import recipes
 from kvcache import Chunk, GroupKV, blocks_for, kv_bytes_per_token
 from model import TOOLS_INTRO, TOOLS_OUTRO, decode_with_offsets, special_token_ids
 from ops import autocast_dtype
@@ -61,65 +63,47 @@ SUBAGENT_PROMPT = "Describe briefly what this video segment shows: objects, thei
 FORCED_ANSWER = "You have used all your tool turns. Give your final answer now inside <answer></answer>, without tool calls."
 
 
+P = recipes.TINY_PROTOCOL
+
+
 @dataclass
 class RolloutConfig:
-    """Knobs of one rollout; the papers' presets are `PRESETS` below (train.py and eval.py read them)."""
-    tool_mode: str = "interleaved"       # "interleaved" (Video-o3) | "subagent" (ParaVT)
-    max_turns: int = 3                   # tool rounds before the forced answer
-    max_calls_per_turn: int = 5
-    max_new_tokens: int = 256            # per assistant turn
-    temperature: float = 1.0             # 0 = greedy
-    top_p: float = 1.0
-    group_size: int = 1
-    overview_fps: float = 2.0
-    overview_max_frames: int = 768
-    overview_nframes: int | None = None  # exactly K frames (nFrames gating); None = fps rule
-    overview_max_pixels: int | None = None   # per frame; None = overview_tokens over the whole overview
-    overview_tokens: int = 16384         # visual tokens of the whole overview without a per-frame cap (Video-o3's 16k)
-    crop_fps: float = 2.0
-    crop_max_frames: int = video.CLIP_MAX_FRAMES   # frames of one crop at most (a long window is sampled sparser)
-    crop_max_pixels: int | None = None   # per-frame cap on top of the level quota (tiny default: 64*64)
-    min_window: float = 1.0              # interleaved mode: windows shorter than this are errors (docs/method.md §2)
-    subagent_fps: float = 1.0
-    subagent_max_frames: int = 16
-    subagent_max_pixels: int = 224 * 224
-    subagent_max_new_tokens: int = 512
-    max_context: int = 32768             # tokens a row may hold (--max-context); one that reaches it is cut and flagged
-    tools_block: bool = True             # Hermes tools block in the system prompt (real checkpoints expect it)
-    memory_budget_bytes: int | None = None   # K/V the engine may hold (--rollout-memory-gb); None: memory_budget()
-    continuous: bool = True              # continuous batching; False: fixed waves (the benchmark's baseline)
+    """Knobs of one rollout. Defaults: the tiny preset's protocol (recipes.TINY_PROTOCOL, what `python train.py`
+    runs; the tiny model's 64 x 64 frames, recipes.TINY_FRAMES, come on top where the model is tiny); each preset
+    sets every field (recipes.PRESETS, read by train.py and eval.py)."""
+    tool_mode: str = P["tool_mode"]                  # "interleaved" (Video-o3) | "subagent" (ParaVT)
+    max_turns: int = P["max_turns"]                  # tool rounds before the forced answer
+    max_calls_per_turn: int = P["max_calls_per_turn"]
+    max_new_tokens: int = P["max_new_tokens"]        # per assistant turn
+    temperature: float = P["temperature"]            # 0 = greedy
+    top_p: float = P["top_p"]
+    group_size: int = P["group_size"]
+    overview_fps: float = P["overview_fps"]
+    overview_max_frames: int = P["overview_max_frames"]
+    overview_nframes: int | None = P["overview_nframes"]        # exactly K frames (nFrames gating); None = fps rule
+    overview_max_pixels: int | None = P["overview_max_pixels"]  # per frame; None = overview_tokens over the overview
+    overview_tokens: int = P["overview_tokens"]      # visual tokens of the whole overview without a per-frame cap
+    crop_fps: float = P["crop_fps"]
+    crop_max_frames: int = P["crop_max_frames"]      # frames of one crop at most (a long window is sampled sparser)
+    crop_max_pixels: int | None = P["crop_max_pixels"]   # per-frame cap on top of the level quota
+    min_window: float = P["min_window"]              # interleaved mode: shorter windows are errors (docs/method.md §2)
+    subagent_fps: float = P["subagent_fps"]
+    subagent_max_frames: int = P["subagent_max_frames"]
+    subagent_max_pixels: int = P["subagent_max_pixels"]
+    subagent_max_new_tokens: int = P["subagent_max_new_tokens"]
+    max_context: int = P["max_context"]              # tokens a row may hold; one that reaches it is cut and flagged
+    tools_block: bool = P["tools_block"]             # Hermes tools block in the system prompt (real checkpoints)
+    continuous: bool = P["continuous"]               # continuous batching; False: fixed waves (a benchmark's baseline)
+    memory_budget_bytes: int | None = None           # K/V the engine may hold (--rollout-memory-gb); None: memory_budget()
 
-
-# Each paper's protocol (docs/method.md §5, §7), shared by train.py and eval.py: `rollout` holds RolloutConfig
-# fields, `eval_max_turns` the tool rounds of its evaluation (Video-o3 trains with 6 and evaluates with 8), `train`
-# the training flags of train.py (recipe, group, learning rates, clip range, KL, temperature, sampling).
-PRESETS = {
-    "paravt": dict(
-        rollout=dict(tool_mode="subagent", overview_nframes=64, max_turns=3, max_calls_per_turn=5, max_new_tokens=2048,
-                     overview_tokens=16384, max_context=32768),
-        eval_max_turns=3,
-        train=dict(recipe="para_grpo", group_size=8, prompts_per_step=7, lr=2e-6, sft_lr=1e-5, clip_low=0.2,
-                   clip_high=0.2, kl_coef=0.01, kl_estimator="k1", kl_in_reward=1, temperature=0.7, shaping=1,
-                   gating=1, dynamic_sampling=0, mask_truncated=0)),
-    # Video-o3's sizes (its release: prompts of at most 18,432 tokens, 8,192 new tokens a turn; crops in
-    # video.LEVEL_TOKENS) and a context that holds the whole protocol, so no full-length row is cut and masked: a
-    # 768-frame overview of 12,288 visual tokens and 384 timestamps (12 tokens each with their markers, videos under
-    # 27 h) leaves 1,536 of the 18,432 to the system prompt, tools and question; then row_blocks' worst case:
-    # 7 turns x 8,192 + 6 rounds x (96 + 5 fine clips x (3,072 + 64 x 16 + 64) + 64) (docs/method.md §5).
-    "videoo3": dict(
-        rollout=dict(tool_mode="interleaved", overview_nframes=None, overview_fps=2.0, overview_max_frames=768,
-                     overview_tokens=12288, max_turns=6, max_calls_per_turn=5, max_new_tokens=8192,
-                     max_context=18432 + 7 * 8192 + 6 * (96 + 5 * (3072 + 64 * 16 + 64) + 64)),    # 201,536
-        eval_max_turns=8,
-        train=dict(recipe="vtgr", group_size=16, prompts_per_step=32, lr=1e-6, sft_lr=1e-5, clip_low=0.2,
-                   clip_high=0.3, kl_coef=0.0, kl_estimator="k3", kl_in_reward=0, temperature=1.0, shaping=0,
-                   gating=0, dynamic_sampling=1, mask_truncated=1, anchoring="none")),
-}
-
-# The embedded tiny default: small frames and a short prompt, so a 2-core CPU trains it in minutes.
-# Without the tools block the system prompt still names the tool; the SFT warm start teaches the format.
-TINY_ROLLOUT = dict(overview_nframes=8, overview_max_pixels=64 * 64, crop_fps=1.0, crop_max_frames=16, crop_max_pixels=64 * 64,
-                    subagent_max_pixels=64 * 64, subagent_max_new_tokens=48, tools_block=False)
+    @classmethod
+    def of(cls, values: dict, **overrides) -> "RolloutConfig":
+        """The config of a settings dict (recipes.preset_values, a resolved run's vars) with `overrides`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"RolloutConfig has no field {unknown}")
+        return cls(**{**{k: v for k, v in values.items() if k in names}, **overrides})
 
 
 @dataclass

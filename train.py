@@ -62,6 +62,7 @@ from tqdm import tqdm
 import data
 import eval as evaluation
 import model as model_lib
+import recipes
 import rewards
 import rollout
 import runtime
@@ -69,6 +70,8 @@ import video
 from ops import (TdamSpec, policy_rows, tdam_rects, to_additive_mask, token_logprobs, token_loss,
                  use_tdam_attention)
 from runtime import Run, all_max, all_mean, all_sum, all_sum_float, all_weighted_mean, full_weights, print0
+
+T = recipes.TINY      # the settings dataclasses' defaults: what `python train.py` runs
 
 # -----------------------------------------------------------------------------
 # 1. The PARA-GRPO objective (docs/method.md §4-§5): the equations, and the loss training runs
@@ -240,33 +243,34 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr
 
 @dataclasses.dataclass
 class GRPOSettings:
-    """The knobs of one PARA-GRPO / VTGR step (flags of the same names; docs/method.md §5)."""
-    recipe: str = "combined"
-    anchoring: str = "sequence"          # sequence | token | none
-    released_scoring: bool = False
-    group_size: int = 8
-    prompts_per_step: int = 4            # over all ranks (the papers' global batch), split by rank_share
-    gating: bool = False
-    gating_choices: tuple = (4, 8, 16, 32, 64)
-    dynamic_sampling: bool = False
-    max_draws: int = 4                   # dynamic sampling: rollout rounds per step at most
-    placebo: bool = False                # a control run: each group's advantages dealt to its samples at random
-    shaping: bool = False
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    kl_in_reward: bool = False           # ParaVT: R -= kl_coef * sum_t k1_t before the advantages
-    mask_truncated: bool = True
-    train_subagents: bool = False
-    ppo_epochs: int = 1
-    micro_batch: int = 8                 # rows per training forward at most
-    micro_batch_tokens: int = 16384      # ... and rows x longest row at most (`micro_batches`)
-    clip_low: float = 0.2
-    clip_high: float = 0.3
-    temperature: float = 0.7             # the rollout's T; every log-prob in the loss uses it too
-    logprob_chunk: int = 1024            # token_logprobs' chunk (old / reference log-probs, no grad)
-    loss_chunk: int = 0                  # token_loss's chunk; 0: its own rule (_auto_chunk)
-    compile: bool = False
-    precision: str = "fp32"              # fp32 | bf16: the forward passes' compute dtype (autocast)
+    """The knobs of one PARA-GRPO / VTGR step (flags or --set keys of the same names; docs/method.md §5).
+    Defaults: what `python train.py` runs (recipes.TINY); a run's come from its preset (recipes.PRESETS)."""
+    recipe: str = T["recipe"]                        # rewards.score_trajectory's recipe (recipes.RECIPES)
+    anchoring: str = T["anchoring"]                  # sequence | token | none
+    released_scoring: bool = T["released_scoring"]
+    group_size: int = T["group_size"]
+    prompts_per_step: int = T["prompts_per_step"]    # over all ranks (the papers' global batch), split by rank_share
+    gating: bool = T["gating"]
+    gating_choices: tuple = T["gating_choices"]
+    dynamic_sampling: bool = T["dynamic_sampling"]
+    max_draws: int = T["max_draws"]                  # dynamic sampling: rollout rounds per step at most
+    placebo: bool = T["placebo"]                     # a control run: each group's advantages dealt at random
+    shaping: bool = T["shaping"]
+    kl_coef: float = T["kl_coef"]
+    kl_estimator: str = T["kl_estimator"]
+    kl_in_reward: bool = T["kl_in_reward"]           # ParaVT: R -= kl_coef * sum_t k1_t before the advantages
+    mask_truncated: bool = T["mask_truncated"]
+    train_subagents: bool = T["train_subagents"]
+    ppo_epochs: int = T["ppo_epochs"]
+    micro_batch: int = T["micro_batch"]              # rows per training forward at most
+    micro_batch_tokens: int = T["micro_batch_tokens"]    # ... and rows x longest row at most (`micro_batches`)
+    clip_low: float = T["clip_low"]
+    clip_high: float = T["clip_high"]
+    temperature: float = T["temperature"]            # the rollout's T; every log-prob in the loss uses it too
+    logprob_chunk: int = T["logprob_chunk"]          # token_logprobs' chunk (old / reference log-probs, no grad)
+    loss_chunk: int = T["loss_chunk"]                # token_loss's chunk; 0: its own rule (_auto_chunk)
+    compile: bool = False                            # resolve: True on CUDA
+    precision: str = "fp32"                          # fp32 | bf16 (resolve: bf16 on CUDA): the compute dtype
 
 
 @dataclasses.dataclass
@@ -515,21 +519,16 @@ def split_accuracy(m: dict) -> dict:
     return m
 
 
-RECIPE_NAMES = {"para_grpo": "PARA-GRPO", "vtgr": "Video-o3's VTGR", "combined": "PARA-GRPO with VTGR's tool term",
-                "vanilla": "vanilla GRPO"}
-
-
 def recipe_line(s: GRPOSettings) -> str:
     """The run's first words on the method, e.g. 'recipe: para_grpo (PARA-GRPO: R_acc + R_fmt + R_tool, exploration
     anchoring (sequence), nFrames gating K in {4, 8, 16, 32}, no KL)': what the reward and the step really use."""
-    reward = {"vtgr": "R_acc + strict R_fmt + clue score x turn decay",
-              "combined": "R_acc + R_fmt + VTGR tool term where clues exist"}.get(s.recipe, "R_acc + R_fmt + R_tool")
-    parts = [reward, f"exploration anchoring ({s.anchoring})" if s.anchoring != "none" else "no anchoring",
+    recipe = recipes.RECIPES[s.recipe]
+    parts = [recipe.reward, f"exploration anchoring ({s.anchoring})" if s.anchoring != "none" else "no anchoring",
              f"nFrames gating K in {{{', '.join(map(str, s.gating_choices))}}}" if s.gating else "no gating",
              (f"k1 KL {s.kl_coef:g} in the reward" if s.kl_in_reward else f"{s.kl_estimator} KL {s.kl_coef:g}")
              if s.kl_coef else "no KL"] + (["shaping clip(10 (R - 0.2), +-20)"] if s.shaping else []) + (
              ["PLACEBO: each group's advantages dealt to its samples at random"] if s.placebo else [])
-    return f"recipe: {s.recipe} ({RECIPE_NAMES[s.recipe]}: {', '.join(parts)})"
+    return f"recipe: {s.recipe} ({recipe.title}: {', '.join(parts)})"
 
 
 def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, video_root: str,
@@ -689,14 +688,15 @@ def sft_token_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
 
 @dataclasses.dataclass
 class SFTSettings:
-    steps: int = 600
-    batch: int = 8
-    micro_batch: int = 2
-    lr: float = 2e-3
-    tdam_ratio: float = 0.1
-    loss_chunk: int = 0                  # token_loss's chunk; 0: its own rule (_auto_chunk)
-    compile: bool = False
-    precision: str = "fp32"              # fp32 | bf16: the forward passes' compute dtype (autocast)
+    """The SFT warm start's knobs (flags or --set keys sft_steps, sft_batch, ...); defaults: recipes.TINY."""
+    steps: int = T["sft_steps"]
+    batch: int = T["sft_batch"]
+    micro_batch: int = T["sft_micro_batch"]
+    lr: float = T["sft_lr"]
+    tdam_ratio: float = T["tdam_ratio"]
+    loss_chunk: int = T["loss_chunk"]                # token_loss's chunk; 0: its own rule (_auto_chunk)
+    compile: bool = False                            # resolve: True on CUDA
+    precision: str = "fp32"                          # fp32 | bf16: the forward passes' compute dtype (autocast)
 
 
 class SFTItems:
@@ -1105,17 +1105,9 @@ def set_lr(optimizer, lr: float) -> float:
 
 
 def rollout_config(args) -> rollout.RolloutConfig:
-    extra = dict(rollout.TINY_ROLLOUT) if args.tiny else {}          # the tiny model's frame sizes
-    if args.overview_nframes is not None or args.preset:             # a preset's overview rule, or the flag's
-        extra["overview_nframes"] = args.overview_nframes or None     # 0 / None: the fps rule (Video-o3)
-    return rollout.RolloutConfig(**{**dict(tool_mode=args.tool_mode, max_turns=args.max_turns,
-                                           max_calls_per_turn=args.max_calls_per_turn,
-                                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                           group_size=args.group_size, overview_fps=args.overview_fps,
-                                           overview_max_frames=args.overview_max_frames,
-                                           overview_tokens=args.overview_tokens, max_context=args.max_context,
-                                           memory_budget_bytes=int(args.rollout_memory_gb * 2 ** 30)
-                                           if args.rollout_memory_gb else None), **extra})
+    """The run's RolloutConfig: every field is a resolved setting of the same name (recipes.resolve)."""
+    return rollout.RolloutConfig.of(vars(args), memory_budget_bytes=int(args.rollout_memory_gb * 2 ** 30)
+                                    if args.rollout_memory_gb else None)
 
 
 def sft_settings(args) -> SFTSettings:
@@ -1143,7 +1135,7 @@ def launch(args) -> None:
 def cli(argv=None) -> None:
     """`python train.py ...`: a bad input is one line saying what and where (exit 2); --debug shows the traceback.
     Only this project's own checks speak in one line: an error raised inside a library keeps its traceback."""
-    args = runtime.parse_args(argv, description=__doc__.split("\n\n")[0])
+    args = recipes.parse_train_args(argv, description=__doc__.split("\n\n")[0])
     try:
         launch(args)
     except (ValueError, FileNotFoundError, data.RecordError) as e:

@@ -11,7 +11,7 @@ exploration anchoring (a format reward aimed at the closing tags), are meant to 
 accuracy on the questions that need the tool.
 
 What runs (docs/experiments.md, "The Tool Prior Paradox in miniature"):
-    sft      train.py --stage sft --always-call --sft-gated-overviews 1   (seed 0, shared by every run)
+    sft      train.py --stage sft --set always_call=1 --set sft_gated_overviews=1   (seed 0, shared by every run)
              the oracle crops every question (a tool prior), on K = 32 overviews and on gated ones (K from
              GATING), 450 steps (the vision tower frozen, as in the default run): it reads colours, and the
              gated variants start in distribution
@@ -108,7 +108,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
 # running train.py and eval.py
 
 def sft_command(args, run_dir: str, passthrough: list[str]) -> list[str]:
-    return [sys.executable, str(ROOT / "train.py"), "--stage", "sft", "--always-call", "--sft-gated-overviews", "1",
+    return [sys.executable, str(ROOT / "train.py"), "--stage", "sft", "--set", "always_call=1", "--set", "sft_gated_overviews=1",
             "--gating-choices", GATING, "--run-dir", run_dir, "--seed", "0", "--sft-steps", str(args.sft_steps),
             "--n-eval", str(args.n_eval), "--overview-nframes", str(DENSE), "--save-every", str(args.sft_steps),
             *passthrough]

@@ -67,6 +67,7 @@ from common import ROOT  # noqa: F401  (puts the repo on sys.path: kvcache's blo
 
 import kvcache
 import ops
+import recipes
 import runtime
 import train
 
@@ -223,7 +224,7 @@ def main() -> None:
                    help="per-GPU memory kept for activations, logits and the allocator beside weights and K/V")
     p.add_argument("--rollout-memory-gb", type=float, default=None,
                    help="the rollout's K/V budget per GPU (train.py's flag); default: HBM - bf16 weights - workspace")
-    flags = runtime.parse_args([])                        # train.py's defaults (the one place they live)
+    flags = recipes.parse_train_args([])                        # train.py's defaults (the one place they live)
     p.add_argument("--micro-batch", type=int, default=flags.micro_batch, help="train.py's flag: rows per training forward")
     p.add_argument("--micro-batch-tokens", type=int, default=flags.micro_batch_tokens,
                    help="train.py's flag: padded tokens per training forward")

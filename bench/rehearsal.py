@@ -61,6 +61,7 @@ import kvcache
 import model as model_lib
 import plan
 import rollout
+import recipes
 import runtime
 import train
 import video
@@ -299,7 +300,7 @@ def videoo3_update(rank: int, world: int, args, ckpt: str, root: str, out_dir: s
     advantage +1 on the right answer, -1 on the wrong), through train.policy_update and AdamW: the parts measured
     (bytes: AdamW's moments, the gradient shards, and per micro-batch `phases`), the sizes, the seconds."""
     t0 = time.time()
-    vargs = runtime.parse_args(["--model", ckpt, "--preset", "videoo3", "--precision", "bf16", "--device", device.type,
+    vargs = recipes.parse_train_args(["--model", ckpt, "--preset", "videoo3", "--precision", "bf16", "--device", device.type,
                                 "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), "--micro-batch",
                                 "8", *budget_flag(args), "--run-dir", os.path.join(out_dir, "run-videoo3")])
     s, cfg = train.grpo_settings(vargs), train.rollout_config(vargs)
@@ -379,7 +380,7 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     device = torch.device(args.device if args.device == "cpu" else f"cuda:{rank}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    targs = runtime.parse_args(["--model", ckpt, "--preset", "paravt", "--group-size", str(GROUP),
+    targs = recipes.parse_train_args(["--model", ckpt, "--preset", "paravt", "--group-size", str(GROUP),
                                 "--prompts-per-step", str(world), "--gating", "0", "--precision", "bf16",
                                 "--device", device.type, "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), "--micro-batch",
                                 str(GROUP), *budget_flag(args), "--run-dir", os.path.join(out_dir, "run")])

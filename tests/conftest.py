@@ -9,14 +9,21 @@ import pytest
 import torch
 
 import model as model_lib
+import recipes
 import rollout
+import recipes
 import runtime
 import train
 
 # The fast smoke configuration: tiny default model, 8 SFT prompts and 4 RL prompts, groups of 2, 12 new tokens a
 # turn, overviews gated to 4 or 8 frames.
-SMOKE = ["--sft-steps", "2", "--rl-steps", "2", "--n-train", "8", "--n-rl", "4", "--n-eval", "4", "--group-size", "2",
+SMOKE = ["--sft-steps", "2", "--rl-steps", "2", "--n-train", "8", "--set", "n_rl=4", "--n-eval", "4", "--group-size", "2",
          "--prompts-per-step", "2", "--max-new-tokens", "12", "--sft-batch", "4", "--gating-choices", "4,8"]
+
+
+# The tiny model's rollout as the engine tests drive it: its 64 x 64 frames, one sample at T = 1, 256 new tokens a
+# turn (a test sets what it checks; a run's settings come from recipes.PRESETS).
+TEST_ROLLOUT = {**recipes.TINY_FRAMES, "group_size": 1, "temperature": 1.0, "max_new_tokens": 256}
 
 
 def smoke_argv(run_dir, *extra) -> list[str]:
@@ -26,7 +33,7 @@ def smoke_argv(run_dir, *extra) -> list[str]:
 
 def run(argv) -> dict:
     """train.main in this process (one rank, no process group)."""
-    return train.main(0, runtime.parse_args([str(a) for a in argv]))
+    return train.main(0, recipes.parse_train_args([str(a) for a in argv]))
 
 
 def metrics(run_dir) -> list[dict]:

@@ -13,6 +13,7 @@ import data
 import video
 from data import PALETTE, RecordError
 from rewards import call_window, extract_answer, extract_time_range, parse_tool_calls
+from conftest import TEST_ROLLOUT
 
 ONE_ROUND_MIX = {"single_clue": 0.5, "multi_clue": 0.2, "direct": 0.2, "grounding": 0.1}
 
@@ -490,7 +491,7 @@ def test_tool_free_recordings_beside_the_oracles():
     tool-free teacher answers it (no call; a guess where a crop is needed, the overview's reading of a big glyph),
     tagged "(tool-free)"; recordings without a call get none; g = 0 leaves the pairs of a run without the option."""
     import rollout
-    cfg = rollout.RolloutConfig(**rollout.TINY_ROLLOUT)
+    cfg = rollout.RolloutConfig(**TEST_ROLLOUT)
     recs = [_needle(f"n{i}", kind, [float(8 * i % 48)]) for i, kind in enumerate(["single_clue", "search", "direct"] * 8)]
     base, _ = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8])
     assert data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], tool_free=0.0)[0] == base

@@ -20,6 +20,7 @@ import data
 import eval as ev
 import rewards
 import rollout
+import recipes
 import runtime
 from benchmarks import load, score
 
@@ -184,7 +185,7 @@ def test_evaluate_reports_official_metrics_and_agent_figures(monkeypatch, tmp_pa
 @pytest.mark.parametrize("preset", sorted(ev.PRESETS))
 def test_presets_match_the_real_rollout_config(preset):
     rollout = pytest.importorskip("rollout")
-    cfg = ev.rollout_config(preset, **ev.tiny_overrides())     # every preset / tiny field exists there
+    cfg = ev.rollout_config(preset, tiny=True)     # every preset / tiny field exists there
     assert isinstance(cfg, rollout.RolloutConfig) and cfg.temperature == 0.0 and cfg.group_size == 1
 
 
@@ -302,7 +303,7 @@ def test_tiny_model_gets_train_py_turn_budget(tmp_path, monkeypatch, cache_env):
     seen, ran = {}, []
     monkeypatch.setattr(ev, "agent_runner", fake_runner_factory(seen, ran))
     metrics = ev.main(["--synthetic-n", "6", "--out", str(tmp_path / "p.jsonl")])
-    assert seen["max_new_tokens"] == runtime.parse_args([]).max_new_tokens == 128
+    assert seen["max_new_tokens"] == recipes.parse_train_args([]).max_new_tokens == 128
     assert seen["tool_mode"] == "interleaved" and seen["temperature"] == 0.0 and metrics["n"] == 6
 
 
@@ -411,7 +412,7 @@ def test_ask_prints_each_turn_as_it_completes(tool_mode, tiny, monkeypatch, tmp_
         return scripted(logits, seeds, counters, temperature, top_p)
     monkeypatch.setattr(rollout, "sample_tokens", sample)
     record, root = ev.ask_record(str(NASA), "What is launched?", "A. a rocket|B. a balloon")
-    cfg = ev.rollout_config("paravt", tool_mode, **ev.tiny_overrides(), max_new_tokens=160)
+    cfg = ev.rollout_config("paravt", tool_mode, tiny=True, max_new_tokens=160)
     row = ev.ask(model, processor, record, root, cfg, report_dir=str(tmp_path / "page"), out=out)
     text = out.getvalue()
     turn1, turn2 = text.split("turn 2\n")

@@ -20,6 +20,7 @@ import model as model_lib
 import rollout
 import runtime
 import train
+from conftest import TEST_ROLLOUT
 
 REPO = Path(__file__).resolve().parents[1]
 N = 7                                   # questions: rank 0 gets 4, rank 1 gets 3
@@ -165,7 +166,7 @@ def _held_out_rank(rank: int, world: int, port: int, run_dir: str, cache: str) -
         return lambda batch: ran.extend(r["id"] for r in batch) or run_batch(batch)
     run = runtime.Run(run_dir, rank, world, 0, 100, 0, False, 1.0)
     run.processor = processor
-    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 12})
+    cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 12})
     ev.agent_runner = runner
     try:
         metrics = ev.evaluate_held_out(model, processor, records, cache, cfg, run, "final", report_questions=2)

@@ -15,6 +15,7 @@ import torch
 from conftest import metrics, run, smoke_argv
 
 import data
+import recipes
 import runtime
 import train
 
@@ -104,7 +105,7 @@ def test_sft_trajectories_with_calls_the_environment_refuses_are_reported_and_sk
     root = os.path.join(cache, "synthetic")
     records = data.make_split(root, 4, seed=91, duration=64.0)
     path = _sft_file(tmp_path, records, (100.0, 120.0))          # past the end of a 64 s video
-    cfg = train.rollout_config(runtime.parse_args([]))
+    cfg = train.rollout_config(recipes.parse_train_args([]))
     logged = []
     items, bad = train.sft_examples(records, processor, root, cfg, sft_data=path, seed=0, gated_choices=[],
                                     max_bad_fraction=0.5, log=logged.append)
@@ -188,7 +189,7 @@ def test_videoo3_preset_on_a_saved_checkpoint_samples_a_2fps_overview(tmp_path, 
     argv = ["--preset", "videoo3", "--model", str(ckpt), "--data", str(path), "--video-root", root, "--stage", "rl",
             "--rl-steps", "1", "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "8",
             "--max-turns", "1", "--run-dir", str(tmp_path / "run")]
-    args = runtime.parse_args(argv)
+    args = recipes.parse_train_args(argv)
     assert (args.recipe, args.clip_high, args.dynamic_sampling, args.anchoring) == ("vtgr", 0.3, True, "none")
     cfg = train.rollout_config(args)
     assert cfg.overview_nframes is None and cfg.overview_fps == 2.0 and cfg.overview_max_frames == 768

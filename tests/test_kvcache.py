@@ -12,6 +12,7 @@ import data
 import kvcache
 import rollout
 import video
+from conftest import TEST_ROLLOUT
 
 
 @pytest.fixture(autouse=True)
@@ -146,7 +147,7 @@ def test_decode_step_one_host_sync(tiny, split, monkeypatch):
     sampler that also reads a value (a deliberate .item()) makes it two per step."""
     model, processor = tiny
     root, recs = split
-    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_turns": 0, "max_new_tokens": 6, "group_size": 3,
+    cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_turns": 0, "max_new_tokens": 6, "group_size": 3,
                                    "temperature": 1.0})
 
     def measured():
@@ -167,7 +168,7 @@ def test_decode_step_one_host_sync(tiny, split, monkeypatch):
 # ----------------------------------------------------------------------------- the paged, shared-prompt cache
 
 def _chunks(model, processor, root, rec):
-    cfg = rollout.RolloutConfig(**rollout.TINY_ROLLOUT)
+    cfg = rollout.RolloutConfig(**TEST_ROLLOUT)
     path = f"{root}/{rec['video']}"
     overview = rollout.load_overview(path, video.probe(path).duration, cfg, rollout.video_factor(processor),
                                      cfg.overview_nframes)
@@ -533,7 +534,7 @@ def test_forward_hidden_with_parallel_clips_in_one_turn(tiny, split):
     model, processor = tiny
     root, recs = split
     rec = next(r for r in recs if len(r.get("clues") or []) >= 2)
-    cfg = rollout.RolloutConfig(**rollout.TINY_ROLLOUT)
+    cfg = rollout.RolloutConfig(**TEST_ROLLOUT)
     msgs = data.oracle_turns(rec, __import__("numpy").random.default_rng(0), always_call=True, nframes=8)
     t = rollout.encode_messages(processor, rec, msgs, root, cfg, nframes=8)
     assert any(len(g) >= 2 for _, g in t.videos)                   # one entry holds two clips

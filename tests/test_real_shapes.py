@@ -29,6 +29,7 @@ import kvcache
 import model as model_lib
 import ops
 import rollout
+import recipes
 import runtime
 import train
 import video
@@ -252,7 +253,7 @@ def test_videoo3_full_protocol_fits_its_context():
     max_context tokens) never cuts it and --mask-truncated drops no full-length row; the prompt stays within the
     release's 18,432 tokens; the engine's worst case (row_blocks) covers it. The preset used to hold 32,768
     tokens: the prompt and about 1.5 of the 6 rounds of 5 medium crops."""
-    cfg = train.rollout_config(runtime.parse_args(["--preset", "videoo3", "--model", "Qwen/Qwen3-VL-8B-Instruct"]))
+    cfg = train.rollout_config(recipes.parse_train_args(["--preset", "videoo3", "--model", "Qwen/Qwen3-VL-8B-Instruct"]))
     published = model_lib.qwen3vl_config("8b", text_layers=None, vision_depth=None)
     v = published.vision_config
     processor = model_lib.build_processor(model_lib.qwen_tokenizer(), model_lib.ModelConfig(

@@ -113,8 +113,8 @@ def records_file(tmp_path):
 def test_bad_records_are_reported_and_bad_videos_counted(records_file, tmp_path, capsys):
     path, root, where = records_file
     run(smoke_argv(tmp_path / "run", "--stage", "sft", "--sft-steps", "1", "--sft-batch", "2", "--data", path,
-                   "--video-root", root, "--max-bad-fraction", "0.5", "--sft-gated-overviews", "0",
-                   "--sft-tool-free", "0"))                         # one SFT trajectory per record (no tool-free
+                   "--video-root", root, "--max-bad-fraction", "0.5", "--set", "sft_gated_overviews=0",
+                   "--set", "sft_tool_free=0"))                         # one SFT trajectory per record (no tool-free
     out = capsys.readouterr().out                                   # twin), so one count per video
     for loc, why in where.items():                                 # each bad record, by file:line, with the reason
         line = [l for l in out.splitlines() if f"{loc}:" in l]

@@ -18,6 +18,7 @@ import data
 import report
 import rewards
 import rollout
+from conftest import TEST_ROLLOUT
 
 DURATION = 32.0
 
@@ -315,7 +316,7 @@ def test_report_of_a_scripted_rollout(tiny, tmp_path, monkeypatch):
     scripts = {(0, 0): [f"a mark\n</think>\n{_call(s, e)}\n{_call(40.0, 50.0)}", "seen\n</think>\n<answer>B</answer>"],
                (1, 0): ["from the overview\n</think>\n<answer>C</answer>"]}
     monkeypatch.setattr(rollout, "sample_tokens", Scripted(processor, scripts, seed=0))
-    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 160, "temperature": 1.0})
+    cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 160, "temperature": 1.0})
     trajs = rollout.run_agent(model, processor, records, cache, cfg, seed=0)
     rows = [rollout_row(r, t, processor.tokenizer) for r, t in zip(records, trajs)]
     assert rows[0]["windows"] == [[s, e]] and rows[0]["tool_failures"] == 1    # 40-50 s is past a 32 s video

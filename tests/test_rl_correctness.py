@@ -17,6 +17,7 @@ import model as model_lib
 import ops
 import rewards
 import rollout
+import recipes
 import runtime
 import train
 
@@ -52,21 +53,21 @@ def test_answer_body_anywhere_as_released():
 
 @pytest.mark.parametrize("argv, message", [
     (["--recipe", "vtgr", "--anchoring", "sequence"], "vtgr --anchoring sequence"),
-    (["--kl-coef", "0.01", "--kl-estimator", "k1"], "zero expected gradient"),
+    (["--kl-coef", "0.01", "--set", "kl_estimator=k1"], "zero expected gradient"),
     (["--video-root", "/data/videos"], "--video-root without --data"),
     (["--sft-data", "sft.jsonl"], "--sft-data without --data"),
 ])
 def test_combinations_that_cannot_work_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
-        runtime.parse_args(argv)
+        recipes.parse_train_args(argv)
     assert message in capsys.readouterr().err
 
 
 def test_paravt_preset_folds_k1_into_the_reward():
-    args = runtime.parse_args(["--preset", "paravt"])
+    args = recipes.parse_train_args(["--preset", "paravt"])
     s = train.grpo_settings(args)
     assert (s.recipe, s.kl_estimator, s.kl_in_reward, s.kl_coef, s.temperature) == ("para_grpo", "k1", True, 0.01, 0.7)
-    assert runtime.parse_args(["--kl-coef", "0.01", "--kl-estimator", "k1", "--kl-in-reward", "1"]).kl_in_reward
+    assert recipes.parse_train_args(["--kl-coef", "0.01", "--set", "kl_estimator=k1", "--kl-in-reward", "1"]).kl_in_reward
 
 
 # ----------------------------------------------------------------------------- the loss at the sampling temperature
@@ -76,7 +77,7 @@ def encoded(tiny, cache):
     """Two SFT-encoded synthetic trajectories (a tool call, an answer) and their collated batch."""
     model, processor = tiny
     recs = data.make_split(os.path.join(cache, "synthetic"), 4, seed=77, duration=64.0)
-    cfg = train.rollout_config(runtime.parse_args([]))
+    cfg = train.rollout_config(recipes.parse_train_args([]))
     rng = __import__("numpy").random.default_rng(0)
     trajs = [rollout.encode_messages(processor, r, data.oracle_turns(r, rng, always_call=True, nframes=8),
                                      os.path.join(cache, "synthetic"), cfg, nframes=8) for r in recs[:2]]

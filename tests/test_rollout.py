@@ -18,9 +18,11 @@ import torch
 import data
 import kvcache
 import model as model_lib
+import recipes
 import rollout
 import video
 from model import load_model
+from conftest import TEST_ROLLOUT
 
 SEED = 0
 
@@ -45,7 +47,7 @@ def split(tmp_path_factory):
 
 
 def config(**kw) -> rollout.RolloutConfig:
-    return rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, **kw})
+    return rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, **kw})
 
 
 def call(start, end, **extra) -> str:
@@ -416,11 +418,11 @@ def test_a_turns_end_tightens_the_rows_promise(tiny, split, script, mode, shrunk
 def test_rollout_memory_flag_reaches_the_engine(capsys):
     import runtime
     import train
-    assert train.rollout_config(runtime.parse_args(["--rollout-memory-gb", "1.5"])).memory_budget_bytes == 3 * 2 ** 29
-    assert train.rollout_config(runtime.parse_args([])).memory_budget_bytes is None      # the default: memory_budget
+    assert train.rollout_config(recipes.parse_train_args(["--rollout-memory-gb", "1.5"])).memory_budget_bytes == 3 * 2 ** 29
+    assert train.rollout_config(recipes.parse_train_args([])).memory_budget_bytes is None      # the default: memory_budget
     assert rollout.memory_budget(rollout.RolloutConfig(), "cpu") == rollout.CPU_BUDGET_GB * 2 ** 30
     with pytest.raises(SystemExit):
-        runtime.parse_args(["--rollout-memory-gb", "0"])
+        recipes.parse_train_args(["--rollout-memory-gb", "0"])
     assert "--rollout-memory-gb must be > 0" in capsys.readouterr().err
 
 
@@ -608,7 +610,7 @@ def test_sft_records_as_the_papers_write_them(tiny, split):
     model, processor = tiny
     root, records = split
     rec = records[1]
-    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_turns": 1})
+    cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_turns": 1})
     args = {"start_time": 1.0, "end_time": 9.0}
     call = {"type": "function", "function": {"name": "crop_video", "arguments": json.dumps(args)}}
     ours = [{"role": "assistant", "content": data.message_text({"content": "<think>\nlook\n</think>",
@@ -639,7 +641,7 @@ def test_target_chars_leaves_the_rest_of_a_turn_as_context(tiny, split, tokenize
     if tokenizer == "qwen":
         processor = model_lib.build_processor(model_lib.qwen_tokenizer(), model_lib.ModelConfig())
     root, records = split
-    cfg = rollout.RolloutConfig(**rollout.TINY_ROLLOUT)
+    cfg = rollout.RolloutConfig(**TEST_ROLLOUT)
     text = "<think>\nI cannot read it. I will guess.\n</think>\n<answer>C</answer>"
     cut = text.index("<answer>") + len("<answer>")
     full = rollout.encode_messages(processor, records[0], [{"role": "assistant", "content": text}], root, cfg)

@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,8 +28,10 @@ import model as model_lib
 import ops
 import rewards
 import rollout
+import recipes
 import runtime
 import train
+import video
 from train import get_lr, grpo_loss_on_logprobs, kl_penalty
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,7 +57,7 @@ def _setup(cache_env, one_thread):
 
 def test_smoke_stage_all(tmp_path, capsys, tiny):
     """The default pipeline end to end: SFT, RL with every metric logged, evaluation, curves, summary line."""
-    run(smoke_argv(tmp_path, "--stage", "all", "--mask-truncated", "0", "--eval-before"))
+    run(smoke_argv(tmp_path, "--stage", "all", "--mask-truncated", "0", "--set", "eval_before=1"))
     out = capsys.readouterr().out.strip().splitlines()
     assert any(l.startswith("recipe: para_grpo (PARA-GRPO: R_acc + R_fmt + R_tool, exploration anchoring (sequence), "
                             "nFrames gating K in {4, 8}") for l in out)          # the method, named at the start
@@ -87,39 +90,41 @@ def test_smoke_stage_all(tmp_path, capsys, tiny):
 def test_the_default_run_is_para_grpo():
     """`python train.py` with no flag: PARA-GRPO (ParaVT's reward, sequence anchoring, nFrames gating) from an SFT
     warm start that also shows gated overviews, evaluated on at least 96 held-out questions. Asking for an SFT of
-    K = 8 overviews only turns gating off (the tiny model would meet overview sizes it never saw)."""
-    args = runtime.parse_args([])
+    K = 8 overviews only is refused with gating on (the tiny model would meet overview sizes it never saw)."""
+    args = recipes.parse_train_args([])
     s = train.grpo_settings(args)
     assert (s.recipe, s.anchoring, s.gating, args.sft_gated_overviews) == ("para_grpo", "sequence", True, 1)
-    assert list(s.gating_choices) == [int(k) for k in runtime.TINY_DEFAULTS["gating_choices"].split(",")]
+    assert tuple(s.gating_choices) == recipes.PRESETS["tiny"]["gating_choices"] == (4, 8, 16, 32)
     assert args.n_eval >= 96
     assert train.recipe_line(s).startswith("recipe: para_grpo (PARA-GRPO: ")
-    assert not runtime.parse_args(["--sft-gated-overviews", "0"]).gating
-    assert runtime.parse_args(["--gating", "0"]).sft_gated_overviews == 0
-    assert runtime.parse_args(["--preset", "paravt"]).gating_choices == [4, 8, 16, 32, 64]
+    with pytest.raises(SystemExit):
+        recipes.parse_train_args(["--set", "sft_gated_overviews=0"])
+    assert not recipes.parse_train_args(["--set", "sft_gated_overviews=0", "--gating", "0"]).gating
+    assert recipes.parse_train_args(["--gating", "0"]).sft_gated_overviews == 0
+    assert recipes.parse_train_args(["--preset", "paravt"]).gating_choices == (4, 8, 16, 32, 64)
 
 
 def test_the_default_cold_start_leaves_when_to_call_to_rl(capsys):
     """The tiny default's SFT records a tool-free twin beside each oracle trajectory that calls the tool
     (--sft-tool-free 1) on 10 recordings a step; a preset (a real checkpoint) keeps the oracle alone at 8, and a
     flag overrides either."""
-    args = runtime.parse_args([])
+    args = recipes.parse_train_args([])
     assert (args.sft_tool_free, args.sft_batch) == (1.0, 10)
     assert train.sft_settings(args).batch == 10
-    preset = runtime.parse_args(["--preset", "paravt"])
+    preset = recipes.parse_train_args(["--preset", "paravt"])
     assert (preset.sft_tool_free, preset.sft_batch) == (0.0, 8)
-    assert (runtime.parse_args(["--sft-tool-free", "0", "--sft-batch", "8"]).sft_tool_free,
-            runtime.parse_args(["--sft-batch", "8"]).sft_batch) == (0.0, 8)
+    assert (recipes.parse_train_args(["--set", "sft_tool_free=0", "--sft-batch", "8"]).sft_tool_free,
+            recipes.parse_train_args(["--sft-batch", "8"]).sft_batch) == (0.0, 8)
     with pytest.raises(SystemExit):
-        runtime.parse_args(["--sft-tool-free", "1.5"])
-    assert "--sft-tool-free is a probability" in capsys.readouterr().err
+        recipes.parse_train_args(["--set", "sft_tool_free=1.5"])
+    assert "sft_tool_free is a probability" in capsys.readouterr().err
 
 
 def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
     """The 1-minute version of the default run (the embedded default visibly learns): a smaller task
     (16 s videos, direct questions only: a big glyph the overview shows), 100 SFT steps, then greedy
     accuracy on 32 held-out questions. Four options: chance is 1/4; P(>= 16 of 32 right | chance) = 0.002."""
-    run(["--stage", "sft", "--final-eval", "--run-dir", tmp_path, "--task-duration", "16", "--task-mix", "direct=1",
+    run(["--stage", "sft", "--final-eval", "--run-dir", tmp_path, "--set", "task_duration=16", "--set", "task_mix=direct=1",
          "--n-train", "64", "--n-eval", "32", "--sft-steps", "100", "--gating-choices", "4,8",
          "--save-every", "100", "--seed", "0"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -135,7 +140,7 @@ def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
 def test_rl_decodes_in_the_pool_and_reuses_cached_overviews(tmp_path):
     """The RL loop decodes through the decode pool and its frame cache: the next step's overviews are decoded
     while a step trains, and prompts drawn again hit the cache (two RL prompts, so every step repeats)."""
-    run(smoke_argv(tmp_path, "--stage", "rl", "--rl-steps", "3", "--n-rl", "2", "--mask-truncated", "0"))
+    run(smoke_argv(tmp_path, "--stage", "rl", "--rl-steps", "3", "--set", "n_rl=2", "--mask-truncated", "0"))
     rows = metrics(tmp_path)
     assert all(r["decode_s"] >= 0 and r["decode_wait_s"] >= 0 for r in rows)
     assert rows[0]["decode_s"] > 0                                   # step 1 decoded its overviews in the pool
@@ -154,12 +159,12 @@ def test_stage_rl_alone(tmp_path):
     assert runtime.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
 
 
-@pytest.mark.parametrize("extra, ks", [(["--sft-gated-overviews", "0"], {8}), ([], {4, 8})])
+@pytest.mark.parametrize("extra, ks", [(["--set", "sft_gated_overviews=0"], {8}), ([], {4, 8})])
 def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
     """Synthetic SFT: every record once with the evaluation overview (K = 8) and, by default (RL gates), once more
     with a K drawn from the gating choices; --sft-gated-overviews 0 leaves the second copy out."""
     model, processor = tiny
-    args = runtime.parse_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
+    args = recipes.parse_train_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
     items, bad = train.sft_examples(records, processor, root, train.rollout_config(args), sft_data=None, seed=args.seed,
@@ -179,7 +184,7 @@ def test_rl_draws_its_own_prompts(tmp_path, monkeypatch, n_rl, split):
         return real_run_agent(model, processor, records, *a, **k)
 
     monkeypatch.setattr(rollout, "run_agent", spy)
-    run(smoke_argv(tmp_path, "--stage", "rl", "--mask-truncated", "0", "--n-rl", str(n_rl)))
+    run(smoke_argv(tmp_path, "--stage", "rl", "--mask-truncated", "0", "--set", f"n_rl={n_rl}"))
     assert len(seen) == 4 and all(i.startswith(split) for i in seen), seen
     rl = data.synthetic_rl(0, 4, 64.0, None, os.environ["PARAVT_CACHE"])
     sft, held, _ = data.synthetic_data(0, 8, 4, 64.0, None, os.environ["PARAVT_CACHE"])
@@ -194,7 +199,7 @@ def test_sft_examples_in_threads_are_the_serial_ones(tmp_path, tiny, name):
     threads share one processor)."""
     model, processor = tiny if name == "tiny" else model_lib.load_model(name, device="cpu", seed=0,
                                                                         tiny_corpus=rollout.prompt_corpus())
-    args = runtime.parse_args(smoke_argv(tmp_path))
+    args = recipes.parse_train_args(smoke_argv(tmp_path))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
     kw = dict(sft_data=None, seed=0, gated_choices=args.gating_choices, direct_crop=0.5, budget_fraction=0.5)
@@ -213,7 +218,7 @@ def test_sft_items_keep_at_most_their_budget_of_pixels_and_train_the_same(tmp_pa
     rest encoded again (the next step's batch by a thread meanwhile), each comes back as it was (ids, roles,
     pixels), and SFT steps give the weights of the unbounded run, bit for bit."""
     model, processor = tiny
-    args = runtime.parse_args(smoke_argv(tmp_path))
+    args = recipes.parse_train_args(smoke_argv(tmp_path))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
     kw = dict(sft_data=None, seed=0, gated_choices=[])
@@ -243,10 +248,10 @@ def test_sft_items_keep_at_most_their_budget_of_pixels_and_train_the_same(tmp_pa
 def test_held_out_batch_size_reaches_the_rollout(tmp_path, monkeypatch):
     """--eval-batch: the tiny model's default 64, a real checkpoint's 8 (its overviews stay in memory for the
     whole batch), and the held-out evaluation rolls out that many questions at a time."""
-    assert runtime.parse_args([]).eval_batch == 64
-    assert runtime.parse_args(["--preset", "paravt"]).eval_batch == 8
+    assert recipes.parse_train_args([]).eval_batch == 64
+    assert recipes.parse_train_args(["--preset", "paravt"]).eval_batch == 8
     with pytest.raises(SystemExit):
-        runtime.parse_args(["--eval-batch", "0"])
+        recipes.parse_train_args(["--eval-batch", "0"])
     import eval as evaluation
     sizes, real_predict = [], evaluation.predict
 
@@ -406,7 +411,7 @@ def test_launcher_rejects_missing_devices(argv, monkeypatch):
     monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *a, **k: started.append("spawn"))
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="CUDA device"):
-        train.launch(runtime.parse_args(argv))
+        train.launch(recipes.parse_train_args(argv))
     assert started == []
 
 
@@ -427,9 +432,9 @@ def test_fresh_run_refuses_a_run_dir_holding_another_run(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "main", lambda *a, **k: started.append("main"))
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="already holds a run.*--resume"):
-        train.launch(runtime.parse_args(["--run-dir", str(run), "--device", "cpu"]))
+        train.launch(recipes.parse_train_args(["--run-dir", str(run), "--device", "cpu"]))
     assert started == []
-    train.launch(runtime.parse_args(["--run-dir", str(run), "--device", "cpu", "--resume"]))
+    train.launch(recipes.parse_train_args(["--run-dir", str(run), "--device", "cpu", "--resume"]))
     assert started == ["main"]
 
 
@@ -484,7 +489,7 @@ def tdam_batch(tiny, tmp_path_factory):
     model, processor = tiny
     root = str(tmp_path_factory.mktemp("tdam"))
     recs = [r for r in data.make_split(root, 8, seed=5) if r["data_type"] == "single_clue"][:2]
-    cfg = train.rollout_config(runtime.parse_args([]))
+    cfg = train.rollout_config(recipes.parse_train_args([]))
     oracle = data.oracle_turns(recs[0], np.random.default_rng(0))
     assert any(m["role"] == "tool" for m in oracle)            # the oracle crops
     trajs = [rollout.encode_messages(processor, recs[0], oracle, root, cfg),
@@ -781,10 +786,60 @@ def test_vtgr_recipe_is_video_o3_reward():
     assert parts["anchor"] == pytest.approx(rewards.format_anchor(t.text))
 
 
-def test_gating_choices_parsed_once_and_checked():
-    assert runtime.parse_args(["--gating-choices", "4,16"]).gating_choices == [4, 16]
+def test_a_bare_run_is_the_tiny_literal_and_the_settings_defaults_are_what_runs():
+    """`python train.py` resolves to recipes.PRESETS['tiny'] over its recipe, with the tiny model's frames
+    (recipes.TINY), key by key; the settings dataclasses' defaults are those same values (a bare GRPOSettings,
+    SFTSettings and RolloutConfig are what the default run trains with, on CPU); the tiny preset is the para_grpo
+    Recipe with its own KL, shaping and gating choices."""
+    args = recipes.parse_train_args([])
+    assert args.preset == "tiny" and args.tiny
+    for key, value in recipes.TINY.items():
+        got = getattr(args, key)
+        want = {"sft_gated_overviews": True}.get(key, value)
+        assert got == want, key
+    assert train.grpo_settings(args) == train.GRPOSettings()
+    assert train.sft_settings(args) == train.SFTSettings()
+    assert train.rollout_config(args) == rollout.RolloutConfig.of(recipes.TINY)
+    assert rollout.RolloutConfig() == rollout.RolloutConfig.of(recipes.TINY_PROTOCOL)
+    assert rollout.RolloutConfig().crop_max_frames == video.CLIP_MAX_FRAMES
+    para = recipes.RECIPES["para_grpo"]
+    assert (args.anchoring, args.gating) == (para.anchoring, para.gating)
+    assert (args.kl_coef, args.shaping, tuple(args.gating_choices)) == (0.0, False, (4, 8, 16, 32)) != \
+        (para.kl_coef, para.shaping, para.gating_choices)
+    paravt = recipes.parse_train_args(["--preset", "paravt"])
+    assert (paravt.kl_coef, paravt.kl_in_reward, paravt.shaping) == (para.kl_coef, True, True)
+
+
+def test_help_prints_what_runs_in_at_most_60_flags(capsys):
+    """train.py --help: at most 60 flags (the rest are --set keys, listed with every preset's value), and each
+    preset-dependent flag's default as resolve sets it per preset."""
     with pytest.raises(SystemExit):
-        runtime.parse_args(["--gating-choices", "4,x"])
+        recipes.parse_train_args(["--help"])
+    text = capsys.readouterr().out
+    flags = set(re.findall(r"^\s+(--[a-z0-9-]+)", text, flags=re.M)) | set(re.findall(r"^\s+-h, (--help)", text, flags=re.M))
+    assert 40 < len(flags) <= 60, sorted(flags)
+    flat = " ".join(text.split())
+    for flag, key in (("--group-size", "group_size"), ("--lr", "lr"), ("--max-new-tokens", "max_new_tokens")):
+        values = [recipes.preset_values(p)[key] for p in recipes.PRESETS]
+        assert "; ".join(f"{p} {v:,}" if isinstance(v, int) else f"{p} {v}" for p, v in zip(recipes.PRESETS, values)) \
+            in flat, flag
+    assert "sft_tool_free 1.0 / 0.0 / 0.0" in flat                 # a --set key with each preset's value
+
+
+def test_set_reaches_every_other_setting_in_its_type():
+    args = recipes.parse_train_args(["--set", "kl_estimator=k1", "--set", "kl_in_reward=1", "--kl-coef", "0.01",
+                                     "--set", "task_mix=direct=1", "--set", "n_rl=4", "--set", "placebo=true"])
+    assert (args.kl_estimator, args.kl_in_reward, args.task_mix, args.n_rl, args.placebo) == ("k1", True, "direct=1",
+                                                                                             4, True)
+    for bad in ("nokey=1", "placebo=maybe", "n_rl"):
+        with pytest.raises(SystemExit):
+            recipes.parse_train_args(["--set", bad])
+
+
+def test_gating_choices_parsed_once_and_checked():
+    assert recipes.parse_train_args(["--gating-choices", "4,16"]).gating_choices == (4, 16)
+    with pytest.raises(SystemExit):
+        recipes.parse_train_args(["--gating-choices", "4,x"])
 
 
 @pytest.mark.parametrize("tdam", [False, True])
@@ -1076,12 +1131,12 @@ def test_micro_batch_tokens_flag_is_the_settings_default_and_one_row_at_video_o3
     ParaVT's row lengths (17k-32k tokens) the default budget makes every micro-batch one row, at the tiny
     default's (a few hundred tokens, eight rows of its longest oracle rows in 6k) the fixed chunks of
     --micro-batch are unchanged (the embedded default computes what it did)."""
-    args = runtime.parse_args([])
+    args = recipes.parse_train_args([])
     assert args.micro_batch_tokens == train.GRPOSettings().micro_batch_tokens == 16384
-    assert train.grpo_settings(runtime.parse_args(["--micro-batch-tokens", "4096"])).micro_batch_tokens == 4096
+    assert train.grpo_settings(recipes.parse_train_args(["--micro-batch-tokens", "4096"])).micro_batch_tokens == 4096
     with pytest.raises(SystemExit):
-        runtime.parse_args(["--micro-batch-tokens", "0"])
-    s = train.grpo_settings(runtime.parse_args(["--preset", "videoo3"]))
+        recipes.parse_train_args(["--micro-batch-tokens", "0"])
+    s = train.grpo_settings(recipes.parse_train_args(["--preset", "videoo3"]))
     assert [sl.stop - sl.start for sl in train.micro_batches([27000, 31000, 26500, 32000], s.micro_batch,
                                                              s.micro_batch_tokens)] == [1, 1, 1, 1]
     tiny = [400, 560, 812, 386] * 16                      # a step of the default: 4 prompts x 16 rows

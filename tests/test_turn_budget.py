@@ -16,6 +16,7 @@ import rewards
 import rollout
 import video
 from tests.test_rollout import Scripted, call, responses, tiny, turn, user_messages  # noqa: F401 (tiny: a fixture)
+from conftest import TEST_ROLLOUT
 
 CROP = dict(level="medium", fps=1.0, max_frames=16, max_pixels=64 * 64)   # the tiny rollout's crops
 
@@ -68,7 +69,7 @@ def test_budget_limited_recordings_answer_from_what_was_seen(search, tiny):
     full = data.oracle_turns(rec, np.random.default_rng(0))
     assert data.oracle_turns(rec, np.random.default_rng(0), budget=2) == full
     assert data.oracle_turns(rec, np.random.default_rng(0), budget=4) == full
-    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 96})
+    cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96})
     for budget in (0, 1):
         msgs = data.oracle_turns(rec, np.random.default_rng(0), budget=budget)
         assert data.oracle_rounds(msgs) == budget
@@ -90,7 +91,7 @@ def test_sft_examples_add_budget_limited_copies(search, tiny):
     import train
     root, recs = search
     model, processor = tiny
-    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 96})
+    cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96})
     plain, _ = train.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[])
     more, _ = train.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[],
                                  budget_fraction=1.0)
@@ -107,7 +108,7 @@ def test_budget_zero_answers_from_the_overview(search, tiny, monkeypatch, keeps_
     root, recs = search
     turns = [turn("look", call(0.0, 64.0))] + ([] if keeps_calling else [turn("no turns left", "<answer>C</answer>")])
     monkeypatch.setattr(rollout, "sample_tokens", Scripted(processor, {(0, 0): turns}))
-    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, "max_turns": 0})
+    cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, "max_turns": 0})
     [t] = rollout.run_agent(model, processor, recs[:1], root, cfg, seed=0)
     assert t.n_tool_turns == 0 and t.windows == [] and len(t.turns) == 2 and len(t.videos) == 1
     assert user_messages(t.text) == [rollout.FORCED_ANSWER] and not responses(t.text)
@@ -121,7 +122,7 @@ def test_budget_one_executes_one_round(search, tiny, monkeypatch):
     root, recs = search
     monkeypatch.setattr(rollout, "sample_tokens", Scripted(processor, {(0, 0): [
         turn("look", call(0.0, 64.0)), turn("closer", call(10.0, 20.0)), turn("ok", "<answer>A</answer>")]}))
-    cfg = rollout.RolloutConfig(**{**rollout.TINY_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, "max_turns": 1})
+    cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, "max_turns": 1})
     [t] = rollout.run_agent(model, processor, recs[:1], root, cfg, seed=0)
     assert t.n_tool_turns == 1 and t.windows == [(0.0, 64.0)] and t.hit_turn_limit and len(t.turns) == 2
     assert len(user_messages(t.text)) == 1 and user_messages(t.text)[0].endswith(rollout.FORCED_ANSWER)
@@ -133,7 +134,7 @@ def test_eval_max_turns_flag(tmp_path):
     args = evaluation.parse_args(["--max-turns", "0", "--synthetic-n", "2", "--synthetic-mix", "search=1",
                                   "--out", str(tmp_path / "p.jsonl")])
     assert args.max_turns == 0 and args.synthetic_mix == "search=1"
-    cfg = evaluation.rollout_config("paravt", "interleaved", **evaluation.tiny_overrides(), max_turns=0)
+    cfg = evaluation.rollout_config("paravt", "interleaved", tiny=True, max_turns=0)
     assert cfg.max_turns == 0 and cfg.crop_max_frames == 16
 
 
