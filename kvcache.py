@@ -11,8 +11,8 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   blocks where the pool has one: then read in place). Rows: the samples of a prompt, each holding only the blocks
   of its own suffix (its turns, tool responses, clips), one block more each time it crosses a block boundary.
   Sequences come and go: a finished row returns its blocks at once, a prompt when its last row has. `reserve`
-  and `release` count the blocks the scheduler has promised to admitted work, so that it admits work only while
-  its worst case fits the pool. GroupKV is what the model gets as its `cache` (the `update` hook the attention
+  and `release` count the blocks the scheduler has promised to admitted work (each row its current turn's), so
+  that it grants blocks only while every admitted group could still reach its worst case (rollout.safe). GroupKV is what the model gets as its `cache` (the `update` hook the attention
   layers call) and as the `rollout_cache` keyword.
 - `cascade_attention`: registered with transformers' AttentionInterface as "paravt_cascade" and used only while
   the engine runs. A row's queries attend to [its prompt ; its own suffix]: the rows of a prompt are batched as
@@ -592,3 +592,47 @@ def cascade_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 AttentionInterface.register("paravt_cascade", cascade_attention)
+
+
+# -----------------------------------------------------------------------------
+# the budget: how many bytes of K/V the engine may hold
+
+CPU_BUDGET_GB = 4.0      # the memory budget's default on CPU
+
+
+def memory_budget(budget_bytes: int | None, device, model=None) -> int:
+    """Bytes of K/V a rollout may hold: `budget_bytes` (--rollout-memory-gb), else on CUDA
+    `default_budget` of the memory not allocated now (free + cached by the allocator: beside the weights) and of
+    the weight copies autocast will keep (`autocast_copies` of `model`), else CPU_BUDGET_GB."""
+    if budget_bytes:
+        return int(budget_bytes)
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return default_budget(free, autocast_copies(model) if model is not None else 0, autocast_dtype("cuda"), world)
+    return int(CPU_BUDGET_GB * 2 ** 30)
+
+
+def default_budget(free: int, cast_params: int, autocast: torch.dtype | None, world: int) -> int:
+    """The default K/V budget on a GPU: 80 % of `free` bytes (the other 20 % for activations, logits and attention
+    blocks) after the weight copies autocast will make. One process (world 1) under autocast (`autocast`: its
+    dtype, bf16 on the fp32 master weights of --precision bf16) casts each of `cast_params` weights once at the
+    first forward and keeps the copy until its region ends (autocast's weight cache), i.e. through the rollout:
+    cast_params x 2 bytes that are not allocated yet when the budget is read. With FSDP2 (world > 1) the rollout
+    runs on the bf16 all-gathered weights (runtime.full_weights, allocated before: outside `free`), which autocast
+    does not cast."""
+    copies = cast_params * autocast.itemsize if autocast is not None and world == 1 else 0
+    return max(0, int(0.8 * (free - copies)))
+
+
+def autocast_copies(model) -> int:
+    """Parameters autocast casts and keeps (its weight cache holds casts of leaf fp32 tensors that require grad):
+    the fp32 weights and biases of the linear and convolution layers that require grad (a frozen vision tower's
+    are cast per call and freed; embeddings and norms are not cast). tests/test_rollout.py measures it."""
+    layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    params = {id(p): p for m in model.modules() if isinstance(m, layers) for p in m.parameters(recurse=False)
+              if p.dtype == torch.float32 and p.requires_grad}
+    return sum(p.numel() for p in params.values())

@@ -195,8 +195,8 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
                         "Face export in bf16 (default: bf16 on CUDA, fp32 on CPU; --device cpu --precision bf16 runs "
                         "the GPU's arithmetic on CPU)")
     g.add_argument("--rollout-memory-gb", type=float, default=None,
-                   help="K/V the rollout engine may hold (per rank); prompt groups wait until their worst case fits "
-                        "(default: 80%% of the free GPU memory beside the weights and autocast's weight copies; 4 GB "
+                   help="K/V the rollout engine may hold (per rank); a row's next turn waits until every admitted "
+                        "group could still reach its worst case (default: 80%% of the free GPU memory beside the weights and autocast's weight copies; 4 GB "
                         "on CPU)")
     g.add_argument("--frame-cache", metavar="DIR", default=None,
                    help="also keep decoded overviews on disk here (written atomically, size-capped)")

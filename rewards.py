@@ -145,7 +145,7 @@ def _strip_block(text: str, name: str) -> str:
 
 
 def policy_view(text: str) -> str:
-    """The text the policy wrote itself (departure 2): user, system and tool messages (tool responses, the
+    """The text the policy wrote itself (departure 6): user, system and tool messages (tool responses, the
     forced-answer request) and `<tool_response>` blocks removed. Environment text is never read as the
     policy's answer or format, whatever it says (e.g. the forced-answer message names `<answer></answer>`)."""
     return _strip_block(_ENV_MSG_RE.sub("", text), "tool_response")
@@ -156,7 +156,7 @@ def extract_answer(text: str) -> str | None:
     nested); else (2) the text after the first `</think>` without tool blocks, later think blocks,
     chat markers and stray tags; else (3) the last non-empty line, outside tool blocks, that is not a tag
     line. None if none.
-    Environment messages and tool responses are removed first (departure 2, `policy_view`): a
+    Environment messages and tool responses are removed first (departure 6, `policy_view`): a
     sub-agent's summary or the forced-answer request is not the policy's answer."""
     if not isinstance(text, str):
         return None
@@ -310,7 +310,7 @@ class _Format:
 
 
 def _format_parts(text: str) -> _Format:
-    t = policy_view(text)                                         # departure 2
+    t = policy_view(text)                                         # departure 6
     has_think, pos = False, 0
     while not has_think and (o := t.find("<think>", pos)) >= 0:   # any think with >= 10 non-space chars
         c = t.find("</think>", o + 7)

@@ -24,23 +24,22 @@ position (Qwen-VL positions restart from max+1 after every text or vision span),
 same logits as a full recompute (tests/test_rollout.py checks it). Training (`forward_hidden`) runs the vision
 tower once per distinct overview, not once per sample.
 
-The scheduler (continuous batching, as vLLM's): a prompt group is admitted only while its worst case (its
-prompt + `row_blocks` per row) fits the pool, the rest waits. Each decode step is one batched forward and one host
-sync (the tokens, for the stop check). A row whose turn ends leaves the step at once; its tools run, and its
+The scheduler (continuous batching, as vLLM's, with a banker's rule): a row is granted the blocks its current
+turn may take only while every admitted group could still reach its worst case (its prompt + `row_blocks` per
+row) in some order (`safe`); the rest waits. Each decode step is one batched forward and one read of the sampled
+tokens to the host, for the stop check (runtime.HostSyncCounter measures it). A row whose turn ends leaves the step at once; its tools run, and its
 response chunk joins the next step (as do sub-agents and newly admitted groups), instead of the batch waiting
 for its longest row; a finished row returns its pool blocks at once. A row's tokens depend only on its seed
 and draw counter, so the budget changes when a row runs, never what it samples.
 
 Shapes: positions (3, B, L) for (t, h, w); logits (B, V); the cache's shapes: kvcache.py.
 """
+import dataclasses
 import json
-import os
 import re
-import sys
 import time
 import warnings
-from collections import Counter, deque
-import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +50,6 @@ import kvcache
 import recipes
 from kvcache import Chunk, GroupKV, blocks_for, kv_bytes_per_token
 from model import TOOLS_INTRO, TOOLS_OUTRO, decode_with_offsets, special_token_ids
-from ops import autocast_dtype
 from rewards import ToolCall, call_window, extract_answer, parse_tool_calls
 
 ENV, POLICY = 0, 1
@@ -335,12 +333,11 @@ def clip_part(window: tuple[float, float]) -> str:
 
 
 # -----------------------------------------------------------------------------
-# the engine's memory: the pool blocks a row may come to hold, and the budget
+# the engine's memory: the pool blocks a row may come to hold (the budget: kvcache.memory_budget)
 
 TEXT_PER_CALL = 64       # tokens around one call's result: tags, "Clip s-e s:", an error message
 TEXT_PER_TURN = 96       # tokens of a response's fixed text: the user turn, the forced-answer message, "<think>"
 TEXT_PER_PATCH = 16      # tokens of the timestamp Qwen3-VL writes before each temporal patch of a clip
-CPU_BUDGET_GB = 4.0      # the memory budget's default on CPU
 
 
 def clip_tokens(max_frames: int, max_pixels: int | None, factor: int) -> int:
@@ -416,118 +413,10 @@ def split_group(group: tuple, budget: int) -> list[tuple]:
     return [(chunk, p, prompt) for p in parts + [part]]
 
 
-def memory_budget(cfg: RolloutConfig, device, model=None) -> int:
-    """Bytes of K/V a rollout may hold: cfg.memory_budget_bytes (--rollout-memory-gb), else on CUDA
-    `default_budget` of the memory not allocated now (free + cached by the allocator: beside the weights) and of
-    the weight copies autocast will keep (`autocast_copies` of `model`), else CPU_BUDGET_GB."""
-    if cfg.memory_budget_bytes:
-        return int(cfg.memory_budget_bytes)
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        dist = torch.distributed
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return default_budget(free, autocast_copies(model) if model is not None else 0, autocast_dtype("cuda"), world)
-    return int(CPU_BUDGET_GB * 2 ** 30)
-
-
-def default_budget(free: int, cast_params: int, autocast: torch.dtype | None, world: int) -> int:
-    """The default K/V budget on a GPU: 80 % of `free` bytes (the other 20 % for activations, logits and attention
-    blocks) after the weight copies autocast will make. One process (world 1) under autocast (`autocast`: its
-    dtype, bf16 on the fp32 master weights of --precision bf16) casts each of `cast_params` weights once at the
-    first forward and keeps the copy until its region ends (autocast's weight cache), i.e. through the rollout:
-    cast_params x 2 bytes that are not allocated yet when the budget is read. With FSDP2 (world > 1) the rollout
-    runs on the bf16 all-gathered weights (runtime.full_weights, allocated before: outside `free`), which autocast
-    does not cast."""
-    copies = cast_params * autocast.itemsize if autocast is not None and world == 1 else 0
-    return max(0, int(0.8 * (free - copies)))
-
-
-def autocast_copies(model) -> int:
-    """Parameters autocast casts and keeps (its weight cache holds casts of leaf fp32 tensors that require grad):
-    the fp32 weights and biases of the linear and convolution layers that require grad (a frozen vision tower's
-    are cast per call and freed; embeddings and norms are not cast). tests/test_rollout.py measures it."""
-    layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-    params = {id(p): p for m in model.modules() if isinstance(m, layers) for p in m.parameters(recurse=False)
-              if p.dtype == torch.float32 and p.requires_grad}
-    return sum(p.numel() for p in params.values())
-
-
 # -----------------------------------------------------------------------------
 # the engine: a scheduler over the paged cache (kvcache.GroupKV)
 
-STATS = {"decode_steps": 0}   # counted by Engine.step; the benches divide HostSyncCounter's in_steps by it
-
-
-class HostSyncCounter(torch.overrides.TorchFunctionMode):
-    """Counts the host syncs of the torch calls made while it is active (`with HostSyncCounter(device) as syncs:`),
-    as they happen, not by design: each read of a `device` tensor's values into Python (item, tolist, numpy, bool /
-    int / float / index of a tensor, and the ops whose output size depends on the values: nonzero, argwhere,
-    masked_select, unique, equal, one-argument where, bool-mask indexing, repeat_interleave by a tensor without
-    output_size), each copy of a GPU tensor to the host (cpu, to, copy_), and each blocking copy from the host to a
-    GPU `device` (to or copy_ without non_blocking; torch.tensor / as_tensor of host data with `device`: on the
-    CPU too, where a GPU run would block). On the CPU every tensor is on the device, so host-side bookkeeping
-    tensors (the processor's, a chunk's positions) count as well: an upper bound outside the decode steps.
-    count: all of them; in_steps: those inside Engine.step (a decode step: sampling, the stop check, the next
-    forward); sites: a Counter of "op file:line" (the caller's frame), to find them."""
-
-    READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__", "nonzero",
-             "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose", "is_nonzero"}
-
-    def __init__(self, device):
-        super().__init__()
-        self.device = torch.device(device).type
-        self.count, self.in_steps, self.sites = 0, 0, Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if self._syncs(name, args, kwargs):
-            caller = sys._getframe(1)
-            self.count += 1
-            self.sites[f"{name} {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"] += 1
-            f = caller
-            while f is not None and not (f.f_code.co_name == "step" and f.f_code.co_filename == __file__):
-                f = f.f_back
-            self.in_steps += f is not None
-        return func(*args, **kwargs)
-
-    def _on(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and t.device.type == self.device
-
-    def _syncs(self, name: str, args: tuple, kw: dict) -> bool:
-        first = args[0] if args else None
-        gpu = lambda t: isinstance(t, torch.Tensor) and t.device.type != "cpu"
-        blocking = not kw.get("non_blocking", False) and not any(a is True for a in args[1:])
-        if name in self.READS:
-            return self._on(first)
-        if name == "where":
-            return len(args) + len(kw) == 1 and self._on(first)
-        if name == "repeat_interleave":
-            return self._on(first) and isinstance(args[1] if len(args) > 1 else kw.get("repeats"), torch.Tensor) \
-                and kw.get("output_size") is None
-        if name in ("__getitem__", "__setitem__", "index_put_", "index_put"):
-            index = torch.utils._pytree.tree_leaves(args[1:2])
-            return self._on(first) and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in index)
-        if name == "cpu":
-            return gpu(first) and self._on(first)
-        if name == "to":
-            target = [torch.device(a) for a in [*args[1:], kw.get("device")] if isinstance(a, (str, torch.device))]
-            target += [a.device for a in args[1:] if isinstance(a, torch.Tensor)]
-            if not target or not isinstance(first, torch.Tensor):
-                return False
-            if target[0].type == "cpu":
-                return gpu(first) and self._on(first)                       # to the host
-            return first.device.type == "cpu" and target[0].type == self.device and blocking
-        if name == "copy_" and len(args) > 1:
-            dst, src = first, args[1]
-            if dst.device.type == "cpu":
-                return gpu(src) and self._on(src)
-            return isinstance(src, torch.Tensor) and src.device.type == "cpu" and self._on(dst) and blocking
-        if name in ("tensor", "as_tensor", "asarray") and kw.get("device") is not None:
-            return torch.device(kw["device"]).type == self.device and not isinstance(first, torch.Tensor)
-        return False
+STATS = {"decode_steps": 0}   # counted by Engine.step; the benches divide runtime.HostSyncCounter's in_steps by it
 
 
 @dataclass(eq=False)
@@ -623,7 +512,7 @@ class Engine:
     def run(self) -> None:
         """Roll out everything queued. The pool holds the budget's blocks, or all the queued work's worst case if
         that is less, and at least the largest single group's worst case (with a warning when that is more)."""
-        budget = memory_budget(self.cfg, self.device, self.model) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
+        budget = kvcache.memory_budget(self.cfg.memory_budget_bytes, self.device, self.model) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
         self.queued = deque(part for group in self.queued for part in split_group(group, budget))
         need = [blocks_for(len(c.ids)) + sum(r.reserve for r in rows) for c, rows, _ in self.queued]
         need += [blocks_for(len(c.ids)) + blocks_for(s.max_new) for c, s in self.subs]

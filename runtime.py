@@ -27,9 +27,11 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 import warnings
+from collections import Counter
 
 import numpy as np
 import torch
@@ -669,3 +671,79 @@ def stale_run(run_dir: str, stage: str, resume: bool) -> str | None:
         return None
     return (f"{run_dir} already holds a run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): pass --resume "
             f"to continue it, or another --run-dir (or delete this one)")
+
+
+# -----------------------------------------------------------------------------
+# measuring the rollout: host syncs as they happen
+
+ROLLOUT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rollout.py")   # Engine.step's file
+
+
+class HostSyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts the host syncs of the torch calls made while it is active (`with HostSyncCounter(device) as syncs:`),
+    as they happen, not by design: each read of a `device` tensor's values into Python (item, tolist, numpy, bool /
+    int / float / index of a tensor, and the ops whose output size depends on the values: nonzero, argwhere,
+    masked_select, unique, equal, one-argument where, bool-mask indexing, repeat_interleave by a tensor without
+    output_size), each copy of a GPU tensor to the host (cpu, to, copy_), and each blocking copy from the host to a
+    GPU `device` (to or copy_ without non_blocking; torch.tensor / as_tensor of host data with `device`: on the
+    CPU too, where a GPU run would block). On the CPU every tensor is on the device, so host-side bookkeeping
+    tensors (the processor's, a chunk's positions) count as well: an upper bound outside the decode steps.
+    count: all of them; in_steps: those inside Engine.step (a decode step: sampling, the stop check, the next
+    forward); sites: a Counter of "op file:line" (the caller's frame), to find them."""
+
+    READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__", "nonzero",
+             "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose", "is_nonzero"}
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device).type
+        self.count, self.in_steps, self.sites = 0, 0, Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if self._syncs(name, args, kwargs):
+            caller = sys._getframe(1)
+            self.count += 1
+            self.sites[f"{name} {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"] += 1
+            f = caller
+            while f is not None and not (f.f_code.co_name == "step" and f.f_code.co_filename == ROLLOUT_FILE):
+                f = f.f_back
+            self.in_steps += f is not None
+        return func(*args, **kwargs)
+
+    def _on(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type == self.device
+
+    def _syncs(self, name: str, args: tuple, kw: dict) -> bool:
+        first = args[0] if args else None
+        gpu = lambda t: isinstance(t, torch.Tensor) and t.device.type != "cpu"
+        blocking = not kw.get("non_blocking", False) and not any(a is True for a in args[1:])
+        if name in self.READS:
+            return self._on(first)
+        if name == "where":
+            return len(args) + len(kw) == 1 and self._on(first)
+        if name == "repeat_interleave":
+            return self._on(first) and isinstance(args[1] if len(args) > 1 else kw.get("repeats"), torch.Tensor) \
+                and kw.get("output_size") is None
+        if name in ("__getitem__", "__setitem__", "index_put_", "index_put"):
+            index = torch.utils._pytree.tree_leaves(args[1:2])
+            return self._on(first) and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in index)
+        if name == "cpu":
+            return gpu(first) and self._on(first)
+        if name == "to":
+            target = [torch.device(a) for a in [*args[1:], kw.get("device")] if isinstance(a, (str, torch.device))]
+            target += [a.device for a in args[1:] if isinstance(a, torch.Tensor)]
+            if not target or not isinstance(first, torch.Tensor):
+                return False
+            if target[0].type == "cpu":
+                return gpu(first) and self._on(first)                       # to the host
+            return first.device.type == "cpu" and target[0].type == self.device and blocking
+        if name == "copy_" and len(args) > 1:
+            dst, src = first, args[1]
+            if dst.device.type == "cpu":
+                return gpu(src) and self._on(src)
+            return isinstance(src, torch.Tensor) and src.device.type == "cpu" and self._on(dst) and blocking
+        if name in ("tensor", "as_tensor", "asarray") and kw.get("device") is not None:
+            return torch.device(kw["device"]).type == self.device and not isinstance(first, torch.Tensor)
+        return False

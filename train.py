@@ -3,37 +3,39 @@ Training: GRPO with the rewards of ParaVT (PARA-GRPO) and Video-o3 (VTGR), after
 The file reads top to bottom (docs/method.md has every formula and its source):
 
     1. the objective   policy_mask, kl_penalty, grpo_token_terms (PPO-clip + KL per token, the one place they
-                       live), grpo_loss_on_logprobs (the loss training runs: token-mean over the policy's tokens, from hidden
-                       states through ops.token_loss), anchor_credit (token-level anchoring), get_lr
+                       live), grpo_loss (the loss the RL step runs: token-mean over the policy's tokens, from hidden
+                       states through ops.token_loss), grpo_loss_on_logprobs (the same on (B, L) log-probs: the
+                       tests' reference), anchor_credit (token-level anchoring), get_lr
     2. the RL step     collect_groups (nFrames gating -> rollout.run_agent -> rewards.score_trajectory -> group
                        advantages, dynamic sampling; placebo_advantages, the control run), policy_update (the
-                       PPO-clip step), run_rl (the loop)
+                       PPO-clip step over micro_batches), run_rl (the loop)
     3. forward passes  forward_hidden, forward_logprobs: whole trajectories -> hidden states / log-probs
     4. the SFT step    sft_examples (recorded or oracle trajectories), TDAM spans from the text, run_sft
     5. main            one rank of a run: model, data, SFT, RL, the held-out evaluation
-    6. flags           parse_args, resolve (the presets' and the tiny model's defaults), cli
-The kernels (fused log-prob gather and loss, TDAM's blocked attention) live in ops.py, the rollout engine in
-rollout.py (its K/V cache in kvcache.py), the rewards in rewards.py, the run directory and the processes
-(checkpoints, metrics, FSDP2, the launcher) in runtime.py.
+    6. settings        rollout_config, sft_settings, grpo_settings (from the resolved flags), launch, cli
+The flags, the presets and the recipes (every default) live in recipes.py; the kernels (fused log-prob gather and
+loss, TDAM's blocked attention) in ops.py, the rollout engine in rollout.py (its K/V cache in kvcache.py), the
+rewards in rewards.py, the run directory and the processes (checkpoints, metrics, FSDP2, the launcher) in
+runtime.py.
 
 Algorithm (docs/method.md §4-§6). Per RL step the ranks draw `--prompts-per-step` records in all (each its
-share), gate each overview to K frames (nFrames gating: K ~ Uniform{4..64}, the same K for a prompt's whole
-group), roll out G samples per prompt (parallel crop_video calls, up to --max-turns tool rounds, the K/V cache
-reused across turns), score every trajectory under the chosen recipe, optionally shape the task reward and
+share), gate each overview to K frames (nFrames gating: K drawn uniformly from the gating_choices, {4, 8, 16,
+32} on the tiny default, {4, ..., 64} in ParaVT's recipe; the same K for a prompt's whole group), roll out G
+samples per prompt (parallel crop_video calls, up to --max-turns tool rounds, the K/V cache reused across turns), score every trajectory under the chosen recipe, optionally shape the task reward and
 subtract a per-token k1 KL from it (ParaVT: shaped first, then the KL), turn rewards into group advantages
 A = (R - mean) / (std + eps) (dynamic sampling draws more prompts until the batch holds groups with signal),
 optionally add the exploration-anchoring credit on the closing-tag tokens, and take a PPO-clip step on the
 policy's own tokens (token-mean). Every log-prob in the loss is taken at the sampling temperature.
 
-Recipes (--recipe, rewards.RECIPES): para_grpo = ParaVT's PARA-GRPO: R_acc + R_fmt with exploration anchoring +
+Recipes (--recipe, recipes.RECIPES): para_grpo = ParaVT's PARA-GRPO: R_acc + R_fmt with exploration anchoring +
 R_tool, nFrames gating, k1 KL in the reward; vtgr = Video-o3's trajectory-guided reward: R_acc + strict R_fmt +
 hybrid clue score x turn decay; combined = ParaVT's accuracy and anchored format terms, gating, and the VTGR tool
 term wherever a record has clue windows; vanilla = accuracy + format + tool reward, no gating, no anchoring (the
-ablation). `paravt` is accepted as the old name of para_grpo. Presets (--preset paravt | videoo3) set each paper's
-overview, limits, clip range, KL, temperature and learning rates (rollout.PRESETS).
+ablation). `paravt` is accepted as the old name of para_grpo. Presets (--preset tiny | paravt | videoo3,
+recipes.PRESETS) set a whole run: the recipe, the overview, limits, clip range, KL, temperature, learning rates.
 
 Departures from the papers' releases are noted where they happen and listed in docs/method.md ("Departures"):
-the trajectory scored as the model saw it (--released-scoring restores ParaVT's), token-level anchoring
+the trajectory scored as the model saw it (--set released_scoring=1 restores ParaVT's), token-level anchoring
 (--anchoring token), gating that really acts, sub-agent tokens optionally trained, old log-probs recomputed by a
 training forward, k1 KL only folded into the reward.
 
@@ -54,7 +56,6 @@ import random
 import sys
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -66,9 +67,9 @@ import recipes
 import rewards
 import rollout
 import runtime
+import sft
 import video
-from ops import (TdamSpec, policy_rows, tdam_rects, to_additive_mask, token_logprobs, token_loss,
-                 use_tdam_attention)
+from ops import TdamSpec, policy_rows, token_logprobs, token_loss, use_tdam_attention
 from runtime import Run, all_max, all_mean, all_sum, all_sum_float, all_weighted_mean, full_weights, print0
 
 T = recipes.TINY      # the settings dataclasses' defaults: what `python train.py` runs
@@ -699,182 +700,6 @@ class SFTSettings:
     precision: str = "fp32"                          # fp32 | bf16: the forward passes' compute dtype (autocast)
 
 
-class SFTItems:
-    """The SFT trajectories, each encoded on demand and kept while its pixels fit `cache_bytes`. A trajectory's
-    pixels are the processor's fp32 frames (one 64-frame overview at Qwen's settings: 360 MiB), so a cold start of
-    1,000 records held whole would be 352 GiB a rank; here what does not fit is dropped (least recently used first)
-    and encoded again when a step draws it, the next step's draw encoded by a thread while this one trains
-    (`prefetch`). Encoding is deterministic: a dropped item comes back the same, token for token, pixel for
-    pixel. The embedded default's trajectories all fit (never encoded twice). items[i] -> a Trajectory."""
-
-    def __init__(self, pairs: list, encode, cache_bytes: float):
-        self.pairs, self.encode, self.cache_bytes = pairs, encode, cache_bytes
-        self.cache: dict[int, rollout.Trajectory] = {}      # insertion order = least recently used first
-        self.held, self.encodes = 0, 0
-        self.pending: dict[int, object] = {}
-        self.worker = ThreadPoolExecutor(1)
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-    def __getitem__(self, i: int) -> rollout.Trajectory:
-        if isinstance(i, slice):
-            return [self[j] for j in range(len(self))[i]]
-        if i in self.cache:
-            self.cache[i] = self.cache.pop(i)               # most recently used
-            return self.cache[i]
-        pending = self.pending.pop(i, None)
-        t = pending.result() if pending is not None else self._encode(i)
-        self.keep(i, t)
-        return t
-
-    def _encode(self, i: int) -> rollout.Trajectory:
-        self.encodes += 1
-        item, _ = self.encode(self.pairs[i])
-        if item is None:                                     # it encoded before: its video changed since
-            raise ValueError(f"SFT record {self.pairs[i][2]} no longer encodes")
-        return item
-
-    def keep(self, i: int, t: rollout.Trajectory) -> None:
-        size = self._size(t)
-        while self.cache and self.held + size > self.cache_bytes:
-            self.held -= self._size(self.cache.pop(next(iter(self.cache))))
-        if size <= self.cache_bytes:
-            self.cache[i] = t
-            self.held += size
-
-    @staticmethod
-    def _size(t) -> int:
-        return sum(pix.nbytes for pix, _ in t.videos if pix is not None)
-
-    def prefetch(self, indices: list[int]) -> None:
-        """Encode the items of `indices` that are not held, one thread beside the training step (at most one
-        step's batch ahead)."""
-        for i in dict.fromkeys(indices):
-            if i not in self.cache and i not in self.pending:
-                self.pending[i] = self.worker.submit(self._encode, i)
-
-
-def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.RolloutConfig, *,
-                 sft_data: str | None, seed: int, gated_choices: list[int], always_call: bool = False,
-                 direct_crop: float = 0.0, budget_fraction: float = 0.0, tool_free: float = 0.0,
-                 keep_bad_calls: bool = False, max_bad_fraction: float = 0.2, workers: int = 1,
-                 cache_bytes: float = float("inf"), log=print) -> tuple[SFTItems, int]:
-    """(the SFT trajectories, number skipped). From `sft_data` (trajectory records, docs/data.md), or the
-    synthetic task's oracle: each record with the evaluation overview, and once more with a K drawn from
-    `gated_choices` when given; with probability `budget_fraction` a trajectory that calls the tool is also
-    recorded at a smaller tool-turn budget (the forced-answer message, then an answer from what was seen), so
-    the model learns to answer when its budget runs out; with probability `tool_free` also as a tool-free teacher
-    answers it (data.oracle_sft_pairs: when to call is then left to RL). Every record is encoded once here to
-    check it: bad records and trajectories whose tool calls the environment would refuse are reported
-    (file:line, reason) and skipped (`keep_bad_calls` keeps the latter); more than `max_bad_fraction` bad stops
-    the run. `workers`: threads encoding the trajectories (the same items, in order). The items keep at most
-    `cache_bytes` of pixels (`SFTItems`; --sft-cache-gb), the rest encoded again when drawn."""
-    if sft_data:
-        found, errors = data.sft_pairs(sft_data)
-        pairs = [(rec, msgs, where, None, cfg) for rec, msgs, where in found]
-    else:
-        pairs, errors = data.oracle_sft_pairs(records, cfg, seed, gated_choices, always_call, direct_crop,
-                                              budget_fraction, tool_free)
-
-    def encode(pair):                        # k: the overview's frame count (None: the rollout's own rule)
-        rec, msgs, where, k, c = pair
-        try:
-            item = rollout.encode_messages(processor, rec, msgs, video_root, c, nframes=k)
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            return None, f"{where}: {e}"
-        duration = rec.get("duration") or video.probe(data.resolve_video(video_root, rec["video"])).duration
-        return item, data.bad_calls(msgs, duration, cfg.min_window)
-
-    good, n_bad_calls = [], 0
-    items = SFTItems(good, encode, cache_bytes)
-    # a thread per core: decoding and the processor's tensor work run outside the GIL; map keeps the order; a
-    # window of 2 per thread in flight, each result dropped here unless the cache keeps it
-    workers = max(1, min(workers, len(pairs)))
-    windows = (pairs[j:j + 2 * workers] for j in range(0, len(pairs), 2 * workers))
-    with ThreadPoolExecutor(workers) as pool:
-        for pair, (item, why) in ((p, r) for w in windows for p, r in zip(w, pool.map(encode, w))):
-            if item is None:
-                errors.append(why)
-                continue
-            if why and not keep_bad_calls:
-                errors.append(f"{pair[2]}: tool calls the environment would refuse ({'; '.join(why[:3])}); "
-                              f"skipped (--keep-bad-calls trains on them)")
-                n_bad_calls += 1
-                continue
-            good.append(pair)
-            items.keep(len(good) - 1, item)
-    for e in errors[:5]:
-        log(f"skipped SFT record: {e}")
-    if len(errors) > 5:
-        log(f"... {len(errors) - 5} more SFT records skipped")
-    if not good or len(errors) > max_bad_fraction * (len(good) + len(errors)):
-        raise ValueError(f"{len(errors)} of {len(good) + len(errors)} SFT records are bad; first: {errors[:3]}")
-    return items, len(errors)
-
-
-def tdam_spans(ids: list[int], roles: list[int], tokenizer, video_id: int) -> dict:
-    """The spans TDAM needs, for one trajectory of token ids (no pads), found from the DECODED TEXT mapped back
-    to tokens (model.decode_with_offsets), so they hold for any tokenizer: on Qwen's `<answer>` is three tokens
-    and its '>' can share a token with the answer; such a token counts as part of the answer.
-      overview  the prompt's video (its first to last <|video_pad|>, the frame timestamps between included)
-      obs       each <tool_response> block's video, likewise
-      calls     each <tool_call> / <grounding> block of the policy's turns, tags included
-      answer    after the last "<answer>" of the policy's turns to the end; None when there is none
-    The prompt ends at the forced "<think>" before the first policy token (the system prompt and the Hermes
-    tools block mention the tags themselves). Token spans are [start, end)."""
-    n = len(ids)
-    text, offsets = model_lib.decode_with_offsets(tokenizer, ids)
-    to_tokens = lambda chars: model_lib.text_spans_to_token_spans(offsets, chars)
-    first_policy = roles.index(rollout.POLICY) if rollout.POLICY in roles else n
-    policy_char = offsets[first_policy][0] if first_policy < n else len(text)
-    think = [c for c, _ in model_lib.find_text(text[:policy_char], "<think>")]
-    prompt_len = to_tokens([(think[-1], think[-1])])[0][0] if think else first_policy
-    start_char = offsets[prompt_len][0] if prompt_len < n else len(text)
-    runs, s = [], None
-    for j, t in enumerate(list(ids) + [-1]):          # maximal runs of video tokens
-        if t == video_id and s is None:
-            s = j
-        elif t != video_id and s is not None:
-            runs.append((s, j))
-            s = None
-    hull = lambda vs: (vs[0][0], vs[-1][1]) if vs else None
-    blocks = to_tokens([b for b in model_lib.tagged_spans(text, "<tool_response>", "</tool_response>") if b[0] >= start_char])
-    obs = [sp for o, c in blocks if (sp := hull([v for v in runs if o <= v[0] and v[1] <= c]))]
-    calls = sorted(to_tokens([b for tag in ("tool_call", "grounding")
-                              for b in model_lib.tagged_spans(text, f"<{tag}>", f"</{tag}>", inner=False)
-                              if b[0] >= start_char]))
-    answers = [a for a in model_lib.tagged_spans(text, "<answer>", "</answer>") if a[0] >= start_char]
-    answer = (to_tokens(answers[-1:])[0][0], n) if answers else None
-    return {"overview": hull([v for v in runs if v[1] <= prompt_len]), "obs": obs, "calls": calls,
-            "answer": answer if answer and answer[0] < n else None}
-
-
-def tdam_spec(batch: dict, tokenizer, video_id: int, counts: dict | None = None) -> TdamSpec:
-    """The batch's TdamSpec from each row's spans (tdam_spans); rows without an answer keep the causal mask,
-    counted in counts["tdam_no_answer"]."""
-    lengths = batch["attention_mask"].sum(1)
-    rows = []
-    for i, n in enumerate(lengths.tolist()):
-        sp = tdam_spans(batch["input_ids"][i, :n].tolist(), batch["roles"][i, :n].tolist(), tokenizer, video_id)
-        if sp["answer"] is None and counts is not None:
-            counts["tdam_no_answer"] = counts.get("tdam_no_answer", 0) + 1
-        rows.append(tdam_rects(n, sp["overview"], sp["answer"], sp["calls"], sp["obs"]) if sp["answer"] else [])
-    m = max([len(r) for r in rows] + [1])
-    rects = torch.tensor([r + [(0, 0, 0, 0)] * (m - len(r)) for r in rows], dtype=torch.long).view(len(rows), m, 4)
-    return TdamSpec(lengths, rects)
-
-
-def tdam_batch_mask(batch: dict, tokenizer, video_id: int, counts: dict | None = None) -> torch.Tensor:
-    """(B, 1, L, L) additive mask: the dense form of `tdam_spec` (TDAM on each row plus padding), for models
-    and tests that take a 4-D mask. Training uses the spec itself (`tdam_attention`), which never builds it."""
-    L = batch["input_ids"].shape[1]
-    return to_additive_mask(tdam_spec(batch, tokenizer, video_id, counts).allowed(0, L, L, "cpu")[:, 0])
-
-
 def sft_loss(model, batch: dict, chunk_size: int | None = None, attn_mask_4d=None, compile: bool = True,
              tdam: TdamSpec | None = None, precision: str = "fp32") -> tuple[torch.Tensor, int]:
     """Cross-entropy on assistant (POLICY) tokens only, token mean, through the fused `sft_token_loss`; the forward
@@ -904,7 +729,7 @@ def sft_backward(model, items: list, rows: int, pad_id: int, loss_chunk: int | N
     n_tok = max(1, sum(int(policy_mask(b["roles"]).sum()) for b in batches))   # sft_loss's own token count
     parts = []
     for batch in batches:
-        spec = tdam_spec(batch, tdam_tokenizer, model.config.video_token_id, counts) if tdam_tokenizer else None
+        spec = sft.tdam_spec(batch, tdam_tokenizer, model.config.video_token_id, counts) if tdam_tokenizer else None
         micro, n = sft_loss(model, batch, loss_chunk, None, compile, spec, precision)
         (micro * (n / n_tok)).backward()
         parts.append(micro.detach() * (n / n_tok))
@@ -991,7 +816,7 @@ def main(rank: int, args) -> dict:
     if args.stage == "all" and not state and args.eval_before:
         summary["before"] = evaluate(model, "before")
     if args.stage in ("all", "sft") and stage0 != "rl":
-        items, n_bad = sft_examples(train_recs, processor, video_root, cfg, sft_data=args.sft_data, seed=args.seed,
+        items, n_bad = sft.sft_examples(train_recs, processor, video_root, cfg, sft_data=args.sft_data, seed=args.seed,
                                     gated_choices=args.gating_choices if args.sft_gated_overviews else [],
                                     always_call=args.always_call, direct_crop=args.direct_crop,
                                     tool_free=args.sft_tool_free,

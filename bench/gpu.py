@@ -11,7 +11,7 @@ Sections (each prints a line and lands in the last-line JSON):
               weights never write a tool call, so the sampler runs as always (on the device, its cost
               counted) and its draws are then replaced by a scripted turn that calls crop_video
               (tokens/s over sampled tokens, peak memory, host syncs per decode step: measured by
-              rollout.HostSyncCounter on a group-2 rerun of one prompt)
+              runtime.HostSyncCounter on a group-2 rerun of one prompt)
 3. train      one PARA-GRPO update on the rollout: FSDP2 (fully_shard per decoder layer) on one rank,
               gradient checkpointing, bf16, forward_hidden (vision once per prompt), grpo_loss, AdamW
 4. loss       ops.token_loss (fused, chunked) vs naive logits -> log_softmax at 16k tokens, bf16
@@ -127,10 +127,10 @@ def section_rollout(model, processor, root, recs, args, device) -> tuple[dict, l
             out = rollout.run_agent(model, processor, recs[:args.prompts], root, cfg, seed=0)
             sync(device)
             s = time.perf_counter() - t0
-            # the host syncs as they happen (rollout.HostSyncCounter: a Python hook on every torch call, so not in
+            # the host syncs as they happen (runtime.HostSyncCounter: a Python hook on every torch call, so not in
             # the timed run): one prompt of the same rollout, group 2
             counted = rollout.STATS["decode_steps"]
-            with rollout.HostSyncCounter(device) as syncs:
+            with runtime.HostSyncCounter(device) as syncs:
                 rollout.run_agent(model, processor, recs[:1], root, dataclasses.replace(cfg, group_size=2), seed=0)
             counted = rollout.STATS["decode_steps"] - counted
         finally:

@@ -23,7 +23,7 @@
                 stop). Tokens/s at batch 1 and --batch. Target ratio >= 1.0.
 4. scale        G = 8 rows from one long video prompt at Qwen widths (2 layers, vocab 151,936), each side in its
                 own process, --scale-runs times: peak live tensor bytes beyond the weights (LiveTensors, the same
-                in every run; RSS beside it), tokens/s, host syncs per decode step (measured: rollout.HostSyncCounter).
+                in every run; RSS beside it), tokens/s, host syncs per decode step (measured: runtime.HostSyncCounter).
                 Targets >= 4x less memory, >= 1.5x tokens/s, <= 1 sync, the memory ratio within 5 % over the runs.
 5. budget       --budget-prompts x --budget-group rows whose turns take --budget-min to --budget-max tokens (one
                 tool turn for half of them): all at once (the budget unbounded), then under a budget of a quarter
@@ -55,6 +55,7 @@ from transformers import DynamicCache
 
 import kvcache
 import rollout
+import runtime
 import video
 from model import load_model, special_token_ids
 
@@ -355,7 +356,7 @@ def scale_side(side: str, args) -> dict:
         secs = time.perf_counter() - t0
     before = rollout.STATS["decode_steps"]
     # the memory run: live tensor bytes, and the host syncs as they happen (both hooks slow: not the timed run)
-    with LiveTensors() as live, rollout.HostSyncCounter("cpu") as syncs:
+    with LiveTensors() as live, runtime.HostSyncCounter("cpu") as syncs:
         fn()
     steps = rollout.STATS["decode_steps"] - before
     return dict(prompt_tokens=len(chunk.ids), peak_mb=live.mb, rss_mb=rss.mb, seconds=secs, tokens=sum(len(t) for t in toks),
@@ -613,7 +614,7 @@ def main() -> None:
                      ["tokens/s", sc["ours_tok_s"], sc["hf_tok_s"], sc["speedup"]]],
                     ["", "ours", "generate(num_return_sequences)", "ratio"]))
         print(f"memory ratio per run: live tensors {sc['memory_ratio_runs']}, RSS {sc['rss_ratio_runs']}")
-        print(f"host syncs per decode step (measured, rollout.HostSyncCounter): {sc['host_syncs_per_step']}; outside "
+        print(f"host syncs per decode step (measured, runtime.HostSyncCounter): {sc['host_syncs_per_step']}; outside "
               f"the steps (the prefill; on the CPU host-side reads too): {sc['host_syncs_outside_steps']}")
         out["scale"] = {k: sc[k] for k in ("group", "prompt_tokens", "ours_peak_mb", "hf_peak_mb", "memory_ratio",
                                            "memory_ratio_runs", "memory_ratio_spread", "ours_rss_mb", "hf_rss_mb",

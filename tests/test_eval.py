@@ -182,7 +182,7 @@ def test_evaluate_reports_official_metrics_and_agent_figures(monkeypatch, tmp_pa
     assert rows["r0"]["answer"] == "A"                  # the parsed answer, not the ground truth
 
 
-@pytest.mark.parametrize("preset", sorted(ev.PRESETS))
+@pytest.mark.parametrize("preset", sorted(recipes.PRESETS))
 def test_presets_match_the_real_rollout_config(preset):
     rollout = pytest.importorskip("rollout")
     cfg = ev.rollout_config(preset, tiny=True)     # every preset / tiny field exists there

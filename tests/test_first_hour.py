@@ -17,6 +17,7 @@ from conftest import metrics, run, smoke_argv
 import data
 import recipes
 import runtime
+import sft
 import train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,11 +108,11 @@ def test_sft_trajectories_with_calls_the_environment_refuses_are_reported_and_sk
     path = _sft_file(tmp_path, records, (100.0, 120.0))          # past the end of a 64 s video
     cfg = train.rollout_config(recipes.parse_train_args([]))
     logged = []
-    items, bad = train.sft_examples(records, processor, root, cfg, sft_data=path, seed=0, gated_choices=[],
+    items, bad = sft.sft_examples(records, processor, root, cfg, sft_data=path, seed=0, gated_choices=[],
                                     max_bad_fraction=0.5, log=logged.append)
     assert len(items) == 2 and bad == 1
     assert any(f"{path}:2" in m and "past the end" in m for m in logged), logged
-    items, bad = train.sft_examples(records, processor, root, cfg, sft_data=path, seed=0, gated_choices=[],
+    items, bad = sft.sft_examples(records, processor, root, cfg, sft_data=path, seed=0, gated_choices=[],
                                     keep_bad_calls=True, max_bad_fraction=0.5, log=logged.append)
     assert len(items) == 3 and bad == 0
 

@@ -11,6 +11,7 @@ import torch
 import data
 import kvcache
 import rollout
+import runtime
 import video
 from conftest import TEST_ROLLOUT
 
@@ -127,16 +128,16 @@ def test_host_sync_counter_counts_reads():
     tensor already is: none. Toward a GPU device ("meta" stands in: no CPU tensor is on it) a copy from the host
     counts when it blocks (no non_blocking; torch.tensor with the device), and a host tensor's item does not."""
     t = torch.arange(4.0)
-    with rollout.HostSyncCounter("cpu") as c:
+    with runtime.HostSyncCounter("cpu") as c:
         for i in range(3):
             t[i].item()
         t.tolist()
     assert c.count == 4 and sorted(c.sites.values()) == [1, 3] and all("test_kvcache.py" in k for k in c.sites)
-    with rollout.HostSyncCounter("cpu") as c:
+    with runtime.HostSyncCounter("cpu") as c:
         bool(t[1]), int(t[1]), float(t[1]), [0, 1, 2][t.long()[1]], t.nonzero(), t[t > 1]
         (t * 2).sum(), t.index_select(0, torch.tensor([1])), t.to("cpu"), t.cpu()
     assert c.count == 6, c.sites
-    with rollout.HostSyncCounter("meta") as c:
+    with runtime.HostSyncCounter("meta") as c:
         t.to("meta"), t.to("meta", non_blocking=True), torch.tensor([1, 2], device="meta"), t[0].item()
     assert c.count == 2, c.sites
 
@@ -152,7 +153,7 @@ def test_decode_step_one_host_sync(tiny, split, monkeypatch):
 
     def measured():
         before = rollout.STATS["decode_steps"]
-        with rollout.HostSyncCounter("cpu") as syncs:
+        with runtime.HostSyncCounter("cpu") as syncs:
             rollout.run_agent(model, processor, recs[:1], root, cfg, seed=0)
         return rollout.STATS["decode_steps"] - before, syncs
 

@@ -31,6 +31,7 @@ import ops
 import rollout
 import recipes
 import runtime
+import sft
 import train
 import video
 
@@ -216,7 +217,7 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     tdam = text_tdam(tok, t.token_ids, t.prompt_len)                            # (L, L) bool
     assert not torch.equal(tdam, torch.ones_like(tdam).tril())                 # rule (1) masks the overview
     mask4 = ops.to_additive_mask(tdam, torch.bfloat16)                        # (1, 1, L, L)
-    ref = train.tdam_batch_mask(one, tok, model.config.video_token_id)        # train.py's own spans, from the text
+    ref = sft.tdam_batch_mask(one, tok, model.config.video_token_id)        # train.py's own spans, from the text
     assert ref.shape == mask4.shape == (1, 1, len(t.token_ids), len(t.token_ids))
     allowed = ref[0, 0] == 0                                                   # on the real tokenizer: not causal
     pads = [j for j in range(t.prompt_len) if t.token_ids[j] == model.config.video_token_id]
@@ -224,12 +225,12 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     assert not tdam[-1, pads].any()                                            # as the text-built reference says
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     before = model.lm_head.weight.detach().clone()
-    sft, n = train.sft_loss(model, one, chunk_size=64, attn_mask_4d=mask4, compile=False)
-    sft.backward()
+    sft_loss, n = train.sft_loss(model, one, chunk_size=64, attn_mask_4d=mask4, compile=False)
+    sft_loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     model.eval()
-    assert torch.isfinite(sft) and n == len(t.logprobs) and 5.0 < float(sft.detach()) < 20.0   # ~ln(151936)
+    assert torch.isfinite(sft_loss) and n == len(t.logprobs) and 5.0 < float(sft_loss.detach()) < 20.0   # ~ln(151936)
     assert not torch.equal(before, model.lm_head.weight)
 
 

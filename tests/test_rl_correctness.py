@@ -19,6 +19,7 @@ import rewards
 import rollout
 import recipes
 import runtime
+import sft
 import train
 
 
@@ -500,7 +501,7 @@ def test_tdam_answer_span_from_the_text_on_both_tokenizers(tokenizers, name):
                                                                      "<|im_start|>assistant\n<think>\nred\n</think>\n<answer>B</answer>")
     ids = prompt + turn
     roles = [rollout.ENV] * len(prompt) + [rollout.POLICY] * len(turn)
-    sp = train.tdam_spans(ids, roles, tok, vid)
+    sp = sft.tdam_spans(ids, roles, tok, vid)
     assert sp["answer"] is not None and sp["answer"][1] == len(ids)
     assert tok.decode(ids[sp["answer"][0]:]).lstrip(">").startswith("B</answer>")
     assert "answer>" in tok.decode(ids[sp["answer"][0] - 2:sp["answer"][0] + 1]) or name == "tiny"

@@ -420,7 +420,7 @@ def test_rollout_memory_flag_reaches_the_engine(capsys):
     import train
     assert train.rollout_config(recipes.parse_train_args(["--rollout-memory-gb", "1.5"])).memory_budget_bytes == 3 * 2 ** 29
     assert train.rollout_config(recipes.parse_train_args([])).memory_budget_bytes is None      # the default: memory_budget
-    assert rollout.memory_budget(rollout.RolloutConfig(), "cpu") == rollout.CPU_BUDGET_GB * 2 ** 30
+    assert kvcache.memory_budget(None, "cpu") == kvcache.CPU_BUDGET_GB * 2 ** 30
     with pytest.raises(SystemExit):
         recipes.parse_train_args(["--rollout-memory-gb", "0"])
     assert "--rollout-memory-gb must be > 0" in capsys.readouterr().err
@@ -452,15 +452,15 @@ def test_default_budget_counts_autocast_weight_copies(monkeypatch):
     are exactly `autocast_copies`' elements, the frozen tower's not among them. The default took 80 % of the free
     memory whatever the precision."""
     GB = 2 ** 30
-    assert rollout.default_budget(10 * GB, GB // 2, torch.bfloat16, 1) == int(0.8 * 9 * GB)
-    assert rollout.default_budget(10 * GB, GB // 2, None, 1) == int(0.8 * 10 * GB)              # fp32: no autocast
-    assert rollout.default_budget(10 * GB, GB // 2, torch.bfloat16, 2) == int(0.8 * 10 * GB)    # FSDP2
-    assert rollout.default_budget(GB, GB, torch.bfloat16, 1) == 0
+    assert kvcache.default_budget(10 * GB, GB // 2, torch.bfloat16, 1) == int(0.8 * 9 * GB)
+    assert kvcache.default_budget(10 * GB, GB // 2, None, 1) == int(0.8 * 10 * GB)              # fp32: no autocast
+    assert kvcache.default_budget(10 * GB, GB // 2, torch.bfloat16, 2) == int(0.8 * 10 * GB)    # FSDP2
+    assert kvcache.default_budget(GB, GB, torch.bfloat16, 1) == 0
     model, _ = load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
-    whole = rollout.autocast_copies(model)
+    whole = kvcache.autocast_copies(model)
     for p in model.model.visual.parameters():
         p.requires_grad_(False)
-    text = rollout.autocast_copies(model)
+    text = kvcache.autocast_copies(model)
     assert 0 < text < whole < sum(p.numel() for p in model.parameters())
     ids = torch.randint(300, model.get_input_embeddings().weight.shape[0], (1, 16))
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
@@ -471,8 +471,8 @@ def test_default_budget_counts_autocast_weight_copies(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GB, 80 * GB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: GB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: GB)
-    monkeypatch.setattr(rollout, "autocast_dtype", lambda device: torch.bfloat16)
-    assert rollout.memory_budget(rollout.RolloutConfig(), "cuda", model) == int(0.8 * (10 * GB - 2 * text))
+    monkeypatch.setattr(kvcache, "autocast_dtype", lambda device: torch.bfloat16)
+    assert kvcache.memory_budget(None, "cuda", model) == int(0.8 * (10 * GB - 2 * text))
 
 
 def test_bf16_rollout_keeps_pixels_in_the_model_dtype(split, script, monkeypatch):

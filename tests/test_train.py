@@ -30,6 +30,7 @@ import rewards
 import rollout
 import recipes
 import runtime
+import sft
 import train
 import video
 from train import get_lr, grpo_loss_on_logprobs, kl_penalty
@@ -167,7 +168,7 @@ def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
     args = recipes.parse_train_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
-    items, bad = train.sft_examples(records, processor, root, train.rollout_config(args), sft_data=None, seed=args.seed,
+    items, bad = sft.sft_examples(records, processor, root, train.rollout_config(args), sft_data=None, seed=args.seed,
                                     gated_choices=args.gating_choices if args.sft_gated_overviews else [])
     assert bad == 0 and len(items) == len(records) * len(ks)
     assert {t.nframes for t in items} == ks and [t.record_id for t in items[::len(ks)]] == [r["id"] for r in records]
@@ -203,8 +204,8 @@ def test_sft_examples_in_threads_are_the_serial_ones(tmp_path, tiny, name):
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
     kw = dict(sft_data=None, seed=0, gated_choices=args.gating_choices, direct_crop=0.5, budget_fraction=0.5)
-    one, _ = train.sft_examples(records, processor, root, train.rollout_config(args), workers=1, **kw)
-    two, _ = train.sft_examples(records, processor, root, train.rollout_config(args), workers=2, **kw)
+    one, _ = sft.sft_examples(records, processor, root, train.rollout_config(args), workers=1, **kw)
+    two, _ = sft.sft_examples(records, processor, root, train.rollout_config(args), workers=2, **kw)
     assert len(one) == len(two) > len(records)
     for a, b in zip(one, two):
         assert (a.record_id, a.token_ids, a.roles, a.nframes) == (b.record_id, b.token_ids, b.roles, b.nframes)
@@ -222,9 +223,9 @@ def test_sft_items_keep_at_most_their_budget_of_pixels_and_train_the_same(tmp_pa
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
     kw = dict(sft_data=None, seed=0, gated_choices=[])
-    whole, _ = train.sft_examples(records, processor, root, train.rollout_config(args), **kw)
-    budget = 2 * max(train.SFTItems._size(t) for t in whole) + 1
-    held, _ = train.sft_examples(records, processor, root, train.rollout_config(args), cache_bytes=budget, **kw)
+    whole, _ = sft.sft_examples(records, processor, root, train.rollout_config(args), **kw)
+    budget = 2 * max(sft.SFTItems._size(t) for t in whole) + 1
+    held, _ = sft.sft_examples(records, processor, root, train.rollout_config(args), cache_bytes=budget, **kw)
     assert len(held) == len(whole) > 4 and held.held <= budget and len(held.cache) <= 2
     for i in range(len(whole)):
         a, b = whole[i], held[i]
@@ -504,7 +505,7 @@ def test_tdam_batch_mask_on_encoded_trajectories(tiny, tdam_batch):
     trajs, batch = tdam_batch
     special = model_lib.special_token_ids(processor)
     video_id = model.config.video_token_id
-    mask = train.tdam_batch_mask(batch, processor.tokenizer, video_id)
+    mask = sft.tdam_batch_mask(batch, processor.tokenizer, video_id)
     B, L = batch["input_ids"].shape
     assert mask.shape == (B, 1, L, L)
     allowed = mask[:, 0] == 0
@@ -538,7 +539,7 @@ def test_tdam_mask_reaches_attention(tiny, tdam_batch):
             causal[i, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
             causal[i, range(n, L), range(n, L)] = True
         same, _ = train.sft_loss(model, batch, 1024, ops.to_additive_mask(causal), compile=False)
-        tdam, _ = train.sft_loss(model, batch, 1024, train.tdam_batch_mask(batch, processor.tokenizer, model.config.video_token_id),
+        tdam, _ = train.sft_loss(model, batch, 1024, sft.tdam_batch_mask(batch, processor.tokenizer, model.config.video_token_id),
                                  compile=False)
     assert math.isfinite(float(tdam))
     assert abs(float(same) - float(plain)) < 1e-5
@@ -550,10 +551,10 @@ def test_blocked_tdam_attention_equals_the_dense_mask(tiny, tdam_batch):
     and gradients of the dense (B, 1, L, L) mask, with tiles that split the rows; and the rules cut something."""
     model, processor = tiny
     trajs, batch = tdam_batch
-    spec = train.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
+    spec = sft.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
     spec.block = 16                                              # several blocks per row
     assert spec.rects.shape[1] >= 1 and (spec.rects[:, :, 1] > spec.rects[:, :, 0]).any()
-    dense = train.tdam_batch_mask(batch, processor.tokenizer, model.config.video_token_id)
+    dense = sft.tdam_batch_mask(batch, processor.tokenizer, model.config.video_token_id)
     losses, grads = [], []
     for kw in (dict(attn_mask_4d=dense), dict(tdam=spec)):
         model.zero_grad(set_to_none=True)
@@ -585,7 +586,7 @@ def test_tdam_attention_is_sdpa_without_the_keyword(tiny, tdam_batch):
     finally:
         lm._attn_implementation = impl
     assert torch.equal(losses[0], losses[1])
-    spec = train.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
+    spec = sft.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
     with torch.no_grad():
         train.sft_loss(model, batch, None, compile=False, tdam=spec)
     assert lm._attn_implementation == ops.TDAM_ATTENTION
@@ -596,7 +597,7 @@ def test_tdam_gradients_equal_with_gradient_checkpointing(tiny, tdam_batch):
     the same attention and spec, so every parameter's gradient equals the one without checkpointing (fp32)."""
     model, processor = tiny
     _, batch = tdam_batch
-    spec = train.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
+    spec = sft.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
     spec.block = 16
     grads = []
     model.train()
@@ -969,7 +970,7 @@ def test_bf16_tdam_sft_step_on_one_process(tdam_batch):
     assert torch.isfinite(loss) and n > 0
     layer = model.model.language_model.layers[0]
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
-    mask = train.tdam_batch_mask(batch, tok, model.config.video_token_id)
+    mask = sft.tdam_batch_mask(batch, tok, model.config.video_token_id)
     fresh, _ = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
     with torch.no_grad():
         dense, _ = train.sft_loss(fresh, batch, None, mask, False, None, "bf16")

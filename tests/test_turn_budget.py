@@ -14,6 +14,7 @@ import data
 import eval as evaluation
 import rewards
 import rollout
+import sft
 import video
 from tests.test_rollout import Scripted, call, responses, tiny, turn, user_messages  # noqa: F401 (tiny: a fixture)
 from conftest import TEST_ROLLOUT
@@ -92,8 +93,8 @@ def test_sft_examples_add_budget_limited_copies(search, tiny):
     root, recs = search
     model, processor = tiny
     cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96})
-    plain, _ = train.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[])
-    more, _ = train.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[],
+    plain, _ = sft.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[])
+    more, _ = sft.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[],
                                  budget_fraction=1.0)
     assert len(plain) == 6 and len(more) == 12                     # every search question calls the tool
     assert sum(rollout.FORCED_ANSWER in t.text for t in plain) == 0
