@@ -4,11 +4,10 @@ Plain PyTorch plus `torch.compile` on the per-chunk softmax math; train.py holds
 (Named ops.py, not kernels.py: transformers imports a top-level `kernels` module if one is importable.)
 
 1. Hidden states x lm_head -> per-token log-probs, never the (N, V) logits (V = 151,936 for Qwen):
-     token_logprobs(hidden (..., D), W (V, D), targets (...)) -> log p(target) (...)     no-grad uses, 4 GEMMs
-     token_loss(hidden (N, D), W (V, D), targets (N,), loss_fn) -> scalar                 the losses, 3 GEMMs
-   `token_loss` is the seam: `loss_fn(logp_chunk, rows)` is any sum of per-token terms of log p (train.py's
-   GRPO and SFT losses); its gradient is formed inside the forward, chunk by chunk (Liger-Kernel's fused
-   linear cross-entropy, arXiv 2410.10989; Cut Cross-Entropy, arXiv 2411.09009).
+     token_logprobs(hidden (..., D), W (V, D), targets (...)) -> log p(target) (...)     4 GEMMs with its backward
+   the fused log-prob gather (chunks of the logits in one (V, C) buffer, the softmax math compiled, a
+   hand-written backward; Liger-Kernel's fused linear cross-entropy, arXiv 2410.10989, returning per-token
+   log-probs): the old and reference log-probs, and the log p that train.py's GRPO and SFT losses take.
    `policy_rows` gathers the policy tokens of (B, L) batches into the (N, ...) rows the kernels take.
 2. TDAM (Video-o3, arXiv 2601.23224), the tensor side: `tdam_rects` states the two masking rules as rectangles
    of (query, key) ranges; `tdam_mask` / `to_additive_mask` build the dense (L, L) form from them (tests, small
@@ -16,11 +15,11 @@ Plain PyTorch plus `torch.compile` on the per-chunk softmax math; train.py holds
    `use_tdam_attention` sets it; SDPA for any forward without the `tdam` keyword) attend block-sparse:
    `tdam_tiles` sorts (query tile, key tile) pairs into skipped / unmasked / causal / masked from the rectangles,
    and one of two kernels attends the rest, flex_attention (CUDA) or a blocked CPU flash kernel; no L x L tensor
-   ever exists. Which spans of a trajectory the rules apply to is found from its text in train.py (`tdam_spans`).
+   ever exists. Which spans of a trajectory the rules apply to is found from its text in sft.py (`tdam_spans`).
      tdam_attention(module, q (B, H, L, d), k / v (B, H_kv, L, d), ..., tdam=TdamSpec) -> (B, L, H, d)
 
-Sizes and devices that choose a path (each path runs in tests, sizes shrunk): _MIN_CHUNK_LOGITS (token_loss's
-plain path below it), MAX_CHUNKS (the default chunk rule), the chunk size itself (padding of the last chunk);
+Sizes and devices that choose a path (each path runs in tests, sizes shrunk): _MIN_CHUNK_LOGITS (token_logprobs'
+plain path below it, chunk_size None), MAX_CHUNKS (the default chunk rule), the chunk size itself (padding of the last chunk);
 TdamSpec.block (the tile side: how many tiles, which ones a rectangle's edge crosses), `tdam_kernel` (flex on
 FLEX_DEVICES, blocked elsewhere, or TdamSpec.kernel).
 """
@@ -38,10 +37,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 # -----------------------------------------------------------------------------
 # 1. Chunked log-probabilities: hidden states x lm_head -> log p(token), never the (N, V) matrix
 
-# `TOKEN_LOGPROBS_COMPILE=0` runs the chunk kernels of token_logprobs and token_loss eagerly everywhere
+# `TOKEN_LOGPROBS_COMPILE=0` runs the chunk kernels of token_logprobs eagerly everywhere
 # (for debugging and pdb). `TORCH_COMPILE_DISABLE=1` does the same for every torch.compile in the process.
 _compiled_kernels: dict = {}
-_MIN_CHUNK_LOGITS = 1 << 23   # token_loss's smallest chunk buffer, in elements (32 MB fp32); below it, no chunks
+_MIN_CHUNK_LOGITS = 1 << 23   # the losses' smallest chunk buffer, in elements (32 MB fp32); below it, no chunks
 MAX_CHUNKS = 8                  # the default chunk rule splits a loss into at most this many chunks (_auto_chunk)
 
 # Layout: a chunk of C tokens has its logits vocab-major, logits^T = W h_c^T of shape (V, C), in one reused buffer,
@@ -185,7 +184,7 @@ class _TokenLogprobs(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         chunk, n = ctx.chunk, hidden.shape[0]
         backward_kernel = _kernel(_chunk_grad_logits_, ctx.use_compile)
-        grad_out = grad_out.float()
+        grad_out = grad_out.float().contiguous()     # an expanded upstream (the grad of a sum) has stride 0
         grad_hidden = torch.empty_like(hidden) if need_hidden else None       # (N, D)
         grad_weight = None
         if need_weight:
@@ -210,7 +209,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
-                   chunk_size: int = 1024, compile: bool = True, temperature: float = 1.0) -> torch.Tensor:
+                   chunk_size: int | None = 1024, compile: bool = True, temperature: float = 1.0) -> torch.Tensor:
     """
     log p(target) for each token from final hidden states, at temperature T, without materialising the logits.
 
@@ -232,10 +231,12 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     Memory: O(C V) working memory instead of O(N V). With Qwen's vocab V = 151,936 the naive path
     at N = 8192 tokens holds 5 GB of fp32 logits, and autograd keeps two to three such (N, V)
     tensors alive in backward; here one (V, C) buffer, 0.6 GB for C = 1024 in fp32, whatever N is.
-    The price is one extra GEMM (the logits recomputed in backward): 4 GEMMs of N x D x V instead
-    of 3 (bench/logprob_bench.py, method `logprobs`; figures in docs/experiments.md). A loss that is a sum of per-token
-    terms should use `token_loss` instead (3 GEMMs, gradients formed in the forward); this function
-    is for the no-grad uses (old and reference log-probs, evaluation) and for losses that are not.
+    The price is one extra GEMM (the logits recomputed in backward): 4 GEMMs of N x D x V where a loss that forms
+    its gradient inside the forward needs 3 (measured: docs/experiments.md, "the fused loss"; 1.22x naive's time
+    on this CPU against 0.92x, at 0.14x of its working memory). We take it: the loss stays plain calls on log-probs
+    (train.grpo_loss, train.sft_token_loss) instead of a kernel that calls the loss back chunk by chunk.
+    chunk_size None (the losses' default): the plain path (log_softmax over all logits, ordinary autograd) when
+    the (N, V) logits are no bigger than _MIN_CHUNK_LOGITS, else `_auto_chunk`'s rule.
     bf16/fp16 inputs: the GEMMs run in the input dtype (fp32 accumulation inside the GEMM), the
     softmax math in fp32, and grad_W sums the chunks in fp32.
 
@@ -252,11 +253,16 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     """
     _check_head("token_logprobs", hidden, lm_head_weight, targets)
     _check_temperature("token_logprobs", temperature)
-    if chunk_size < 1:
-        raise ValueError(f"token_logprobs: chunk_size must be >= 1, got {chunk_size}")
-    lead_shape, dim = targets.shape, lm_head_weight.shape[1]
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"token_logprobs: chunk_size must be >= 1 or None, got {chunk_size}")
+    lead_shape, (vocab, dim) = targets.shape, lm_head_weight.shape
     hidden, targets = hidden.reshape(-1, dim), targets.reshape(-1).long()  # (N, D), (N,)
     n = targets.shape[0]
+    if chunk_size is None and n * vocab <= _MIN_CHUNK_LOGITS:     # small logits: plain autograd, no chunks
+        logits = (hidden @ lm_head_weight.T).float() / temperature
+        return F.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).reshape(lead_shape)
+    if chunk_size is None:
+        chunk_size = _auto_chunk(n, dim, vocab)
     chunk = max(min(chunk_size, 1 << max(n - 1, 0).bit_length()), _MIN_WIDTH)  # N < C: next power of two >= N
     return _TokenLogprobs.apply(hidden, lm_head_weight, targets, chunk, float(temperature),
                                 compile).reshape(lead_shape)
@@ -275,129 +281,16 @@ def _liger_chunk(n: int, dim: int, vocab: int) -> int:
 
 def _auto_chunk(n: int, dim: int, vocab: int) -> int:
     """
-    token_loss's default chunk: Liger's (`_liger_chunk`), but at most MAX_CHUNKS chunks:
+    token_logprobs' default chunk in the losses (chunk_size None): Liger's (`_liger_chunk`), but at most MAX_CHUNKS chunks:
     C = next_pow2(max(ceil(N / ceil(V / D)), ceil(N / MAX_CHUNKS))).
-    Departure from Liger: every chunk reads W twice (GEMMs 1 and 2) and reads and writes the fp32 grad_W once
-    (GEMM 3), and each GEMM's fixed cost is paid once per chunk. Measured side by side (bench/logprob_bench.py,
-    the GRPO loss, fp32, N = D = 4,096, V = 151,936, 2-core CPU, 2026-12-01): 8 chunks of 512 rows 0.92x naive's
-    time at 0.080x its working memory; Liger's 32 chunks of 128 rows 1.01x at 0.029x. At most 8 chunks keep the
-    buffer <= 1/8 of the naive (N, V) logits. The bench runs both rules (methods `fused` and `fused_liger`).
+    Departure from Liger: every chunk reads W (twice with its backward) and reads and writes the fp32 grad_W once,
+    and each GEMM's fixed cost is paid once per chunk, so fewer, larger chunks are faster on a CPU (measured with
+    the earlier gradient-in-forward kernel, the GRPO loss, fp32, N = D = 4,096, V = 151,936, 2-core CPU,
+    2026-12-01: 8 chunks of 512 rows 0.92x naive's time at 0.080x its working memory; Liger's 32 chunks of 128
+    rows 1.01x at 0.029x; docs/experiments.md). At most 8 chunks keep the buffer <= 1/8 of the naive logits.
     """
     chunk = max(_liger_chunk(n, dim, vocab), -(-n // MAX_CHUNKS))
     return 1 << (chunk - 1).bit_length()
-
-
-class _TokenLoss(torch.autograd.Function):
-    """sum_i loss over chunks with the gradients formed in the forward; see `token_loss`."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, loss_fn, chunk, temperature, use_compile, need_hidden, need_weight):
-        n, (vocab, dim) = hidden.shape[0], weight.shape
-        forward_kernel = _kernel(_chunk_logprobs, use_compile)
-        grad_kernel = _kernel(_chunk_grad_logits_, use_compile)
-        buf = hidden.new_empty((vocab, chunk))                          # (V, C): the one logits^T buffer, reused
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None                     # (N, D)
-        grad_weight = torch.zeros((vocab, dim), dtype=torch.float32, device=weight.device) if need_weight else None
-        for start in range(0, n, chunk):
-            stop = min(start + chunk, n)
-            rows = stop - start
-            h, t = _chunk(hidden, start, chunk), _chunk(targets, start, chunk)               # (C, D), (C,)
-            torch.mm(weight, h.T, out=buf)                                                   # GEMM 1: logits^T
-            logp, lse = forward_kernel(buf, t, temperature)                                  # (C,), (C,) fp32
-            with torch.enable_grad():           # autograd on the small (rows,) tensor only: d loss / d logp
-                lp = logp[:rows].detach().requires_grad_()
-                loss = loss_fn(lp, slice(start, stop))
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise ValueError(f"token_loss: loss_fn must return a scalar tensor, got {loss!r:.80}")
-                g = None
-                if (need_hidden or need_weight) and loss.requires_grad:
-                    g = torch.autograd.grad(loss, lp, allow_unused=True)[0]                  # (rows,)
-            total += loss.detach().float()
-            if not (need_hidden or need_weight):
-                continue
-            g_pad = torch.zeros(chunk, dtype=torch.float32, device=hidden.device)            # padded rows: g = 0
-            if g is not None:
-                g_pad[:rows] = g
-            grad_kernel(buf, t, lse, g_pad, temperature)       # buf <- (g / T)(onehot - softmax(logits / T))^T
-            if need_hidden:
-                grad_hidden[start:stop] = (weight.T @ buf).T[:rows]                          # GEMM 2: (D, V) @ (V, C)
-            if need_weight:
-                _accumulate_grad_weight(grad_weight, buf, h)                                 # GEMM 3: (V, C) @ (C, D)
-        del buf
-        if need_weight and grad_weight.dtype != weight.dtype:
-            grad_weight = grad_weight.to(weight.dtype)
-        ctx.grads = (grad_hidden, grad_weight)                 # nothing else is kept: not h, not W, not logits
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        if ctx.grads is None:
-            raise RuntimeError("token_loss: backward through the same loss twice; its gradients were formed in "
-                               "the forward and handed over by the first backward (call token_loss again)")
-        grad_hidden, grad_weight = ctx.grads
-        ctx.grads = None        # handed over to autograd, which owns (and may accumulate into) them now
-        for grad in (grad_hidden, grad_weight):
-            if grad is not None:
-                grad.mul_(grad_out)                            # d total / d loss = upstream gradient, in place
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
-
-
-def token_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss_fn,
-               chunk_size: int | None = None, temperature: float = 1.0, compile: bool = True) -> torch.Tensor:
-    """
-    A loss that is a sum of per-token terms of log p(target), with the gradients formed in the forward.
-
-        logp_i = log_softmax(h_i W^T / T)[t_i]                              (T = temperature)
-        loss   = sum over chunks c of loss_fn(logp_c, rows_c)               (a scalar, fp32)
-        g_i    = d loss / d logp_i                                          (autograd on the (C,) tensor)
-        grad_logits_i = (g_i / T) (onehot(t_i) - softmax(h_i W^T / T))
-        grad_h_i = grad_logits_i W          grad_W = sum_i grad_logits_i^T h_i
-
-    Shapes: hidden (N, D), weight (V, D), targets (N,) int64 in [0, V) -> scalar float32.
-    loss_fn(logp (n,) float32, rows: slice) -> scalar tensor: the loss of one chunk of rows, where
-    `rows` is the Python slice of those rows in the flattened batch, so loss_fn can index per-token
-    tensors (old and reference log-probs, advantages, mask); every other tensor it reads is a
-    constant (no gradient reaches it). Each token's term must depend on its own log-prob only (GRPO's
-    clipped ratio, a KL to a reference, cross-entropy): that is what lets the gradient be known as
-    soon as the chunk's log-probs are.
-
-    Per chunk of C rows, in the forward: the logits by one GEMM into a reused (V, C) buffer, the
-    log-sum-exp and log-probs, g by autograd on the small (C,) tensor, grad_logits written in place
-    over the logits, then grad_h for the chunk (GEMM 2) and grad_W accumulated in fp32 (GEMM 3).
-    The backward only scales the stored grad_h and grad_W by the upstream gradient: 3 GEMMs of
-    N x D x V in all, as the naive path, where `token_logprobs` needs 4 (it recomputes the logits).
-    Nothing of the forward is saved but the two gradients, not even W (so on this path FSDP may free the
-    unsharded lm_head weight after the forward); backward through one result twice is refused.
-    Chunk size: by default Liger's rule with at most 8 chunks (`_auto_chunk`: 512 rows for N = 4096, D = 4096,
-    V = 151,936, where Liger's alone gives 128), and when the whole (N, V) logits are no bigger
-    than that smallest buffer, the plain path (log_softmax over all logits, ordinary autograd). An
-    explicit chunk_size always takes the fused path (shrunk to the next power of two >= N when N is
-    smaller, at least 2). The softmax math of a chunk runs compiled on the padded (V, C) buffer as in
-    `token_logprobs`, one graph for any C and T (env TOKEN_LOGPROBS_COMPILE=0 or compile=False: eager); the GEMMs are
-    library calls. bf16: GEMMs in bf16, softmax math in fp32, grad_W summed in fp32, cast to W's dtype.
-    Measured (bench/logprob_bench.py, the GRPO loss, fp32, 2-core CPU): see docs/experiments.md.
-    Sources: Liger-Kernel's fused linear losses (arXiv 2410.10989) and Cut Cross-Entropy (arXiv
-    2411.09009) form the gradient inside the forward the same way; here the per-token loss is any
-    function of log p, so one kernel serves GRPO and SFT.
-    """
-    _check_head("token_loss", hidden, weight, targets)
-    _check_temperature("token_loss", temperature)
-    if hidden.dim() != 2:
-        raise ValueError(f"token_loss: hidden must be (N, D), got {tuple(hidden.shape)}")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"token_loss: chunk_size must be >= 1 or None, got {chunk_size}")
-    (n, dim), vocab = hidden.shape, weight.shape[0]
-    targets = targets.long()
-    if chunk_size is None and n * vocab <= _MIN_CHUNK_LOGITS:     # small logits: plain autograd, no chunks
-        logits = (hidden @ weight.T).float() / temperature
-        logp = F.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
-        return loss_fn(logp, slice(0, n)).float()
-    chunk = _auto_chunk(n, dim, vocab) if chunk_size is None else chunk_size
-    chunk = max(min(chunk, 1 << max(n - 1, 0).bit_length()), _MIN_WIDTH)   # N < C: next power of two >= N
-    grad_on = torch.is_grad_enabled()
-    return _TokenLoss.apply(hidden, weight, targets, loss_fn, chunk, float(temperature), compile,
-                            grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
 
 
 def policy_rows(name: str, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, **per_token):

@@ -485,21 +485,24 @@ def infer_data_type(task: str, clues, data_type: str | None = None) -> str:
     return {0: "free_form", 1: "single_clue"}.get(len(clues or []), "multi_clue")
 
 
-def vtgr_tool_term(data_type: str, windows, clues, n_tool_turns: int, correct: bool, format_ok: bool) -> float:
+def vtgr_tool_term(data_type: str, clue: float, decay: float, n_tool_turns: int, correct: bool,
+                   format_ok: bool) -> float:
     """Video-o3 R_tool (docs/method.md §4.3), in [0, 1]; 0 unless the answer is right and R_fmt = 1.
-      single_clue: turn_decay(n) (H + 1) / 2 if n > 0 else 0   multi_clue: (H' + 1) / 2 (no decay)
+      single_clue: decay (H + 1) / 2 if n > 0 else 0     multi_clue: (H' + 1) / 2 (no decay)
       direct: max(0, 0.75 (1 - 0.1 n))   free_form: 0.5   grounding: 0 (no tool term)
-    n counts tool *turns*; H uses *all* crop windows (with parallel calls the two differ).
-    The max(0, .) on `direct` only acts beyond 10 turns. As docs/method.md §4.3 states, only single_clue asks
-    n > 0: a right multi_clue answer with no crop still gets (0 + 1) / 2."""
+    clue = H or H' (`hybrid_clue_score` of *all* crop windows, multi_clue=True for H'), decay = turn_decay(n); n
+    counts tool *turns* (with parallel calls the windows and the turns differ). The caller computes both factors
+    (vtgr_reward, score_trajectory), so each equation is one call from the reward. The max(0, .) on `direct` only
+    acts beyond 10 turns. As docs/method.md §4.3 states, only single_clue asks n > 0: a right multi_clue answer
+    with no crop still gets (0 + 1) / 2."""
     if data_type not in DATA_TYPES:
         raise ValueError(f"data_type must be one of {DATA_TYPES}, got {data_type!r}")
     if not (correct and format_ok) or data_type == "grounding":
         return 0.0
     if data_type == "single_clue":
-        return turn_decay(n_tool_turns) * (hybrid_clue_score(windows, clues) + 1) / 2 if n_tool_turns > 0 else 0.0
+        return decay * (clue + 1) / 2 if n_tool_turns > 0 else 0.0
     if data_type == "multi_clue":
-        return (hybrid_clue_score(windows, clues, multi_clue=True) + 1) / 2
+        return (clue + 1) / 2
     if data_type == "direct":
         return max(0.0, 0.75 * (1 - 0.1 * n_tool_turns))
     return 0.5
@@ -538,9 +541,9 @@ def vtgr_reward(turns: list[str], text: str, target, task: str, data_type: str |
     data_type = infer_data_type(task, clues, data_type)
     acc = score_answer(_last_answer(turns[-1] if turns else text), target, task)
     fmt = grounding_format_reward(turns)
-    tool = vtgr_tool_term(data_type, windows, clues, n_tool_turns, acc == 1.0, fmt == 1.0)
     clue = 0.0 if data_type not in ("single_clue", "multi_clue") else \
-        hybrid_clue_score(windows, clues, multi_clue=data_type == "multi_clue")
+        hybrid_clue_score(windows, clues, multi_clue=data_type == "multi_clue")         # H (or H')
+    tool = vtgr_tool_term(data_type, clue, turn_decay(n_tool_turns), n_tool_turns, acc == 1.0, fmt == 1.0)
     return acc + fmt + tool, {"acc": acc, "format": fmt, "tool": tool, "clue": clue}
 
 # ----------------------------------------------------------------------------- recipes
@@ -582,7 +585,9 @@ def score_trajectory(traj, record: dict, recipe: str, anchoring: str = "sequence
         total, parts = paravt_reward(text, target, task, anchor_weight=ANCHOR_WEIGHT if anchoring == "sequence" else 0.0)
         if recipe == "combined" and clues:   # the VTGR tool term wherever the record has clue windows
             fmt_ok = grounding_format_reward(traj.turns) == 1.0
-            tool = vtgr_tool_term(data_type, traj.windows, clues, traj.n_tool_turns, parts["acc"] == 1.0, fmt_ok)
+            clue = hybrid_clue_score(traj.windows, clues, multi_clue=data_type == "multi_clue")
+            tool = vtgr_tool_term(data_type, clue, turn_decay(traj.n_tool_turns), traj.n_tool_turns,
+                                  parts["acc"] == 1.0, fmt_ok)
             total += tool - parts["tool"]
             parts["tool"] = tool
     parts["clue"] = hybrid_clue_score(traj.windows, clues, multi_clue=data_type == "multi_clue") if clues else 0.0

@@ -3,9 +3,9 @@ Training: GRPO with the rewards of ParaVT (PARA-GRPO) and Video-o3 (VTGR), after
 The file reads top to bottom (docs/method.md has every formula and its source):
 
     1. the objective   policy_mask, kl_penalty, grpo_token_terms (PPO-clip + KL per token, the one place they
-                       live), grpo_loss (the loss the RL step runs: token-mean over the policy's tokens, from hidden
-                       states through ops.token_loss), grpo_loss_on_logprobs (the same on (B, L) log-probs: the
-                       tests' reference), anchor_credit (token-level anchoring), get_lr
+                       live), grpo_loss (the loss the RL step runs: ops.token_logprobs, the fused log-prob gather,
+                       then grpo_token_terms, token-mean over the policy's tokens), grpo_loss_on_logprobs (the same
+                       on (B, L) log-probs: the tests' reference), anchor_credit (token-level anchoring), get_lr
     2. the RL step     collect_groups (nFrames gating -> rollout.run_agent -> rewards.score_trajectory -> group
                        advantages, dynamic sampling; placebo_advantages, the control run), policy_update (the
                        PPO-clip step over micro_batches), run_rl (the loop)
@@ -69,7 +69,7 @@ import rollout
 import runtime
 import sft
 import video
-from ops import TdamSpec, policy_rows, token_logprobs, token_loss, use_tdam_attention
+from ops import TdamSpec, policy_rows, token_logprobs, use_tdam_attention
 from runtime import Run, all_max, all_mean, all_sum, all_sum_float, all_weighted_mean, full_weights, print0
 
 T = recipes.TINY      # the settings dataclasses' defaults: what `python train.py` runs
@@ -137,7 +137,7 @@ def grpo_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch
               temperature: float = 1.0, chunk_size: int | None = None,
               compile: bool = True) -> tuple[torch.Tensor, dict]:
     """
-    The loss training runs: `grpo_token_terms`, token-mean over the policy's tokens of the whole batch (DAPO,
+    The loss the RL step runs: `grpo_token_terms`, token-mean over the policy's tokens of the whole batch (DAPO,
     arXiv 2503.14476), from the final hidden states, never the (B, L, V) logits:
 
         logp_it = log_softmax(h_it W^T / T)[o_it]            over the policy tokens (mask m_it = 1) only
@@ -151,31 +151,25 @@ def grpo_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch
     num_tokens: with micro-batches (or ranks) the policy-token count of the whole batch, so the summed
     gradients equal one big batch's. Temperature: the rollouts sample from softmax(logits / T), so every
     log-prob here (old, reference, current) is of that same tempered distribution, as verl and TRL compute
-    them. The per-token terms run chunk by chunk inside `ops.token_loss`, which forms the gradient in the
-    forward (3 GEMMs of N x D x V). Returns (loss, stats): clip_frac, kl, n_tokens, ratio_mean (numbers).
+    them. logp comes from `ops.token_logprobs`, the fused log-prob gather (chunked logits in a (V, C) buffer,
+    its backward hand-written; plain log_softmax when the logits are small); tests/test_ops.py holds it to
+    `grpo_loss_on_logprobs` over naive log-probs in value and gradient. Returns (loss, stats): clip_frac, kl,
+    n_tokens, ratio_mean (numbers).
     """
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("grpo_loss: kl_coef != 0 needs ref_logprobs")
     h, t, mask, rows = policy_rows("grpo_loss", hidden, targets, mask, old_logprobs=old_logprobs,
                                    advantages=advantages, ref_logprobs=ref_logprobs)
+    logp = token_logprobs(h, lm_head_weight, t, chunk_size, compile, temperature)           # (N,) fp32
+    old = logp.detach() if rows["old_logprobs"] is None else rows["old_logprobs"]
+    per_token, ratio, kl, clipped = grpo_token_terms(logp, old, rows["advantages"], clip_low, clip_high, kl_coef,
+                                                     rows["ref_logprobs"], kl_estimator)
     n_tokens = h.shape[0]
-    normaliser = max(n_tokens, 1) if num_tokens is None else num_tokens
-    sums = {"clip": 0.0, "kl": 0.0, "ratio": 0.0}
-
-    def chunk_loss(logp: torch.Tensor, sl: slice) -> torch.Tensor:
-        old = logp.detach() if rows["old_logprobs"] is None else rows["old_logprobs"][sl]
-        ref = None if rows["ref_logprobs"] is None else rows["ref_logprobs"][sl]
-        per_token, ratio, kl, clipped = grpo_token_terms(logp, old, rows["advantages"][sl], clip_low, clip_high,
-                                                         kl_coef, ref, kl_estimator)
-        with torch.no_grad():   # summed on the device; one host sync at the end
-            for key, x in (("clip", clipped), ("kl", kl), ("ratio", ratio)):
-                sums[key] = sums[key] + x.float().sum()
-        return per_token.sum() / normaliser
-
-    loss = token_loss(h, lm_head_weight, t, chunk_loss, chunk_size, temperature, compile)
+    loss = per_token.sum() / (max(n_tokens, 1) if num_tokens is None else num_tokens)
     denom = max(n_tokens, 1)
-    stats = {"clip_frac": float(sums["clip"]) / denom, "kl": float(sums["kl"]) / denom,
-             "n_tokens": n_tokens, "ratio_mean": float(sums["ratio"]) / denom}
+    with torch.no_grad():   # summed on the device; one host sync
+        sums = torch.stack([clipped.float().sum(), kl.float().sum(), ratio.float().sum()]).tolist()
+    stats = {"clip_frac": sums[0] / denom, "kl": sums[1] / denom, "n_tokens": n_tokens, "ratio_mean": sums[2] / denom}
     return loss, stats
 
 
@@ -269,7 +263,7 @@ class GRPOSettings:
     clip_high: float = T["clip_high"]
     temperature: float = T["temperature"]            # the rollout's T; every log-prob in the loss uses it too
     logprob_chunk: int = T["logprob_chunk"]          # token_logprobs' chunk (old / reference log-probs, no grad)
-    loss_chunk: int = T["loss_chunk"]                # token_loss's chunk; 0: its own rule (_auto_chunk)
+    loss_chunk: int = T["loss_chunk"]                # token_logprobs' chunk in the loss; 0: its own rule
     compile: bool = False                            # resolve: True on CUDA
     precision: str = "fp32"                          # fp32 | bf16 (resolve: bf16 on CUDA): the compute dtype
 
@@ -447,26 +441,22 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     else:
         fill = (batches[-1], old[-1], advs[-1], ref[-1]) if batches else None
     gn, stats = None, {"clip_frac": 0.0, "kl": 0.0}
-
-    def loss_of(b, o, a, r):                         # the fused loss: gradients formed in its forward
-        with autocast(s.precision, model):
-            hidden, targets, mask = forward_hidden(model, b)
-        hidden, weight = head_inputs(hidden, model.lm_head.weight, s.precision)
-        return grpo_loss(hidden, weight, targets, o, a, mask, clip_low=s.clip_low,
-                               clip_high=s.clip_high, kl_coef=0.0 if s.kl_in_reward else s.kl_coef, ref_logprobs=r,
-                               kl_estimator=s.kl_estimator, num_tokens=norm, temperature=s.temperature,
-                               chunk_size=s.loss_chunk or None, compile=s.compile)
-
+    terms = dict(clip_low=s.clip_low, clip_high=s.clip_high, kl_coef=0.0 if s.kl_in_reward else s.kl_coef,
+                 kl_estimator=s.kl_estimator, num_tokens=norm, temperature=s.temperature,
+                 chunk_size=s.loss_chunk or None, compile=s.compile)
     for epoch in range(s.ppo_epochs):
         total = torch.zeros(())
         for b, o, a, r in zip(batches, old, advs, ref):
-            loss, st = loss_of(b, o, a, r)
+            hidden, weight, targets, mask = policy_head(model, b, s.precision)
+            loss, st = grpo_loss(hidden, weight, targets, o, a, mask, ref_logprobs=r, **terms)
             loss.backward()
             total = total + loss.detach().cpu()
             for k in stats:
                 stats[k] += float(st.get(k, 0.0)) * st["n_tokens"] / max(1, n_local) / s.ppo_epochs
         for _ in range(n_pad):                          # zero-weight passes: no gradient, matching collectives
-            (loss_of(*fill)[0] * 0.0).backward()
+            b, o, a, r = fill
+            hidden, weight, targets, mask = policy_head(model, b, s.precision)
+            (grpo_loss(hidden, weight, targets, o, a, mask, ref_logprobs=r, **terms)[0] * 0.0).backward()
         total = all_sum_float(float(total)) / world if world > 1 else float(total)
         gn = step_fn(torch.tensor(total))
         stats["loss"] = total                           # the last epoch's token-mean loss, all ranks
@@ -627,15 +617,23 @@ def forward_hidden(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None 
     return hidden, batch["input_ids"][:, 1:].to(device), policy_mask(batch["roles"]).to(device)
 
 
+def policy_head(model, batch: dict, precision: str, attn_mask_4d=None, tdam: TdamSpec | None = None):
+    """(hidden (B, L-1, D), lm_head weight (V, D), targets, policy mask (B, L-1)): `forward_hidden` under the
+    compute dtype of `precision` (`autocast`), the head's inputs cast for the fused kernel (`head_inputs`); what
+    the losses and `forward_logprobs` take."""
+    with autocast(precision, model):
+        hidden, targets, mask = forward_hidden(model, batch, attn_mask_4d, tdam)
+    hidden, weight = head_inputs(hidden, model.lm_head.weight, precision)
+    return hidden, weight, targets, mask
+
+
 def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float = 1.0, attn_mask_4d=None,
                      compile: bool = True, precision: str = "fp32") -> torch.Tensor:
     """(B, L-1) log p_T(next token) at POLICY positions (0 elsewhere), through `token_logprobs`: the no-grad
     uses (old and reference log-probs, the KL folded into the reward). T is the sampling temperature (RL: the
     rollout's T, so the policy optimised is the policy that sampled; SFT and evaluation: 1). precision: the
     compute dtype, as in the loss (`autocast`, `head_inputs`), so old and current log-probs agree."""
-    with autocast(precision, model):
-        hidden, targets, policy = forward_hidden(model, batch, attn_mask_4d)
-    hidden, weight = head_inputs(hidden, model.lm_head.weight, precision)
+    hidden, weight, targets, policy = policy_head(model, batch, precision, attn_mask_4d)
     out = torch.zeros(targets.shape, device=hidden.device, dtype=torch.float32)
     if policy.any():
         out[policy] = token_logprobs(hidden[policy], weight, targets[policy], chunk_size, compile,
@@ -672,7 +670,7 @@ def sft_token_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
                    num_tokens: float | torch.Tensor | None = None, temperature: float = 1.0,
                    chunk_size: int | None = None, compile: bool = True) -> tuple[torch.Tensor, int]:
     """
-    Cross-entropy on the masked (assistant) tokens through `token_loss`, token mean:
+    Cross-entropy on the masked (assistant) tokens, token mean, with log p from the fused `ops.token_logprobs`:
 
         loss = -sum_it m_it log_softmax(h_it W^T / T)[t_it] / num_tokens        (num_tokens default sum(m))
 
@@ -681,10 +679,8 @@ def sft_token_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     """
     h, t, mask, _ = policy_rows("sft_token_loss", hidden, targets, mask)
     n_tokens = h.shape[0]
-    normaliser = max(n_tokens, 1) if num_tokens is None else num_tokens
-    loss = token_loss(h, lm_head_weight, t, lambda logp, sl: -logp.sum() / normaliser, chunk_size,
-                      temperature, compile)
-    return loss, n_tokens
+    logp = token_logprobs(h, lm_head_weight, t, chunk_size, compile, temperature)           # (N,) fp32
+    return -logp.sum() / (max(n_tokens, 1) if num_tokens is None else num_tokens), n_tokens
 
 
 @dataclasses.dataclass
@@ -695,7 +691,7 @@ class SFTSettings:
     micro_batch: int = T["sft_micro_batch"]
     lr: float = T["sft_lr"]
     tdam_ratio: float = T["tdam_ratio"]
-    loss_chunk: int = T["loss_chunk"]                # token_loss's chunk; 0: its own rule (_auto_chunk)
+    loss_chunk: int = T["loss_chunk"]                # token_logprobs' chunk in the loss; 0: its own rule
     compile: bool = False                            # resolve: True on CUDA
     precision: str = "fp32"                          # fp32 | bf16: the forward passes' compute dtype (autocast)
 
@@ -704,9 +700,7 @@ def sft_loss(model, batch: dict, chunk_size: int | None = None, attn_mask_4d=Non
              tdam: TdamSpec | None = None, precision: str = "fp32") -> tuple[torch.Tensor, int]:
     """Cross-entropy on assistant (POLICY) tokens only, token mean, through the fused `sft_token_loss`; the forward
     in the compute dtype of `precision` (`autocast`, `head_inputs`)."""
-    with autocast(precision, model):
-        hidden, targets, mask = forward_hidden(model, batch, attn_mask_4d, tdam)
-    hidden, weight = head_inputs(hidden, model.lm_head.weight, precision)
+    hidden, weight, targets, mask = policy_head(model, batch, precision, attn_mask_4d, tdam)
     return sft_token_loss(hidden, weight, targets, mask, chunk_size=chunk_size, compile=compile)
 
 
@@ -722,7 +716,7 @@ def sft_backward(model, items: list, rows: int, pad_id: int, loss_chunk: int | N
                  compile: bool = True, counts: dict | None = None, precision: str = "fp32") -> tuple[torch.Tensor, int]:
     """Backward of the batch's SFT loss (token mean over all its policy tokens) through micro-batches of
     `rows`: each micro-batch's token mean weighted by its share n_i / N of the tokens, so the gradients add
-    up to those of one forward over the whole batch. loss_chunk: token_loss's chunk (None: its own rule).
+    up to those of one forward over the whole batch. loss_chunk: token_logprobs' chunk (None: its own rule).
     tdam_tokenizer: TDAM masks on (spans found from the text; rows without an answer counted in `counts`).
     precision: the compute dtype (`autocast`). Returns (the batch loss, detached; N)."""
     batches = list(sft_micro_batches(items, rows, model, pad_id))
@@ -886,7 +880,7 @@ def autocast(precision: str, where):
 
 
 def head_inputs(hidden: torch.Tensor, weight: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, lm_head weight) for the fused kernels (ops.token_loss / token_logprobs), both in the compute dtype.
+    """(hidden, lm_head weight) for the fused kernel (ops.token_logprobs), both in the compute dtype.
     The kernels run their own GEMMs, which autocast does not reach, and they take one dtype: under autocast on fp32
     parameters the final norm's output and the weight are fp32, so bf16 casts both here (the cast's backward hands
     the weight's gradient to the fp32 master in fp32). Under FSDP2's bf16 policy both are bf16 already."""

@@ -28,17 +28,22 @@ Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x
   under autocast), the final norm's fp32 output and M-RoPE's cos and sin (2 x head_dim); per patch, the patch
   values in bf16 and, each patches x vision width x 2 B: every vision block's input and the last one's output,
   three in each deepstack tap's merger (its norm, fc1 and GELU outputs) and three in the final merger;
-- backward, its peak above its start: the new gradients, fp32 shards of every parameter but the lm_head's (the
-  fused loss forms that one, in `loss`), plus the largest of: one decoder layer recomputed (q, k, v, attention
+- backward, its peak above its start: the larger of the lm_head's backward, which comes first (the fused gather's
+  hand-written backward, ops.token_logprobs, over the policy tokens N: grad W summed in fp32 (V x D x 4 B) beside
+  the (V, C) bf16 logits buffer recomputed and either a chunk's bf16 GEMM for grad W (V x D x 2 B) or, eager (no
+  torch.compile: the CPU), the five fp32 (V, C) temporaries of a chunk's softmax gradient, whichever is larger;
+  grad hidden (N x D x 2 B); C by ops' chunk rule; then the unit's gradient handed on: under FSDP2 the returned
+  bf16 grad W, FSDP's unsharded copy and its fp32 reduce-scatter buffer, 8 B/param of the lm_head, on one process
+  the bf16 grad and its fp32 cast, 6 B/param), and the rest: the new gradients, fp32 shards of every
+  parameter but the lm_head's, plus the largest of: one decoder layer recomputed (q, k, v, attention
   output, the MLP's three intermediates and its product, norms: tokens x (2 q_dim + 4 kv_dim + 4 mlp + 6
   d_model) x 2 B), one vision block recomputed (patches x (6 width + 2 mlp) x 2 B), and under FSDP2 the root
   unit's reduce-scatter, which comes last, when the activations are freed: its unsharded bf16 gradients (2
   B/param) copied into an fp32 buffer (reduce_dtype, 4 B/param) while its all-gathered bf16 weights (2 B/param)
   have gone, 4 B/param above the start less the freed activations;
-- loss (the fused loss, ops.token_loss, over the policy tokens N): grad W summed in fp32 (V x D x 4 B) beside
-  one (V, C) bf16 logits buffer and either a chunk's bf16 GEMM for grad W (V x D x 2 B) or, eager (no
-  torch.compile: the CPU), the five fp32 (V, C) temporaries of a chunk's softmax gradient, whichever is larger
-  (at the end grad W is cast to bf16: V x D x 2 B again); grad hidden (N x D x 2 B); C by ops' chunk rule.
+- loss (the loss's forward: the fused log-prob gather, ops.token_logprobs, over the policy tokens N): one (V, C)
+  bf16 logits buffer, and eager (the CPU) the fp32 (V, C) temporaries of a chunk's log-sum-exp (two, one at
+  T = 1); below ops' small-logits limit (N x V <= _MIN_CHUNK_LOGITS) the plain path's two fp32 (N, V) tensors.
 Time:
 - rollout decode is bound by HBM bandwidth (H200 4.8 TB/s at --hbm-efficiency): each step reads the
   weights once for the whole batch plus every row's visible K/V (the shared prompt once per group);
@@ -99,8 +104,8 @@ def kv_bytes_per_token(m: dict) -> int:
 
 
 def loss_chunk(n: int, dim: int, vocab: int) -> int:
-    """The rows of token_loss's logits buffer: ops' own chunk rule (`_auto_chunk`, shrunk to the next power of two
-    >= n), or n when its plain path runs (the whole (n, V) logits)."""
+    """The rows of the losses' logits buffer (ops.token_logprobs with chunk_size None): ops' own chunk rule
+    (`_auto_chunk`, shrunk to the next power of two >= n), or n when its plain path runs (the whole (n, V) logits)."""
     if n * vocab <= ops._MIN_CHUNK_LOGITS:
         return n
     return min(ops._auto_chunk(n, dim, vocab), 1 << max(n - 1, 0).bit_length())
@@ -109,14 +114,15 @@ def loss_chunk(n: int, dim: int, vocab: int) -> int:
 def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_tokens: float, suffix_tokens: float,
                  flight_tokens: float, flight_patches: float, policy_tokens: int, shared: bool = True,
                  reference: bool = False, subagents: float = 0, subagent_prompt: float = 0,
-                 subagent_tokens: float = 0, compiled: bool = True) -> dict:
+                 subagent_tokens: float = 0, compiled: bool = True, temperature: float = 0.7) -> dict:
     """Bytes per GPU of each part of an RL step (see the module docstring), for model shape `m` (QWEN3VL_8B's
     keys). prompts / rows: this GPU's prompt groups and sampled rows in the rollout at once; overview_tokens: a
     prompt's tokens; suffix_tokens: a row's tokens after its prompt; subagents: sub-agents alive at once, each a
     prompt of subagent_prompt tokens and a row of subagent_tokens; each sequence in blocks of kvcache.BLOCK
     tokens. flight_tokens / flight_patches: the tokens and vision patches of one training micro-batch;
     policy_tokens: its policy tokens (the loss's N); compiled: the loss's chunk kernels under torch.compile (CUDA's
-    default; eager, the CPU's, keeps five fp32 (V, C) temporaries while it forms a chunk's gradient)."""
+    default; eager, the CPU's, keeps fp32 (V, C) temporaries: two in the forward, five in a chunk's gradient, one
+    fewer each at temperature 1, where the kernels skip the division)."""
     P, D, V = m["params"], m["d_model"], m["vocab"]
     chunk = loss_chunk(int(policy_tokens), D, V)
     W = m["vision_width"]
@@ -131,6 +137,13 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
     stream_acts = (flight_tokens * (D * (stream * (m["layers"] + 2) + 4) + 2 * m["head_dim"] * stream)
                    + flight_patches * 2 * (W * (m["vision_depth"] + 4 + 3 * m["vision_taps"]) + PATCH_VALUES))
     root_reduce = 4 * m["params_root"] - stream_acts if gpus > 1 else 0
+    n, divides = int(policy_tokens), temperature != 1.0
+    # the lm_head's backward: the kernel's fp32 grad W beside its chunk temporaries (or the bf16 GEMM and cast),
+    # then the unit's gradient handed on: with FSDP2 the returned bf16 grad W, FSDP's unsharded copy and its fp32
+    # reduce-scatter buffer (2 + 2 + 4 B/param); one process, the bf16 grad through the cast to the fp32 master
+    kernel = (V * D * 4 + max(V * chunk * (2 + (0 if compiled else (4 + divides) * 4)), V * chunk * 2 + V * D * 2)
+              + n * D * 2)
+    head_backward = max(kernel, V * D * (8 if gpus > 1 else 6))
     return dict(
         weights_shard=4 * P / gpus,
         weights_rollout=2 * P if gpus > 1 else 0.0,     # one process: the rollout computes from its fp32 weights
@@ -139,9 +152,9 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
         grads=4 * P / gpus,
         kv=kv_blocks * kvcache.BLOCK * kv_bytes_per_token(m),
         activations=kept_weights + stream_acts,
-        backward=max(layer, block, root_reduce) + 4 * (P - m["params_head"]) / gpus,
-        loss=V * D * 4 + max(V * chunk * (2 + (0 if compiled else 5 * 4)), V * chunk * 2 + V * D * 2)
-             + policy_tokens * D * 2,
+        backward=max(max(layer, block, root_reduce) + 4 * (P - m["params_head"]) / gpus, head_backward),
+        loss=(2 * 4 * n * V if n * V <= ops._MIN_CHUNK_LOGITS
+              else V * chunk * (2 + (0 if compiled else (1 + divides) * 4))),
     )
 
 

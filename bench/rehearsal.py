@@ -59,9 +59,10 @@ from common import LiveTensors, print_json, rss_mb, table  # bench/common.py (pu
 
 import kvcache
 import model as model_lib
+import ops
 import plan
-import rollout
 import recipes
+import rollout
 import runtime
 import train
 import video
@@ -370,10 +371,18 @@ def save_rank(out_dir: str, rank: int, world: int, model, result: dict) -> None:
         torch.distributed.destroy_process_group()
 
 
+def small_logits(args) -> None:
+    """--ci: the losses take ops.token_logprobs' fused chunks, as every micro-batch at the real lengths does (at CI
+    sizes a row's N x V is below the small-logits limit, where the plain log_softmax would run instead)."""
+    if args.ci:
+        ops._MIN_CHUNK_LOGITS = 1
+
+
 def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_dir: str) -> None:
     """One rank of the rehearsal (--steps): the paravt RL step, then the SFT step, then the Video-o3 update;
     writes out_dir/rank<r>.json."""
     torch.set_num_threads(args.threads)
+    small_logits(args)
     if world > 1:
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
         runtime.init_process_group(rank, world, use_cuda=args.device != "cpu")
@@ -495,7 +504,8 @@ def project(r: dict, args, world: int) -> dict:
     sub-agents beside the rows)."""
     z, m = r["sizes"], shape(r, args)
     common = dict(flight_tokens=z["rl_flight_tokens"], flight_patches=z["rl_flight_patches"],
-                  policy_tokens=z["rl_policy_tokens"], shared=True, reference=True, compiled=args.device == "cuda")
+                  policy_tokens=z["rl_policy_tokens"], shared=True, reference=True, compiled=args.device == "cuda",
+                  temperature=recipes.preset_values("paravt")["temperature"])
     kv = lambda suffix, **sub: plan.memory_parts(m, world, prompts=1, rows=z["group"],
                                                  overview_tokens=z["overview_tokens"], suffix_tokens=suffix,
                                                  **common, **sub)
@@ -512,7 +522,8 @@ def project_videoo3(r: dict, args, world: int) -> dict:
     parts = plan.memory_parts(shape(r, args), world, prompts=1, rows=1, overview_tokens=z["overview_tokens"],
                               suffix_tokens=0, flight_tokens=z["flight_tokens"], flight_patches=z["flight_patches"],
                               policy_tokens=z["policy_tokens"], shared=True, reference=False,
-                              compiled=args.device == "cuda")
+                              compiled=args.device == "cuda",
+                              temperature=recipes.preset_values("videoo3")["temperature"])
     return {k: parts[k] for k in VIDEOO3_PARTS}
 
 
@@ -592,12 +603,14 @@ def main() -> None:
     if args.from_json:
         saved = json.load(open(args.from_json))
         args.__dict__.update(saved["args"])
+        small_logits(args)
         report(saved["per_rank"], args)
         return
     if args.ci:
         args.text_layers, args.vision_depth, args.hidden, args.mlp, args.heads = 2, 1, 256, 512, 8
         args.vision_width, args.vision_mlp, args.size, args.duration = 64, 128, "128x96", 16.0
         args.micro_batch_tokens = args.micro_batch_tokens or 2048
+    small_logits(args)                                       # the plan projects the path the ranks take
     try:
         size = tuple(int(x) for x in args.size.split("x"))
     except ValueError:

@@ -217,7 +217,7 @@ def bench_multiturn(model, processor, root: str, rec: dict, args) -> dict:
              f"{{\"start_time\": {s}.0, \"end_time\": {s + args.window}.0}}}}\n</tool_call>" for s in starts]
     texts.append("The shape is red.\n</think>\n<answer>A</answer>")
     cfg = rollout.RolloutConfig(tool_mode="interleaved", max_turns=args.turns - 1, max_new_tokens=128,
-                                temperature=1.0, overview_nframes=args.overview_frames,
+                                temperature=1.0, group_size=1, overview_nframes=args.overview_frames,
                                 overview_max_pixels=args.size ** 2, crop_fps=2.0, crop_max_pixels=args.crop_size ** 2,
                                 tools_block=False)
     counter = Counter()
@@ -257,7 +257,7 @@ def bench_subagents(model, processor, root: str, rec: dict, args) -> dict:
     clips = [video.crop(path, s, s + args.window, level=None, fps=1.0, max_frames=16, max_pixels=args.crop_size ** 2,
                         tokens_per_pixel_area=factor * factor) for s in starts]
     jobs = [(0, k, clip) for k, clip in enumerate(clips)]
-    cfg = rollout.RolloutConfig(temperature=0.0, subagent_max_new_tokens=args.sub_tokens)
+    cfg = rollout.RolloutConfig(temperature=0.0, group_size=1, subagent_max_new_tokens=args.sub_tokens)
     rollout.sample_tokens = masked_greedy(ids["<|im_end|>"])
     batched = lambda: [t.text for t in rollout.run_subagents(model, processor, jobs, cfg, [0] * len(jobs), ids)]
     serial = lambda: [rollout.run_subagents(model, processor, [j], cfg, [0], ids)[0].text for j in jobs]
@@ -274,7 +274,7 @@ def bench_decode(model, processor, root: str, rec: dict, args, batch_size: int) 
     tok = processor.tokenizer
     ids = special_token_ids(processor)
     stop, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
-    cfg = rollout.RolloutConfig(temperature=0.0, overview_nframes=args.decode_frames,
+    cfg = rollout.RolloutConfig(temperature=0.0, group_size=1, overview_nframes=args.decode_frames,
                                 overview_max_pixels=args.crop_size ** 2, tools_block=False)
     path = os.path.join(root, rec["video"])
     overview = rollout.load_overview(path, video.probe(path).duration, cfg, rollout.video_factor(processor),

@@ -71,7 +71,7 @@ def tiny():
 # model goes where a real model goes (docs/method.md §8, "Sizes that choose a path"). Add a module's constants
 # here when it gains one.
 SMALL_THRESHOLDS = {
-    "ops": {"_MIN_CHUNK_LOGITS": 1,      # token_loss: the fused chunks, not the plain log_softmax (tiny logits)
+    "ops": {"_MIN_CHUNK_LOGITS": 1,      # the losses: the fused chunks, not the plain log_softmax (tiny logits)
             "MAX_CHUNKS": 3},            # the default chunk rule's cap: 3 chunks, the last one padded
     "kvcache": {"BLOCK": 4,              # paged K/V: rows cross 4-token blocks inside a turn
                 "SCORES_BUDGET": 512,    # attention scores in blocks of 512 elements: several query blocks and
@@ -80,10 +80,10 @@ SMALL_THRESHOLDS = {
                                          # prompts are read with each row's suffix as one causal sequence)
                 "PREFILL_TOKENS": 64,    # prefills of at most 64 tokens a forward (an admission's chunks in
                                          # several forwards, a long one alone)
-                "SLAB_PADDING": 64},     # a slab of rows splits where the next row is longer by more than a
+                "SLAB_PADDING": 64,      # a slab of rows splits where the next row is longer by more than a
                                          # key (tiny: 64 K elements a key)
-    "rollout": {"CPU_BUDGET_GB": 0.024},  # the default memory budget: about one prompt group of the rollout tests
-}                                        # (groups wait and are admitted as others retire)
+                "CPU_BUDGET_GB": 0.024},  # the default memory budget: about one prompt group of the rollout tests
+}                                         # (groups wait and are admitted as others retire)
 
 
 def set_thresholds(sizes: dict) -> None:

@@ -1,7 +1,7 @@
 """
-Tests for ops.py: the fused linear loss (ops.token_loss: gradients formed in the forward) with its two entry
-points train.grpo_loss and train.sft_token_loss, against the naive path log_softmax(h W^T / T).gather then the
-loss; the chunked log-prob gather (ops.token_logprobs); TDAM's dense mask (ops.tdam_mask, to_additive_mask) and its
+Tests for ops.py: the fused log-prob gather (ops.token_logprobs: chunked logits, a hand-written backward) alone
+and inside the two losses that read it, train.grpo_loss and train.sft_token_loss, against the naive path
+log_softmax(h W^T / T).gather then the loss (train.grpo_loss_on_logprobs), in value and gradient; TDAM's dense mask (ops.tdam_mask, to_additive_mask) and its
 block-sparse attention (ops.tdam_tiles, the blocked and flex kernels of ops.tdam_attention) against that mask.
 
     python -m pytest tests/test_ops.py -q          # CPU, about a minute (the flex kernel compiles once)
@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import ops
-from ops import tdam_mask, to_additive_mask, token_logprobs, token_loss
+from ops import tdam_mask, to_additive_mask, token_logprobs
 from train import grpo_loss, grpo_loss_on_logprobs, sft_token_loss
 
 
@@ -138,8 +138,9 @@ def test_sft_token_loss_matches_naive(temperature, chunk_size):
     assert_rel_close(gw, ref_gw)
 
 
-def test_token_loss_compiled_matches_naive():
-    """The torch.compile(dynamic=False) chunk kernels, at a temperature, on a ragged last chunk."""
+def test_token_logprobs_compiled_gradient_matches_naive():
+    """The compiled chunk kernels (forward and the hand-written backward), at a temperature, on a ragged last chunk,
+    under any per-token weights of log p."""
     hidden, weight, targets, mask, *_ = make_batch(B=2, L=9, vocab=3000, seed=4)
     h2, t2 = hidden.reshape(-1, 16), targets.reshape(-1)
     coef = torch.randn(18, generator=torch.Generator().manual_seed(0))   # any per-token weights
@@ -148,8 +149,7 @@ def test_token_loss_compiled_matches_naive():
         return (coef.double() * naive_logprobs(h, w, t2, 0.7)).sum(), None
 
     def ours(h, w):
-        return token_loss(h, w, t2, lambda lp, rows: (coef[rows] * lp).sum(), chunk_size=8, temperature=0.7,
-                          compile=True), None
+        return (coef * token_logprobs(h, w, t2, chunk_size=8, temperature=0.7, compile=True)).sum(), None
 
     for a, b in zip(value_and_grads(ours, h2, weight)[:3], value_and_grads(naive, h2, weight)[:3]):
         assert_rel_close(a, b)
@@ -217,17 +217,20 @@ def test_compiled_kernels_sft_then_rl_never_fall_back(monkeypatch, device):
     assert graphs == 4, f"{graphs} graphs compiled, expected one per kernel and dtype (2 x 2)"
 
 
-def test_token_loss_auto_chunk_takes_the_fused_path(monkeypatch):
-    """chunk_size None above the small-logits limit: Liger's chunk, the fused Function, the same values."""
+def test_token_logprobs_auto_chunk_takes_the_fused_path(monkeypatch):
+    """chunk_size None (the losses'): plain log_softmax below the small-logits limit; above it Liger's chunk, the
+    fused Function, the same values and gradients."""
     hidden, weight, targets, *_ = make_batch(B=1, L=40, vocab=1000, seed=5)
     h2, t2 = hidden[0], targets[0]
-    loss_fn = lambda lp, rows: -lp.sum() / 40   # noqa: E731
-    plain = value_and_grads(lambda h, w: (token_loss(h, w, t2, loss_fn, compile=False), None), h2, weight)
-    assert "TokenLoss" not in type(plain[0].grad_fn).__name__      # 40 x 1000 logits: the plain path
+    loss = lambda h, w: (-token_logprobs(h, w, t2, None, compile=False).sum() / 40, None)   # noqa: E731
+    plain = value_and_grads(loss, h2, weight)
+    assert "TokenLogprobs" not in type(plain[0].grad_fn).__name__ + type(plain[0].grad_fn.next_functions[0][0]).__name__
     monkeypatch.setattr(ops, "_MIN_CHUNK_LOGITS", 4000)            # chunks of 8 rows: 5 of them (at most 8)
     assert ops._liger_chunk(40, 16, 1000) == 4 and ops._auto_chunk(40, 16, 1000) == 8
-    fused = value_and_grads(lambda h, w: (token_loss(h, w, t2, loss_fn, compile=False), None), h2, weight)
-    assert "TokenLoss" in type(fused[0].grad_fn).__name__
+    calls, real = [], ops._TokenLogprobs.apply
+    monkeypatch.setattr(ops._TokenLogprobs, "apply", lambda *a: calls.append(a[3]) or real(*a))
+    fused = value_and_grads(loss, h2, weight)
+    assert calls == [8]
     for a, b in zip(fused[:3], plain[:3]):
         assert_rel_close(a, b)
 
@@ -258,43 +261,20 @@ class CountGemms(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_token_loss_three_gemms_and_a_backward_without_any():
-    """3 GEMMs per chunk in the forward (logits, grad_h, grad_W) and none in the backward, which only scales."""
+def test_token_logprobs_one_gemm_forward_three_backward():
+    """A chunk's logits GEMM in the forward; in the backward the logits again, then grad_h and grad_W: 4 GEMMs per
+    chunk with a gradient, 1 without; the upstream gradient reaches both gradients."""
     hidden, weight, targets, *_ = make_batch(B=1, L=20, vocab=300, seed=6)
     h, w = hidden[0].clone().requires_grad_(), weight.clone().requires_grad_()
     with CountGemms() as fwd:
-        loss = token_loss(h, w, targets[0], lambda lp, rows: -lp.sum(), chunk_size=8, compile=False)
+        loss = -token_logprobs(h, w, targets[0], chunk_size=8, compile=False).sum()
     with CountGemms() as bwd:
         (2.5 * loss).backward()
-    assert fwd.count == 3 * 3 and bwd.count == 0      # 20 rows in chunks of 8: 3 chunks
+    assert fwd.count == 3 and bwd.count == 3 * 3      # 20 rows in chunks of 8: 3 chunks
     ref_h, ref_w = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     (-2.5 * naive_logprobs(ref_h, ref_w, targets[0], 1.0).sum()).backward()
-    assert_rel_close(h.grad, ref_h.grad)      # the upstream 2.5 reached both gradients
+    assert_rel_close(h.grad, ref_h.grad)
     assert_rel_close(w.grad, ref_w.grad)
-
-
-def test_token_loss_no_grad_runs_only_the_logits_gemm():
-    hidden, weight, targets, *_ = make_batch(B=1, L=20, vocab=300, seed=6)
-    h, w = hidden[0].requires_grad_(), weight.requires_grad_()
-    with torch.no_grad(), CountGemms() as fwd:
-        loss = token_loss(h, w, targets[0], lambda lp, rows: -lp.sum(), chunk_size=8, compile=False)
-    assert fwd.count == 3 and not loss.requires_grad
-    assert loss.item() == pytest.approx(-naive_logprobs(h, w, targets[0], 1.0).sum().item(), rel=1e-6)
-
-
-def test_token_loss_backward_twice_is_refused():
-    hidden, weight, targets, *_ = make_batch(B=1, L=6, vocab=300, seed=7)
-    h = hidden[0].requires_grad_()
-    loss = token_loss(h, weight, targets[0], lambda lp, rows: -lp.sum(), chunk_size=4, compile=False)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward through the same loss twice"):
-        loss.backward()
-
-
-def test_token_loss_rejects_a_non_scalar_loss_fn():
-    hidden, weight, targets, *_ = make_batch(B=1, L=6, vocab=300, seed=7)
-    with pytest.raises(ValueError, match="loss_fn must return a scalar"):
-        token_loss(hidden[0], weight, targets[0], lambda lp, rows: -lp, chunk_size=4, compile=False)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -323,8 +303,8 @@ def test_fused_grpo_loss_no_policy_tokens():
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_token_loss_under_gradient_checkpointing(use_reentrant):
-    """The hidden states come out of a checkpointed block: its recompute in backward sees token_loss's grad_h."""
+def test_fused_grpo_loss_under_gradient_checkpointing(use_reentrant):
+    """The hidden states come out of a checkpointed block: its recompute in backward sees the fused grad_h."""
     torch.manual_seed(10)
     block = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
     head = torch.nn.Linear(16, 400, bias=False)
@@ -351,13 +331,9 @@ def test_token_loss_under_gradient_checkpointing(use_reentrant):
     assert all(g.abs().sum() > 0 for g in grads)
 
 
-def test_token_loss_weight_gradient_as_a_plain_autograd_input():
-    """
-    FSDP's view of the lm_head weight: a Parameter whose gradient arrives through autograd's own
-    accumulation (adding to an existing .grad, firing post-accumulate hooks once per backward), and
-    whose storage FSDP may free right after the forward (reshard_after_forward): token_loss keeps
-    no reference to W for its backward, so the backward still runs after the storage is gone.
-    """
+def test_token_logprobs_weight_gradient_as_a_plain_autograd_input():
+    """FSDP's view of the lm_head weight: a Parameter whose gradient arrives through autograd's own accumulation
+    (adding to an existing .grad, firing post-accumulate hooks once per backward)."""
     hidden, weight, targets, *_ = make_batch(B=1, L=12, vocab=300, seed=11)
     h, t = hidden[0], targets[0]
     ref_w = weight.double().requires_grad_()
@@ -367,9 +343,7 @@ def test_token_loss_weight_gradient_as_a_plain_autograd_input():
     param.grad = torch.ones_like(param)                   # a gradient from an earlier micro-batch
     fired = []
     param.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
-    loss = token_loss(h, param, t, lambda lp, rows: -lp.sum(), chunk_size=4, temperature=0.7, compile=False)
-    param.untyped_storage().resize_(0)                    # what FSDP2 does to the unsharded weight
-    loss.backward()
+    (-token_logprobs(h, param, t, chunk_size=4, temperature=0.7, compile=False).sum()).backward()
     assert len(fired) == 1
     assert_rel_close(param.grad - 1.0, ref_w.grad)         # accumulated onto the earlier gradient
 

@@ -72,7 +72,7 @@ def test_memory_parts_kv_counts_whole_blocks_and_one_prompt_copy_per_group():
     assert kv(gpus=1) == kv()                # one process: keys stored in the values' bf16
 
 
-def test_rehearsal_ci_runs_both_steps_and_reports_every_part(tmp_path):
+def test_rehearsal_ci_runs_every_step_and_reports_every_part(tmp_path):
     """`python bench/rehearsal.py --ci`: the rehearsal of the real run at CI sizes (Qwen's vocabulary and tokenizer,
     8 KV heads x 128, the paravt preset, --precision bf16, gradient checkpointing, 2 FSDP2 gloo ranks): both tool
     modes' rollouts with two rounds of parallel crops, the RL update, the SFT step with TDAM; its last line is
@@ -102,3 +102,10 @@ def test_rehearsal_ci_runs_both_steps_and_reports_every_part(tmp_path):
     assert z["tokens_interleaved"] > z["tokens_subagent"] > z["overview_tokens"] > 0
     assert z["subagents_per_turn"] == 2 and z["subagent_tokens"] > 0     # two parallel crops, each a sub-agent
     assert z["sft_policy_tokens"] > 0 and z["tdam_no_answer"] == 0 and all(v > 0 for v in out["sft_gb"].values())
+    # the Video-o3 update (issue 54, item 4): 8 rows over the ranks, one unpadded row a micro-batch as
+    # train.micro_batches forms them (no dense mask reaches SDPA), every part within 25 % of the plan
+    vo3 = out["videoo3"]
+    assert vo3["rows"] == [4, 4] and vo3["dense_masks"] == 0
+    assert vo3["sizes"]["flight_rows"] == vo3["sizes"]["planned_rows"] == 1
+    for k, p in vo3["parts"].items():
+        assert p["measured_gb"] > 0 and 0.8 <= p["ratio"] <= 1.25, (k, p)

@@ -90,7 +90,7 @@ def real_8b_cut():
 
 def rollout_config(mode: str) -> rollout.RolloutConfig:
     """ParaVT's overview (64 frames) at 64x64 pixels a frame; 2 fps crops at the same size."""
-    return rollout.RolloutConfig(tool_mode=mode, max_turns=2, max_new_tokens=128, temperature=1.0,
+    return rollout.RolloutConfig(tool_mode=mode, max_turns=2, max_new_tokens=128, temperature=1.0, group_size=1,
                                  overview_nframes=64, overview_max_pixels=64 * 64, crop_fps=2.0,
                                  crop_max_pixels=64 * 64, subagent_max_pixels=64 * 64, subagent_max_frames=8,
                                  subagent_max_new_tokens=32, tools_block=True)

@@ -364,12 +364,14 @@ HIT = [(0, 10)]  # a crop identical to the clue: H = H' = 1
     ("free_form", 1, False, False, 0.0),          # both: 0
 ])
 def test_vtgr_tool_term(data_type, n, correct, fmt_ok, expected):
-    assert vtgr_tool_term(data_type, HIT, HIT, n, correct, fmt_ok) == pytest.approx(expected)
+    clue = hybrid_clue_score(HIT, HIT, multi_clue=data_type == "multi_clue")     # 1: the clue itself
+    assert clue == pytest.approx(1.0)
+    assert vtgr_tool_term(data_type, clue, turn_decay(n), n, correct, fmt_ok) == pytest.approx(expected)
 
 
 def test_vtgr_tool_term_rejects_unknown_data_type():
     with pytest.raises(ValueError, match="data_type"):
-        vtgr_tool_term("mystery", HIT, HIT, 1, True, True)
+        vtgr_tool_term("mystery", 1.0, 1.0, 1, True, True)
 
 
 TURN_CALL = "<think>\nCrop the clock.\n</think>\n" + CALL + "<|im_end|>"

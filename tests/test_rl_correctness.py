@@ -286,7 +286,7 @@ def test_dynamic_sampling_fills_the_ranks_share(world, rank, prompts, share, mon
 def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str, opts: dict) -> None:
     """One policy_update on `world` gloo ranks (world 1: no process group), the full weights saved to `out`, the
     full gradients and what the first decoder layer's MLP and the collectives ran in to `out`.extra. opts:
-      loss_chunk  0 (default): token_loss's own rule (the tiny model's logits are small: its plain path); > 0: the
+      loss_chunk  0 (default): token_logprobs' own rule (the tiny model's logits are small: its plain path); > 0: the
                   fused chunks of that size
       precision   --precision (bf16: fp32 master weights, bf16 compute, fp32 gradient reduction)
       adamw_lr    AdamW (train.make_optimizer) at that rate instead of SGD at lr 1
@@ -380,12 +380,12 @@ def test_two_rank_update_equals_one_process(split, encoded, tmp_path, small_thre
     """FSDP2 on 2 gloo ranks: the update equals one process's on the union of the ranks' trajectories (token-mean
     over all ranks). A rank whose samples were all dropped still joins with zero-weight passes: the step is not
     skipped for everybody (before: all ranks skipped when one rank had nothing). At the shipped sizes the tiny
-    model's loss takes token_loss's plain path; with the thresholds shrunk, the fused chunks of a real model."""
+    model's loss takes token_logprobs' plain path; with the thresholds shrunk, the fused chunks of a real model."""
     trajs, _ = encoded
     torch.save(trajs, tmp_path / "trajs.pt")
     items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)] if split == "both_ranks_learn" else []}
-    calls, real_apply = [], ops._TokenLoss.apply                        # the fused path's calls (this process)
-    monkeypatch.setattr(ops._TokenLoss, "apply", lambda *a: calls.append(a[4]) or real_apply(*a))
+    calls, real_apply = [], ops._TokenLogprobs.apply                        # the fused path's calls (this process)
+    monkeypatch.setattr(ops._TokenLogprobs, "apply", lambda *a: (calls.append(a[3]) if torch.is_grad_enabled() else None) or real_apply(*a))
     two = _run_ranks(2, items, str(tmp_path / "two.pt"), thresholds=small_thresholds)
     one = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "one.pt"),
                      thresholds=small_thresholds)
@@ -398,14 +398,14 @@ def test_two_rank_update_equals_one_process(split, encoded, tmp_path, small_thre
 
 
 def test_two_rank_update_through_the_fused_chunks_equals_the_plain_loss(encoded, tmp_path, monkeypatch):
-    """The RL step through token_loss's fused chunks (--loss-chunk 16: chunk boundaries inside every sequence),
+    """The RL step through token_logprobs' fused chunks (--loss-chunk 16: chunk boundaries inside every sequence),
     on 2 FSDP2 gloo ranks, equals one process's update through the plain loss (log_softmax over all logits): the
     lm_head gradient formed inside the forward reaches FSDP's sharded parameter as an ordinary gradient would."""
     trajs, _ = encoded
     torch.save(trajs, tmp_path / "trajs.pt")
     items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(0, 1.0)], 1: [(1, -1.0)]}
-    calls, real_apply = [], ops._TokenLoss.apply                        # record each fused call's chunk
-    monkeypatch.setattr(ops._TokenLoss, "apply", lambda *a: calls.append(a[4]) or real_apply(*a))
+    calls, real_apply = [], ops._TokenLogprobs.apply                        # record each fused call's chunk
+    monkeypatch.setattr(ops._TokenLogprobs, "apply", lambda *a: (calls.append(a[3]) if torch.is_grad_enabled() else None) or real_apply(*a))
     one_plain = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "plain.pt"))
     assert calls == [], "the tiny model's logits are small: the default takes the plain path"
     one_fused = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "fused.pt"), loss_chunk=16)

@@ -160,10 +160,10 @@ def test_stage_rl_alone(tmp_path):
     assert runtime.latest_checkpoint(str(tmp_path)).endswith("ckpt-rl-000002")
 
 
-@pytest.mark.parametrize("extra, ks", [(["--set", "sft_gated_overviews=0"], {8}), ([], {4, 8})])
+@pytest.mark.parametrize("extra, ks", [(["--set", "sft_gated_overviews=0", "--gating", "0"], {8}), ([], {4, 8})])
 def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
     """Synthetic SFT: every record once with the evaluation overview (K = 8) and, by default (RL gates), once more
-    with a K drawn from the gating choices; --sft-gated-overviews 0 leaves the second copy out."""
+    with a K drawn from the gating choices; sft_gated_overviews=0 (with --gating 0) leaves the second copy out."""
     model, processor = tiny
     args = recipes.parse_train_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
@@ -737,7 +737,8 @@ def test_combined_uses_vtgr_tool_term_when_clues_exist():
     t = hand_trajectory()
     assert rewards.grounding_format_reward(t.turns) == 1.0   # strict format holds, so the VTGR term is live
     total, parts = rewards.score_trajectory(t, RECORD, "combined", "sequence", False)
-    vtgr_tool = rewards.vtgr_tool_term("single_clue", t.windows, RECORD["clues"], 1, True, True)
+    vtgr_tool = rewards.vtgr_tool_term("single_clue", rewards.hybrid_clue_score(t.windows, RECORD["clues"]),
+                                       rewards.turn_decay(1), 1, True, True)
     paravt_total, paravt_parts = rewards.paravt_reward(t.text, "A", "mcq", anchor_weight=0.5)
     assert vtgr_tool != paravt_parts["tool"]                 # the two tool terms differ here
     assert parts["tool"] == pytest.approx(vtgr_tool)
@@ -846,15 +847,15 @@ def test_gating_choices_parsed_once_and_checked():
 @pytest.mark.parametrize("tdam", [False, True])
 def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam, small_thresholds, monkeypatch):
     """sft_backward over length-sorted micro-batches: the loss and gradients of one forward over the
-    whole batch (token mean), with fewer padded tokens; TDAM masks included; and through token_loss's fused
+    whole batch (token mean), with fewer padded tokens; TDAM masks included; and through token_logprobs' fused
     chunks (loss_chunk 64, boundaries inside the rows) the same as through its plain path (the default here at
     the shipped sizes; with the thresholds shrunk the default takes the fused chunks too, 3 of them)."""
     model, processor = tiny
     trajs, _ = tdam_batch
     items, pad_id = [trajs[1], trajs[0], trajs[1], trajs[0]], processor.tokenizer.pad_token_id
     tdam_tok = processor.tokenizer if tdam else None
-    chunks, real_apply = [], ops._TokenLoss.apply                      # the fused path's chunk sizes
-    monkeypatch.setattr(ops._TokenLoss, "apply", lambda *a: chunks.append(a[4]) or real_apply(*a))
+    chunks, real_apply = [], ops._TokenLogprobs.apply                      # the fused path's chunk sizes
+    monkeypatch.setattr(ops._TokenLogprobs, "apply", lambda *a: (chunks.append(a[3]) if torch.is_grad_enabled() else None) or real_apply(*a))
 
     def grads(rows, loss_chunk=None):
         model.zero_grad(set_to_none=True)
