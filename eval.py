@@ -9,7 +9,7 @@ one question about one video. One evaluation path: train.py's held-out evaluatio
                   (one bar over every rank's questions), agent_runner(), trajectory_row()
     figures       agent_figures(records, rows): format compliance, tool-call ratio, clue score, tool
                   turns, r_acc; error_reasons(rows)
-    presets       rollout_config(): each paper's protocol (rollout.PRESETS, shared with train.py) for evaluation
+    presets       preset_rollout_config(): each paper's protocol (rollout.PRESETS, shared with train.py) for evaluation
     ask           ask_record(video, question, options), ask(): each turn printed as it completes
                   (rollout.run_agent's on_turn, turn_lines), the answer alone on the last line
     CLI           python eval.py                                    # synthetic split, tiny model (CPU smoke)
@@ -228,7 +228,7 @@ def tiny_overrides() -> dict:
     return dict(rollout.TINY_ROLLOUT)
 
 
-def rollout_config(preset: str = "paravt", tool_mode: str | None = None, **overrides):
+def preset_rollout_config(preset: str = "paravt", tool_mode: str | None = None, **overrides):
     """rollout.RolloutConfig of a preset (+ overrides); names a field RolloutConfig lacks."""
     import rollout
     if preset not in PRESETS:
@@ -599,7 +599,7 @@ def load_agent(name: str, device, preset: str, tool_mode: str | None, max_new_to
                  **({"max_turns": max_turns} if max_turns is not None else {}),
                  **({"overview_nframes": overview_nframes} if overview_nframes else {})}
     tool_mode = tool_mode or ("interleaved" if tiny else None)   # the mode `python train.py` trains
-    return model, processor, rollout_config(preset, tool_mode, **overrides)
+    return model, processor, preset_rollout_config(preset, tool_mode, **overrides)
 
 
 def _agent(args, device):

@@ -267,7 +267,8 @@ def token_f1(pred: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _window(target) -> tuple[float, float]:
+def _tvg_target(target) -> tuple[float, float]:
+    """(start, end) of a tvg target [start, end] in seconds; ValueError for anything else."""
     if not (isinstance(target, (list, tuple)) and len(target) == 2 and all(_number(x) is not None for x in target)):
         raise ValueError(f"tvg target must be [start, end] in seconds, got {target!r}")
     return float(target[0]), float(target[1])
@@ -284,7 +285,7 @@ def score_answer(answer: str | None, target, task: str) -> float:
     if task == "oe":
         return token_f1(answer, str(target)) if answer is not None else 0.0
     if task == "tvg":
-        gt, pred = _window(target), extract_time_range(answer)
+        gt, pred = _tvg_target(target), extract_time_range(answer)
         return temporal_iou(pred, gt) if pred is not None else 0.0
     raise ValueError(f"unknown task {task!r}; expected 'mcq', 'oe' or 'tvg'")
 

@@ -8,7 +8,7 @@ The file reads top to bottom (docs/method.md has every formula and its source):
     2. the RL step     collect_groups (nFrames gating -> rollout.run_agent -> rewards.score_trajectory -> group
                        advantages, dynamic sampling; placebo_advantages, the control run), policy_update (the
                        PPO-clip step), run_rl (the loop)
-    3. forward passes  forward_hidden, forward_logprobs: whole trajectories -> hidden states / log-probs
+    3. forward passes  hidden_and_targets, forward_logprobs: whole trajectories -> hidden states / log-probs
     4. the SFT step    sft_examples (recorded or oracle trajectories), TDAM spans from the text, run_sft
     5. main            one rank of a run: model, data, SFT, RL, the held-out evaluation
     6. flags           parse_args, resolve (the presets' and the tiny model's defaults), cli
@@ -445,7 +445,7 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
 
     def loss_of(b, o, a, r):                         # the fused loss: gradients formed in its forward
         with autocast(s.precision, model):
-            hidden, targets, mask = forward_hidden(model, b)
+            hidden, targets, mask = hidden_and_targets(model, b)
         hidden, weight = head_inputs(hidden, model.lm_head.weight, s.precision)
         return grpo_loss(hidden, weight, targets, o, a, mask, clip_low=s.clip_low,
                                clip_high=s.clip_high, kl_coef=0.0 if s.kl_in_reward else s.kl_coef, ref_logprobs=r,
@@ -600,8 +600,8 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
 # -----------------------------------------------------------------------------
 # 3. Whole trajectories -> hidden states and per-token log-probs of the policy's tokens
 
-def forward_hidden(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hidden_and_targets(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden (B, L-1, D), targets (B, L-1), policy mask (B, L-1)): the final hidden states that predict each
     next token, for the fused kernels. A batch collated with share_videos=True runs the vision tower once per
     distinct video (the G samples of a prompt share its overview), as the rollout did. `tdam`: the decoder's
@@ -621,7 +621,7 @@ def forward_hidden(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None 
         use_tdam_attention(model.model.language_model.config)
         kw.pop("attention_mask", None)
         kw["tdam"] = tdam
-    hidden = rollout.forward_hidden(model, kw)[:, :-1]          # (B, L-1, D); vision once per distinct video
+    hidden = rollout.shared_video_hidden_states(model, kw)[:, :-1]          # (B, L-1, D); vision once per distinct video
     if hasattr(model.lm_head, "unshard"):
         model.lm_head.unshard()
     return hidden, batch["input_ids"][:, 1:].to(device), policy_mask(batch["roles"]).to(device)
@@ -634,7 +634,7 @@ def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float = 1
     rollout's T, so the policy optimised is the policy that sampled; SFT and evaluation: 1). precision: the
     compute dtype, as in the loss (`autocast`, `head_inputs`), so old and current log-probs agree."""
     with autocast(precision, model):
-        hidden, targets, policy = forward_hidden(model, batch, attn_mask_4d)
+        hidden, targets, policy = hidden_and_targets(model, batch, attn_mask_4d)
     hidden, weight = head_inputs(hidden, model.lm_head.weight, precision)
     out = torch.zeros(targets.shape, device=hidden.device, dtype=torch.float32)
     if policy.any():
@@ -880,7 +880,7 @@ def sft_loss(model, batch: dict, chunk_size: int | None = None, attn_mask_4d=Non
     """Cross-entropy on assistant (POLICY) tokens only, token mean, through the fused `sft_token_loss`; the forward
     in the compute dtype of `precision` (`autocast`, `head_inputs`)."""
     with autocast(precision, model):
-        hidden, targets, mask = forward_hidden(model, batch, attn_mask_4d, tdam)
+        hidden, targets, mask = hidden_and_targets(model, batch, attn_mask_4d, tdam)
     hidden, weight = head_inputs(hidden, model.lm_head.weight, precision)
     return sft_token_loss(hidden, weight, targets, mask, chunk_size=chunk_size, compile=compile)
 
@@ -978,7 +978,7 @@ def main(rank: int, args) -> dict:
     if not args.data and args.n_rl and args.stage != "sft":
         rl_recs = data.synthetic_rl(args.seed, args.n_rl, args.task_duration, args.task_mix, cache)
     run.static["held_out"] = held_note
-    cfg = rollout_config(args)
+    cfg = rollout_config_of_args(args)
     state = run.resume(ckpt, model) if ckpt else None
     stage0, step0 = (state["stage"], state["step"]) if state else (None, 0)
 
@@ -1104,7 +1104,8 @@ def set_lr(optimizer, lr: float) -> float:
 # 6. Flags: parsed, checked and resolved once
 
 
-def rollout_config(args) -> rollout.RolloutConfig:
+def rollout_config_of_args(args) -> rollout.RolloutConfig:
+    """The rollout.RolloutConfig train.py's flags ask for (the tiny model's frame sizes under --tiny)."""
     extra = dict(rollout.TINY_ROLLOUT) if args.tiny else {}          # the tiny model's frame sizes
     if args.overview_nframes is not None or args.preset:             # a preset's overview rule, or the flag's
         extra["overview_nframes"] = args.overview_nframes or None     # 0 / None: the fps rule (Video-o3)

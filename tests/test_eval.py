@@ -184,7 +184,7 @@ def test_evaluate_reports_official_metrics_and_agent_figures(monkeypatch, tmp_pa
 @pytest.mark.parametrize("preset", sorted(ev.PRESETS))
 def test_presets_match_the_real_rollout_config(preset):
     rollout = pytest.importorskip("rollout")
-    cfg = ev.rollout_config(preset, **ev.tiny_overrides())     # every preset / tiny field exists there
+    cfg = ev.preset_rollout_config(preset, **ev.tiny_overrides())     # every preset / tiny field exists there
     assert isinstance(cfg, rollout.RolloutConfig) and cfg.temperature == 0.0 and cfg.group_size == 1
 
 
@@ -193,7 +193,7 @@ def test_preset_field_missing_from_rollout_config(monkeypatch):
     module.RolloutConfig = dataclasses.make_dataclass("Small", [("max_turns", int, 3)])
     monkeypatch.setitem(sys.modules, "rollout", module)
     with pytest.raises(ValueError, match="does not have"):
-        ev.rollout_config("paravt")
+        ev.preset_rollout_config("paravt")
 
 # ----------------------------------------------------------------------------- CLI: scoring and bad input
 
@@ -411,7 +411,7 @@ def test_ask_prints_each_turn_as_it_completes(tool_mode, tiny, monkeypatch, tmp_
         return scripted(logits, seeds, counters, temperature, top_p)
     monkeypatch.setattr(rollout, "sample_tokens", sample)
     record, root = ev.ask_record(str(NASA), "What is launched?", "A. a rocket|B. a balloon")
-    cfg = ev.rollout_config("paravt", tool_mode, **ev.tiny_overrides(), max_new_tokens=160)
+    cfg = ev.preset_rollout_config("paravt", tool_mode, **ev.tiny_overrides(), max_new_tokens=160)
     row = ev.ask(model, processor, record, root, cfg, report_dir=str(tmp_path / "page"), out=out)
     text = out.getvalue()
     turn1, turn2 = text.split("turn 2\n")
