@@ -805,14 +805,15 @@ def _breakdown(items, key: str) -> dict:
 
 
 def agent_stats(rows: list[dict]) -> dict:
-    """Mean turns, calls per turn, tool-failure rate, mean seconds per sample (non-error rows that carry them)."""
+    """Mean turns, calls per turn, tool-failure rate (rewards.py's agent figures; turns = all assistant turns,
+    the row's "turns"), mean seconds per sample, over the non-error rows that carry them."""
     ok = [r for r in rows if not r.get("error") and isinstance(r.get("turns"), (int, float))]
     turns = sum(r["turns"] for r in ok)
     calls = sum(r.get("calls") or 0 for r in ok)
     fails = sum(r.get("tool_failures") or 0 for r in ok)
     lat = [r["latency"] for r in ok if isinstance(r.get("latency"), (int, float))]
-    return {"mean_turns": turns / len(ok) if ok else None, "calls_per_turn": calls / turns if turns else None,
-            "tool_failure_rate": fails / calls if calls else None, "mean_latency_s": sum(lat) / len(lat) if lat else None}
+    return {"mean_turns": rewards.mean_turns(r["turns"] for r in ok), "calls_per_turn": rewards.calls_per_turn(calls, turns),
+            "tool_failure_rate": rewards.tool_failure_rate(fails, calls), "mean_latency_s": rewards.mean_or_none(lat)}
 
 
 def score(bench: str, records: list[dict], predictions: list[dict], extract: str | None = None,

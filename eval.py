@@ -283,11 +283,6 @@ def agent_runner(model, processor, video_root: str, cfg, seed: int = 0) -> Calla
     return run_batch
 
 
-def _mean(values) -> float | None:
-    values = [float(v) for v in values]
-    return sum(values) / len(values) if values else None
-
-
 def agent_figures(records: list[dict], rows: list[dict]) -> dict:
     """The trainer's table, over the records that have a row (None where no row carries the figure):
     format_compliance  fraction of non-error rows whose trajectory text passes rewards.format_compliant
@@ -295,7 +290,8 @@ def agent_figures(records: list[dict], rows: list[dict]) -> dict:
     clue_score         mean rewards.hybrid_clue_score of a row's crops vs its record's clues, over the
                        single_clue / multi_clue questions (H' for multi; an error row scores 0)
     turns              mean tool turns of the non-error rows
-    r_acc              mean rewards.score_answer of the response's answer span, every row (errors 0)"""
+    r_acc              mean rewards.accuracy_reward of the response, every row (errors 0)
+    (format_compliance, tool_call_ratio and turns are rewards.py's agent figures.)"""
     by_id = {str(r["id"]): r for r in rows}
     pairs = [(rec, by_id[rec["id"]]) for rec in records if rec["id"] in by_id]
     ok = [row for _, row in pairs if not row.get("error")]
@@ -305,11 +301,13 @@ def agent_figures(records: list[dict], rows: list[dict]) -> dict:
         if kind in ("single_clue", "multi_clue"):
             clue.append(rewards.hybrid_clue_score(row.get("windows") or [], rec.get("clues") or [],
                                                   multi_clue=kind == "multi_clue"))
-    r_acc = [0.0 if row.get("error") else rewards.score_answer(rewards.extract_answer(row.get("response") or ""),
-                                                                rec["answer"], rec["task"]) for rec, row in pairs]
-    return {"format_compliance": _mean(rewards.format_compliant(r["text"]) for r in ok if isinstance(r.get("text"), str)),
-            "tool_call_ratio": _mean((r.get("calls") or 0) > 0 for r in ok), "clue_score": _mean(clue),
-            "turns": _mean(r["tool_turns"] for r in ok if isinstance(r.get("tool_turns"), int)), "r_acc": _mean(r_acc)}
+    r_acc = [0.0 if row.get("error") else rewards.accuracy_reward(row.get("response") or "", rec["answer"], rec["task"])
+             for rec, row in pairs]
+    return {"format_compliance": rewards.format_compliance(r["text"] for r in ok if isinstance(r.get("text"), str)),
+            "tool_call_ratio": rewards.tool_call_ratio(r.get("calls") or 0 for r in ok),
+            "clue_score": rewards.mean_or_none(clue),
+            "turns": rewards.mean_turns(r["tool_turns"] for r in ok if isinstance(r.get("tool_turns"), int)),
+            "r_acc": rewards.mean_or_none(r_acc)}
 
 
 def report(bench: str, records: list[dict], rows: list[dict], extract: str | None = None,

@@ -589,6 +589,42 @@ def score_trajectory(traj, record: dict, recipe: str, anchoring: str = "sequence
     parts["clue"] = hybrid_clue_score(traj.windows, clues, multi_clue=data_type == "multi_clue") if clues else 0.0
     return float(total), {k: float(v) for k, v in parts.items()}
 
+# ----------------------------------------------------------------------------- agent figures
+# The figures of an agent's trajectories, computed here once for train.py's step rows (rollout_metrics),
+# eval.py's table (agent_figures), benchmarks.score's agent line (agent_stats) and report.py's summary. The
+# callers choose the trajectories (e.g. the non-error ones) and what a turn is (tool turns or all turns);
+# each figure is None where it is undefined (no trajectory, no turn, no call).
+
+def mean_or_none(values) -> float | None:
+    """The mean of the values (as floats); None for no value."""
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else None
+
+
+def format_compliance(texts) -> float | None:
+    """Fraction of trajectory texts that pass format_compliant."""
+    return mean_or_none(format_compliant(t) for t in texts)
+
+
+def tool_call_ratio(calls) -> float | None:
+    """Fraction of trajectories with at least one tool call, from each one's call count (or called flag)."""
+    return mean_or_none(c > 0 for c in calls)
+
+
+def mean_turns(turns) -> float | None:
+    """Mean turns per trajectory, from each one's turn count."""
+    return mean_or_none(turns)
+
+
+def calls_per_turn(calls: int, turns: int) -> float | None:
+    """Parallel calls: all trajectories' tool calls / their turns; None with no turn."""
+    return calls / turns if turns else None
+
+
+def tool_failure_rate(failures: int, calls: int) -> float | None:
+    """Failed tool calls (error observations) / tool calls; None with no call."""
+    return failures / calls if calls else None
+
 # ----------------------------------------------------------------------------- gating, advantages
 
 def gate_nframes(prompt_key: str, step: int, choices: Sequence[int] = (4, 8, 16, 32, 64), seed: int = 0,

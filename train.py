@@ -469,7 +469,8 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
 
 
 def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None) -> dict:
-    """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves); with the
+    """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves; the figures are
+    rewards.py's agent figures over the non-error trajectories, turns = tool turns, 0 where undefined); with the
     records by id, on the synthetic task, also sums and counts per tool need (data.tool_needed under the overview
     the rollout drew): on the questions that needed the tool and on those that did not, the accuracy and the
     tool-call ratio (a trajectory that ended in an error counts as no call). split_accuracy turns the all-rank
@@ -478,12 +479,14 @@ def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None)
     n = max(1, len(ok))
     calls = sum(t.n_calls for t in ok)
     tool_turns = sum(t.n_tool_turns for t in ok)
+    zero = lambda x: 0.0 if x is None else x           # a step without a finished trajectory logs 0
     out = {f"reward/{k}": sum(c[k] for c in comps) / max(1, len(comps)) for k in (comps[0] if comps else {})}
     out.update(accuracy=out.get("reward/acc", 0.0),
-               format_compliance=sum(rewards.format_compliant(t.text) for t in ok) / n,
-               tool_call_ratio=sum(t.n_calls > 0 for t in ok) / n,
-               calls_per_turn=calls / max(1, tool_turns), turns=tool_turns / n,
-               tool_failure_rate=sum(t.tool_failures for t in ok) / max(1, calls),
+               format_compliance=zero(rewards.format_compliance(t.text for t in ok)),
+               tool_call_ratio=zero(rewards.tool_call_ratio(t.n_calls for t in ok)),
+               calls_per_turn=rewards.calls_per_turn(calls, max(1, tool_turns)),
+               turns=zero(rewards.mean_turns(t.n_tool_turns for t in ok)),
+               tool_failure_rate=rewards.tool_failure_rate(sum(t.tool_failures for t in ok), max(1, calls)),
                truncated=sum(t.truncated or t.hit_turn_limit for t in ok) / n,
                mean_k=sum(t.nframes for t in ok) / n, bad_samples=len(trajs) - len(ok))
     if records is not None:      # sums and counts, the same keys on every rank (split_accuracy divides)
