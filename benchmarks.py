@@ -812,8 +812,8 @@ def agent_stats(rows: list[dict]) -> dict:
     calls = sum(r.get("calls") or 0 for r in ok)
     fails = sum(r.get("tool_failures") or 0 for r in ok)
     lat = [r["latency"] for r in ok if isinstance(r.get("latency"), (int, float))]
-    return {"mean_turns": rewards.mean_turns(r["turns"] for r in ok), "calls_per_turn": rewards.calls_per_turn(calls, turns),
-            "tool_failure_rate": rewards.tool_failure_rate(fails, calls), "mean_latency_s": rewards.mean_or_none(lat)}
+    return {"mean_turns": rewards.mean_turns(r["turns"] for r in ok),
+            "calls_per_turn": rewards.calls_per_turn(calls, turns), "tool_failure_rate": rewards.tool_failure_rate(fails, calls), "mean_latency_s": rewards.mean_or_none(lat)}
 
 
 def score(bench: str, records: list[dict], predictions: list[dict], extract: str | None = None,

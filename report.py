@@ -29,7 +29,7 @@ thumbnails and embedded as base64 JPEG (torchvision.io.encode_jpeg): nothing is 
 A missing or undecodable video leaves a note in that question's section.
 
 Reward components missing from a row are recomputed from the trajectory text with rewards.py and marked
-"recomputed": acc = score_answer(extract_answer(response)), the ParaVT format reward, Exploration
+"recomputed": acc = accuracy_reward(response), the ParaVT format reward, Exploration
 Anchoring term and R_tool (docs/method.md §4.1), the Video-o3 hybrid clue score and turn decay
 (docs/method.md §4.3). A run that used other weights logs its own `rewards`, and those are shown as given.
 """

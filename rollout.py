@@ -6,10 +6,12 @@ same context (Video-o3, arXiv 2601.23224). The file reads in the order a rollout
     1. settings      RolloutConfig, PRESETS (the papers' recipes), Trajectory
     2. sampling      sample_tokens: temperature, top-p, Gumbel-max with counter-hashed noise (one (B, V) op)
     3. the prompt    system + Hermes tools block + overview video + question -> a kvcache.Chunk
-    4. tools         run_calls (a turn's parallel crop_video calls -> clips), the tool responses' text
+    4. tools         run_calls (a turn's parallel crop_video calls -> clips), tool_response_parts (the tool
+                     responses' text, for a rollout and a recorded trajectory alike)
     5. memory        row_blocks (a row's worst case, in pool blocks), memory_budget (--rollout-memory-gb)
     6. the engine    Engine: admit -> step -> retire over kvcache.GroupKV; run_subagents; run_agent
-    7. training I/O  collate, shared_video_hidden_states (whole trajectories), encode_messages (recorded SFT trajectories)
+    7. training I/O  collate, shared_video_hidden_states (whole trajectories), encode_messages (recorded SFT
+                     trajectories)
 
 Everything works on token sequences. A trajectory is the prompt followed by turns; every token carries a role:
     ENV    prompt, the forced "<think>\n" prefix, tool responses, inserted frames, forced-answer text
@@ -21,8 +23,8 @@ the G samples of its group share it, and each row owns only its suffix (kvcache.
 Each turn only the new chunk (tool responses, new clips, the next "<think>\n") is prefilled on top of the
 row's suffix; M-RoPE positions of a chunk are computed for the chunk alone and shifted by the row's next
 position (Qwen-VL positions restart from max+1 after every text or vision span), so a continued turn gives the
-same logits as a full recompute (tests/test_rollout.py checks it). Training (`shared_video_hidden_states`) runs the vision
-tower once per distinct overview, not once per sample.
+same logits as a full recompute (tests/test_rollout.py checks it). Training (`shared_video_hidden_states`) runs the
+vision tower once per distinct overview, not once per sample.
 
 The scheduler (continuous batching, as vLLM's): a prompt group is admitted only while its worst case (its
 prompt + `row_blocks` per row) fits the pool, the rest waits. Each decode step is one batched forward and one host
