@@ -12,7 +12,7 @@ agent on the records these loaders return; nothing here touches a model or a vid
 Formats, parsers and scorers follow docs/benchmarks.md (sources there, commit by commit):
 VideoMME (+subtitles), LongVideoBench (val), LVBench, MLVU (dev), MMVU (val), VideoMMMU, Video-Holmes:
 multiple-choice accuracy in %; Charades-STA: mIoU and R@{0.3,0.5,0.7} in % over ALL queries.
-`records` is the project's own JSONL schema (data.load_records), scored by task with the same rules:
+`records` is the project's own JSONL schema (data.read_valid_records), scored by task with the same rules:
 mcq accuracy, tvg mIoU / R@k, oe by the open-ended rule. Papers: ParaVT arXiv 2605.20342, Video-o3
 arXiv 2601.23224.
 
@@ -403,7 +403,8 @@ def load_video_holmes(path) -> list[dict]:
     return out
 
 
-def _window(ts, where: str) -> list[float]:
+def _timestamp_pair(ts, where: str) -> list[float]:
+    """[start, end] in seconds of a benchmark row's timestamp pair; ValueError naming `where` if it is not one."""
     ts = _plain(ts)
     if not (isinstance(ts, (list, tuple)) and len(ts) == 2):
         raise ValueError(f"{where}: timestamp {ts!r} is not [start, end]")
@@ -433,14 +434,14 @@ def load_charades_sta(path) -> list[dict]:
         where = f"{path}: record {i}"
         if "doc_id" in data[0]:
             _require(row, ("doc_id", "video", "problem", "solution"), where)
-            clues = [_window(c.get("timestamp"), where) for c in row["solution"].get("clue") or []]
+            clues = [_timestamp_pair(c.get("timestamp"), where) for c in row["solution"].get("clue") or []]
             if not clues:
                 raise ValueError(f"{where}: solution.clue holds no timestamp")
             out.append(make_record(row["doc_id"], row["video"], row["problem"], clues[0], task="tvg", clues=clues,
                                    duration=row.get("duration")))
         else:
             _require(row, ("video", "caption", "timestamp"), where)
-            win = _window(row["timestamp"], where)
+            win = _timestamp_pair(row["timestamp"], where)
             out.append(make_record(i, row["video"], row["caption"], win, task="tvg", clues=[win]))
     return out
 
@@ -453,13 +454,13 @@ def synthetic_records(video_root: str, n: int = 48, seed: int = 2000, duration: 
 
 
 def load_records(path, warn: Callable[[str], None]) -> list[dict]:
-    """The project's own prompt records (JSONL, docs/method.md §9) via data.load_records; each bad line is
+    """The project's own prompt records (JSONL, docs/method.md §9) via data.read_valid_records; each bad line is
     passed to `warn` ("file:line: reason") and skipped. Videos are not checked here: a record whose video
     is missing becomes an error row, with its reason, when the agent runs."""
     kind = sniff(path)
     if kind not in (None, "records"):
         raise WrongFormat(f"{path}: not a file of prompt records; {describe(kind)}")
-    records, errors = data.load_records(str(path), None)
+    records, errors = data.read_valid_records(str(path), None)
     for e in errors:
         warn(f"skipping {e}")
     return records
@@ -804,14 +805,15 @@ def _breakdown(items, key: str) -> dict:
 
 
 def agent_stats(rows: list[dict]) -> dict:
-    """Mean turns, calls per turn, tool-failure rate, mean seconds per sample (non-error rows that carry them)."""
+    """Mean turns, calls per turn, tool-failure rate (rewards.py's agent figures; turns = all assistant turns,
+    the row's "turns"), mean seconds per sample, over the non-error rows that carry them."""
     ok = [r for r in rows if not r.get("error") and isinstance(r.get("turns"), (int, float))]
     turns = sum(r["turns"] for r in ok)
     calls = sum(r.get("calls") or 0 for r in ok)
     fails = sum(r.get("tool_failures") or 0 for r in ok)
     lat = [r["latency"] for r in ok if isinstance(r.get("latency"), (int, float))]
-    return {"mean_turns": turns / len(ok) if ok else None, "calls_per_turn": calls / turns if turns else None,
-            "tool_failure_rate": fails / calls if calls else None, "mean_latency_s": sum(lat) / len(lat) if lat else None}
+    return {"mean_turns": rewards.mean_turns(r["turns"] for r in ok),
+            "calls_per_turn": rewards.calls_per_turn(calls, turns), "tool_failure_rate": rewards.tool_failure_rate(fails, calls), "mean_latency_s": rewards.mean_or_none(lat)}
 
 
 def score(bench: str, records: list[dict], predictions: list[dict], extract: str | None = None,

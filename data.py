@@ -1,7 +1,7 @@
 """
 Data records (JSONL) and the synthetic "needle in a long video" task.
 
-Prompt record (docs/method.md §9), one JSON object per line, as `load_records` yields it:
+Prompt record (docs/method.md §9), one JSON object per line, as `read_valid_records` yields it:
   id: str; video: str (relative to video_root, no `..`; links inside the root are followed); question: str;
   options: [str] | None (letters A, B, ... implied by order); answer: "B" (mcq) | str (oe) | [s, e] (tvg);
   task: "mcq" | "oe" | "tvg"; clues: [[s, e], ...] | None (evidence windows, seconds);
@@ -179,7 +179,7 @@ def validate_record(rec: dict, video_root: str | None, where: str) -> dict:
         raise RecordError(f"{where.rstrip(': ')}: {e}") from None
 
 
-def load_records(path: str, video_root: str | None = None, max_bad_fraction: float = 0.5
+def read_valid_records(path: str, video_root: str | None = None, max_bad_fraction: float = 0.5
                  ) -> tuple[list[dict], list[str]]:
     """(good records, errors "file:line: reason") of a JSONL file; blank lines are skipped.
 
@@ -612,11 +612,11 @@ def load_data(data_path: str | None, eval_path: str | None, video_root: str | No
               max_bad_fraction: float, log=print) -> tuple[list, list, str, str]:
     """(training records, held-out records, video root, where the held-out set came from): the prompt records
     of `data_path` with `eval_path` held out, or `held_out` of them split off (never drawn for training)."""
-    train, errors = load_records(data_path, video_root, max_bad_fraction)
+    train, errors = read_valid_records(data_path, video_root, max_bad_fraction)
     for e in errors[:5]:
         log(f"skipped record: {e}")
     if eval_path:
-        return train, load_records(eval_path, video_root)[0], video_root, eval_path
+        return train, read_valid_records(eval_path, video_root)[0], video_root, eval_path
     train, held = split_held_out(train, held_out, seed)
     note = f"split: {len(held)} of --data's records (seed {seed}), never drawn for training"
     log(f"held-out set: {note}")

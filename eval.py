@@ -9,7 +9,7 @@ one question about one video. One evaluation path: train.py's held-out evaluatio
                   (one bar over every rank's questions), agent_runner(), trajectory_row()
     figures       agent_figures(records, rows): format compliance, tool-call ratio, clue score, tool
                   turns, r_acc; error_reasons(rows)
-    presets       rollout_config(): each preset's evaluation protocol (recipes.PRESETS, shared with train.py)
+    presets       preset_rollout_config(): each preset's evaluation protocol (recipes.PRESETS, shared with train.py)
     ask           ask_record(video, question, options), ask(): each turn printed as it completes
                   (rollout.run_agent's on_turn, turn_lines), the answer alone on the last line
     CLI           python eval.py                                    # synthetic split, tiny model (CPU smoke)
@@ -222,7 +222,7 @@ def predict(records: list[dict], run_batch: Callable, out_path=None, batch_size:
 
 # ----------------------------------------------------------------------------- the agent
 
-def rollout_config(preset: str = "paravt", tool_mode: str | None = None, tiny: bool = False, **overrides):
+def preset_rollout_config(preset: str = "paravt", tool_mode: str | None = None, tiny: bool = False, **overrides):
     """rollout.RolloutConfig of a preset's evaluation (recipes.preset_values; on the tiny model with its frames):
     greedy, one sample a question, the preset's eval_max_turns tool rounds (Video-o3 trains with 6 and evaluates
     with 8), then `tool_mode` and `overrides`; names a field RolloutConfig lacks."""
@@ -273,11 +273,6 @@ def agent_runner(model, processor, video_root: str, cfg, seed: int = 0) -> Calla
     return run_batch
 
 
-def _mean(values) -> float | None:
-    values = [float(v) for v in values]
-    return sum(values) / len(values) if values else None
-
-
 def agent_figures(records: list[dict], rows: list[dict]) -> dict:
     """The trainer's table, over the records that have a row (None where no row carries the figure):
     format_compliance  fraction of non-error rows whose trajectory text passes rewards.format_compliant
@@ -285,7 +280,8 @@ def agent_figures(records: list[dict], rows: list[dict]) -> dict:
     clue_score         mean rewards.hybrid_clue_score of a row's crops vs its record's clues, over the
                        single_clue / multi_clue questions (H' for multi; an error row scores 0)
     turns              mean tool turns of the non-error rows
-    r_acc              mean rewards.score_answer of the response's answer span, every row (errors 0)"""
+    r_acc              mean rewards.accuracy_reward of the response, every row (errors 0)
+    (format_compliance, tool_call_ratio and turns are rewards.py's agent figures.)"""
     by_id = {str(r["id"]): r for r in rows}
     pairs = [(rec, by_id[rec["id"]]) for rec in records if rec["id"] in by_id]
     ok = [row for _, row in pairs if not row.get("error")]
@@ -295,11 +291,13 @@ def agent_figures(records: list[dict], rows: list[dict]) -> dict:
         if kind in ("single_clue", "multi_clue"):
             clue.append(rewards.hybrid_clue_score(row.get("windows") or [], rec.get("clues") or [],
                                                   multi_clue=kind == "multi_clue"))
-    r_acc = [0.0 if row.get("error") else rewards.score_answer(rewards.extract_answer(row.get("response") or ""),
-                                                                rec["answer"], rec["task"]) for rec, row in pairs]
-    return {"format_compliance": _mean(rewards.format_compliant(r["text"]) for r in ok if isinstance(r.get("text"), str)),
-            "tool_call_ratio": _mean((r.get("calls") or 0) > 0 for r in ok), "clue_score": _mean(clue),
-            "turns": _mean(r["tool_turns"] for r in ok if isinstance(r.get("tool_turns"), int)), "r_acc": _mean(r_acc)}
+    r_acc = [0.0 if row.get("error") else rewards.accuracy_reward(row.get("response") or "", rec["answer"], rec["task"])
+             for rec, row in pairs]
+    return {"format_compliance": rewards.format_compliance(r["text"] for r in ok if isinstance(r.get("text"), str)),
+            "tool_call_ratio": rewards.tool_call_ratio(r.get("calls") or 0 for r in ok),
+            "clue_score": rewards.mean_or_none(clue),
+            "turns": rewards.mean_turns(r["tool_turns"] for r in ok if isinstance(r.get("tool_turns"), int)),
+            "r_acc": rewards.mean_or_none(r_acc)}
 
 
 def report(bench: str, records: list[dict], rows: list[dict], extract: str | None = None,
@@ -588,7 +586,7 @@ def load_agent(name: str, device, preset: str, tool_mode: str | None, max_new_to
     overrides = {**({"max_new_tokens": max_new_tokens} if max_new_tokens else {}),
                  **({"max_turns": max_turns} if max_turns is not None else {}),
                  **({"overview_nframes": overview_nframes} if overview_nframes else {})}
-    return model, processor, rollout_config(preset or ("tiny" if tiny else "paravt"), tool_mode, tiny, **overrides)
+    return model, processor, preset_rollout_config(preset or ("tiny" if tiny else "paravt"), tool_mode, tiny, **overrides)
 
 
 def _agent(args, device):

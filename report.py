@@ -29,7 +29,7 @@ thumbnails and embedded as base64 JPEG (torchvision.io.encode_jpeg): nothing is 
 A missing or undecodable video leaves a note in that question's section.
 
 Reward components missing from a row are recomputed from the trajectory text with rewards.py and marked
-"recomputed": acc = score_answer(extract_answer(response)), the ParaVT format reward, Exploration
+"recomputed": acc = accuracy_reward(response), the ParaVT format reward, Exploration
 Anchoring term and R_tool (docs/method.md §4.1), the Video-o3 hybrid clue score and turn decay
 (docs/method.md §4.3). A run that used other weights logs its own `rewards`, and those are shown as given.
 """
@@ -131,7 +131,7 @@ def reward_components(record: dict, row: dict) -> dict[str, tuple[float | None, 
         out["acc"] = (None, "no gold answer")
     elif acc is None:
         try:
-            acc = rewards.score_answer(rewards.extract_answer(response), record["answer"], record["task"])
+            acc = rewards.accuracy_reward(response, record["answer"], record["task"])
             out["acc"] = (acc, "recomputed")
         except ValueError as e:                       # a target score_answer cannot read: say so on the page
             out["acc"] = (None, f"cannot score: {e}")
@@ -402,19 +402,20 @@ td.rec{font-style:italic} td.na{color:#999}
 
 
 def _summary_html(pairs: list[tuple[dict, dict]], metrics: dict | None, shown: int, unmatched: int) -> str:
+    """The page's summary: the agent table (rewards.py's agent figures over the non-error rows), the benchmark
+    scores and notes, the filter links and the key."""
     n = len(pairs)
     ok = [(rec, row) for rec, row in pairs if not row.get("error")]
     flags = [row_flags(rec, row) for rec, row in pairs]
     comp = [bool(row["format_compliant"]) if "format_compliant" in row else rewards.format_compliant(_trajectory_text(row))
             for _, row in ok]
-    mean = lambda xs: sum(xs) / len(xs) if xs else None
     agent = {
         "questions": n, "error rows": n - len(ok),
-        "format compliance": mean([float(c) for c in comp]),
-        "tool-call ratio": mean([float(bool(row.get("calls") or row.get("windows"))) for _, row in ok]),
-        "mean turns": mean([float(_num(row.get("turns")) or 0) for _, row in ok]),
-        "mean calls": mean([float(_num(row.get("calls")) or 0) for _, row in ok]),
-        "mean tool turns": mean([float(tool_turn_count(row)) for _, row in ok]),
+        "format compliance": rewards.mean_or_none(comp),          # the logged flags, else rewards.format_compliant
+        "tool-call ratio": rewards.tool_call_ratio(bool(row.get("calls") or row.get("windows")) for _, row in ok),
+        "mean turns": rewards.mean_turns(_num(row.get("turns")) or 0 for _, row in ok),
+        "mean calls": rewards.mean_or_none(_num(row.get("calls")) or 0 for _, row in ok),
+        "mean tool turns": rewards.mean_turns(tool_turn_count(row) for _, row in ok),
         "tool failures": sum(int(_num(row.get("tool_failures")) or 0) for _, row in ok),
     }
     h = ['<div class="summary"><table><tr><th colspan="2" style="text-align:left">agent</th></tr>']

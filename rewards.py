@@ -267,7 +267,8 @@ def token_f1(pred: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _window(target) -> tuple[float, float]:
+def _tvg_target(target) -> tuple[float, float]:
+    """(start, end) of a tvg target [start, end] in seconds; ValueError for anything else."""
     if not (isinstance(target, (list, tuple)) and len(target) == 2 and all(_number(x) is not None for x in target)):
         raise ValueError(f"tvg target must be [start, end] in seconds, got {target!r}")
     return float(target[0]), float(target[1])
@@ -284,7 +285,7 @@ def score_answer(answer: str | None, target, task: str) -> float:
     if task == "oe":
         return token_f1(answer, str(target)) if answer is not None else 0.0
     if task == "tvg":
-        gt, pred = _window(target), extract_time_range(answer)
+        gt, pred = _tvg_target(target), extract_time_range(answer)
         return temporal_iou(pred, gt) if pred is not None else 0.0
     raise ValueError(f"unknown task {task!r}; expected 'mcq', 'oe' or 'tvg'")
 
@@ -592,6 +593,42 @@ def score_trajectory(traj, record: dict, recipe: str, anchoring: str = "sequence
             parts["tool"] = tool
     parts["clue"] = hybrid_clue_score(traj.windows, clues, multi_clue=data_type == "multi_clue") if clues else 0.0
     return float(total), {k: float(v) for k, v in parts.items()}
+
+# ----------------------------------------------------------------------------- agent figures
+# The figures of an agent's trajectories, computed here once for train.py's step rows (rollout_metrics),
+# eval.py's table (agent_figures), benchmarks.score's agent line (agent_stats) and report.py's summary. The
+# callers choose the trajectories (e.g. the non-error ones) and what a turn is (tool turns or all turns);
+# each figure is None where it is undefined (no trajectory, no turn, no call).
+
+def mean_or_none(values) -> float | None:
+    """The mean of the values (as floats); None for no value."""
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else None
+
+
+def format_compliance(texts) -> float | None:
+    """Fraction of trajectory texts that pass format_compliant."""
+    return mean_or_none(format_compliant(t) for t in texts)
+
+
+def tool_call_ratio(calls) -> float | None:
+    """Fraction of trajectories with at least one tool call, from each one's call count (or called flag)."""
+    return mean_or_none(c > 0 for c in calls)
+
+
+def mean_turns(turns) -> float | None:
+    """Mean turns per trajectory, from each one's turn count."""
+    return mean_or_none(turns)
+
+
+def calls_per_turn(calls: int, turns: int) -> float | None:
+    """Parallel calls: all trajectories' tool calls / their turns; None with no turn."""
+    return calls / turns if turns else None
+
+
+def tool_failure_rate(failures: int, calls: int) -> float | None:
+    """Failed tool calls (error observations) / tool calls; None with no call."""
+    return failures / calls if calls else None
 
 # ----------------------------------------------------------------------------- gating, advantages
 

@@ -6,10 +6,12 @@ same context (Video-o3, arXiv 2601.23224). The file reads in the order a rollout
     1. settings      RolloutConfig (the presets are in recipes.py), Trajectory
     2. sampling      sample_tokens: temperature, top-p, Gumbel-max with counter-hashed noise (one (B, V) op)
     3. the prompt    system + Hermes tools block + overview video + question -> a kvcache.Chunk
-    4. tools         run_calls (a turn's parallel crop_video calls -> clips), the tool responses' text
+    4. tools         run_calls (a turn's parallel crop_video calls -> clips), tool_response_parts (the tool
+                     responses' text, for a rollout and a recorded trajectory alike)
     5. memory        row_blocks (a row's worst case, in pool blocks), memory_budget (--rollout-memory-gb)
     6. the engine    Engine: admit -> step -> retire over kvcache.GroupKV; run_subagents; run_agent
-    7. training I/O  collate, forward_hidden (whole trajectories), encode_messages (recorded SFT trajectories)
+    7. training I/O  collate, shared_video_hidden_states (whole trajectories), encode_messages (recorded SFT
+                     trajectories)
 
 Everything works on token sequences. A trajectory is the prompt followed by turns; every token carries a role:
     ENV    prompt, the forced "<think>\n" prefix, tool responses, inserted frames, forced-answer text
@@ -21,8 +23,8 @@ the G samples of its group share it, and each row owns only its suffix (kvcache.
 Each turn only the new chunk (tool responses, new clips, the next "<think>\n") is prefilled on top of the
 row's suffix; M-RoPE positions of a chunk are computed for the chunk alone and shifted by the row's next
 position (Qwen-VL positions restart from max+1 after every text or vision span), so a continued turn gives the
-same logits as a full recompute (tests/test_rollout.py checks it). Training (`forward_hidden`) runs the vision
-tower once per distinct overview, not once per sample.
+same logits as a full recompute (tests/test_rollout.py checks it). Training (`shared_video_hidden_states`) runs the
+vision tower once per distinct overview, not once per sample.
 
 The scheduler (continuous batching, as vLLM's, with a banker's rule): a row is granted the blocks its current
 turn may take only while every admitted group could still reach its worst case (its prompt + `row_blocks` per
@@ -330,6 +332,24 @@ def response_chunk_text(parts: list[str], forced: bool) -> str:
 
 def clip_part(window: tuple[float, float]) -> str:
     return f"Clip {window[0]:.1f}-{window[1]:.1f} s:\n<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def tool_response_parts(results: list, summaries: dict[int, str] | None = None) -> tuple[list[str], list]:
+    """(parts, clips) of a turn's tool responses, from run_calls' results (window, clip, error) in call order:
+    each part is "Error: <error>" for a failed call, else the sub-agent's summary text where `summaries` is given
+    (subagent mode: summaries by call index, "" for a missing one), else the clip's part (clip_part); `clips`
+    the clips those parts show, in order. The rollout (Engine.respond) and a recorded trajectory
+    (encode_messages) both build their responses here; response_chunk_text wraps the parts."""
+    parts, clips = [], []
+    for k, (w, clip, err) in enumerate(results):
+        if err is not None:
+            parts.append(f"Error: {err}")
+        elif summaries is not None:
+            parts.append(summaries.get(k, ""))
+        else:
+            parts.append(clip_part(w))
+            clips.append(clip)
+    return parts, clips
 
 
 # -----------------------------------------------------------------------------
@@ -696,15 +716,8 @@ class Engine:
         """The user turn of tool responses (one block per call, call order, + the forced-answer message once the
         budget is spent) after the turn's last token -> ready; a row past max_context ends truncated."""
         forced = r.forced = r.traj.n_tool_turns >= self.cfg.max_turns
-        parts, clips = [], []
-        for k, (w, clip, err) in enumerate(r.results):
-            if err is not None:
-                parts.append(f"Error: {err}")
-            elif self.cfg.tool_mode == "subagent":
-                parts.append(r.subs[k].text if k in r.subs else "")
-            else:
-                parts.append(clip_part(w))
-                clips.append(clip)
+        summaries = {k: s.text for k, s in r.subs.items()} if self.cfg.tool_mode == "subagent" else None
+        parts, clips = tool_response_parts(r.results, summaries)
         r.results, r.subs = [], {}
         if self.on_turn is not None:                        # the listener: a turn and its tool responses
             self.on_turn(r.traj, parts)
@@ -838,7 +851,7 @@ def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = Fa
     """Right-padded model inputs for whole trajectories: input_ids / attention_mask / mm_token_type_ids
     (B, L), position_ids (3, B, L) from get_rope_index over each full sequence, the videos of all rows
     concatenated in row order, and `roles` (B, L) (ENV, POLICY; pads are ENV).
-    share_videos=True (for `forward_hidden`): pixel_values_videos / video_grid_thw hold each distinct
+    share_videos=True (for `shared_video_hidden_states`): pixel_values_videos / video_grid_thw hold each distinct
     video ONCE (the G samples of a prompt share its overview tensor) and `video_index` (n_videos,) gives,
     for every video in row order (one per grid row: a turn's parallel clips are one entry of several
     videos), its index among the distinct ones."""
@@ -878,7 +891,7 @@ def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = Fa
     return out
 
 
-def forward_hidden(model, batch: dict) -> torch.Tensor:
+def shared_video_hidden_states(model, batch: dict) -> torch.Tensor:
     """(B, L, D) last hidden states of a `collate(..., share_videos=True)` batch (without `roles`): the
     vision tower runs once per DISTINCT video (once per prompt, not G times), and its features (and
     deepstack features) are handed to every row that shows that video. The same numbers as
@@ -973,13 +986,10 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
             if all(isinstance(r, str) for r in results):
                 parts, clips = results, []
             else:
-                parts, clips = [], []
-                for w, clip, err in run_calls(calls, path, duration, cfg, factor):
-                    parts.append(f"Error: {err}" if err else clip_part(w))
-                    t.tool_failures += err is not None
-                    if err is None:
-                        clips.append(clip)
-                        t.windows.append(w)
+                ran = run_calls(calls, path, duration, cfg, factor)
+                parts, clips = tool_response_parts(ran)
+                t.tool_failures += sum(err is not None for _, _, err in ran)
+                t.windows += [w for w, _, err in ran if err is None]
             # the forced-answer request only where a rollout would send it: the limit reached and the recording
             # ends with the next turn (a longer recorded trajectory, e.g. Video-o3's 8 turns, goes on as recorded)
             goes_on = any(_tool_results(x) is not None for x in messages[j:])

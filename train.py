@@ -9,10 +9,10 @@ The file reads top to bottom (docs/method.md has every formula and its source):
     2. the RL step     collect_groups (nFrames gating -> rollout.run_agent -> rewards.score_trajectory -> group
                        advantages, dynamic sampling; placebo_advantages, the control run), policy_update (the
                        PPO-clip step over micro_batches), run_rl (the loop)
-    3. forward passes  forward_hidden, forward_logprobs: whole trajectories -> hidden states / log-probs
+    3. forward passes  hidden_and_targets, policy_head, forward_logprobs: whole trajectories -> hidden states / log-probs
     4. the SFT step    sft_examples (recorded or oracle trajectories), TDAM spans from the text, run_sft
     5. main            one rank of a run: model, data, SFT, RL, the held-out evaluation
-    6. settings        rollout_config, sft_settings, grpo_settings (from the resolved flags), launch, cli
+    6. settings        rollout_config_of_args, sft_settings, grpo_settings (from the resolved flags), launch, cli
 The flags, the presets and the recipes (every default) live in recipes.py; the kernels (fused log-prob gather and
 loss, TDAM's blocked attention) in ops.py, the rollout engine in rollout.py (its K/V cache in kvcache.py), the
 rewards in rewards.py, the run directory and the processes (checkpoints, metrics, FSDP2, the launcher) in
@@ -464,7 +464,8 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
 
 
 def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None) -> dict:
-    """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves); with the
+    """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves; the figures are
+    rewards.py's agent figures over the non-error trajectories, turns = tool turns, 0 where undefined); with the
     records by id, on the synthetic task, also sums and counts per tool need (data.tool_needed under the overview
     the rollout drew): on the questions that needed the tool and on those that did not, the accuracy and the
     tool-call ratio (a trajectory that ended in an error counts as no call). split_accuracy turns the all-rank
@@ -473,12 +474,14 @@ def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None)
     n = max(1, len(ok))
     calls = sum(t.n_calls for t in ok)
     tool_turns = sum(t.n_tool_turns for t in ok)
+    zero = lambda x: 0.0 if x is None else x           # a step without a finished trajectory logs 0
     out = {f"reward/{k}": sum(c[k] for c in comps) / max(1, len(comps)) for k in (comps[0] if comps else {})}
     out.update(accuracy=out.get("reward/acc", 0.0),
-               format_compliance=sum(rewards.format_compliant(t.text) for t in ok) / n,
-               tool_call_ratio=sum(t.n_calls > 0 for t in ok) / n,
-               calls_per_turn=calls / max(1, tool_turns), turns=tool_turns / n,
-               tool_failure_rate=sum(t.tool_failures for t in ok) / max(1, calls),
+               format_compliance=zero(rewards.format_compliance(t.text for t in ok)),
+               tool_call_ratio=zero(rewards.tool_call_ratio(t.n_calls for t in ok)),
+               calls_per_turn=rewards.calls_per_turn(calls, max(1, tool_turns)),
+               turns=zero(rewards.mean_turns(t.n_tool_turns for t in ok)),
+               tool_failure_rate=rewards.tool_failure_rate(sum(t.tool_failures for t in ok), max(1, calls)),
                truncated=sum(t.truncated or t.hit_turn_limit for t in ok) / n,
                mean_k=sum(t.nframes for t in ok) / n, bad_samples=len(trajs) - len(ok))
     if records is not None:      # sums and counts, the same keys on every rank (split_accuracy divides)
@@ -590,8 +593,8 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
 # -----------------------------------------------------------------------------
 # 3. Whole trajectories -> hidden states and per-token log-probs of the policy's tokens
 
-def forward_hidden(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hidden_and_targets(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden (B, L-1, D), targets (B, L-1), policy mask (B, L-1)): the final hidden states that predict each
     next token, for the fused kernels. A batch collated with share_videos=True runs the vision tower once per
     distinct video (the G samples of a prompt share its overview), as the rollout did. `tdam`: the decoder's
@@ -611,18 +614,18 @@ def forward_hidden(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | None 
         use_tdam_attention(model.model.language_model.config)
         kw.pop("attention_mask", None)
         kw["tdam"] = tdam
-    hidden = rollout.forward_hidden(model, kw)[:, :-1]          # (B, L-1, D); vision once per distinct video
+    hidden = rollout.shared_video_hidden_states(model, kw)[:, :-1]          # (B, L-1, D); vision once per distinct video
     if hasattr(model.lm_head, "unshard"):
         model.lm_head.unshard()
     return hidden, batch["input_ids"][:, 1:].to(device), policy_mask(batch["roles"]).to(device)
 
 
 def policy_head(model, batch: dict, precision: str, attn_mask_4d=None, tdam: TdamSpec | None = None):
-    """(hidden (B, L-1, D), lm_head weight (V, D), targets, policy mask (B, L-1)): `forward_hidden` under the
+    """(hidden (B, L-1, D), lm_head weight (V, D), targets, policy mask (B, L-1)): `hidden_and_targets` under the
     compute dtype of `precision` (`autocast`), the head's inputs cast for the fused kernel (`head_inputs`); what
     the losses and `forward_logprobs` take."""
     with autocast(precision, model):
-        hidden, targets, mask = forward_hidden(model, batch, attn_mask_4d, tdam)
+        hidden, targets, mask = hidden_and_targets(model, batch, attn_mask_4d, tdam)
     hidden, weight = head_inputs(hidden, model.lm_head.weight, precision)
     return hidden, weight, targets, mask
 
@@ -797,7 +800,7 @@ def main(rank: int, args) -> dict:
     if not args.data and args.n_rl and args.stage != "sft":
         rl_recs = data.synthetic_rl(args.seed, args.n_rl, args.task_duration, args.task_mix, cache)
     run.static["held_out"] = held_note
-    cfg = rollout_config(args)
+    cfg = rollout_config_of_args(args)
     state = run.resume(ckpt, model) if ckpt else None
     stage0, step0 = (state["stage"], state["step"]) if state else (None, 0)
 
@@ -923,7 +926,7 @@ def set_lr(optimizer, lr: float) -> float:
 # 6. Flags: parsed, checked and resolved once
 
 
-def rollout_config(args) -> rollout.RolloutConfig:
+def rollout_config_of_args(args) -> rollout.RolloutConfig:
     """The run's RolloutConfig: every field is a resolved setting of the same name (recipes.resolve)."""
     return rollout.RolloutConfig.of(vars(args), memory_budget_bytes=int(args.rollout_memory_gb * 2 ** 30)
                                     if args.rollout_memory_gb else None)

@@ -233,7 +233,7 @@ def _frames(container, vs, path: str, seek_time: float = 0.0, count: list | None
         raise VideoError(path, f"decoding failed (corrupt or truncated): {e.strerror or e}") from None
 
 
-def _window(frames, start: float, end: float, edge: dict):
+def _frames_in_window(frames, start: float, end: float, edge: dict):
     """Pass on frames with start <= time <= end; keep the last one before and first one after in `edge`."""
     for t, frame in frames:
         if t < start - TIME_TOL:
@@ -526,7 +526,7 @@ def crop(path, start: float, end: float, level: str | None = "medium", fps: floa
             return _clip(path, chosen, targets, info.fps, n_out, count[0])
     container, vs = _open(path, stream)
     with container:
-        chosen = _pick(_window(_frames(container, vs, path, start, count), start, end, edge), targets,
+        chosen = _pick(_frames_in_window(_frames(container, vs, path, start, count), start, end, edge), targets,
                        max_pixels, factor)
         if not chosen and edge:  # window shorter than the frame spacing: the frame nearest its centre
             t, frame = min(edge.values(), key=lambda f: abs(f[0] - (start + end) / 2))

@@ -13,7 +13,7 @@ Sections (each prints a line and lands in the last-line JSON):
               (tokens/s over sampled tokens, peak memory, host syncs per decode step: measured by
               runtime.HostSyncCounter on a group-2 rerun of one prompt)
 3. train      one PARA-GRPO update on the rollout: FSDP2 (fully_shard per decoder layer) on one rank,
-              gradient checkpointing, bf16, forward_hidden (vision once per prompt), grpo_loss, AdamW
+              gradient checkpointing, bf16, rollout.shared_video_hidden_states (vision once per prompt), grpo_loss, AdamW
 4. loss       ops.token_loss (fused, chunked) vs naive logits -> log_softmax at 16k tokens, bf16
 5. rehearsal  bench/rehearsal.py on this GPU: one RL step (both tool modes, two rounds of two parallel crops) and one
               SFT step (TDAM, gradient checkpointing) of the paravt preset at the 8B widths (hidden 4096, MLP 12288,
@@ -170,7 +170,7 @@ def section_train(model, processor, trajs, args, device) -> dict:
     reset_peak(device)
     sync(device)
     t0 = time.perf_counter()
-    hidden = rollout.forward_hidden(model, batch)[:, :-1]
+    hidden = rollout.shared_video_hidden_states(model, batch)[:, :-1]
     targets = batch["input_ids"][:, 1:]
     policy = (roles[:, 1:] == rollout.POLICY).to(device)
     model.lm_head.unshard()                  # FSDP: its weight is read directly, as train.forward_logprobs does

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import benchmarks  # noqa: E402
 import data  # noqa: E402
 import eval as evaluation  # noqa: E402
+import recipes  # noqa: E402
 import rollout  # noqa: E402
 
 KINDS = ("single_clue", "multi_clue", "search", "direct")
@@ -55,9 +56,9 @@ def correct(records: list[dict], rows: list[dict], where: str) -> dict[str, bool
 
 def seen(records: list[dict], rows: list[dict], nframes: int) -> dict[str, bool]:
     """MCQ id -> every glyph its answer reads fell in a frame shown (the K-frame overview, the crops of `windows`
-    as the tiny default's rollout samples them: rollout.TINY_ROLLOUT's crop_fps and crop_max_frames)."""
+    as the tiny default's rollout samples them: recipes.TINY_FRAMES's crop_fps and crop_max_frames)."""
     by_id = {str(r["id"]): r for r in rows}
-    fps, cap = rollout.TINY_ROLLOUT["crop_fps"], rollout.TINY_ROLLOUT["crop_max_frames"]
+    fps, cap = recipes.TINY["crop_fps"], recipes.TINY["crop_max_frames"]
     return {r["id"]: bool(data.glyphs_seen(r, nframes, by_id[r["id"]].get("windows"), fps, cap))
             for r in records if r["task"] == "mcq"}
 

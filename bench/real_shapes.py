@@ -29,7 +29,7 @@ import model as model_lib
 import ops
 import rollout
 import train
-from tests.test_real_shapes import CI_TEXT, REAL, RECORD, Scripted, rollout_config, text_tdam
+from tests.test_real_shapes import CI_TEXT, REAL, RECORD, Scripted, mode_rollout_config, text_tdam
 
 
 def peak_rss_gb(reset: bool = False) -> float:
@@ -61,7 +61,7 @@ def run_side(name: str, text_overrides: dict, args) -> dict:
     tok = processor.tokenizer
     trajs = {}
     for mode in ("interleaved", "subagent"):
-        cfg = rollout_config(mode)
+        cfg = mode_rollout_config(mode)
         if args.max_pixels != 64 * 64:
             cfg = dataclasses.replace(cfg, overview_max_pixels=args.max_pixels or None,
                                       crop_max_pixels=args.max_pixels or None)

@@ -227,10 +227,10 @@ def pool_bytes(pool) -> tuple[int, int]:
 @contextlib.contextmanager
 def phases(meter: Meter, out: dict):
     """Per training micro-batch: activations (kept by the forward), loss (the fused loss's peak) and backward (its
-    peak), each the largest seen, by wrapping train.forward_hidden, train.grpo_loss / sft_token_loss and
+    peak), each the largest seen, by wrapping train.hidden_and_targets, train.grpo_loss / sft_token_loss and
     Tensor.backward for the duration; the most rows in a forward, and the SDPA calls handed a dense mask
     (transformers builds one for a padded batch)."""
-    saved = train.forward_hidden, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward
+    saved = train.hidden_and_targets, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out.setdefault("dense_masks", 0)
 
@@ -238,7 +238,7 @@ def phases(meter: Meter, out: dict):
         out["dense_masks"] += k.get("attn_mask") is not None and k["attn_mask"].dim() == 4
         return sdpa(*a, **k)
 
-    def forward_hidden(*a, **k):
+    def hidden_and_targets(*a, **k):
         start = meter.reset()
         result = saved[0](*a, **k)
         out["activations"] = max(out.get("activations", 0), meter.now() - start)
@@ -262,14 +262,14 @@ def phases(meter: Meter, out: dict):
         saved[3](tensor, *a, **k)
         out["backward"] = max(out.get("backward", 0), meter.peak_since(start))
 
-    train.forward_hidden, torch.Tensor.backward = forward_hidden, backward
+    train.hidden_and_targets, torch.Tensor.backward = hidden_and_targets, backward
     train.grpo_loss, train.sft_token_loss = measured(saved[1], 5), measured(saved[2], 3)   # the args' masks
     torch.nn.functional.scaled_dot_product_attention = attention
     try:
         with meter.counting():
             yield
     finally:
-        train.forward_hidden, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward = saved
+        train.hidden_and_targets, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward = saved
         torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
@@ -304,7 +304,7 @@ def videoo3_update(rank: int, world: int, args, ckpt: str, root: str, out_dir: s
     vargs = recipes.parse_train_args(["--model", ckpt, "--preset", "videoo3", "--precision", "bf16", "--device", device.type,
                                 "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), "--micro-batch",
                                 "8", *budget_flag(args), "--run-dir", os.path.join(out_dir, "run-videoo3")])
-    s, cfg = train.grpo_settings(vargs), train.rollout_config(vargs)
+    s, cfg = train.grpo_settings(vargs), train.rollout_config_of_args(vargs)
     rec, tok = dict(RECORD, duration=args.duration), processor.tokenizer
     trajs = []
     for i in range(train.rank_share(VIDEOO3_ROWS, rank, world)):
@@ -405,7 +405,7 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     m["reference"] = tensor_bytes(ref.parameters())
     run = runtime.Run(targs.run_dir, rank, world, SAMPLE_SEED, 10 ** 6, 0, False, 1.0)
     run.processor = processor
-    s, cfg = train.grpo_settings(targs), train.rollout_config(targs)
+    s, cfg = train.grpo_settings(targs), train.rollout_config_of_args(targs)
     rec = dict(RECORD, duration=args.duration)
     seed = SAMPLE_SEED * 1_000_003 + 1 * 101 + rank                    # collect_groups' seed at step 1, draw 0
     script = Script(tok, args.duration, {rollout.row_seed(seed, 0, g): g for g in range(s.group_size)})

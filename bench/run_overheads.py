@@ -44,7 +44,7 @@ def main():
     args = runtime.parse_args([])                                  # the embedded default's settings
     cache = a.cache or tempfile.mkdtemp(prefix="overheads-")
     train_recs, held, root = data.synthetic_data(0, max(a.records, 1), a.questions, args.task_duration, None, cache)
-    cfg = train.rollout_config(args)
+    cfg = train.rollout_config_of_args(args)
     source = a.model if a.model == "tiny" else checkpoint_dir(a.model)
     model, processor = model_lib.load_model(source, device=torch.device("cpu"), dtype=torch.float32, seed=0,
                                             tiny_corpus=rollout.prompt_corpus())

@@ -38,7 +38,7 @@ def main():
     a = p.parse_args()
     threads = set_threads(a.threads)
     args = runtime.parse_args([])                                  # the embedded default's settings
-    cfg = train.rollout_config(args)
+    cfg = train.rollout_config_of_args(args)
     with tempfile.TemporaryDirectory() as tmp:
         records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration,
                                                 args.task_mix, a.cache or tmp)

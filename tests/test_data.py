@@ -64,7 +64,7 @@ def test_resolve_video_refuses_escapes_as_written(tmp_path):
 
 def test_symlinked_dataset_layout_is_followed(tmp_path):
     """A video root made of links (a file link, a folder link, both pointing outside the root) is the
-    user's layout: train and eval read through it, via validate_record / load_records and resolve_video."""
+    user's layout: train and eval read through it, via validate_record / read_valid_records and resolve_video."""
     store, root = tmp_path / "store", tmp_path / "root"
     (store / "clips").mkdir(parents=True)
     (store / "clips" / "b.mp4").write_bytes(b"x")
@@ -76,12 +76,12 @@ def test_symlinked_dataset_layout_is_followed(tmp_path):
     path = tmp_path / "records.jsonl"
     path.write_text(json.dumps(_good(id="a")) + "\n" + json.dumps(_good(id="b", video="clips/b.mp4")) + "\n"
                     + json.dumps(_good(id="c", video="../store/a.mp4")) + "\n", encoding="utf-8")
-    records, errors = data.load_records(str(path), str(root))
+    records, errors = data.read_valid_records(str(path), str(root))
     assert [r["id"] for r in records] == ["a", "b"]
     assert len(errors) == 1 and errors[0].startswith(f"{path}:3:") and "'..' component" in errors[0]
 
 
-# ----------------------------------------------------------------------------- validate_record / load_records
+# ----------------------------------------------------------------------------- validate_record / read_valid_records
 
 def _good(**change) -> dict:
     rec = {"id": "r1", "video": "a.mp4", "question": "What colour?", "options": ["red", "green", "blue", "yellow"],
@@ -135,7 +135,7 @@ def test_validate_record_normalises_and_keeps_extra_keys():
     assert rec["duration"] == 64.0 and rec["meta"] == {}
 
 
-def test_load_records_keeps_good_lines_and_lists_errors(tmp_path):
+def test_read_valid_records_keeps_good_lines_and_lists_errors(tmp_path):
     (tmp_path / "a.mp4").write_bytes(b"x")
     lines = [json.dumps(_good(id="g1")),                      # 1 good
              "{not json",                                     # 2 bad JSON
@@ -150,7 +150,7 @@ def test_load_records_keeps_good_lines_and_lists_errors(tmp_path):
              json.dumps(_good(id="g4")), json.dumps(_good(id="g5")), json.dumps(_good(id="g6"))]  # 11-13
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    records, errors = data.load_records(str(path), str(tmp_path))
+    records, errors = data.read_valid_records(str(path), str(tmp_path))
     assert [r["id"] for r in records] == ["g1", "g2", "g3", "g4", "g5", "g6"]
     assert [e.split(": ")[0] for e in errors] == [f"{path}:{n}" for n in (2, 3, 5, 7, 8, 9)]
     for e, why in zip(errors, ["not valid JSON", "missing field", "not a letter", "duration", "not found",
@@ -158,24 +158,24 @@ def test_load_records_keeps_good_lines_and_lists_errors(tmp_path):
         assert why in e, e
 
 
-def test_load_records_too_many_bad_lines(tmp_path):
+def test_read_valid_records_too_many_bad_lines(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(_good()) + "\n[]\n{\n")
     with pytest.raises(ValueError, match=r"2 of 3 lines are bad.*bad.jsonl:2: a record must be a JSON object"):
-        data.load_records(str(path))
-    assert len(data.load_records(str(path), max_bad_fraction=0.7)[1]) == 2  # a looser limit passes
+        data.read_valid_records(str(path))
+    assert len(data.read_valid_records(str(path), max_bad_fraction=0.7)[1]) == 2  # a looser limit passes
     with pytest.raises(ValueError, match="missing.jsonl: cannot read"):
-        data.load_records(str(tmp_path / "missing.jsonl"))
+        data.read_valid_records(str(tmp_path / "missing.jsonl"))
 
 
 def test_write_records_round_trip_and_atomic(tmp_path):
     path = str(tmp_path / "out" / "r.jsonl")
     recs = [data.validate_record(_good(id=f"r{i}", question="Qué color? ✓"), None, "x") for i in range(3)]
     data.write_records(path, recs)
-    assert data.load_records(path) == (recs, [])
+    assert data.read_valid_records(path) == (recs, [])
     with pytest.raises(TypeError):               # unserialisable record: the old file must survive
         data.write_records(path, [{"id": {1, 2}}])
-    assert data.load_records(path) == (recs, [])
+    assert data.read_valid_records(path) == (recs, [])
     assert os.listdir(tmp_path / "out") == ["r.jsonl"]  # no temp file left behind
 
 

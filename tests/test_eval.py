@@ -185,14 +185,14 @@ def test_evaluate_reports_official_metrics_and_agent_figures(monkeypatch, tmp_pa
 @pytest.mark.parametrize("preset", sorted(recipes.PRESETS))
 def test_presets_match_the_real_rollout_config(preset):
     rollout = pytest.importorskip("rollout")
-    cfg = ev.rollout_config(preset, tiny=True)     # every preset / tiny field exists there
+    cfg = ev.preset_rollout_config(preset, tiny=True)     # every preset / tiny field exists there
     assert isinstance(cfg, rollout.RolloutConfig) and cfg.temperature == 0.0 and cfg.group_size == 1
 
 
 def test_an_override_rollout_config_lacks_is_refused():
     """eval's overrides name RolloutConfig fields; a misspelt one is an error, not silently dropped."""
     with pytest.raises(ValueError, match="has no field"):
-        ev.rollout_config("paravt", max_turn=3)
+        ev.preset_rollout_config("paravt", max_turn=3)
 
 # ----------------------------------------------------------------------------- CLI: scoring and bad input
 
@@ -410,7 +410,7 @@ def test_ask_prints_each_turn_as_it_completes(tool_mode, tiny, monkeypatch, tmp_
         return scripted(logits, seeds, counters, temperature, top_p)
     monkeypatch.setattr(rollout, "sample_tokens", sample)
     record, root = ev.ask_record(str(NASA), "What is launched?", "A. a rocket|B. a balloon")
-    cfg = ev.rollout_config("paravt", tool_mode, tiny=True, max_new_tokens=160)
+    cfg = ev.preset_rollout_config("paravt", tool_mode, tiny=True, max_new_tokens=160)
     row = ev.ask(model, processor, record, root, cfg, report_dir=str(tmp_path / "page"), out=out)
     text = out.getvalue()
     turn1, turn2 = text.split("turn 2\n")

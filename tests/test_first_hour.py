@@ -106,7 +106,7 @@ def test_sft_trajectories_with_calls_the_environment_refuses_are_reported_and_sk
     root = os.path.join(cache, "synthetic")
     records = data.make_split(root, 4, seed=91, duration=64.0)
     path = _sft_file(tmp_path, records, (100.0, 120.0))          # past the end of a 64 s video
-    cfg = train.rollout_config(recipes.parse_train_args([]))
+    cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
     logged = []
     items, bad = sft.sft_examples(records, processor, root, cfg, sft_data=path, seed=0, gated_choices=[],
                                     max_bad_fraction=0.5, log=logged.append)
@@ -192,7 +192,7 @@ def test_videoo3_preset_on_a_saved_checkpoint_samples_a_2fps_overview(tmp_path, 
             "--max-turns", "1", "--run-dir", str(tmp_path / "run")]
     args = recipes.parse_train_args(argv)
     assert (args.recipe, args.clip_high, args.dynamic_sampling, args.anchoring) == ("vtgr", 0.3, True, "none")
-    cfg = train.rollout_config(args)
+    cfg = train.rollout_config_of_args(args)
     assert cfg.overview_nframes is None and cfg.overview_fps == 2.0 and cfg.overview_max_frames == 768
     run(argv)
     (row,) = [r for r in metrics(tmp_path / "run") if r["stage"] == "rl"]

@@ -1,7 +1,7 @@
 """Tests for the rollout engine's machinery: the paged, shared-prompt cache (kvcache.py: BlockPool, GroupKV, one
 K/V copy per prompt, each row holding only its suffix's blocks, cascade attention in fp32 with bounded working
 tensors), the decode step and batched on-device sampling (rollout.Engine.step, rollout.sample_tokens), and the
-training forward that runs the vision tower once per distinct video (rollout.forward_hidden).
+training forward that runs the vision tower once per distinct video (rollout.shared_video_hidden_states).
 
 The end-to-end exactness of rollouts (recorded log-probs == full recompute) is in tests/test_rollout.py.
 """
@@ -503,7 +503,7 @@ def test_finished_rows_cost_nothing_per_step(tiny, monkeypatch):
 
 # ----------------------------------------------------------------------------- vision once per prompt
 
-def test_forward_hidden_shares_videos_and_matches_plain_forward(tiny, split, monkeypatch):
+def test_shared_video_hidden_states_shares_videos_and_matches_plain_forward(tiny, split, monkeypatch):
     model, processor = tiny
     root, recs = split
     a, b, sfx = _chunks(model, processor, root, recs[0])
@@ -523,12 +523,12 @@ def test_forward_hidden_shares_videos_and_matches_plain_forward(tiny, split, mon
     with torch.no_grad():
         ref = model.model(**plain, use_cache=False).last_hidden_state
         n_plain = len(calls)
-        out = rollout.forward_hidden(model, shared)
+        out = rollout.shared_video_hidden_states(model, shared)
     assert n_plain == 1 and calls == [3 * len(a.pixels), len(a.pixels)]   # the vision tower sees the overview once, not G times
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
-def test_forward_hidden_with_parallel_clips_in_one_turn(tiny, split):
+def test_shared_video_hidden_states_with_parallel_clips_in_one_turn(tiny, split):
     """A turn's parallel crops are one video entry of several videos (one grid row each): sharing still maps
     every video to its features (regression: the RL step of the default run failed with 'Video features and
     video tokens do not match' once the model cropped twice in one turn)."""
@@ -547,7 +547,7 @@ def test_forward_hidden_with_parallel_clips_in_one_turn(tiny, split):
     plain.pop("roles"), shared.pop("roles")
     with torch.no_grad():
         ref = model.model(**plain, use_cache=False).last_hidden_state
-        out = rollout.forward_hidden(model, shared)
+        out = rollout.shared_video_hidden_states(model, shared)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 

@@ -88,7 +88,7 @@ def real_8b_cut():
     torch.set_num_threads(threads)
 
 
-def rollout_config(mode: str) -> rollout.RolloutConfig:
+def mode_rollout_config(mode: str) -> rollout.RolloutConfig:
     """ParaVT's overview (64 frames) at 64x64 pixels a frame; 2 fps crops at the same size."""
     return rollout.RolloutConfig(tool_mode=mode, max_turns=2, max_new_tokens=128, temperature=1.0, group_size=1,
                                  overview_nframes=64, overview_max_pixels=64 * 64, crop_fps=2.0,
@@ -127,7 +127,7 @@ def trajectories(real_8b_cut):
     with pytest.MonkeyPatch.context() as mp:
         for mode in ("interleaved", "subagent"):
             mp.setattr(rollout, "sample_tokens", Scripted(processor.tokenizer))
-            [out[mode]] = rollout.run_agent(model, processor, [RECORD], str(REAL), rollout_config(mode), seed=SEED)
+            [out[mode]] = rollout.run_agent(model, processor, [RECORD], str(REAL), mode_rollout_config(mode), seed=SEED)
     torch.set_num_threads(threads)
     return out
 
@@ -254,7 +254,7 @@ def test_videoo3_full_protocol_fits_its_context():
     max_context tokens) never cuts it and --mask-truncated drops no full-length row; the prompt stays within the
     release's 18,432 tokens; the engine's worst case (row_blocks) covers it. The preset used to hold 32,768
     tokens: the prompt and about 1.5 of the 6 rounds of 5 medium crops."""
-    cfg = train.rollout_config(recipes.parse_train_args(["--preset", "videoo3", "--model", "Qwen/Qwen3-VL-8B-Instruct"]))
+    cfg = train.rollout_config_of_args(recipes.parse_train_args(["--preset", "videoo3", "--model", "Qwen/Qwen3-VL-8B-Instruct"]))
     published = model_lib.qwen3vl_config("8b", text_layers=None, vision_depth=None)
     v = published.vision_config
     processor = model_lib.build_processor(model_lib.qwen_tokenizer(), model_lib.ModelConfig(

@@ -168,7 +168,7 @@ def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
     args = recipes.parse_train_args(smoke_argv(tmp_path, "--gating-choices", "4", *extra))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
-    items, bad = sft.sft_examples(records, processor, root, train.rollout_config(args), sft_data=None, seed=args.seed,
+    items, bad = sft.sft_examples(records, processor, root, train.rollout_config_of_args(args), sft_data=None, seed=args.seed,
                                     gated_choices=args.gating_choices if args.sft_gated_overviews else [])
     assert bad == 0 and len(items) == len(records) * len(ks)
     assert {t.nframes for t in items} == ks and [t.record_id for t in items[::len(ks)]] == [r["id"] for r in records]
@@ -204,8 +204,8 @@ def test_sft_examples_in_threads_are_the_serial_ones(tmp_path, tiny, name):
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
     kw = dict(sft_data=None, seed=0, gated_choices=args.gating_choices, direct_crop=0.5, budget_fraction=0.5)
-    one, _ = sft.sft_examples(records, processor, root, train.rollout_config(args), workers=1, **kw)
-    two, _ = sft.sft_examples(records, processor, root, train.rollout_config(args), workers=2, **kw)
+    one, _ = sft.sft_examples(records, processor, root, train.rollout_config_of_args(args), workers=1, **kw)
+    two, _ = sft.sft_examples(records, processor, root, train.rollout_config_of_args(args), workers=2, **kw)
     assert len(one) == len(two) > len(records)
     for a, b in zip(one, two):
         assert (a.record_id, a.token_ids, a.roles, a.nframes) == (b.record_id, b.token_ids, b.roles, b.nframes)
@@ -223,9 +223,9 @@ def test_sft_items_keep_at_most_their_budget_of_pixels_and_train_the_same(tmp_pa
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
     kw = dict(sft_data=None, seed=0, gated_choices=[])
-    whole, _ = sft.sft_examples(records, processor, root, train.rollout_config(args), **kw)
+    whole, _ = sft.sft_examples(records, processor, root, train.rollout_config_of_args(args), **kw)
     budget = 2 * max(sft.SFTItems._size(t) for t in whole) + 1
-    held, _ = sft.sft_examples(records, processor, root, train.rollout_config(args), cache_bytes=budget, **kw)
+    held, _ = sft.sft_examples(records, processor, root, train.rollout_config_of_args(args), cache_bytes=budget, **kw)
     assert len(held) == len(whole) > 4 and held.held <= budget and len(held.cache) <= 2
     for i in range(len(whole)):
         a, b = whole[i], held[i]
@@ -490,7 +490,7 @@ def tdam_batch(tiny, tmp_path_factory):
     model, processor = tiny
     root = str(tmp_path_factory.mktemp("tdam"))
     recs = [r for r in data.make_split(root, 8, seed=5) if r["data_type"] == "single_clue"][:2]
-    cfg = train.rollout_config(recipes.parse_train_args([]))
+    cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
     oracle = data.oracle_turns(recs[0], np.random.default_rng(0))
     assert any(m["role"] == "tool" for m in oracle)            # the oracle crops
     trajs = [rollout.encode_messages(processor, recs[0], oracle, root, cfg),
@@ -801,7 +801,7 @@ def test_a_bare_run_is_the_tiny_literal_and_the_settings_defaults_are_what_runs(
         assert got == want, key
     assert train.grpo_settings(args) == train.GRPOSettings()
     assert train.sft_settings(args) == train.SFTSettings()
-    assert train.rollout_config(args) == rollout.RolloutConfig.of(recipes.TINY)
+    assert train.rollout_config_of_args(args) == rollout.RolloutConfig.of(recipes.TINY)
     assert rollout.RolloutConfig() == rollout.RolloutConfig.of(recipes.TINY_PROTOCOL)
     assert rollout.RolloutConfig().crop_max_frames == video.CLIP_MAX_FRAMES
     para = recipes.RECIPES["para_grpo"]
@@ -950,12 +950,12 @@ def test_training_forward_hands_the_model_pixels_in_the_compute_dtype(tdam_batch
     hook = model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["pixel_values_videos"].dtype),
                                                  with_kwargs=True)
     with torch.no_grad(), train.autocast(precision, model):
-        hidden = train.forward_hidden(model, batch)[0]
+        hidden = train.hidden_and_targets(model, batch)[0]
     hook.remove()
     assert seen == [{"fp32": torch.float32, "bf16": torch.bfloat16}[precision]]
     with torch.no_grad(), train.autocast(precision, model), \
             mock.patch.object(model_lib, "compute_dtype", lambda m: torch.float32):
-        assert torch.equal(train.forward_hidden(model, batch)[0], hidden)
+        assert torch.equal(train.hidden_and_targets(model, batch)[0], hidden)
 
 
 def test_bf16_tdam_sft_step_on_one_process(tdam_batch):

@@ -135,7 +135,7 @@ def test_eval_max_turns_flag(tmp_path):
     args = evaluation.parse_args(["--max-turns", "0", "--synthetic-n", "2", "--synthetic-mix", "search=1",
                                   "--out", str(tmp_path / "p.jsonl")])
     assert args.max_turns == 0 and args.synthetic_mix == "search=1"
-    cfg = evaluation.rollout_config("paravt", "interleaved", tiny=True, max_turns=0)
+    cfg = evaluation.preset_rollout_config("paravt", "interleaved", tiny=True, max_turns=0)
     assert cfg.max_turns == 0 and cfg.crop_max_frames == 16
 
 
