@@ -8,10 +8,11 @@ same context (Video-o3, arXiv 2601.23224). The file reads in the order a rollout
     3. the prompt    system + Hermes tools block + overview video + question -> a kvcache.Chunk
     4. tools         run_calls (a turn's parallel crop_video calls -> clips), tool_response_parts (the tool
                      responses' text, for a rollout and a recorded trajectory alike)
-    5. memory        row_blocks (a row's worst case, in pool blocks), memory_budget (--rollout-memory-gb)
+    5. memory        row_blocks (a row's worst case, in pool blocks), safe (the banker's rule), split_group; the
+                     budget itself: kvcache.memory_budget (--rollout-memory-gb)
     6. the engine    Engine: admit -> step -> retire over kvcache.GroupKV; run_subagents; run_agent
-    7. training I/O  collate, shared_video_hidden_states (whole trajectories), encode_messages (recorded SFT
-                     trajectories)
+    7. training I/O  collate, shared_video_hidden_states (whole trajectories); a recorded SFT trajectory goes
+                     through the same pieces in sft.encode_messages
 
 Everything works on token sequences. A trajectory is the prompt followed by turns; every token carries a role:
     ENV    prompt, the forced "<think>\n" prefix, tool responses, inserted frames, forced-answer text
@@ -339,7 +340,7 @@ def tool_response_parts(results: list, summaries: dict[int, str] | None = None) 
     each part is "Error: <error>" for a failed call, else the sub-agent's summary text where `summaries` is given
     (subagent mode: summaries by call index, "" for a missing one), else the clip's part (clip_part); `clips`
     the clips those parts show, in order. The rollout (Engine.respond) and a recorded trajectory
-    (encode_messages) both build their responses here; response_chunk_text wraps the parts."""
+    (sft.encode_messages) both build their responses here; response_chunk_text wraps the parts."""
     parts, clips = [], []
     for k, (w, clip, err) in enumerate(results):
         if err is not None:
@@ -915,94 +916,3 @@ def shared_video_hidden_states(model, batch: dict) -> torch.Tensor:
         return model.model(**kw, use_cache=False).last_hidden_state
     finally:
         del model.model.get_video_features
-
-
-# -----------------------------------------------------------------------------
-# SFT: a recorded trajectory encoded through the same machinery as a rollout
-
-
-def _tool_results(message: dict) -> list | None:
-    """The results a message carries back to the policy: a `tool` message is one result (text, or a video item
-    to crop); a `user` message of <tool_response> blocks is one result per block (the papers' data). None: not a
-    tool result."""
-    content = message.get("content")
-    if message["role"] == "tool":
-        has_video = isinstance(content, list) and any(isinstance(x, dict) and x.get("type") == "video" for x in content)
-        return [None] if has_video else [content_text(content)]
-    if message["role"] == "user":
-        text = content_text(content)
-        blocks = [b.strip("\n") for b in re.findall(r"<tool_response>(.*?)</tool_response>", text, re.S)]
-        return blocks or None
-    return None
-
-
-def encode_messages(processor, record: dict, messages: list[dict], video_root: str, cfg: RolloutConfig,
-                    nframes: int | None = None) -> Trajectory:
-    """Token ids + roles + videos of a recorded trajectory (docs/method.md §9 trajectory record, messages after the
-    prompt). Assistant text is POLICY except the forced "<think>\\n" prefix; tool results are rebuilt by
-    the real tool path: a text result (a sub-agent summary) is used verbatim, a video item is cropped by
-    `run_calls` exactly as a rollout would. An assistant message with `"target_chars": N` is a target for its first
-    N characters only; the rest (and its <|im_end|>) is context, as the environment's tokens are (a recorded guess:
-    data.oracle_turns); a token that straddles character N (Qwen's ">C" of "<answer>C") is context. Raises ValueError/VideoError on a bad record or video."""
-    factor = video_factor(processor)
-    path, duration, c, n = encode_prompt(processor, record, video_root, cfg, nframes)
-    t = Trajectory(str(record.get("id", "")), 0, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids),
-                   [(c.pixels, c.grid)], nframes=n)
-    tok = processor.tokenizer
-    add = lambda ids, role: (t.token_ids.extend(ids), t.roles.extend([role] * len(ids)))
-    add(encode_chunk(processor, THINK_PREFIX).ids.tolist(), ENV)
-    i = 0
-    while i < len(messages) and messages[i]["role"] in ("system", "user") and _tool_results(messages[i]) is None:
-        i += 1                             # a recorded prompt: the record's own fields rebuild it
-    while i < len(messages):
-        m = messages[i]
-        if m["role"] != "assistant":
-            raise ValueError(f"{record.get('id')}: expected an assistant message at position {i}, got {m['role']!r}")
-        text = message_text(m)
-        body = text[len(THINK_PREFIX):] if text.startswith(THINK_PREFIX) else text
-        ids = tok(body + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        if (chars := m.get("target_chars")) is None:
-            add(ids, POLICY)
-        else:                  # the same tokens: targets up to the first that ends past the cut, context from it on
-            if not isinstance(chars, int) or isinstance(chars, bool) or not 0 <= chars <= len(text):
-                raise ValueError(f"{record.get('id')}: message {i}: target_chars {chars!r} is not a character count "
-                                 f"in 0..{len(text)}")
-            cut = chars - (len(text) - len(body))
-            ends = [end for _, end in decode_with_offsets(tok, ids)[1]]
-            k = next((j for j, end in enumerate(ends) if end > cut), len(ids))
-            add(ids[:k], POLICY)
-            add(ids[k:], ENV)
-        turn = THINK_PREFIX + body
-        t.turns.append(turn)
-        calls = parse_tool_calls(turn)
-        t.calls.append(calls)
-        j, results = i + 1, []
-        while j < len(messages) and (r := _tool_results(messages[j])) is not None:
-            results += r
-            j += 1
-        if results:
-            t.n_tool_turns += 1
-            t.n_calls += len(calls)
-            if all(isinstance(r, str) for r in results):
-                parts, clips = results, []
-            else:
-                ran = run_calls(calls, path, duration, cfg, factor)
-                parts, clips = tool_response_parts(ran)
-                t.tool_failures += sum(err is not None for _, _, err in ran)
-                t.windows += [w for w, _, err in ran if err is None]
-            # the forced-answer request only where a rollout would send it: the limit reached and the recording
-            # ends with the next turn (a longer recorded trajectory, e.g. Video-o3's 8 turns, goes on as recorded)
-            goes_on = any(_tool_results(x) is not None for x in messages[j:])
-            forced = t.n_tool_turns >= cfg.max_turns and not goes_on
-            rc = encode_chunk(processor, response_chunk_text(parts, forced), clips)
-            add(rc.ids.tolist(), ENV)
-            if rc.pixels is not None:
-                t.videos.append((rc.pixels, rc.grid))
-        elif calls and j < len(messages) and t.n_tool_turns >= cfg.max_turns:
-            # calls with the budget spent and an answer recorded after them: the rollout's forced-answer message
-            add(encode_chunk(processor, response_chunk_text([], True)).ids.tolist(), ENV)
-        i = j
-    t.text = tok.decode(t.token_ids[t.prompt_len:], skip_special_tokens=False)
-    t.answer = extract_answer(t.turns[-1]) if t.turns else None
-    t.done = True
-    return t

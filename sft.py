@@ -1,8 +1,10 @@
 """
 The SFT warm start's data: the trajectories it trains on and TDAM's spans in them (docs/method.md §6).
 
-    sft_examples   recorded (--sft-data) or oracle (the synthetic task) trajectories, each encoded as a rollout
-                   would (rollout.encode_messages), checked once, bad ones counted and skipped
+    encode_messages  a recorded trajectory's messages -> a rollout.Trajectory, through the rollout's own pieces
+                   (the prompt, the tool's crops, rollout.tool_response_parts), so SFT trains on what a rollout sees
+    sft_examples   recorded (--sft-data) or oracle (the synthetic task) trajectories, each encoded so, checked
+                   once, bad ones counted and skipped
     SFTItems       those trajectories, re-encoded on demand and kept while their pixels fit --set sft_cache_gb
     tdam_spans     the overview, call, observation and answer spans of one trajectory, found from its text
     tdam_spec      a batch's TdamSpec (ops.tdam_attention's block-sparse mask), tdam_batch_mask its dense form
@@ -10,6 +12,7 @@ The SFT warm start's data: the trajectories it trains on and TDAM's spans in the
 train.py's run_sft / sft_backward / sft_loss train on them. Shapes: a batch is rollout.collate's dict
 (input_ids, attention_mask, roles (B, L), the vision inputs); a TdamSpec holds lengths (B,) and rects (B, R, 4).
 """
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -18,7 +21,97 @@ import data
 import model as model_lib
 import rollout
 import video
+from data import content_text, message_text
+from model import decode_with_offsets
 from ops import TdamSpec, tdam_rects, to_additive_mask
+from rewards import extract_answer, parse_tool_calls
+
+
+def _tool_results(message: dict) -> list | None:
+    """The results a message carries back to the policy: a `tool` message is one result (text, or a video item
+    to crop); a `user` message of <tool_response> blocks is one result per block (the papers' data). None: not a
+    tool result."""
+    content = message.get("content")
+    if message["role"] == "tool":
+        has_video = isinstance(content, list) and any(isinstance(x, dict) and x.get("type") == "video" for x in content)
+        return [None] if has_video else [content_text(content)]
+    if message["role"] == "user":
+        text = content_text(content)
+        blocks = [b.strip("\n") for b in re.findall(r"<tool_response>(.*?)</tool_response>", text, re.S)]
+        return blocks or None
+    return None
+
+
+def encode_messages(processor, record: dict, messages: list[dict], video_root: str, cfg: rollout.RolloutConfig,
+                    nframes: int | None = None) -> rollout.Trajectory:
+    """Token ids + roles + videos of a recorded trajectory (docs/method.md §9 trajectory record, messages after the
+    prompt). Assistant text is rollout.POLICY except the forced "<think>\\n" prefix; tool results are rebuilt by
+    the real tool path: a text result (a sub-agent summary) is used verbatim, a video item is cropped by
+    `rollout.run_calls` exactly as a rollout would. An assistant message with `"target_chars": N` is a target for its first
+    N characters only; the rest (and its <|im_end|>) is context, as the environment's tokens are (a recorded guess:
+    data.oracle_turns); a token that straddles character N (Qwen's ">C" of "<answer>C") is context. Raises ValueError/VideoError on a bad record or video."""
+    factor = rollout.video_factor(processor)
+    path, duration, c, n = rollout.encode_prompt(processor, record, video_root, cfg, nframes)
+    t = rollout.Trajectory(str(record.get("id", "")), 0, c.ids.tolist(), [rollout.ENV] * len(c.ids), len(c.ids),
+                   [(c.pixels, c.grid)], nframes=n)
+    tok = processor.tokenizer
+    add = lambda ids, role: (t.token_ids.extend(ids), t.roles.extend([role] * len(ids)))
+    add(rollout.encode_chunk(processor, rollout.THINK_PREFIX).ids.tolist(), rollout.ENV)
+    i = 0
+    while i < len(messages) and messages[i]["role"] in ("system", "user") and _tool_results(messages[i]) is None:
+        i += 1                             # a recorded prompt: the record's own fields rebuild it
+    while i < len(messages):
+        m = messages[i]
+        if m["role"] != "assistant":
+            raise ValueError(f"{record.get('id')}: expected an assistant message at position {i}, got {m['role']!r}")
+        text = message_text(m)
+        body = text[len(rollout.THINK_PREFIX):] if text.startswith(rollout.THINK_PREFIX) else text
+        ids = tok(body + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        if (chars := m.get("target_chars")) is None:
+            add(ids, rollout.POLICY)
+        else:                  # the same tokens: targets up to the first that ends past the cut, context from it on
+            if not isinstance(chars, int) or isinstance(chars, bool) or not 0 <= chars <= len(text):
+                raise ValueError(f"{record.get('id')}: message {i}: target_chars {chars!r} is not a character count "
+                                 f"in 0..{len(text)}")
+            cut = chars - (len(text) - len(body))
+            ends = [end for _, end in decode_with_offsets(tok, ids)[1]]
+            k = next((j for j, end in enumerate(ends) if end > cut), len(ids))
+            add(ids[:k], rollout.POLICY)
+            add(ids[k:], rollout.ENV)
+        turn = rollout.THINK_PREFIX + body
+        t.turns.append(turn)
+        calls = parse_tool_calls(turn)
+        t.calls.append(calls)
+        j, results = i + 1, []
+        while j < len(messages) and (r := _tool_results(messages[j])) is not None:
+            results += r
+            j += 1
+        if results:
+            t.n_tool_turns += 1
+            t.n_calls += len(calls)
+            if all(isinstance(r, str) for r in results):
+                parts, clips = results, []
+            else:
+                ran = rollout.run_calls(calls, path, duration, cfg, factor)
+                parts, clips = rollout.tool_response_parts(ran)
+                t.tool_failures += sum(err is not None for _, _, err in ran)
+                t.windows += [w for w, _, err in ran if err is None]
+            # the forced-answer request only where a rollout would send it: the limit reached and the recording
+            # ends with the next turn (a longer recorded trajectory, e.g. Video-o3's 8 turns, goes on as recorded)
+            goes_on = any(_tool_results(x) is not None for x in messages[j:])
+            forced = t.n_tool_turns >= cfg.max_turns and not goes_on
+            rc = rollout.encode_chunk(processor, rollout.response_chunk_text(parts, forced), clips)
+            add(rc.ids.tolist(), rollout.ENV)
+            if rc.pixels is not None:
+                t.videos.append((rc.pixels, rc.grid))
+        elif calls and j < len(messages) and t.n_tool_turns >= cfg.max_turns:
+            # calls with the budget spent and an answer recorded after them: the rollout's forced-answer message
+            add(rollout.encode_chunk(processor, rollout.response_chunk_text([], True)).ids.tolist(), rollout.ENV)
+        i = j
+    t.text = tok.decode(t.token_ids[t.prompt_len:], skip_special_tokens=False)
+    t.answer = extract_answer(t.turns[-1]) if t.turns else None
+    t.done = True
+    return t
 
 
 class SFTItems:
@@ -105,7 +198,7 @@ def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.R
     def encode(pair):                        # k: the overview's frame count (None: the rollout's own rule)
         rec, msgs, where, k, c = pair
         try:
-            item = rollout.encode_messages(processor, rec, msgs, video_root, c, nframes=k)
+            item = encode_messages(processor, rec, msgs, video_root, c, nframes=k)
         except (ValueError, KeyError, TypeError, OSError) as e:
             return None, f"{where}: {e}"
         duration = rec.get("duration") or video.probe(data.resolve_video(video_root, rec["video"])).duration

@@ -653,7 +653,7 @@ def filler_trajectory(processor, records: list, video_root: str, cfg: rollout.Ro
     errors = []
     for rec in records[:8]:
         try:
-            return rollout.encode_messages(processor, rec, [{"role": "assistant", "content": "<answer>A</answer>"}],
+            return sft.encode_messages(processor, rec, [{"role": "assistant", "content": "<answer>A</answer>"}],
                                            video_root, cfg)
         except (ValueError, KeyError, OSError) as e:      # video.VideoError is a ValueError
             errors.append(f"{rec.get('id')}: {e}")

@@ -63,6 +63,7 @@ import ops
 import plan
 import recipes
 import rollout
+import sft
 import runtime
 import train
 import video
@@ -309,7 +310,7 @@ def videoo3_update(rank: int, world: int, args, ckpt: str, root: str, out_dir: s
     trajs = []
     for i in range(train.rank_share(VIDEOO3_ROWS, rank, world)):
         row = rank + world * i                                         # rows 0, 2, 4, 6 on rank 0 of 2
-        t = rollout.encode_messages(processor, rec, sft_messages(args.duration, rec["video"], videoo3_turns(
+        t = sft.encode_messages(processor, rec, sft_messages(args.duration, rec["video"], videoo3_turns(
             args.duration, "AB"[row % 2], row)), root, cfg)
         if t.n_calls != 4 or t.tool_failures or t.answer not in "AB":
             raise RuntimeError(f"videoo3: the recorded episode did not encode as written: {t.n_calls} calls, "
@@ -459,27 +460,27 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     sizes["rl_dense_masks"] = m.pop("dense_masks")
     sizes["rl_grad_norm"] = gn
     # the SFT step: the scripted interleaved episode as a recorded trajectory, TDAM on, gradient checkpointing
-    sft_items = [rollout.encode_messages(processor, rec, sft_messages(args.duration, rec["video"]), root,
+    sft_items = [sft.encode_messages(processor, rec, sft_messages(args.duration, rec["video"]), root,
                                          dataclasses.replace(cfg, tool_mode="interleaved"))]
     del optimizer
     sft_opt = train.make_optimizer(model, targs.sft_lr, targs.vision_lr_scale)
-    sft = {}
+    sft_parts = {}
     t0 = time.time()
-    with phases(meter, sft):
+    with phases(meter, sft_parts):
         loss, n_tok = train.sft_backward(model, sft_items, 1, pad_id, None, tok if args.tdam else None, False,
                                          run.counters, targs.precision)
     run.optimizer_step(model, sft_opt, loss, "sft", 1, [])
     timing["sft_step_s"] = time.time() - t0
     sizes["sft_tokens"], sizes["sft_policy_tokens"] = len(sft_items[0].token_ids), n_tok
-    sizes["sft_patches"] = sft.pop("flight_patches")
+    sizes["sft_patches"] = sft_parts.pop("flight_patches")
     sizes["tdam_no_answer"] = run.counters.get("tdam_no_answer", 0)
     for k in ("flight_tokens", "policy_tokens", "flight_rows", "dense_masks"):
-        sft.pop(k)
+        sft_parts.pop(k)
     vo3 = None
     if args.steps == "all":
         del sft_opt, ref, items, sft_items, g
         vo3 = videoo3_update(rank, world, args, ckpt, root, out_dir, model, processor, meter, device)
-    save_rank(out_dir, rank, world, model, dict(rank=rank, measured=m, sft=sft, sizes=sizes, timing=timing, videoo3=vo3))
+    save_rank(out_dir, rank, world, model, dict(rank=rank, measured=m, sft=sft_parts, sizes=sizes, timing=timing, videoo3=vo3))
 
 
 # -----------------------------------------------------------------------------

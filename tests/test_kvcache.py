@@ -11,6 +11,7 @@ import torch
 import data
 import kvcache
 import rollout
+import sft
 import runtime
 import video
 from conftest import TEST_ROLLOUT
@@ -537,7 +538,7 @@ def test_shared_video_hidden_states_with_parallel_clips_in_one_turn(tiny, split)
     rec = next(r for r in recs if len(r.get("clues") or []) >= 2)
     cfg = rollout.RolloutConfig(**TEST_ROLLOUT)
     msgs = data.oracle_turns(rec, __import__("numpy").random.default_rng(0), always_call=True, nframes=8)
-    t = rollout.encode_messages(processor, rec, msgs, root, cfg, nframes=8)
+    t = sft.encode_messages(processor, rec, msgs, root, cfg, nframes=8)
     assert any(len(g) >= 2 for _, g in t.videos)                   # one entry holds two clips
     twin = rollout.Trajectory(t.record_id, 1, list(t.token_ids), list(t.roles), t.prompt_len, list(t.videos))
     pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")

@@ -80,7 +80,7 @@ def encoded(tiny, cache):
     recs = data.make_split(os.path.join(cache, "synthetic"), 4, seed=77, duration=64.0)
     cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
     rng = __import__("numpy").random.default_rng(0)
-    trajs = [rollout.encode_messages(processor, r, data.oracle_turns(r, rng, always_call=True, nframes=8),
+    trajs = [sft.encode_messages(processor, r, data.oracle_turns(r, rng, always_call=True, nframes=8),
                                      os.path.join(cache, "synthetic"), cfg, nframes=8) for r in recs[:2]]
     return trajs, rollout.collate(trajs, model, processor.tokenizer.pad_token_id)
 

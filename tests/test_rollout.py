@@ -20,6 +20,7 @@ import kvcache
 import model as model_lib
 import recipes
 import rollout
+import sft
 import video
 from model import load_model
 from conftest import TEST_ROLLOUT
@@ -624,8 +625,8 @@ def test_sft_records_as_the_papers_write_them(tiny, split):
     papers[2]["content"] = "<think>\nlook\n</think>"
     papers[3:5] = [{"role": "user", "content": "<tool_response>\na red square\n</tool_response>\n"
                                                "<tool_response>\nnothing\n</tool_response>"}]
-    a = rollout.encode_messages(processor, rec, ours, root, cfg)
-    b = rollout.encode_messages(processor, rec, papers, root, cfg)
+    a = sft.encode_messages(processor, rec, ours, root, cfg)
+    b = sft.encode_messages(processor, rec, papers, root, cfg)
     assert a.token_ids == b.token_ids and a.roles == b.roles and a.n_tool_turns == b.n_tool_turns == 2
     assert [len(c) for c in a.calls] == [2, 1, 0]
     assert a.text.count(rollout.FORCED_ANSWER) == 1                      # after the last tool turn only
@@ -644,8 +645,8 @@ def test_target_chars_leaves_the_rest_of_a_turn_as_context(tiny, split, tokenize
     cfg = rollout.RolloutConfig(**TEST_ROLLOUT)
     text = "<think>\nI cannot read it. I will guess.\n</think>\n<answer>C</answer>"
     cut = text.index("<answer>") + len("<answer>")
-    full = rollout.encode_messages(processor, records[0], [{"role": "assistant", "content": text}], root, cfg)
-    part = rollout.encode_messages(processor, records[0], [{"role": "assistant", "content": text, "target_chars": cut}],
+    full = sft.encode_messages(processor, records[0], [{"role": "assistant", "content": text}], root, cfg)
+    part = sft.encode_messages(processor, records[0], [{"role": "assistant", "content": text, "target_chars": cut}],
                                    root, cfg)
     assert part.token_ids == full.token_ids and part.text == full.text and part.answer == full.answer == "C"
     tok = processor.tokenizer
@@ -661,5 +662,5 @@ def test_target_chars_leaves_the_rest_of_a_turn_as_context(tiny, split, tokenize
     assert sum(r == rollout.POLICY for r in full.roles) == len(after)    # without target_chars: all targets
     for bad in (-1, len(text) + 1, "12", 3.0, True):
         with pytest.raises(ValueError, match="target_chars"):
-            rollout.encode_messages(processor, records[0], [{"role": "assistant", "content": text, "target_chars": bad}],
+            sft.encode_messages(processor, records[0], [{"role": "assistant", "content": text, "target_chars": bad}],
                                     root, cfg)

@@ -493,8 +493,8 @@ def tdam_batch(tiny, tmp_path_factory):
     cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
     oracle = data.oracle_turns(recs[0], np.random.default_rng(0))
     assert any(m["role"] == "tool" for m in oracle)            # the oracle crops
-    trajs = [rollout.encode_messages(processor, recs[0], oracle, root, cfg),
-             rollout.encode_messages(processor, recs[1], two_tool_turns(recs[1]), root, cfg)]
+    trajs = [sft.encode_messages(processor, recs[0], oracle, root, cfg),
+             sft.encode_messages(processor, recs[1], two_tool_turns(recs[1]), root, cfg)]
     assert len(trajs[0].token_ids) != len(trajs[1].token_ids)
     assert [len(t.videos) for t in trajs] == [2, 3]            # overview + one / two observations
     return trajs, rollout.collate(trajs, model, processor.tokenizer.pad_token_id)

@@ -75,7 +75,7 @@ def test_budget_limited_recordings_answer_from_what_was_seen(search, tiny):
         msgs = data.oracle_turns(rec, np.random.default_rng(0), budget=budget)
         assert data.oracle_rounds(msgs) == budget
         assert "guess" in msgs[-1]["content"]          # the glyph was in no frame seen: a guessed letter
-        t = rollout.encode_messages(processor, rec, msgs, root, rollout.RolloutConfig(**{**vars(cfg), "max_turns": budget}))
+        t = sft.encode_messages(processor, rec, msgs, root, rollout.RolloutConfig(**{**vars(cfg), "max_turns": budget}))
         users = user_messages(t.text)
         assert len(users) == 1 and users[0].endswith(rollout.FORCED_ANSWER)   # the forced answer, once
         assert len(responses(t.text)) == budget and t.n_tool_turns == budget
