@@ -12,7 +12,7 @@ The file reads top to bottom (docs/method.md has every formula and its source):
     3. forward passes  hidden_and_targets, policy_head, forward_logprobs: whole trajectories -> hidden states / log-probs
     4. the SFT step    sft_examples (recorded or oracle trajectories), TDAM spans from the text, run_sft
     5. main            one rank of a run: model, data, SFT, RL, the held-out evaluation
-    6. settings        rollout_config_of_args, sft_settings, grpo_settings (from the resolved flags), launch, cli
+    6. settings        rollout_config_of_args, sft_settings, grpo_settings (from the resolved flags), start, cli
 The flags, the presets and the recipes (every default) live in recipes.py; the kernels (fused log-prob gather and
 loss, TDAM's blocked attention) in ops.py, the rollout engine in rollout.py (its K/V cache in kvcache.py), the
 rewards in rewards.py, the run directory and the processes (checkpoints, metrics, FSDP2, the launcher) in
@@ -943,7 +943,7 @@ def grpo_settings(args) -> GRPOSettings:
     return GRPOSettings(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def launch(args) -> None:
+def start(args) -> None:
     """`--plot` alone, or the run: refused when --run-dir holds another run (without --resume), then main on
     every rank (runtime.launch) under the run directory's lock."""
     if args.plot:
@@ -959,7 +959,7 @@ def cli(argv=None) -> None:
     Only this project's own checks speak in one line: an error raised inside a library keeps its traceback."""
     args = recipes.parse_train_args(argv, description=__doc__.split("\n\n")[0])
     try:
-        launch(args)
+        start(args)
     except (ValueError, FileNotFoundError, data.RecordError) as e:
         here = os.path.dirname(os.path.abspath(__file__))
         raised_by_us = os.path.dirname(os.path.abspath(traceback.extract_tb(e.__traceback__)[-1].filename)) == here

@@ -412,7 +412,7 @@ def test_launcher_rejects_missing_devices(argv, monkeypatch):
     monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *a, **k: started.append("spawn"))
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="CUDA device"):
-        train.launch(recipes.parse_train_args(argv))
+        train.start(recipes.parse_train_args(argv))
     assert started == []
 
 
@@ -433,9 +433,9 @@ def test_fresh_run_refuses_a_run_dir_holding_another_run(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "main", lambda *a, **k: started.append("main"))
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="already holds a run.*--resume"):
-        train.launch(recipes.parse_train_args(["--run-dir", str(run), "--device", "cpu"]))
+        train.start(recipes.parse_train_args(["--run-dir", str(run), "--device", "cpu"]))
     assert started == []
-    train.launch(recipes.parse_train_args(["--run-dir", str(run), "--device", "cpu", "--resume"]))
+    train.start(recipes.parse_train_args(["--run-dir", str(run), "--device", "cpu", "--resume"]))
     assert started == ["main"]
 
 
