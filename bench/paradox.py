@@ -1,46 +1,29 @@
 """
-ParaVT's Tool Prior Paradox (arXiv 2605.20342), in miniature: five GRPO variants from one tool-native
-warm start, on the synthetic "needle in a long video" task, on a CPU.
+ParaVT's Tool Prior Paradox (arXiv 2605.20342) in miniature: five GRPO variants from one tool-native warm start, on
+the synthetic "needle in a long video" task, on a CPU (docs/experiments.md, "The Tool Prior Paradox in miniature").
 
-The claim under test. A model that learned in SFT to call `crop_video` on every question is trained with
-GRPO. With a dense overview the glyphs are visible without the tool, so under vanilla GRPO the tool earns
-nothing and its format costs something (closing tags lost under temperature-1 sampling): the tool-call rate
-and the format compliance decay, and the model then fails where the overview is sparse and the tool IS
-needed. PARA-GRPO's two fixes, nFrames gating (K drawn per prompt from sparse to dense overviews) and
-exploration anchoring (a format reward aimed at the closing tags), are meant to keep both, and with them the
-accuracy on the questions that need the tool.
+The claim under test: a model taught in SFT to call `crop_video` on every question, trained by vanilla GRPO on dense
+overviews (where the glyphs are visible without the tool), loses the tool-call rate and the format, and with them
+the accuracy where the overview is sparse and the tool IS needed; PARA-GRPO's nFrames gating and exploration
+anchoring are meant to keep both.
 
-What runs (docs/experiments.md, "The Tool Prior Paradox in miniature"):
-    sft      train.py --stage sft --always-call --sft-gated-overviews 1   (seed 0, shared by every run)
-             the oracle crops every question (a tool prior), on K = 32 overviews and on gated ones (K from
-             GATING), 450 steps (the vision tower frozen, as in the default run): it reads colours, and the
-             gated variants start in distribution
-    rl       5 variants (VARIANTS) x --seeds: train.py --stage rl --model <sft> --temperature 1.0, the same
-             steps, group, prompts and learning rate; ungated runs see K = 32 (DENSE: every glyph is in some
-             overview frame, the tool is never needed), gated runs K ~ GATING
-    eval     each run's last checkpoint, greedy, on its seed's 48 held-out questions, at K = 32 (DENSE) and
-             at K = 8 (SPARSE: a needle's glyph falls between overview frames half the time, a search mark's
-             more often, so those questions need the tool); accuracy split by data.tool_needed
-A seed changes the RL sampling and the synthetic train/held-out records (train.py draws them from --seed).
-Two runs go at a time (--jobs), one torch thread each, on a 2-core machine.
+    sft    train.py --stage sft --always-call --sft-gated-overviews 1 (seed 0, shared): the oracle crops every
+           question, on K = 32 overviews and on gated ones, 450 steps
+    rl     VARIANTS x --seeds: train.py --stage rl --model <sft> --temperature 1.0, the same steps, group, prompts
+           and rate; ungated runs see K = DENSE (the tool is never needed), gated runs K ~ GATING
+    eval   each run's last checkpoint, greedy, on its seed's held-out questions at K = DENSE and K = SPARSE (where
+           a glyph falls between overview frames: the tool is needed); accuracy split by data.tool_needed
 
-Outputs under --out (default runs/paradox):
-    paradox.png   sampled curves against RL step: format compliance, tool-call ratio, accuracy on questions
-                  that need the tool and on those that do not (the overview the rollout drew decides); per
-                  variant the seed mean (faint points) and its moving average over --smooth steps, a min-max band
-                  over seeds; ratios on a fixed [0, 1] axis
-    paradox.md    the held-out table: per variant, at K = 8 and K = 32, MCQ accuracy (all / needs the tool /
-                  does not), tool-call ratio, format compliance: mean over seeds (min-max)
-    <variant>-s<seed>/   train.py's run dir (metrics.jsonl, train.log, final.json) and eval-k8/k32.jsonl
-The last line of stdout is one JSON object: per-variant finals, the curves' first/last values, wall time.
-
-What this does NOT show. The model has ~3 M parameters, each run is minutes of CPU with 16 rollouts a step,
-the task is synthetic: the direction of the effects, not the paper's magnitudes (format compliance during RL
-0.13 -> 0.64 on Qwen3-VL). The bands over 3 seeds say how far to trust a difference.
+Outputs under --out: paradox.png (sampled curves against RL step: per variant the seed mean, its moving average
+over --smooth steps and a min-max band over seeds), paradox.md (the held-out table, mean over seeds (min-max)),
+<variant>-s<seed>/ (train.py's run dir, eval-k8/k32.jsonl). Last line: one JSON object (per-variant finals, the
+curves' first/last values, wall time). A ~3 M-parameter model and minutes of CPU a run: the direction of the
+effects, not the paper's magnitudes.
 
     python bench/paradox.py                                   # the study: under an hour on 2 CPU cores
     python bench/paradox.py --skip-sft runs/paradox/sft       # reuse a warm start
     python bench/paradox.py --plot-only                       # redraw from the run dirs under --out
+    python bench/paradox.py --dry-run                         # print the commands it would run
 Any flag this script does not know is passed to every train.py call (e.g. --max-turns 2).
 """
 import argparse
@@ -52,14 +35,11 @@ import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
+from common import ROOT, checkpoint_dir  # bench/common.py (puts the repo on sys.path)
 
-ROOT = Path(__file__).resolve().parent.parent          # the repo root, where train.py lives
-sys.path.insert(0, str(ROOT))
-import data  # noqa: E402
-from bench.common import checkpoint_dir  # noqa: E402
+import data
 
 # The five variants: train.py flags on top of the common RL flags (see rl_command).
 VARIANTS = {
@@ -73,7 +53,8 @@ LABELS = {"vanilla": "vanilla GRPO (K = 32)", "gating": "+ nFrames gating", "anc
           "para-grpo": "PARA-GRPO", "para+vtgr": "PARA-GRPO + VTGR tool term"}
 DENSE, SPARSE = 32, 8                                    # ungated overview / the overview where needles need the tool
 GATING = "4,8,16,32"                                     # gated overviews (SFT's extra copies and gated RL)
-CURVES = ("format_compliance", "tool_call_ratio", "acc_tool_needed", "acc_tool_not_needed")
+CURVES = {"format_compliance": "format compliance", "tool_call_ratio": "tool-call ratio",     # metric: plot title
+          "acc_tool_needed": "accuracy, tool needed", "acc_tool_not_needed": "accuracy, tool not needed"}
 FINALS = ("accuracy", "acc_tool_needed", "acc_tool_not_needed", "tool_call_ratio", "format_compliance")
 
 
@@ -86,6 +67,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--skip-sft", metavar="DIR", default=None,
                    help="reuse a warm start: a checkpoint dir, or a run dir (its newest checkpoint)")
     p.add_argument("--plot-only", action="store_true", help="only redraw the figure and table from the run dirs")
+    p.add_argument("--dry-run", action="store_true", help="print the commands the study would run (last line: JSON)")
     p.add_argument("--sft-steps", type=int, default=450, help="SFT warm-start steps (at train.py's SFT batch)")
     p.add_argument("--rl-steps", type=int, default=24, help="RL steps of every run")
     p.add_argument("--group-size", type=int, default=16, help="GRPO samples per prompt (the default run's)")
@@ -246,10 +228,6 @@ def moving_average(x: np.ndarray, window: int) -> np.ndarray:
 # -----------------------------------------------------------------------------
 # figure, table, JSON
 
-TITLES = {"format_compliance": "format compliance", "tool_call_ratio": "tool-call ratio",
-          "acc_tool_needed": "accuracy, tool needed", "acc_tool_not_needed": "accuracy, tool not needed"}
-
-
 def plot(res: dict, path: str, smooth: int, n_seeds: int) -> str:
     import matplotlib
     matplotlib.use("Agg")
@@ -263,7 +241,7 @@ def plot(res: dict, path: str, smooth: int, n_seeds: int) -> str:
             ax.plot(steps, mean, ".", color=f"C{c}", alpha=0.2, markersize=3)
             ax.plot(steps, moving_average(mean, smooth), color=f"C{c}", label=LABELS[v])
             ax.fill_between(steps, moving_average(lo, smooth), moving_average(hi, smooth), color=f"C{c}", alpha=0.1)
-        ax.set_title(f"{TITLES[key]} (sampled)", fontsize=10)
+        ax.set_title(f"{CURVES[key]} (sampled)", fontsize=10)
         ax.set_xlabel("RL step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(0, 1.02)
@@ -312,31 +290,40 @@ def summary_json(res: dict, smooth: int) -> dict:
 
 # -----------------------------------------------------------------------------
 
+def run_commands(args, out: str, ckpt: str, variant: str, seed: int, passthrough: list[str]) -> list[list[str]]:
+    """One run's commands: RL from the warm start `ckpt`, then its last checkpoint evaluated at K = SPARSE and DENSE."""
+    run_dir = os.path.join(out, f"{variant}-s{seed}")
+    final = os.path.join(run_dir, f"ckpt-rl-{args.rl_steps:06d}")
+    return [rl_command(args, variant, seed, ckpt, run_dir, passthrough),
+            *(eval_command(final, seed, args.n_eval, k, os.path.join(run_dir, f"eval-k{k}.jsonl")) for k in (SPARSE, DENSE))]
+
+
 def main(argv=None) -> dict:
     args, passthrough = parse_args(argv)
     t0 = time.time()
     out = os.path.abspath(args.out)
     variants, seeds = args.variants.split(","), list(range(args.seeds))
+    sft_dir = os.path.join(out, "sft")
+    if args.dry_run:                                                       # nothing runs
+        ckpt = args.skip_sft or os.path.join(sft_dir, f"ckpt-sft-{args.sft_steps:06d}")
+        cmds = {"sft": None if args.skip_sft else sft_command(args, sft_dir, passthrough),
+                "runs": {f"{v}-s{s}": run_commands(args, out, ckpt, v, s, passthrough) for s in seeds for v in variants}}
+        print(json.dumps(cmds))
+        return cmds
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "PARAVT_CACHE": os.path.join(out, "cache")}      # one video cache for every run
     if not args.plot_only:
         if args.skip_sft:
             ckpt = checkpoint_dir(args.skip_sft)
         else:
-            sft_dir = os.path.join(out, "sft")
             run_once([sft_command(args, sft_dir, passthrough)], sft_dir, env)
             ckpt = checkpoint_dir(sft_dir)
         print(f"warm start: {ckpt}", flush=True)
         one = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}   # a core per run
-
-        def job(v: str, seed: int) -> dict:
-            run_dir = os.path.join(out, f"{v}-s{seed}")
-            final = os.path.join(run_dir, f"ckpt-rl-{args.rl_steps:06d}")
-            return run_once([rl_command(args, v, seed, ckpt, run_dir, passthrough),
-                             *(eval_command(final, seed, args.n_eval, k, os.path.join(run_dir, f"eval-k{k}.jsonl"))
-                               for k in (SPARSE, DENSE))], run_dir, one)
         with ThreadPoolExecutor(args.jobs) as pool:          # seed-major: a partial study covers every variant
-            for f in [pool.submit(job, v, s) for s in seeds for v in variants]:
+            jobs = [pool.submit(run_once, run_commands(args, out, ckpt, v, s, passthrough),
+                                os.path.join(out, f"{v}-s{s}"), one) for s in seeds for v in variants]
+            for f in jobs:
                 f.result()
     res = collect(out, variants, seeds, args.n_eval)
     png = plot(res, os.path.join(out, "paradox.png"), args.smooth, len(seeds))

@@ -227,7 +227,12 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=flags.micro_batch, help="train.py's flag: rows per training forward")
     p.add_argument("--micro-batch-tokens", type=int, default=flags.micro_batch_tokens,
                    help="train.py's flag: padded tokens per training forward")
+    p.add_argument("--parts", metavar="JSON", help="print memory_parts' bytes for each keyword set of a JSON list (the "
+                   "8B shape, its keys overridden by a set's 'model') and exit")
     args = p.parse_args()
+    if args.parts:
+        print(json.dumps([memory_parts({**QWEN3VL_8B, **kw.pop("model", {})}, **kw) for kw in json.loads(args.parts)]))
+        return
     rows = [project(n, r, bool(args.shared_prefix), args.mfu, args.hbm_efficiency, args.decode_batch_efficiency,
                     args.workspace_gb, args.rollout_memory_gb, args.micro_batch, args.micro_batch_tokens)
             for n, r in RECIPES.items()]
