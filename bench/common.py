@@ -56,10 +56,11 @@ def timed(fn: Callable[[], object]) -> tuple[float, float, object]:
     return time.perf_counter() - w0, time.process_time() - c0, out
 
 
-def ab_times(sides: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def ab_times(sides: dict[str, Callable[[], object]], repeats: int, warmup: bool = True
+             ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """(wall, cpu): seconds of each side's repeats, run interleaved A, B, A, B, ... after one untimed call each (CPU
     time is the steadier figure on a shared machine at one thread)."""
-    for fn in sides.values():
+    for fn in sides.values() if warmup else []:
         fn()
     wall, cpu = {name: [] for name in sides}, {name: [] for name in sides}
     for _ in range(repeats):

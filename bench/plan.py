@@ -37,8 +37,7 @@ QWEN3VL_8B = dict(layers=36, d_model=4096, q_dim=32 * 128, kv_dim=8 * 128, mlp=1
                   params_vision=0.6e9, vision_width=1152, vision_depth=27, vision_mlp=4304, vision_taps=3,
                   head_dim=128)
 KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2          # layers x kv_heads x head_dim x (K, V) x bf16
-PARAMS = QWEN3VL_8B["params"]
-TEXT_PARAMS = QWEN3VL_8B["text_params"]             # decoder only (what a decoded token reads)
+PARAMS, TEXT_PARAMS = QWEN3VL_8B["params"], QWEN3VL_8B["text_params"]   # text: the decoder (what a token reads)
 LAYERS, D_MODEL = QWEN3VL_8B["layers"], QWEN3VL_8B["d_model"]
 PATCHES_PER_TOKEN = 4                               # a visual token merges 2 x 2 patches (each 2 frames x 16 x 16)
 PATCH_VALUES = 3 * 2 * 16 * 16                      # pixel values of one patch

@@ -42,8 +42,7 @@ RECORD = {"id": "rehearsal", "video": "rehearsal.mp4", "question": "Which colour
 SAMPLE_SEED = 0                       # Run.seed: the scripted rows are found by their sampling seeds
 GROUP = 2                             # rows a rank samples (one prompt a rank)
 VIDEOO3_ROWS = 8                      # rows of the Video-o3 update over all ranks
-PARTS = ("weights_shard", "weights_rollout", "reference", "optimizer", "grads", "kv", "activations", "backward",
-         "loss")
+PARTS = ("weights_shard", "weights_rollout", "reference", "optimizer", "grads", "kv", "activations", "backward", "loss")
 VIDEOO3_PARTS = ("weights_shard", "optimizer", "grads", "activations", "backward", "loss")    # the update's
 
 
