@@ -274,7 +274,7 @@ def bpe_merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     merge priority r. Every multi-byte token gets one merge, in rank order, so a Hugging Face BPE model
     with these merges tokenizes exactly as tiktoken does (Qwen's: 151,387 merges for 151,643 ranks).
     Cost: O(sum of len(t)^2) dictionary look-ups: 0.9 s for Qwen's ranks in CPython on one core
-    (bench/qwen_tokenizer_build.py), hence the caches in `qwen_tokenizer`.
+    (measured by bench/qwen_tokenizer_build.py, since removed: docs/experiments.md), hence the caches in `qwen_tokenizer`.
     """
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
@@ -330,7 +330,7 @@ def qwen_tokenizer(cache_dir: str | None = None):
     A cold build takes 3.0 s (merges 0.9 s, the rest the `tokenizers` pipeline), so the built tokenizer is
     kept as JSON in-process, and on disk under `cache_dir` (default: $PARAVT_CACHE/qwen_tokenizer when
     PARAVT_CACHE is set), keyed by the sha256 of the ranks file; a cached call takes 1.0 s, spent in
-    loading the JSON and wrapping it (bench/qwen_tokenizer_build.py, 1 thread of a 2-core CPU). Every
+    loading the JSON and wrapping it (the same measurement, 1 thread of a 2-core CPU). Every
     call returns a fresh object (callers may change its template or padding side).
     """
     from tokenizers import Tokenizer

@@ -44,7 +44,7 @@ _MIN_CHUNK_LOGITS = 1 << 23   # the losses' smallest chunk buffer, in elements (
 MAX_CHUNKS = 8                  # the default chunk rule splits a loss into at most this many chunks (_auto_chunk)
 
 # Layout: a chunk of C tokens has its logits vocab-major, logits^T = W h_c^T of shape (V, C), in one reused buffer,
-# so the GEMMs are (V, D) x (D, C), (D, V) x (V, C) and (V, C) x (C, D). `python bench/chunk_layout.py` (CPU, MKL,
+# so the GEMMs are (V, D) x (D, C), (D, V) x (V, C) and (V, C) x (C, D). Measured (bench/chunk_layout.py, removed; docs/experiments.md; CPU, MKL,
 # fp32, N = 1,024, D = 4,096, V = 151,936): the three GEMMs chunk by chunk took 1.31x / 1.12x / 1.05x the time of
 # the whole-batch GEMMs at C = 128 / 256 / 512 token-major (C, V), 1.09x / 1.01x / 1.00x vocab-major. The softmax
 # reductions then run over the buffer's outer axis.

@@ -39,7 +39,6 @@ Shapes: positions (3, B, L) for (t, h, w); logits (B, V); the cache's shapes: kv
 """
 import dataclasses
 import json
-import re
 import time
 import warnings
 from collections import deque
@@ -47,12 +46,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-import video
-from data import INSTRUCTIONS, content_text, format_question, message_text, resolve_video
 import kvcache
 import recipes
+import video
+from data import INSTRUCTIONS, format_question, resolve_video
 from kvcache import Chunk, GroupKV, blocks_for, kv_bytes_per_token
-from model import TOOLS_INTRO, TOOLS_OUTRO, decode_with_offsets, special_token_ids
+from model import TOOLS_INTRO, TOOLS_OUTRO, special_token_ids
 from rewards import ToolCall, call_window, extract_answer, parse_tool_calls
 
 ENV, POLICY = 0, 1

@@ -709,7 +709,7 @@ def sft_loss(model, batch: dict, chunk_size: int | None = None, attn_mask_4d=Non
 
 def sft_micro_batches(items: list, rows: int, model, pad_id: int):
     """Collated micro-batches of `rows` trajectories, shortest first: rows of like length share a pad length,
-    so a batch of mixed lengths costs fewer padded tokens (measured: bench/sft_microbatch.py)."""
+    so a batch of mixed lengths costs fewer padded tokens (measured by bench/sft_microbatch.py, since removed: docs/experiments.md)."""
     items, rows = sorted(items, key=lambda t: len(t.token_ids)), max(1, rows)
     for i in range(0, len(items), rows):
         yield rollout.collate(items[i:i + rows], model, pad_id)

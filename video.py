@@ -253,7 +253,7 @@ def to_rgb(frame: av.VideoFrame) -> np.ndarray:
     PyAV's own call makes a new swscale context for every frame, and since PyAV 17 (`sws_scale_frame`, threads
     chosen automatically) its worker threads too: ~0.2 ms a 64x64 frame on an idle machine and ~5 ms while the
     model keeps the cores busy, most of the synthetic task's decoding time. One reused single-threaded context
-    gives the same pixels in ~0.01 ms (bench/frame_convert.py); parallel decoding is `DecodePool`'s threads."""
+    gives the same pixels in ~0.01 ms (measured: docs/experiments.md); parallel decoding is `DecodePool`'s threads."""
     conv = getattr(_LOCAL, "rgb", None)
     if conv is None:
         conv = _LOCAL.rgb = VideoReformatter()

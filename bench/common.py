@@ -1,11 +1,8 @@
-"""Small helpers shared by the bench scripts: threads, A/B timing interleaved, medians, a table, memory counters
-(LiveTensors: the peak of live tensor bytes, the same in every run; PeakRSS: resident memory, noisy).
-
-A bench compares two ways of doing the same work on a shared, noisy machine. So the two sides run
-interleaved (A, B, A, B, ...) after one untimed warm-up each, and each side reports the median of its
-repeats; ratios are ratios of medians. The last line a bench prints is one JSON object.
-"""
+"""Helpers shared by the bench scripts: checkpoints, threads, A/B timing (two sides run interleaved after one untimed
+warm-up each, medians compared: the machine is shared and noisy), a table, the last-line JSON, a scripted sampler,
+memory counters (LiveTensors: the peak of live tensor bytes, the same in every run; PeakRSS: resident memory)."""
 import json
+import os
 import statistics
 import sys
 import time
@@ -22,7 +19,6 @@ if str(ROOT) not in sys.path:
 def checkpoint_dir(path: str) -> str:
     """A checkpoint dir (has config.json) as is, or a run dir's newest complete checkpoint (runtime.latest_checkpoint).
     Raises FileNotFoundError naming the path otherwise."""
-    import os
     from runtime import latest_checkpoint
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -42,14 +38,12 @@ def checkpoint_or_exit(path: str, script: str) -> str:
 
 def synthetic_root() -> str:
     """The folder the synthetic task's videos are rendered into ($PARAVT_CACHE/synthetic, as train.py and eval.py)."""
-    import os
     return os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
 
 
 def set_threads(n: int) -> int:
-    """Use n intra-op threads (0 = leave torch's default). Token-by-token decoding of a tiny model is
-    latency-bound; on a shared CPU, threads waiting on each other slow every small matmul, so the
-    benches default to 1. Returns the count in use."""
+    """Use n intra-op threads (0 = torch's default; the benches default to 1: on a shared CPU threads waiting on each
+    other slow every small matmul). Returns the count in use."""
     if n > 0:
         torch.set_num_threads(n)
     return torch.get_num_threads()
@@ -64,11 +58,10 @@ def timed(fn: Callable[[], object]) -> tuple[float, float, object]:
 
 def ab_times(sides: dict[str, Callable[[], object]], repeats: int, warmup: bool = True
              ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """(wall, cpu): seconds of each side's repeats, run interleaved A, B, A, B, ... after one untimed
-    call each. CPU time (process_time) is the steadier figure on a shared machine when threads = 1."""
-    if warmup:
-        for fn in sides.values():
-            fn()
+    """(wall, cpu): seconds of each side's repeats, run interleaved A, B, A, B, ... after one untimed call each (CPU
+    time is the steadier figure on a shared machine at one thread)."""
+    for fn in sides.values() if warmup else []:
+        fn()
     wall, cpu = {name: [] for name in sides}, {name: [] for name in sides}
     for _ in range(repeats):
         for name, fn in sides.items():
@@ -78,8 +71,7 @@ def ab_times(sides: dict[str, Callable[[], object]], repeats: int, warmup: bool 
     return wall, cpu
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
+median = statistics.median
 
 
 def table(rows: list[list], header: list[str]) -> str:
@@ -101,6 +93,26 @@ def print_json(obj: dict) -> None:
             return [rnd(v) for v in x]
         return x
     print(json.dumps(rnd(obj)), flush=True)
+
+
+class Script:
+    """Stand-in for rollout.sample_tokens: the row with seed s writes the token lists turns(s), one per assistant turn
+    (the last repeating). With `sample` (the real sampler) that runs first, its cost counted, and its draws are
+    replaced."""
+
+    def __init__(self, turns: Callable[[int], list[list[int]]], sample=None):
+        self.turns, self.sample, self.pos = turns, sample, {}
+
+    def __call__(self, logits, seeds, counters, temperature, top_p):
+        if self.sample is not None:
+            self.sample(logits, seeds, counters, temperature, top_p)
+        out = []
+        for seed in seeds.tolist():
+            turns, (t, p) = self.turns(seed), self.pos.get(seed, (0, 0))
+            toks = turns[min(t, len(turns) - 1)]
+            self.pos[seed] = (t + 1, 0) if p + 1 == len(toks) else (t, p + 1)
+            out.append(toks[p])
+        return torch.tensor(out, device=logits.device)
 
 
 def rss_mb() -> float:
@@ -138,13 +150,10 @@ class PeakRSS:
 
 class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
     """Peak bytes of tensor storage alive at once among the storages created inside the block (each storage once,
-    however many views share it; what existed before, e.g. the weights, is not counted). Every operation goes
-    through this Python hook, which checks which storages have died since the last one: slow, so time a side
-    in another run. Unlike RSS it does not depend on the allocator's caching or on what ran before: the same
-    figure in every run. The same instance may be entered again and again (only some calls counted): storages
-    created inside stay counted between entries until they die. `extra`: a function giving bytes that no
-    operation creates, added to every reading (FSDP2's all-gathered parameters live in storages it resizes in
-    place)."""
+    however many views share it; what existed before, e.g. the weights, is not counted): unlike RSS, the same
+    figure in every run. A Python hook on every operation: slow, so time a side in another run. The instance may
+    be entered again and again; storages created inside stay counted until they die. `extra`: bytes no operation
+    creates, added to every reading (FSDP2's all-gathered parameters live in storages it resizes in place)."""
 
     def __init__(self, extra: Callable[[], int] | None = None):
         from torch.multiprocessing.reductions import StorageWeakRef

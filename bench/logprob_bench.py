@@ -1,53 +1,38 @@
 """
 Benchmark: the GRPO loss from hidden states x lm_head, forward + backward, four ways.
 
-    naive     log_softmax(h @ W^T).gather(t), then grpo_loss: the full (N, V) logits, ~3 (N, V) tensors in backward
-    rowwise   full logits, then log_softmax one sequence (row of the batch) at a time, as TRL's
-              selective_log_softmax does for bf16 (N tokens as `--rows` sequences of N / rows), then grpo_loss_on_logprobs
-    logprobs  ops.token_logprobs (token chunks, logits recomputed in backward: 4 GEMMs), then grpo_loss_on_logprobs
-    fused     train.grpo_loss: ops.token_loss, the gradients formed in the forward (3 GEMMs), its default
-              chunk (ops._auto_chunk: Liger's, but at most 8 chunks)
-    fused_liger  the same with Liger's chunk rule (ops._liger_chunk: the (C, V) buffer ~ the hidden states)
+    naive        log_softmax(h @ W^T).gather(t), then grpo_loss: the full (N, V) logits
+    rowwise      full logits, log_softmax one sequence at a time (as TRL's selective_log_softmax for bf16)
+    fused        train.grpo_loss, what trains: ops.token_logprobs (chunks, logits recomputed in backward: 4 GEMMs)
+                 at its default chunk (ops._auto_chunk), then the GRPO terms on the log-probs
+    fused_liger  the same with Liger's chunk rule (ops._liger_chunk)
 
     python bench/logprob_bench.py                                  # N 4096, D 4096, V 151,936, fp32, CPU
-    python bench/logprob_bench.py --n 512 --vocab 32000 --repeats 1            # a quick, smaller run
     python bench/logprob_bench.py --device cuda --dtype bfloat16   # on a GPU
 
-The same loss for all: PPO-clip (eps 0.2 / 0.3) with per-sequence advantages and a k3 KL (beta 0.01)
-to a reference, token-mean over all N tokens, at temperature 0.7 (the RL sampling temperature);
-old and reference log-probs are fixed random values near log(1 / V).
-Each method runs in its own subprocess, so one method's memory never counts against another's.
-Peak extra memory = the highest peak of a timed pass minus what was resident before: VmHWM - VmRSS
-from /proc/self/status (CPU; the high-water mark is reset through /proc/self/clear_refs before
-each pass), or max_memory_allocated - memory_allocated (CUDA). It includes the gradients of h and W that every
-method must return; "working" memory is that peak minus those gradients. Time is the median of
---repeats forward+backward passes (wall clock; process CPU seconds beside it, steadier when other
-jobs share the machine) after a warm-up of two passes over one chunk of tokens; the
-first pass minus the second (first_call_extra_s) is the torch.compile time of the chunked methods, reported
-apart. The loss and the norms of grad h and grad W are compared across methods.
-On CPU, N is halved until the naive method's estimated footprint fits in --mem-fraction of
-MemAvailable (printed when it happens).
-Targets: fused peak extra memory (and working memory) <= 1/8 of naive's, time <= 0.9x naive's.
+The same loss for all (PPO-clip 0.2 / 0.3, a k3 KL 0.01, token-mean, T 0.7), each method in its own process. Peak
+extra memory: a timed pass's peak minus what was resident before (CPU: VmHWM - VmRSS; CUDA: the allocator);
+"working": that minus the gradients of h and W every method returns. Time: the median of --repeats passes after
+two warm-ups (their difference: torch.compile's time). Loss and gradient norms must agree across methods. On CPU
+N is halved until naive fits --mem-fraction of MemAvailable. Targets: fused memory <= 1/8 of naive's, time <= 0.9x.
 The last line of output is one JSON object.
 """
 import argparse
 import gc
 import json
 import math
-import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import median  # bench/common.py (puts the repo on sys.path)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `import train`
-import ops  # noqa: E402
-import train  # noqa: E402
+import ops
+import train
 
-METHODS = ("naive", "rowwise", "logprobs", "fused", "fused_liger")
+METHODS = ("naive", "rowwise", "fused", "fused_liger")
 TEMPERATURE = 0.7
 GRPO = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.01, kl_estimator="k3")
 GB = 1024 ** 3
@@ -72,11 +57,6 @@ def rowwise(hidden, weight, targets, problem, chunk_size, use_compile):
     return grpo(torch.cat(per_row), problem)
 
 
-def logprobs(hidden, weight, targets, problem, chunk_size, use_compile):
-    return grpo(ops.token_logprobs(hidden, weight, targets, chunk_size=chunk_size, compile=use_compile,
-                                     temperature=TEMPERATURE), problem)
-
-
 def fused(hidden, weight, targets, problem, chunk_size, use_compile):
     old, adv, ref, mask = problem
     return train.grpo_loss(hidden.view(*mask.shape, -1), weight, targets.view(mask.shape), old, adv, mask,
@@ -94,9 +74,9 @@ def proc_status_kb(field: str) -> int:
 def worker(args) -> dict:
     """Run one method in this process; return its timings and peak extra memory."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    fn = {"naive": naive, "rowwise": rowwise, "logprobs": logprobs, "fused": fused, "fused_liger": fused}[args.worker]
+    fn = {"naive": naive, "rowwise": rowwise, "fused": fused, "fused_liger": fused}[args.worker]
     chunk_size = {"fused": args.fused_chunk, "fused_liger": ops._liger_chunk(args.n, args.d, args.vocab)}.get(
-        args.worker, args.chunk_size)
+        args.worker)
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(args.n, args.d, generator=gen, device=device, dtype=dtype)
     weight = (torch.randn(args.vocab, args.d, generator=gen, device=device, dtype=dtype)
@@ -149,8 +129,8 @@ def worker(args) -> dict:
     runs = [fwd_bwd(args.n) for _ in range(args.repeats)]
     peak = max(r[2] for r in runs)
     grad_bytes = (args.n + args.vocab) * args.d * hidden.element_size()          # grad h + grad W, returned by all
-    return {"time_s": statistics.median(r[0] for r in runs), "times_s": [r[0] for r in runs],
-            "cpu_s": statistics.median(r[1] for r in runs), "first_call_extra_s": first - second,
+    return {"time_s": median(r[0] for r in runs), "times_s": [r[0] for r in runs],
+            "cpu_s": median(r[1] for r in runs), "first_call_extra_s": first - second,
             "peak_extra_gb": (peak - before) / GB, "working_gb": (peak - before - grad_bytes) / GB,
             "checksums": checksums}
 
@@ -163,17 +143,14 @@ def fit_n(args) -> tuple[int, str]:
     else:
         free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
     budget = args.mem_fraction * free
+    naive_bytes = lambda n: 3 * n * args.vocab * 4 + 2 * (n + args.vocab) * args.d * elem   # 3 fp32 (N, V) in backward
     n = args.n
-    while True:
-        inputs_and_grads = 2 * (n + args.vocab) * args.d * elem
-        naive_bytes = 3 * n * args.vocab * 4 + inputs_and_grads + 0.5 * GB      # 3 live fp32 (N, V) tensors in backward
-        if naive_bytes <= budget or n <= args.rows:
-            break
+    while n > args.rows and naive_bytes(n) + 0.5 * GB > budget:
         n //= 2
     n -= n % args.rows
     note = "" if n == args.n else (f"N reduced from {args.n} to {n}: the naive method would need "
-                                   f"~{(3 * args.n * args.vocab * 4 + 2 * (args.n + args.vocab) * args.d * elem) / GB:.1f} GB, "
-                                   f"budget {budget / GB:.1f} GB ({args.mem_fraction} x {free / GB:.1f} GB free)")
+                                   f"~{naive_bytes(args.n) / GB:.1f} GB, budget {budget / GB:.1f} GB "
+                                   f"({args.mem_fraction} x {free / GB:.1f} GB free)")
     return n, note
 
 
@@ -184,9 +161,8 @@ def main():
     p.add_argument("--vocab", type=int, default=151_936, help="vocabulary (V); Qwen: 151,936")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of h and W")
-    p.add_argument("--chunk-size", type=int, default=1024, help="tokens per chunk for logprobs")
     p.add_argument("--fused-chunk", type=int, default=0,
-                   help="tokens per chunk for fused; 0 = token_loss's own choice (ops._auto_chunk) for this N, D, V")
+                   help="tokens per chunk for fused; 0 = the losses' own choice (ops._auto_chunk) for this N, D, V")
     p.add_argument("--rows", type=int, default=8, help="sequences the N tokens form (rowwise, the advantages)")
     p.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per method")
     p.add_argument("--mem-fraction", type=float, default=0.6, help="share of free memory the naive run may use")
@@ -206,20 +182,16 @@ def main():
         print(note)
     # the fused chunk, fixed for the warm-up and the timed passes alike (one compiled shape)
     fused_chunk = args.fused_chunk or ops._auto_chunk(n, args.d, args.vocab)
-    print(f"device {args.device}  dtype {args.dtype}  N {n}  D {args.d}  V {args.vocab}  chunk {args.chunk_size}  "
+    print(f"device {args.device}  dtype {args.dtype}  N {n}  D {args.d}  V {args.vocab}  "
           f"fused chunk {fused_chunk}  rows {args.rows}  repeats {args.repeats}  T {TEMPERATURE}", flush=True)
     results = {}
     for method in methods:
-        cmd = [sys.executable, __file__, "--worker", method, "--n", str(n), "--d", str(args.d),
-               "--vocab", str(args.vocab), "--device", args.device, "--dtype", args.dtype,
-               "--chunk-size", str(args.chunk_size), "--fused-chunk", str(fused_chunk), "--rows", str(args.rows),
-               "--repeats", str(args.repeats)]
-        cmd += ["--no-compile"] if args.no_compile else []
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", method, "--n", str(n), "--device", args.device,
+               "--fused-chunk", str(fused_chunk)]                           # this run's flags, N fitted, one method
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"logprob_bench.py: the {method} worker failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-        results[method] = json.loads(proc.stdout.strip().splitlines()[-1])
-        r = results[method]
+        r = results[method] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{method:11s} time {r['time_s']:8.2f} s  cpu {r['cpu_s']:8.1f} s  peak extra {r['peak_extra_gb']:7.2f} GB  "
               f"working {r['working_gb']:7.2f} GB  first call +{r['first_call_extra_s']:5.1f} s", flush=True)
 
@@ -228,13 +200,9 @@ def main():
     agree = max([abs(a - b) / max(1.0, abs(b)) for m in methods for a, b in zip(results[m]["checksums"], nv["checksums"])])
     if agree > 1e-3:
         raise SystemExit(f"logprob_bench.py: the methods disagree (relative checksum difference {agree:.2e})")
-    ratios = {}
-    for m in methods[1:] if methods[0] == "naive" else [m for m in methods if m != "naive"]:
-        r = results[m]
-        ratios[f"mem_{m}_over_naive"] = r["peak_extra_gb"] / nv["peak_extra_gb"]
-        ratios[f"working_{m}_over_naive"] = r["working_gb"] / nv["working_gb"]
-        ratios[f"time_{m}_over_naive"] = r["time_s"] / nv["time_s"]
-        ratios[f"cpu_{m}_over_naive"] = r["cpu_s"] / nv["cpu_s"]      # CPU seconds: steadier on a shared machine
+    # each method over naive: extra peak, working memory, wall time, CPU seconds (steadier on a shared machine)
+    ratios = {f"{name}_{m}_over_naive": results[m][key] / nv[key] for m in methods if m != "naive"
+              for name, key in (("mem", "peak_extra_gb"), ("working", "working_gb"), ("time", "time_s"), ("cpu", "cpu_s"))}
     targets = {}
     if "fused" in results:
         targets = {"fused_mem_le_1/8_naive": ratios["mem_fused_over_naive"] <= 1 / 8,
@@ -242,7 +210,7 @@ def main():
                    "fused_time_le_0.9_naive": ratios["time_fused_over_naive"] <= 0.9}
     print("\n".join(f"{k:28s} {v:.3f}" for k, v in ratios.items()))
     print(json.dumps({"device": args.device, "dtype": args.dtype, "n_requested": args.n, "n": n, "d": args.d,
-                      "vocab": args.vocab, "chunk_size": args.chunk_size, "fused_chunk": fused_chunk,
+                      "vocab": args.vocab, "fused_chunk": fused_chunk,
                       "rows": args.rows, "temperature": TEMPERATURE, "repeats": args.repeats, "note": note,
                       "checksum_rel_diff": agree, "compile_s": {m: results[m]["first_call_extra_s"] for m in methods},
                       "results": results, "ratios": ratios, "targets_met": targets}))

@@ -1,15 +1,11 @@
 """
 Two checkpoints on the same questions, question by question: did RL fix or break answers of its SFT warm start?
 
-Reads two predictions files of one synthetic split (eval.py --synthetic-n N --synthetic-seed S --out FILE, once per
-checkpoint) and prints, for each side, the MCQ accuracy overall, by question kind and on the questions whose
-K-frame overview hides a glyph the answer reads (data.tool_needed: the tool is needed) and on the others, with the
-tool-call ratio on each; then the MCQs B answered right and A wrong ("fixed"), the reverse ("broken"), and the
-two-sided sign test of fixed against broken (exact binomial, ties dropped): how likely a split at least this
-uneven is if RL changed answers at random. Why an answer changed: each side's accuracy where every glyph the answer
-reads fell in a frame it was shown (overview or crop: data.glyphs_seen) and where none did, and the fixed / broken
-answers split by what changed: what was seen ("look": one side's frames showed the glyphs, the other's did not),
-the reading of the same evidence ("read": both saw them), or a guess ("guess": neither did).
+From two predictions files of one synthetic split: each side's MCQ accuracy overall, by kind, by tool need
+(data.tool_needed) with the tool-call ratio, and by whether every glyph the answer reads was in a frame shown
+(data.glyphs_seen); the answers B fixed and broke, the two-sided exact sign test of fixed against broken, and the
+changes split by what was seen ("look": one side's frames showed the glyphs, the other's not; "read": both saw
+them; "guess": neither).
 
     python eval.py --model runs/s0/ckpt-sft-000500 --synthetic-n 432 --synthetic-seed 3000 --out runs/eval/s0-sft.jsonl
     python eval.py --model runs/s0/ckpt-rl-000020 --synthetic-n 432 --synthetic-seed 3000 --out runs/eval/s0-rl.jsonl
@@ -20,17 +16,13 @@ The last line is one JSON object.
 import argparse
 import json
 import math
-import os
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import benchmarks  # noqa: E402
-import data  # noqa: E402
-import eval as evaluation  # noqa: E402
-import recipes  # noqa: E402
-import rollout  # noqa: E402
+from common import synthetic_root, table  # bench/common.py (puts the repo on sys.path)
+
+import benchmarks
+import data
+import eval as evaluation
+import recipes
 
 KINDS = ("single_clue", "multi_clue", "search", "direct")
 
@@ -56,7 +48,7 @@ def correct(records: list[dict], rows: list[dict], where: str) -> dict[str, bool
 
 def seen(records: list[dict], rows: list[dict], nframes: int) -> dict[str, bool]:
     """MCQ id -> every glyph its answer reads fell in a frame shown (the K-frame overview, the crops of `windows`
-    as the tiny default's rollout samples them: recipes.TINY_FRAMES's crop_fps and crop_max_frames)."""
+    as the tiny default's rollout samples them: recipes.TINY's crop_fps and crop_max_frames)."""
     by_id = {str(r["id"]): r for r in rows}
     fps, cap = recipes.TINY["crop_fps"], recipes.TINY["crop_max_frames"]
     return {r["id"]: bool(data.glyphs_seen(r, nframes, by_id[r["id"]].get("windows"), fps, cap))
@@ -106,30 +98,23 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, required=True, help="the split's seed (eval.py --synthetic-seed)")
     p.add_argument("--nframes", type=int, default=8, help="the evaluation overview's K (the tiny model's: 8)")
     args = p.parse_args(argv)
-    records = benchmarks.synthetic_records(os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic"),
-                                           n=args.n, seed=args.seed)
+    records = benchmarks.synthetic_records(synthetic_root(), n=args.n, seed=args.seed)
     try:
         result = compare(records, evaluation.read_predictions(args.a), evaluation.read_predictions(args.b),
                          args.nframes, (args.a, args.b))
     except (ValueError, OSError) as e:
         raise SystemExit(f"paired.py: {e}") from None
-    cols = ["all", *KINDS, "tool_needed", "tool_not_needed"]   # the seen split has its own lines below
-    n = result["a"]["n"]
-    print("| checkpoint | " + " | ".join(f"{c} ({n[c]})" for c in cols) + " | tool-call ratio needed / not |")
-    print("|---" * (len(cols) + 2) + "|")
-    for side, path in (("a", args.a), ("b", args.b)):
-        s = result[side]
-        print(f"| {path} | " + " | ".join(f"{s.get(c, float('nan')):.1f}" for c in cols)
-              + f" | {s.get('tool_call_ratio_needed', float('nan')):.2f} / {s.get('tool_call_ratio_not_needed', float('nan')):.2f} |")
+    nan, n = float("nan"), result["a"]["n"]
+    cols = ["all", *KINDS, "tool_needed", "tool_not_needed", "seen", "unseen"]     # MCQ accuracy (%) of each group
+    print(table([[path, *(result[side].get(c, nan) for c in cols), result[side]["n"]["seen"],
+                  result[side].get("tool_call_ratio_needed", nan), result[side].get("tool_call_ratio_not_needed", nan)]
+                 for side, path in (("a", args.a), ("b", args.b))],
+                ["checkpoint", *(f"{c} ({n[c]})" for c in cols[:-2]), "glyphs seen", "not seen", "n seen",
+                 "calls where needed", "where not"]))
     print(f"MCQs right: {result['right_a']} -> {result['right_b']} of {result['mcq']}; fixed {result['fixed']}, "
-          f"broken {result['broken']}, sign test p = {result['sign_test_p']:.3g}")
-    for side, path in (("a", args.a), ("b", args.b)):
-        s = result[side]
-        print(f"glyphs seen by {path}: {s['n']['seen']} of {result['mcq']}, right {s.get('seen', float('nan')):.1f} % "
-              f"of those, {s.get('unseen', float('nan')):.1f} % of the rest")
-    print("fixed by " + ", ".join(f"{w} {n}" for w, n in result["fixed_by"].items())
-          + "; broken by " + ", ".join(f"{w} {n}" for w, n in result["broken_by"].items())
-          + " (look: what the frames showed changed; read: both saw the glyphs; guess: neither did)")
+          f"broken {result['broken']}, sign test p = {result['sign_test_p']:.3g}; fixed by {result['fixed_by']}, "
+          f"broken by {result['broken_by']} (look: what the frames showed changed; read: both saw the glyphs; "
+          "guess: neither did)")
     print(json.dumps(result))
     return result
 

@@ -1,46 +1,17 @@
 """
-ParaVT's Tool Prior Paradox (arXiv 2605.20342), in miniature: five GRPO variants from one tool-native
-warm start, on the synthetic "needle in a long video" task, on a CPU.
-
-The claim under test. A model that learned in SFT to call `crop_video` on every question is trained with
-GRPO. With a dense overview the glyphs are visible without the tool, so under vanilla GRPO the tool earns
-nothing and its format costs something (closing tags lost under temperature-1 sampling): the tool-call rate
-and the format compliance decay, and the model then fails where the overview is sparse and the tool IS
-needed. PARA-GRPO's two fixes, nFrames gating (K drawn per prompt from sparse to dense overviews) and
-exploration anchoring (a format reward aimed at the closing tags), are meant to keep both, and with them the
-accuracy on the questions that need the tool.
-
-What runs (docs/experiments.md, "The Tool Prior Paradox in miniature"):
-    sft      train.py --stage sft --set always_call=1 --set sft_gated_overviews=1   (seed 0, shared by every run)
-             the oracle crops every question (a tool prior), on K = 32 overviews and on gated ones (K from
-             GATING), 450 steps (the vision tower frozen, as in the default run): it reads colours, and the
-             gated variants start in distribution
-    rl       5 variants (VARIANTS) x --seeds: train.py --stage rl --model <sft> --temperature 1.0, the same
-             steps, group, prompts and learning rate; ungated runs see K = 32 (DENSE: every glyph is in some
-             overview frame, the tool is never needed), gated runs K ~ GATING
-    eval     each run's last checkpoint, greedy, on its seed's 48 held-out questions, at K = 32 (DENSE) and
-             at K = 8 (SPARSE: a needle's glyph falls between overview frames half the time, a search mark's
-             more often, so those questions need the tool); accuracy split by data.tool_needed
-A seed changes the RL sampling and the synthetic train/held-out records (train.py draws them from --seed).
-Two runs go at a time (--jobs), one torch thread each, on a 2-core machine.
-
-Outputs under --out (default runs/paradox):
-    paradox.png   sampled curves against RL step: format compliance, tool-call ratio, accuracy on questions
-                  that need the tool and on those that do not (the overview the rollout drew decides); per
-                  variant the seed mean (faint points) and its moving average over --smooth steps, a min-max band
-                  over seeds; ratios on a fixed [0, 1] axis
-    paradox.md    the held-out table: per variant, at K = 8 and K = 32, MCQ accuracy (all / needs the tool /
-                  does not), tool-call ratio, format compliance: mean over seeds (min-max)
-    <variant>-s<seed>/   train.py's run dir (metrics.jsonl, train.log, final.json) and eval-k8/k32.jsonl
-The last line of stdout is one JSON object: per-variant finals, the curves' first/last values, wall time.
-
-What this does NOT show. The model has ~3 M parameters, each run is minutes of CPU with 16 rollouts a step,
-the task is synthetic: the direction of the effects, not the paper's magnitudes (format compliance during RL
-0.13 -> 0.64 on Qwen3-VL). The bands over 3 seeds say how far to trust a difference.
+ParaVT's Tool Prior Paradox (arXiv 2605.20342) in miniature, on a CPU (docs/experiments.md, "The Tool Prior Paradox in
+miniature"): an SFT warm start that crops every question (450 steps, on K = 32 and gated overviews), then five GRPO
+variants x --seeds (VARIANTS: temperature 1.0, the same steps, group, prompts and rate; ungated runs see K = DENSE,
+where the tool is never needed, gated ones K ~ GATING), each evaluated greedily on its seed's held-out questions at
+K = DENSE and K = SPARSE (a glyph between overview frames: the tool is needed). The claim: vanilla GRPO loses the
+tool calls and the format, and with them the accuracy where the tool is needed; gating and anchoring keep them.
+Outputs under --out: paradox.png (sampled curves against RL step: the seed mean, its moving average, a min-max band),
+paradox.md (the held-out table), <variant>-s<seed>/ (the run dirs); last line: one JSON object.
 
     python bench/paradox.py                                   # the study: under an hour on 2 CPU cores
     python bench/paradox.py --skip-sft runs/paradox/sft       # reuse a warm start
     python bench/paradox.py --plot-only                       # redraw from the run dirs under --out
+    python bench/paradox.py --dry-run                         # print the commands it would run
 Any flag this script does not know is passed to every train.py call (e.g. --max-turns 2).
 """
 import argparse
@@ -52,28 +23,24 @@ import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
+from common import ROOT, checkpoint_dir  # bench/common.py (puts the repo on sys.path)
 
-ROOT = Path(__file__).resolve().parent.parent          # the repo root, where train.py lives
-sys.path.insert(0, str(ROOT))
-import data  # noqa: E402
-from bench.common import checkpoint_dir  # noqa: E402
+import data
 
-# The five variants: train.py flags on top of the common RL flags (see rl_command).
+# The five variants: their label and train.py flags on top of the common RL flags (see rl_command).
 VARIANTS = {
-    "vanilla":   ["--recipe", "vanilla", "--gating", "0", "--anchoring", "none"],       # 1. vanilla GRPO, K = 32
-    "gating":    ["--recipe", "vanilla", "--gating", "1", "--anchoring", "none"],       # 2. + nFrames gating
-    "anchoring": ["--recipe", "vanilla", "--gating", "0", "--anchoring", "sequence"],   # 3. + exploration anchoring
-    "para-grpo": ["--recipe", "para_grpo", "--gating", "1", "--anchoring", "sequence"],    # 4. PARA-GRPO (both fixes)
-    "para+vtgr": ["--recipe", "combined", "--gating", "1", "--anchoring", "sequence"],  # 5. PARA-GRPO + VTGR tool term
+    "vanilla": ("vanilla GRPO (K = 32)", ["--recipe", "vanilla", "--gating", "0", "--anchoring", "none"]),
+    "gating": ("+ nFrames gating", ["--recipe", "vanilla", "--gating", "1", "--anchoring", "none"]),
+    "anchoring": ("+ exploration anchoring", ["--recipe", "vanilla", "--gating", "0", "--anchoring", "sequence"]),
+    "para-grpo": ("PARA-GRPO", ["--recipe", "para_grpo", "--gating", "1", "--anchoring", "sequence"]),
+    "para+vtgr": ("PARA-GRPO + VTGR tool term", ["--recipe", "combined", "--gating", "1", "--anchoring", "sequence"]),
 }
-LABELS = {"vanilla": "vanilla GRPO (K = 32)", "gating": "+ nFrames gating", "anchoring": "+ exploration anchoring",
-          "para-grpo": "PARA-GRPO", "para+vtgr": "PARA-GRPO + VTGR tool term"}
 DENSE, SPARSE = 32, 8                                    # ungated overview / the overview where needles need the tool
 GATING = "4,8,16,32"                                     # gated overviews (SFT's extra copies and gated RL)
-CURVES = ("format_compliance", "tool_call_ratio", "acc_tool_needed", "acc_tool_not_needed")
+CURVES = {"format_compliance": "format compliance", "tool_call_ratio": "tool-call ratio",     # metric: plot title
+          "acc_tool_needed": "accuracy, tool needed", "acc_tool_not_needed": "accuracy, tool not needed"}
 FINALS = ("accuracy", "acc_tool_needed", "acc_tool_not_needed", "tool_call_ratio", "format_compliance")
 
 
@@ -86,6 +53,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--skip-sft", metavar="DIR", default=None,
                    help="reuse a warm start: a checkpoint dir, or a run dir (its newest checkpoint)")
     p.add_argument("--plot-only", action="store_true", help="only redraw the figure and table from the run dirs")
+    p.add_argument("--dry-run", action="store_true", help="print the commands the study would run (last line: JSON)")
     p.add_argument("--sft-steps", type=int, default=450, help="SFT warm-start steps (at train.py's SFT batch)")
     p.add_argument("--rl-steps", type=int, default=24, help="RL steps of every run")
     p.add_argument("--group-size", type=int, default=16, help="GRPO samples per prompt (the default run's)")
@@ -104,9 +72,6 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     return args, passthrough
 
 
-# -----------------------------------------------------------------------------
-# running train.py and eval.py
-
 def sft_command(args, run_dir: str, passthrough: list[str]) -> list[str]:
     return [sys.executable, str(ROOT / "train.py"), "--stage", "sft", "--set", "always_call=1", "--set", "sft_gated_overviews=1",
             "--gating-choices", GATING, "--run-dir", run_dir, "--seed", "0", "--sft-steps", str(args.sft_steps),
@@ -120,49 +85,32 @@ def rl_command(args, variant: str, seed: int, ckpt: str, run_dir: str, passthrou
             "--rl-steps", str(args.rl_steps), "--group-size", str(args.group_size),
             "--prompts-per-step", str(args.prompts_per_step), "--n-eval", str(args.n_eval),
             "--overview-nframes", str(DENSE), "--gating-choices", GATING, "--save-every", str(args.rl_steps),
-            "--keep-last", "1", *VARIANTS[variant], *passthrough]
-
-
-def eval_command(ckpt: str, seed: int, n_eval: int, nframes: int, out: str) -> list[str]:
-    """The held-out split train.py --seed s holds out (2000 + s), greedy, at a K-frame overview."""
-    return [sys.executable, str(ROOT / "eval.py"), "--model", ckpt, "--synthetic-n", str(n_eval),
-            "--synthetic-seed", str(2000 + seed), "--overview-nframes", str(nframes), "--out", out]
+            "--keep-last", "1", *VARIANTS[variant][1], *passthrough]
 
 
 def run_once(cmds: list[list[str]], run_dir: str, env: dict) -> dict:
     """Run commands one after another (output to run_dir/train.log); returns {"cmd", "seconds"} and writes it to
     run_dir/final.json. A run dir whose final.json holds the same commands is not run again (an interrupted
     study resumes); any other run dir is this study's own output and is started afresh."""
-    done = os.path.join(run_dir, "final.json")
-    key = [c[1:] for c in cmds]                     # the interpreter path may differ between machines
-    if os.path.exists(done):
-        prev = json.load(open(done))
-        if prev.get("cmd") == key:
-            print(f"reusing {run_dir} ({prev['seconds']:.0f} s when it ran)", flush=True)
-            return prev
+    done, key = os.path.join(run_dir, "final.json"), [c[1:] for c in cmds]   # the interpreter may differ by machine
+    if os.path.exists(done) and json.load(open(done)).get("cmd") == key:
+        print(f"reusing {run_dir}", flush=True)
+        return json.load(open(done))
     shutil.rmtree(run_dir, ignore_errors=True)      # train.py refuses a run dir holding another run
     os.makedirs(run_dir, exist_ok=True)
     print(f"running {run_dir} ...", flush=True)
-    t0 = time.time()
-    log = os.path.join(run_dir, "train.log")
+    t0, log = time.time(), os.path.join(run_dir, "train.log")
     with open(log, "w") as f:
         for cmd in cmds:
-            f.write("$ " + " ".join(cmd) + "\n")
-            f.flush()
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-            if proc.returncode != 0:
-                f.close()
-                raise RuntimeError(f"{' '.join(cmd)}\nexited with {proc.returncode}; the end of {log}:\n"
-                                   + open(log).read()[-2000:])
+            print("$ " + " ".join(cmd), file=f, flush=True)
+            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)}\nfailed; the end of {log}:\n" + open(log).read()[-2000:])
     result = {"cmd": key, "seconds": round(time.time() - t0, 1)}
     with open(done, "w") as f:
         json.dump(result, f)
     print(f"  {run_dir} done in {result['seconds']:.0f} s", flush=True)
     return result
 
-
-# -----------------------------------------------------------------------------
-# reading the runs back
 
 def read_curves(run_dir: str) -> dict[str, np.ndarray]:
     """RL rows of run_dir/metrics.jsonl -> {metric: (steps,) array}, indexed by RL step 1..n (nan where a step
@@ -181,7 +129,7 @@ def score_predictions(path: str, records: list[dict], nframes: int) -> dict:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: missing (the run did not finish)")
     rows = {str(r["id"]): r for r in map(json.loads, open(path)) if r}
-    out, groups = {}, {"accuracy": [], "acc_tool_needed": [], "acc_tool_not_needed": []}
+    groups = {"accuracy": [], "acc_tool_needed": [], "acc_tool_not_needed": []}
     for rec in records:
         row = rows.get(rec["id"])
         if row is None:
@@ -191,8 +139,7 @@ def score_predictions(path: str, records: list[dict], nframes: int) -> dict:
         right = float((row.get("answer") or "").strip().upper() == rec["answer"])
         groups["accuracy"].append(right)
         groups["acc_tool_needed" if data.tool_needed(rec, nframes) else "acc_tool_not_needed"].append(right)
-    for k, v in groups.items():
-        out[k] = float(np.mean(v)) if v else float("nan")
+    out = {k: float(np.mean(v)) if v else float("nan") for k, v in groups.items()}
     out["tool_call_ratio"] = float(np.mean([r["calls"] > 0 for r in rows.values()]))
     out["format_compliance"] = float(np.mean([bool(r.get("format_compliant")) for r in rows.values()]))
     out["n_needed"] = len(groups["acc_tool_needed"])
@@ -203,9 +150,7 @@ def spread(values: list[float]) -> dict:
     """Mean, min and max over the values that exist (nan: a seed without such a question; all nan: nan)."""
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v)]
-    if not len(v):
-        return {"mean": float("nan"), "min": float("nan"), "max": float("nan")}
-    return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
+    return {k: float(getattr(v, k)()) if len(v) else float("nan") for k in ("mean", "min", "max")}
 
 
 def collect(out: str, variants: list[str], seeds: list[int], n_eval: int) -> dict:
@@ -243,13 +188,6 @@ def moving_average(x: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
-# -----------------------------------------------------------------------------
-# figure, table, JSON
-
-TITLES = {"format_compliance": "format compliance", "tool_call_ratio": "tool-call ratio",
-          "acc_tool_needed": "accuracy, tool needed", "acc_tool_not_needed": "accuracy, tool not needed"}
-
-
 def plot(res: dict, path: str, smooth: int, n_seeds: int) -> str:
     import matplotlib
     matplotlib.use("Agg")
@@ -261,9 +199,9 @@ def plot(res: dict, path: str, smooth: int, n_seeds: int) -> str:
             mean, lo, hi = seed_band(r["curves"][key])
             steps = np.arange(1, len(mean) + 1)
             ax.plot(steps, mean, ".", color=f"C{c}", alpha=0.2, markersize=3)
-            ax.plot(steps, moving_average(mean, smooth), color=f"C{c}", label=LABELS[v])
+            ax.plot(steps, moving_average(mean, smooth), color=f"C{c}", label=VARIANTS[v][0])
             ax.fill_between(steps, moving_average(lo, smooth), moving_average(hi, smooth), color=f"C{c}", alpha=0.1)
-        ax.set_title(f"{TITLES[key]} (sampled)", fontsize=10)
+        ax.set_title(f"{CURVES[key]} (sampled)", fontsize=10)
         ax.set_xlabel("RL step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(0, 1.02)
@@ -289,7 +227,7 @@ def table(res: dict, n_seeds: int) -> str:
             for m in FINALS:
                 s = spread(r["finals"][k][m])
                 cells.append("-" if np.isnan(s["mean"]) else f"{s['mean']:.3f} ({s['min']:.2f}-{s['max']:.2f})")
-            lines.append(f"| {LABELS[v]} | " + " | ".join(cells) + " |")
+            lines.append(f"| {VARIANTS[v][0]} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -310,33 +248,43 @@ def summary_json(res: dict, smooth: int) -> dict:
     return out
 
 
-# -----------------------------------------------------------------------------
+def run_commands(args, out: str, ckpt: str, variant: str, seed: int, passthrough: list[str]) -> list[list[str]]:
+    """One run's commands: RL from the warm start `ckpt`, then its last checkpoint evaluated greedily at K = SPARSE
+    and DENSE on the split train.py --seed s holds out (2000 + s)."""
+    run_dir = os.path.join(out, f"{variant}-s{seed}")
+    final = os.path.join(run_dir, f"ckpt-rl-{args.rl_steps:06d}")
+    return [rl_command(args, variant, seed, ckpt, run_dir, passthrough),
+            *([sys.executable, str(ROOT / "eval.py"), "--model", final, "--synthetic-n", str(args.n_eval), "--synthetic-seed",
+               str(2000 + seed), "--overview-nframes", str(k), "--out", os.path.join(run_dir, f"eval-k{k}.jsonl")]
+              for k in (SPARSE, DENSE))]
+
 
 def main(argv=None) -> dict:
     args, passthrough = parse_args(argv)
     t0 = time.time()
     out = os.path.abspath(args.out)
     variants, seeds = args.variants.split(","), list(range(args.seeds))
+    sft_dir = os.path.join(out, "sft")
+    if args.dry_run:                                                       # nothing runs
+        ckpt = args.skip_sft or os.path.join(sft_dir, f"ckpt-sft-{args.sft_steps:06d}")
+        cmds = {"sft": None if args.skip_sft else sft_command(args, sft_dir, passthrough),
+                "runs": {f"{v}-s{s}": run_commands(args, out, ckpt, v, s, passthrough) for s in seeds for v in variants}}
+        print(json.dumps(cmds))
+        return cmds
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "PARAVT_CACHE": os.path.join(out, "cache")}      # one video cache for every run
     if not args.plot_only:
         if args.skip_sft:
             ckpt = checkpoint_dir(args.skip_sft)
         else:
-            sft_dir = os.path.join(out, "sft")
             run_once([sft_command(args, sft_dir, passthrough)], sft_dir, env)
             ckpt = checkpoint_dir(sft_dir)
         print(f"warm start: {ckpt}", flush=True)
         one = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}   # a core per run
-
-        def job(v: str, seed: int) -> dict:
-            run_dir = os.path.join(out, f"{v}-s{seed}")
-            final = os.path.join(run_dir, f"ckpt-rl-{args.rl_steps:06d}")
-            return run_once([rl_command(args, v, seed, ckpt, run_dir, passthrough),
-                             *(eval_command(final, seed, args.n_eval, k, os.path.join(run_dir, f"eval-k{k}.jsonl"))
-                               for k in (SPARSE, DENSE))], run_dir, one)
         with ThreadPoolExecutor(args.jobs) as pool:          # seed-major: a partial study covers every variant
-            for f in [pool.submit(job, v, s) for s in seeds for v in variants]:
+            jobs = [pool.submit(run_once, run_commands(args, out, ckpt, v, s, passthrough),
+                                os.path.join(out, f"{v}-s{s}"), one) for s in seeds for v in variants]
+            for f in jobs:
                 f.result()
     res = collect(out, variants, seeds, args.n_eval)
     png = plot(res, os.path.join(out, "paradox.png"), args.smooth, len(seeds))

@@ -4,76 +4,33 @@ principles (no GPU needed; pure arithmetic, prints a table and, last, one JSON l
     python bench/plan.py                       # both recipes, Qwen3-VL-8B shapes
     python bench/plan.py --shared-prefix 0     # what the step would cost without the shared prompt cache
 
-Model: Qwen3-VL-8B text decoder (36 layers, hidden 4096, 32 query / 8 KV heads x 128, MLP 12288, vocab
-151,936; ~8.2 B parameters with the ~0.6 B vision tower). Memory per GPU and per step, part by part
-(`memory_parts`, which bench/rehearsal.py also evaluates at its own sizes and measures side by side):
-- weights: fp32 master weights sharded by FSDP (4 B/param / GPUs); during the rollout every GPU also holds the
-  bf16 all-gathered weights (2 B/param, `weights_rollout`; none on one GPU: no FSDP there); ParaVT's frozen reference model, bf16, unsharded
-  (2 B/param);
-- optimizer: AdamW's two fp32 moments (8 B/param / GPUs); gradients: fp32 shards (4 B/param / GPUs: FSDP2
-  reduce-scatters in fp32 into the fp32 master);
-- KV cache: layers x kv_heads x head_dim x 2 (K and V) x 2 B (bf16) = 144 KiB per token on 8B, in pool blocks of
-  kvcache.BLOCK tokens (a sequence holds ceil(tokens / BLOCK) blocks; bf16 on one GPU too, where the rollout
-  runs on the fp32 master weights under autocast: the pool stores the keys in the values' dtype). With the shared prompt cache (kvcache
-  GroupKV) a prompt's overview is stored once per group, each row only its suffix; without it, G times; a
-  sub-agent (ParaVT) is a sequence pair of its own (its clip prompt, its summary) while its caller waits;
-- activations, what a training forward keeps for its backward (gradient checkpointing, one micro-batch in
-  flight: the rows train.micro_batches puts in one at the recipe's lengths under --micro-batch and
-  --micro-batch-tokens, `update_rows`; one row at both recipes' lengths under train.py's defaults, so no row is
-  padded and attention takes SDPA's flash path without a mask; each term counted tensor by tensor in
-  bench/rehearsal.py's runs): the root unit (vision tower,
-  embeddings) and the lm_head unit stay all-gathered in bf16 from the forward to their backward (2 B/param; one
-  GPU, no FSDP: autocast's bf16 casts of the decoder layers' and the vision tower's weights instead); per token,
-  each decoder layer's input and the embeddings' output in the residual stream's dtype (bf16 under FSDP2, fp32
-  under autocast), the final norm's fp32 output and M-RoPE's cos and sin (2 x head_dim); per patch, the patch
-  values in bf16 and, each patches x vision width x 2 B: every vision block's input and the last one's output,
-  three in each deepstack tap's merger (its norm, fc1 and GELU outputs) and three in the final merger;
-- backward, its peak above its start: the larger of the lm_head's backward, which comes first (the fused gather's
-  hand-written backward, ops.token_logprobs, over the policy tokens N: grad W summed in fp32 (V x D x 4 B) beside
-  the (V, C) bf16 logits buffer recomputed and either a chunk's bf16 GEMM for grad W (V x D x 2 B) or, eager (no
-  torch.compile: the CPU), the five fp32 (V, C) temporaries of a chunk's softmax gradient, whichever is larger;
-  grad hidden (N x D x 2 B); C by ops' chunk rule; then the unit's gradient handed on: under FSDP2 the returned
-  bf16 grad W, FSDP's unsharded copy and its fp32 reduce-scatter buffer, 8 B/param of the lm_head, on one process
-  the bf16 grad and its fp32 cast, 6 B/param), and the rest: the new gradients, fp32 shards of every
-  parameter but the lm_head's, plus the largest of: one decoder layer recomputed (q, k, v, attention
-  output, the MLP's three intermediates and its product, norms: tokens x (2 q_dim + 4 kv_dim + 4 mlp + 6
-  d_model) x 2 B), one vision block recomputed (patches x (6 width + 2 mlp) x 2 B), and under FSDP2 the root
-  unit's reduce-scatter, which comes last, when the activations are freed: its unsharded bf16 gradients (2
-  B/param) copied into an fp32 buffer (reduce_dtype, 4 B/param) while its all-gathered bf16 weights (2 B/param)
-  have gone, 4 B/param above the start less the freed activations;
-- loss (the loss's forward: the fused log-prob gather, ops.token_logprobs, over the policy tokens N): one (V, C)
-  bf16 logits buffer, and eager (the CPU) the fp32 (V, C) temporaries of a chunk's log-sum-exp (two, one at
-  T = 1); below ops' small-logits limit (N x V <= _MIN_CHUNK_LOGITS) the plain path's two fp32 (N, V) tensors.
-Time:
-- rollout decode is bound by HBM bandwidth (H200 4.8 TB/s at --hbm-efficiency): each step reads the
-  weights once for the whole batch plus every row's visible K/V (the shared prompt once per group);
-- prefill and training are bound by bf16 FLOPs (H200 989 TFLOP/s dense at --mfu): 2 N FLOPs per token
-  forward (6 N with backward, 8 N with gradient checkpointing) plus attention 4 L d_model per token
-  per context token (x3 for backward);
-- the reference (frozen) and old-policy forwards add 2 N per token each where the recipe needs them.
-- the rollout runs under a memory budget (`--rollout-memory-gb`, the engine's admission rule): per GPU, HBM minus
-  the full bf16 weights (held during the rollout) minus --workspace-gb for activations and logits; here a prompt
-  group counts its prompt K/V plus the suffix K/V its G rows may grow to (every round at its limit), and a GPU's
-  groups run in `waves` = ceil(groups per GPU / groups whose worst cases fit side by side) rounds of `concurrency`
-  groups. Each wave decodes all its steps; a step reads the weights once plus the wave's visible K/V, so waves
-  cost weight reads (bandwidth), not memory. The engine admits at least this much (its banker's rule grants a row
-  its current turn's blocks while every group could still reach its worst case; whole worst cases side by side
-  always can: docs/method.md §8) and refills as rows finish (continuous batching), so the real schedule is no
-  slower than these whole waves: the projection is an upper bound on decode time.
-The batch is global: `prompts` are the papers' prompts per step over all GPUs (train.py --prompts-per-step).
-Reported: ParaVT's ~250 s per step on 8 GPUs (docs/method.md §5). The CPU bench's measured ratio (shared
-prefix memory) enters as the --shared-prefix switch; efficiencies are assumptions, printed with the table.
+Memory per GPU, part by part (`memory_parts`, which bench/rehearsal.py evaluates at its own sizes beside its
+measurements): the fp32 master weights sharded by FSDP, the rollout's all-gathered bf16 copy, ParaVT's bf16
+reference, AdamW's two fp32 moments, fp32 gradient shards; the K/V in pool blocks of kvcache.BLOCK tokens (144 KiB
+a token on 8B; with the shared prompt cache a group stores its prompt once, each row its suffix; a ParaVT sub-agent
+is a sequence pair of its own); what a training forward keeps for backward under gradient checkpointing, for the
+micro-batch train.micro_batches forms at the recipe's lengths (`update_rows`: one unpadded row by default); the
+backward's peak (the gradient shards and the largest of a recomputed decoder layer, a recomputed vision block and
+FSDP2's root reduce-scatter, or the lm_head's backward if larger: the fused gather's grad W in fp32 beside a chunk's
+buffers, then the gradient FSDP2 reduce-scatters); the loss's forward (one (V, C) logits buffer, ops' chunk rule).
+Time: decode is bound by HBM bandwidth (4.8 TB/s at --hbm-efficiency: a step reads the weights once plus every
+row's visible K/V, the shared prompt once per group); prefill and training by bf16 FLOPs (989 TFLOP/s at --mfu: 2 N
+a token forward, 8 N with backward under checkpointing, plus attention), the reference and old-policy forwards 2 N
+a token each where the recipe needs them. The rollout runs under the engine's memory budget (--rollout-memory-gb;
+default HBM - the bf16 weights - --workspace-gb): a GPU's groups run in `waves` of as many as fit side by side with
+their whole worst cases; the engine admits at least this much (its banker's rule, docs/method.md §8), so the decode
+time is an upper bound. `prompts` are the papers' prompts per step over all GPUs. ParaVT reports ~250 s a step on 8
+GPUs (docs/method.md §5); efficiencies are assumptions, printed with the table.
 """
 import argparse
 import json
 import math
 
-from common import ROOT  # noqa: F401  (puts the repo on sys.path: kvcache's block, ops' chunk rule)
+from common import table  # bench/common.py (puts the repo on sys.path: kvcache's block, ops' chunk rule)
 
 import kvcache
 import ops
 import recipes
-import runtime
 import train
 
 QWEN3VL_8B = dict(layers=36, d_model=4096, q_dim=32 * 128, kv_dim=8 * 128, mlp=12288, vocab=151936,
@@ -81,8 +38,7 @@ QWEN3VL_8B = dict(layers=36, d_model=4096, q_dim=32 * 128, kv_dim=8 * 128, mlp=1
                   params_vision=0.6e9, vision_width=1152, vision_depth=27, vision_mlp=4304, vision_taps=3,
                   head_dim=128)
 KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2          # layers x kv_heads x head_dim x (K, V) x bf16
-PARAMS = QWEN3VL_8B["params"]
-TEXT_PARAMS = QWEN3VL_8B["text_params"]             # decoder only (what a decoded token reads)
+PARAMS, TEXT_PARAMS = QWEN3VL_8B["params"], QWEN3VL_8B["text_params"]   # text: the decoder (what a token reads)
 LAYERS, D_MODEL = QWEN3VL_8B["layers"], QWEN3VL_8B["d_model"]
 PATCHES_PER_TOKEN = 4                               # a visual token merges 2 x 2 patches (each 2 frames x 16 x 16)
 PATCH_VALUES = 3 * 2 * 16 * 16                      # pixel values of one patch
@@ -241,7 +197,12 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=flags.micro_batch, help="train.py's flag: rows per training forward")
     p.add_argument("--micro-batch-tokens", type=int, default=flags.micro_batch_tokens,
                    help="train.py's flag: padded tokens per training forward")
+    p.add_argument("--parts", metavar="JSON", help="print memory_parts' bytes for each keyword set of a JSON list (the "
+                   "8B shape, its keys overridden by a set's 'model') and exit")
     args = p.parse_args()
+    if args.parts:
+        print(json.dumps([memory_parts({**QWEN3VL_8B, **kw.pop("model", {})}, **kw) for kw in json.loads(args.parts)]))
+        return
     rows = [project(n, r, bool(args.shared_prefix), args.mfu, args.hbm_efficiency, args.decode_batch_efficiency,
                     args.workspace_gb, args.rollout_memory_gb, args.micro_batch, args.micro_batch_tokens)
             for n, r in RECIPES.items()]
@@ -251,15 +212,10 @@ def main() -> None:
               f"{r['concurrency']} x {r['waves']}", f"{r['kv_gb_per_gpu']:.1f}", f"{r['mem_rollout_gb']:.1f}",
               f"{r['mem_train_gb']:.1f}", r["fits"], f"{r['rollout_s']:.0f}", f"{r['update_s']:.0f}", f"{r['step_s']:.0f}"]
              for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *cells)]
-    fmt = lambda row: " | ".join(str(x).ljust(w) for x, w in zip(row, widths))
     print(f"H200: {HBM_BW / 1e12:.1f} TB/s at {args.hbm_efficiency:.0%}, {BF16_FLOPS / 1e12:.0f} bf16 TFLOP/s at "
           f"MFU {args.mfu:.0%}; Qwen3-VL-8B, {KV_BYTES_PER_TOKEN // 1024} KiB KV per token; shared prefix: "
           f"{bool(args.shared_prefix)}. ParaVT reports ~250 s per step on 8 GPUs.")
-    print(fmt(head))
-    print(" | ".join("-" * w for w in widths))
-    for c in cells:
-        print(fmt(c))
+    print(table(cells, head))
     rnd = lambda v: (round(v, 2) if isinstance(v, float) else {k: round(x, 2) for k, x in v.items()}
                      if isinstance(v, dict) else v)
     print(json.dumps({"shared_prefix": bool(args.shared_prefix), "mfu": args.mfu, "hbm_efficiency": args.hbm_efficiency,

@@ -1,49 +1,21 @@
 """
-A rehearsal of the real run: one RL step and one SFT step of the paravt preset, and the RL update of the videoo3
-preset, as train.py runs them on an 8B checkpoint, at the real sequence lengths, with --precision bf16 and gradient
-checkpointing on 2 gloo ranks (FSDP2), the peak memory of each part measured beside bench/plan.py's projection
-(`plan.memory_parts`) for the same sizes.
+A rehearsal of the real run through train.py's own functions: one RL step and one SFT step of the paravt preset and
+the RL update of the videoo3 preset, on a cut Qwen3-VL-8B (vocab 151,936 with Qwen's tokenizer, 8 KV heads x 128,
+the vision width; the depth and text width cut by flags) at the real sequence lengths, --precision bf16, gradient
+checkpointing, FSDP2 on 2 gloo ranks; each part's peak memory measured beside bench/plan.py's `memory_parts`.
 
     python bench/rehearsal.py                    # CPU, 2 ranks, the real lengths (~16k-token overview)
     python bench/rehearsal.py --ci               # under a minute: tiny widths, a small video (tests/test_plan.py)
     python bench/rehearsal.py --steps videoo3    # only the Video-o3 update (8 rows of ~28k tokens)
     python bench/rehearsal.py --ranks 1 --device cuda --hidden 4096 --mlp 12288 --heads 32 --text-layers 4
 
-What runs, through train.py's own functions:
-  model     model.qwen3vl_config("8b") with --text-layers decoder layers, --vision-depth vision blocks and the text
-            width cut to --hidden / --mlp / --heads (query heads) so two ranks fit a 24 GB machine; kept: vocab
-            151,936 with Qwen's tokenizer and ids, 8 KV heads x head_dim 128, M-RoPE, the vision tower's width.
-            Written as a checkpoint, loaded by train.policy_model (fp32 master weights, FSDP2 with the bf16
-            mixed-precision policy, gradient checkpointing); ParaVT's reference model in bf16
-            (runtime.reference_model)
-  video     --size pixels, --duration seconds, written here; the paravt overview: 64 frames at the rollout's own
-            budget (about 16k visual tokens at 1280x720); crops at the preset's levels
-  RL step   train.collect_groups in each tool mode (subagent, then interleaved), G = 2 rows a rank, a scripted
-            policy (the real sampler runs; its draws are replaced by two tool rounds of two parallel crop_video
-            calls, then the answer: A on sample 0, B on sample 1, so the advantages differ), the rewards, the k1
-            KL in the reward; then one train.policy_update over both modes' rows (--micro-batch 2 and the default
-            --micro-batch-tokens: one row a micro-batch at the real lengths, train.micro_batches)
-  SFT step  train.sft_backward on the same scripted interleaved trajectory, TDAM on (--tdam), then AdamW
-  Video-o3  train.policy_update of the videoo3 preset (--micro-batch 8, the default --micro-batch-tokens) on 8 rows
-            over the ranks (4 a rank on 2), each a recorded episode encoded as a rollout would (rollout.encode_messages:
-            the 12,288-token overview at 2 fps, then two tool rounds of two parallel fine crops, ~28k tokens, the
-            rows' lengths a little apart, so a batch of them would be padded), the rows of a rank sharing their
-            overview's pixels as a group's do; the code forms micro-batches of one row: no SDPA call gets a dense mask
-            (counted), and the measured parts stand beside plan.memory_parts' for one row in flight
-Measured per rank (CPU: the bytes of live tensors, counted op by op (common.LiveTensors); CUDA: the allocator's
-counters), projected by plan.memory_parts from this run's own token counts:
-  weights_shard, weights_rollout, reference, optimizer, grads   the tensors' bytes (master shard fp32, all-gathered
-               bf16 weights in the rollout, the bf16 reference, AdamW's moments, the fp32 gradient shards)
-  kv           the rollout's K/V: the most pool blocks in use at once (kvcache.BlockPool.peak) x the bytes of a
-               block over all layers, the larger of the two tool modes; `kv_pool` beside it: the pool's
-               allocated bytes (the engine sizes it from the memory budget and the queued work's worst case)
-  activations  what a training forward keeps for backward (memory at its end minus at its start), largest
-               micro-batch
-  backward     the peak above its start during a backward (the recomputed layer, the gradients), largest
-  loss         the peak above its start during the fused loss (grpo_loss; torch.compile on CUDA as train.py's
-               default, eager on CPU)
-The last line printed is one JSON object: measured, projected and their ratio per part (the Video-o3 update's
-under "videoo3"), and the sizes.
+RL step: train.collect_groups in each tool mode, G = 2 rows a rank, a scripted policy (the real sampler runs, its
+draws replaced by two rounds of two parallel crops, then A or B), then train.policy_update. SFT step:
+train.sft_backward with TDAM, then AdamW. Video-o3: train.policy_update on 8 recorded episodes (the 12,288-token
+overview, two rounds of two fine crops), one row a micro-batch: no dense SDPA mask (counted). Measured per rank
+(CPU: live tensor bytes, common.LiveTensors; CUDA: the allocator): weights, reference, AdamW's moments, gradients;
+kv, the most pool blocks in use at once; activations, backward and loss of the largest micro-batch. Last line: one
+JSON object, measured, projected and their ratio per part (the Video-o3 update's under "videoo3"), and the sizes.
 """
 import argparse
 import contextlib
@@ -55,7 +27,7 @@ import tempfile
 import time
 
 import torch
-from common import LiveTensors, print_json, rss_mb, table  # bench/common.py (puts the repo on sys.path)
+from common import LiveTensors, Script, print_json, rss_mb, table  # bench/common.py (puts the repo on sys.path)
 
 import kvcache
 import model as model_lib
@@ -63,8 +35,8 @@ import ops
 import plan
 import recipes
 import rollout
-import sft
 import runtime
+import sft
 import train
 import video
 
@@ -73,12 +45,8 @@ RECORD = {"id": "rehearsal", "video": "rehearsal.mp4", "question": "Which colour
 SAMPLE_SEED = 0                       # Run.seed: the scripted rows are found by their sampling seeds
 GROUP = 2                             # rows a rank samples (one prompt a rank)
 VIDEOO3_ROWS = 8                      # rows of the Video-o3 update over all ranks
-PARTS = ("weights_shard", "weights_rollout", "reference", "optimizer", "grads", "kv", "activations", "backward",
-         "loss")
+PARTS = ("weights_shard", "weights_rollout", "reference", "optimizer", "grads", "kv", "activations", "backward", "loss")
 VIDEOO3_PARTS = ("weights_shard", "optimizer", "grads", "activations", "backward", "loss")    # the update's
-
-# -----------------------------------------------------------------------------
-# the scripted policy and the inputs
 
 
 def call(start: float, end: float, resolution: str | None = None) -> str:
@@ -87,48 +55,19 @@ def call(start: float, end: float, resolution: str | None = None) -> str:
             % (start, end, level))
 
 
-def turns(duration: float, answer: str) -> list[str]:
-    """Two tool rounds of two parallel calls each, then the answer (after the forced "<think>\\n")."""
-    d = duration
-    return [f"Two moments to check.\n</think>\n{call(d / 8, d / 4)}\n{call(d / 2, d * 5 / 8)}",
-            f"Closer on both.\n</think>\n{call(d / 8, d / 8 + 2)}\n{call(d / 2, d / 2 + 2)}",
+def turns(duration: float, answer: str, level: str | None = None, row: int = 0) -> list[str]:
+    """Two tool rounds of two parallel calls each, then the answer (after the forced "<think>\\n"). Video-o3's episode
+    crops at the fine level (3,072 visual tokens a clip) and 4 s windows in its second round; `row` more words of
+    thought in its first turn set its rows apart in length."""
+    d, close, more = duration, 4 if level else 2, " Again." * row
+    return [f"Two moments to check.{more}\n</think>\n{call(d / 8, d / 4, level)}\n{call(d / 2, d * 5 / 8, level)}",
+            f"Closer on both.\n</think>\n{call(d / 8, d / 8 + close, level)}\n{call(d / 2, d / 2 + close, level)}",
             f"The first clip shows it.\n</think>\n<answer>{answer}</answer>"]
-
-
-def videoo3_turns(duration: float, answer: str, row: int) -> list[str]:
-    """Video-o3's episode: two tool rounds of two parallel crops at the fine level (3,072 visual tokens a clip: 8 s
-    then 4 s windows), then the answer; `row` more words of thought in the first turn set the rows apart in length."""
-    d, more = duration, " Again." * row
-    return [f"Two moments to check.{more}\n</think>\n{call(d / 8, d / 4, 'fine')}\n{call(d / 2, d * 5 / 8, 'fine')}",
-            f"Closer on both.\n</think>\n{call(d / 8, d / 8 + 4, 'fine')}\n{call(d / 2, d / 2 + 4, 'fine')}",
-            f"The first clip shows it.\n</think>\n<answer>{answer}</answer>"]
-
-
-class Script:
-    """Stand-in for rollout.sample_tokens: the real sampler runs (its cost counted), then each main row's draw
-    is replaced by the next token of its scripted turn, each sub-agent row's by a short summary."""
-
-    def __init__(self, tokenizer, duration: float, main_seeds: dict):
-        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] + [end]
-        self.turns = {s: [enc(t) for t in turns(duration, "AB"[s % 2])] for s in set(main_seeds.values())}
-        self.main, self.sub, self.pos, self.sample = main_seeds, enc("A plain coloured frame."), {}, rollout.sample_tokens
-
-    def __call__(self, logits, seeds, counters, temperature, top_p):
-        drawn = self.sample(logits, seeds, counters, temperature, top_p)
-        out = []
-        for seed in seeds.tolist():
-            turn, p = self.pos.get(seed, (0, 0))
-            toks = self.turns[self.main[seed]][min(turn, 2)] if seed in self.main else self.sub
-            self.pos[seed] = (turn + 1, 0) if p + 1 == len(toks) else (turn, p + 1)
-            out.append(toks[p])
-        return torch.tensor(out, device=drawn.device)
 
 
 def write_video(root: str, size: tuple[int, int], duration: float) -> None:
     """RECORD's video: `duration` s at 2 fps, `size` (W, H), a colour field that drifts (cheap to encode)."""
-    w, h = size
-    n = int(duration * 2)
+    (w, h), n = size, int(duration * 2)
     t = torch.linspace(0, 1, n)[:, None, None, None]
     y, x = torch.linspace(0, 1, h)[None, None, :, None], torch.linspace(0, 1, w)[None, None, None, :]
     rgb = torch.tensor([0.9, 0.4, 0.2])[None, :, None, None]
@@ -146,14 +85,9 @@ def build_checkpoint(path: str, args) -> None:
     model_lib.save_model(model, processor, path)
 
 
-# -----------------------------------------------------------------------------
-# measuring
-
-
 class Meter:
     """Memory now and its peak since `reset`: CUDA's allocator counters, or on CPU the bytes of the live tensors
-    created while `counting` (common.LiveTensors: what an allocator would hand out, without glibc's slack and
-    caching, so the figure is the same in every run and comparable with CUDA's `memory_allocated`)."""
+    created while `counting` (common.LiveTensors: the same in every run, comparable with `memory_allocated`)."""
 
     def __init__(self, device: torch.device, model: torch.nn.Module):
         self.live = None if device.type == "cuda" else LiveTensors(gathered_bytes(model))
@@ -180,9 +114,8 @@ class Meter:
 
 
 def gathered_bytes(model: torch.nn.Module):
-    """A function giving the bytes of FSDP2's all-gathered (unsharded) parameters now: FSDP2 keeps them in storages
-    it resizes in place (to 0 when a unit reshards), which no operation creates, so LiveTensors cannot see them.
-    What the rollout and each forward and backward all-gather is counted through it (0 without FSDP)."""
+    """A function giving the bytes of FSDP2's all-gathered parameters now (0 without FSDP): FSDP2 keeps them in
+    storages it resizes in place, which no operation creates, so LiveTensors cannot see them."""
     from torch.distributed.fsdp import FSDPModule
     groups = {id(g): g for m in model.modules() if isinstance(m, FSDPModule)         # a unit of several modules:
               for g in [m._get_fsdp_state()._fsdp_param_group] if g is not None}      # one group, counted once
@@ -204,9 +137,8 @@ def tensor_bytes(tensors) -> int:
 
 @contextlib.contextmanager
 def pools():
-    """The K/V pools (kvcache.BlockPool) the rollouts inside create, in a list: each one's `peak` (the most blocks
-    in use at once), `n_blocks` and `nbytes()` are read after the rollout. The list holds them until the block
-    ends (their memory too)."""
+    """The K/V pools (kvcache.BlockPool) the rollouts inside create, in a list (each one's `peak`, the most blocks
+    in use at once, read after the rollout); the list holds them, and their memory, until the block ends."""
     made, init = [], kvcache.BlockPool.__init__
 
     def record(pool, *a, **k):
@@ -227,10 +159,8 @@ def pool_bytes(pool) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def phases(meter: Meter, out: dict):
-    """Per training micro-batch: activations (kept by the forward), loss (the fused loss's peak) and backward (its
-    peak), each the largest seen, by wrapping train.hidden_and_targets, train.grpo_loss / sft_token_loss and
-    Tensor.backward for the duration; the most rows in a forward, and the SDPA calls handed a dense mask
-    (transformers builds one for a padded batch)."""
+    """Per training micro-batch, the largest: activations (kept by train.hidden_and_targets), loss (the fused loss's
+    peak) and backward (its peak); the most rows in a forward, and the SDPA calls handed a dense mask."""
     saved = train.hidden_and_targets, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out.setdefault("dense_masks", 0)
@@ -274,10 +204,6 @@ def phases(meter: Meter, out: dict):
         torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
-# -----------------------------------------------------------------------------
-# one rank
-
-
 def sft_messages(duration: float, video_name: str, texts: list[str] | None = None) -> list[dict]:
     """The scripted interleaved episode (`texts`, default `turns`) as a recorded trajectory: each turn, then its
     clips as the tool's turn."""
@@ -291,27 +217,45 @@ def sft_messages(duration: float, video_name: str, texts: list[str] | None = Non
     return msgs
 
 
-def budget_flag(args) -> list[str]:
-    """train.py's --micro-batch-tokens as this run sets it (none: train.py's default)."""
-    return ["--micro-batch-tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
+def train_args(args, ckpt: str, device: torch.device, run_dir: str, *flags: str):
+    """train.py's flags for a rehearsed step: `flags` on --precision bf16, gradient checkpointing, torch.compile on
+    CUDA, and this run's --micro-batch-tokens (none: train.py's default)."""
+    budget = ["--micro-batch-tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
+    return recipes.parse_train_args(["--model", ckpt, *flags, "--precision", "bf16", "--device", device.type,
+                               "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), *budget,
+                               "--run-dir", run_dir])
+
+
+def measured_update(model, ref, optimizer, items: list, s, tok, world: int, run, meter: Meter, out: dict) -> tuple:
+    """train.policy_update and AdamW's step under `phases` (each micro-batch's parts into `out`), and the bytes of
+    the gradient shards and of AdamW's moments into `out`; returns (the gradient norm, seconds)."""
+    def step(loss):
+        out["grads"] = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        return run.optimizer_step(model, optimizer, loss, "rl", 1, [])
+
+    model.train()
+    t0 = time.time()
+    with phases(meter, out):
+        norm, _ = train.policy_update(model, ref, optimizer, items, s, tok.pad_token_id, tok, world, items[0][0], step)
+    seconds = time.time() - t0
+    out["optimizer"] = tensor_bytes(v for st in optimizer.state.values() for v in st.values()
+                                    if torch.is_tensor(v) and v.dim())
+    return norm, seconds
 
 
 def videoo3_update(rank: int, world: int, args, ckpt: str, root: str, out_dir: str, model, processor, meter: Meter,
                    device: torch.device) -> dict:
-    """The videoo3 preset's RL update on this rank's share of VIDEOO3_ROWS recorded episodes (`videoo3_turns`,
-    advantage +1 on the right answer, -1 on the wrong), through train.policy_update and AdamW: the parts measured
-    (bytes: AdamW's moments, the gradient shards, and per micro-batch `phases`), the sizes, the seconds."""
+    """The videoo3 preset's RL update (`measured_update`) on this rank's share of VIDEOO3_ROWS recorded episodes
+    (`turns` at "fine", advantage +1 on the right answer, -1 on the wrong): the parts, the sizes, the seconds."""
     t0 = time.time()
-    vargs = recipes.parse_train_args(["--model", ckpt, "--preset", "videoo3", "--precision", "bf16", "--device", device.type,
-                                "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), "--micro-batch",
-                                "8", *budget_flag(args), "--run-dir", os.path.join(out_dir, "run-videoo3")])
+    vargs = train_args(args, ckpt, device, os.path.join(out_dir, "run-videoo3"), "--preset", "videoo3", "--micro-batch", "8")
     s, cfg = train.grpo_settings(vargs), train.rollout_config_of_args(vargs)
     rec, tok = dict(RECORD, duration=args.duration), processor.tokenizer
     trajs = []
     for i in range(train.rank_share(VIDEOO3_ROWS, rank, world)):
         row = rank + world * i                                         # rows 0, 2, 4, 6 on rank 0 of 2
-        t = sft.encode_messages(processor, rec, sft_messages(args.duration, rec["video"], videoo3_turns(
-            args.duration, "AB"[row % 2], row)), root, cfg)
+        t = sft.encode_messages(processor, rec, sft_messages(args.duration, rec["video"], turns(
+            args.duration, "AB"[row % 2], "fine", row)), root, cfg)
         if t.n_calls != 4 or t.tool_failures or t.answer not in "AB":
             raise RuntimeError(f"videoo3: the recorded episode did not encode as written: {t.n_calls} calls, "
                                f"{t.tool_failures} failed, answer {t.answer!r}")
@@ -328,21 +272,9 @@ def videoo3_update(rank: int, world: int, args, ckpt: str, root: str, out_dir: s
     run = runtime.Run(vargs.run_dir, rank, world, SAMPLE_SEED, 10 ** 6, 0, False, 1.0)
     run.processor = processor
     optimizer = train.make_optimizer(model, vargs.lr, vargs.vision_lr_scale)
-    measured, grads, timing = {"weights_shard": tensor_bytes(model.parameters())}, {}, {"encode_s": time.time() - t0}
-
-    def step(loss):
-        grads["grads"] = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        return run.optimizer_step(model, optimizer, loss, "rl", 1, [])
-
-    model.train()
-    t0 = time.time()
-    with phases(meter, measured):
-        sizes["grad_norm"], _ = train.policy_update(model, None, optimizer, items, s, tok.pad_token_id, tok, world,
-                                                    items[0][0], step)
-    timing["update_s"] = time.time() - t0
-    measured["grads"] = grads["grads"]
-    measured["optimizer"] = tensor_bytes(v for st in optimizer.state.values() for v in st.values()
-                                         if torch.is_tensor(v) and v.dim())
+    measured, timing = {"weights_shard": tensor_bytes(model.parameters())}, {"encode_s": time.time() - t0}
+    sizes["grad_norm"], timing["update_s"] = measured_update(model, None, optimizer, items, s, tok, world, run, meter,
+                                                             measured)
     for k in ("flight_tokens", "flight_rows", "flight_patches", "policy_tokens", "dense_masks"):
         sizes[k] = measured.pop(k)
     return dict(measured=measured, sizes=sizes, timing=timing)
@@ -390,10 +322,8 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     device = torch.device(args.device if args.device == "cpu" else f"cuda:{rank}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    targs = recipes.parse_train_args(["--model", ckpt, "--preset", "paravt", "--group-size", str(GROUP),
-                                "--prompts-per-step", str(world), "--gating", "0", "--precision", "bf16",
-                                "--device", device.type, "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), "--micro-batch",
-                                str(GROUP), *budget_flag(args), "--run-dir", os.path.join(out_dir, "run")])
+    targs = train_args(args, ckpt, device, os.path.join(out_dir, "run"), "--preset", "paravt", "--group-size", str(GROUP),
+                       "--prompts-per-step", str(world), "--gating", "0", "--micro-batch", str(GROUP))
     m, t0 = {}, time.time()
     model, processor = train.policy_model(ckpt, device, targs.precision, world, 0, targs.grad_checkpointing)
     meter = Meter(device, model)
@@ -409,7 +339,11 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     s, cfg = train.grpo_settings(targs), train.rollout_config_of_args(targs)
     rec = dict(RECORD, duration=args.duration)
     seed = SAMPLE_SEED * 1_000_003 + 1 * 101 + rank                    # collect_groups' seed at step 1, draw 0
-    script = Script(tok, args.duration, {rollout.row_seed(seed, 0, g): g for g in range(s.group_size)})
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    scripted = {rollout.row_seed(seed, 0, g): [enc(t) for t in turns(args.duration, "AB"[g % 2])]
+                for g in range(s.group_size)}
+    sub = [enc("A plain coloured frame.")]                      # what each sub-agent writes
+    script = Script(lambda row: scripted.get(row, sub), rollout.sample_tokens)   # the real sampler runs, then the script
     optimizer = train.make_optimizer(model, targs.lr, targs.vision_lr_scale)
     items, sizes, timing = [], {}, {"build_s": time.time() - t0}
     think = len(tok(rollout.THINK_PREFIX, add_special_tokens=False)["input_ids"])   # in the prompt's chunk
@@ -442,23 +376,9 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
                 sizes["subagents_per_turn"] = max(len(c) for t in g.trajs for c in t.calls)
     finally:
         rollout.sample_tokens = script.sample
-    grads = {}
-
-    def step(loss):
-        grads["grads"] = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        return run.optimizer_step(model, optimizer, loss, "rl", 1, [])
-
-    model.train()
-    t0 = time.time()
-    with phases(meter, m):
-        gn, _ = train.policy_update(model, ref, optimizer, items, s, pad_id, tok, world, items[0][0], step)
-    timing["rl_update_s"] = time.time() - t0
-    m["grads"], m["optimizer"] = grads["grads"], tensor_bytes(v for st in optimizer.state.values() for v in st.values()
-                                                               if torch.is_tensor(v) and v.dim())
-    sizes["rl_flight_tokens"], sizes["rl_policy_tokens"] = m.pop("flight_tokens"), m.pop("policy_tokens")
-    sizes["rl_flight_patches"], sizes["rl_flight_rows"] = m.pop("flight_patches"), m.pop("flight_rows")
-    sizes["rl_dense_masks"] = m.pop("dense_masks")
-    sizes["rl_grad_norm"] = gn
+    gn, timing["rl_update_s"] = measured_update(model, ref, optimizer, items, s, tok, world, run, meter, m)
+    sizes.update({f"rl_{k}": m.pop(k) for k in ("flight_tokens", "policy_tokens", "flight_patches", "flight_rows",
+                                                 "dense_masks")}, rl_grad_norm=gn)
     # the SFT step: the scripted interleaved episode as a recorded trajectory, TDAM on, gradient checkpointing
     sft_items = [sft.encode_messages(processor, rec, sft_messages(args.duration, rec["video"]), root,
                                          dataclasses.replace(cfg, tool_mode="interleaved"))]
@@ -467,24 +387,18 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     sft_parts = {}
     t0 = time.time()
     with phases(meter, sft_parts):
-        loss, n_tok = train.sft_backward(model, sft_items, 1, pad_id, None, tok if args.tdam else None, False,
+        loss, n_tok = train.sft_backward(model, sft_items, 1, pad_id, None, tok, False,
                                          run.counters, targs.precision)
     run.optimizer_step(model, sft_opt, loss, "sft", 1, [])
     timing["sft_step_s"] = time.time() - t0
-    sizes["sft_tokens"], sizes["sft_policy_tokens"] = len(sft_items[0].token_ids), n_tok
-    sizes["sft_patches"] = sft_parts.pop("flight_patches")
-    sizes["tdam_no_answer"] = run.counters.get("tdam_no_answer", 0)
-    for k in ("flight_tokens", "policy_tokens", "flight_rows", "dense_masks"):
-        sft_parts.pop(k)
+    sizes.update(sft_tokens=len(sft_items[0].token_ids), sft_policy_tokens=n_tok, sft_patches=sft_parts["flight_patches"],
+                 tdam_no_answer=run.counters.get("tdam_no_answer", 0))
+    sft_parts = {k: sft_parts[k] for k in ("activations", "backward", "loss") if k in sft_parts}
     vo3 = None
     if args.steps == "all":
         del sft_opt, ref, items, sft_items, g
         vo3 = videoo3_update(rank, world, args, ckpt, root, out_dir, model, processor, meter, device)
     save_rank(out_dir, rank, world, model, dict(rank=rank, measured=m, sft=sft_parts, sizes=sizes, timing=timing, videoo3=vo3))
-
-
-# -----------------------------------------------------------------------------
-# the projection and the report
 
 
 def shape(r: dict, args) -> dict:
@@ -500,9 +414,8 @@ def shape(r: dict, args) -> dict:
 
 
 def project(r: dict, args, world: int) -> dict:
-    """plan.memory_parts at this run's sizes (its model's widths and parameter counts, its token counts); the
-    K/V: the larger of the two tool modes' (interleaved: the clips in the suffix; sub-agent: one turn's
-    sub-agents beside the rows)."""
+    """plan.memory_parts at this run's sizes; the K/V: the larger of the two tool modes' (interleaved: the clips in
+    the suffix; sub-agent: one turn's sub-agents beside the rows)."""
     z, m = r["sizes"], shape(r, args)
     common = dict(flight_tokens=z["rl_flight_tokens"], flight_patches=z["rl_flight_patches"],
                   policy_tokens=z["rl_policy_tokens"], shared=True, reference=True, compiled=args.device == "cuda",
@@ -539,7 +452,7 @@ def compare(measured: dict, projected: dict, names: tuple, title: str) -> dict:
 
 def report(ranks: list[dict], args) -> dict:
     """The tables, a line on the SFT step and one on the Video-o3 update, and the last-line JSON (the ranks' raw
-    figures in it, for --from-json)."""
+    figures in it)."""
     r0 = ranks[0]
     gb = lambda b: b / 2 ** 30
     summary = dict(ci=args.ci, ranks=args.ranks, device=args.device, params=r0["params"], sizes=r0["sizes"],
@@ -552,11 +465,11 @@ def report(ranks: list[dict], args) -> dict:
         summary["parts"] = compare(measured, project(r0, args, args.ranks), PARTS, "paravt RL step")
         print(f"K/V pool allocated: {gb(measured['kv_pool']):.3f} GB (the blocks in use at their most: "
               f"{gb(measured['kv']):.3f} GB)")
-        sft = {k: gb(max(r["sft"].get(k, 0) for r in ranks)) for k in ("activations", "backward", "loss")}
-        print("SFT step (GB):", json.dumps({k: round(v, 3) for k, v in sft.items()}), "| sizes:",
+        sft_gb = {k: gb(max(r["sft"].get(k, 0) for r in ranks)) for k in ("activations", "backward", "loss")}
+        print("SFT step (GB):", json.dumps({k: round(v, 3) for k, v in sft_gb.items()}), "| sizes:",
               json.dumps(r0["sizes"]), "| seconds:", json.dumps({k: round(v, 1) for k, v in r0["timing"].items()}),
               flush=True)
-        summary.update(kv_pool_gb=gb(measured["kv_pool"]), sft_gb=sft)
+        summary.update(kv_pool_gb=gb(measured["kv_pool"]), sft_gb=sft_gb)
     if r0.get("videoo3"):
         v0 = r0["videoo3"]
         measured = {k: max(r["videoo3"]["measured"][k] for r in ranks) for k in VIDEOO3_PARTS}
@@ -567,8 +480,7 @@ def report(ranks: list[dict], args) -> dict:
                                   dense_masks=sum(r["videoo3"]["sizes"]["dense_masks"] for r in ranks),
                                   rows=[r["videoo3"]["sizes"]["rows"] for r in ranks])
     summary.update(peak_rss_gb=max(r["peak_rss_gb"] for r in ranks),
-                   max_rss_gb=max(r.get("max_rss_gb", 0.0) for r in ranks),
-                   args={k: v for k, v in vars(args).items() if k not in ("out", "from_json")}, per_rank=ranks)
+                   max_rss_gb=max(r.get("max_rss_gb", 0.0) for r in ranks), per_rank=ranks)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
@@ -590,7 +502,6 @@ def main() -> None:
     ap.add_argument("--vision-mlp", type=int, default=0, help="vision MLP size (with --vision-width)")
     ap.add_argument("--size", default="1280x720", help="the video's W x H (the overview's budget decides the tokens)")
     ap.add_argument("--duration", type=float, default=64.0, help="the video's seconds")
-    ap.add_argument("--tdam", type=int, default=1, help="1: the SFT step with TDAM masks")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--steps", choices=("all", "paravt", "videoo3"), default="all",
                     help="all: the paravt RL and SFT steps, then the Video-o3 update; paravt: the first two; videoo3: "
@@ -599,23 +510,13 @@ def main() -> None:
                     help="train.py's --micro-batch-tokens for both RL updates (default: train.py's; --ci: 2048, "
                          "which its rows of ~1-2k tokens fill one at a time, as the real lengths fill the default)")
     ap.add_argument("--out", help="also write the JSON here")
-    ap.add_argument("--from-json", metavar="JSON", help="report again from a run's --out (its measurements, today's plan)")
     args = ap.parse_args()
-    if args.from_json:
-        saved = json.load(open(args.from_json))
-        args.__dict__.update(saved["args"])
-        small_logits(args)
-        report(saved["per_rank"], args)
-        return
     if args.ci:
         args.text_layers, args.vision_depth, args.hidden, args.mlp, args.heads = 2, 1, 256, 512, 8
         args.vision_width, args.vision_mlp, args.size, args.duration = 64, 128, "128x96", 16.0
         args.micro_batch_tokens = args.micro_batch_tokens or 2048
     small_logits(args)                                       # the plan projects the path the ranks take
-    try:
-        size = tuple(int(x) for x in args.size.split("x"))
-    except ValueError:
-        raise SystemExit(f"bench/rehearsal.py: --size must be WxH (e.g. 1280x720), got {args.size!r}") from None
+    size = tuple(int(x) for x in args.size.split("x"))             # W x H
     with tempfile.TemporaryDirectory() as tmp:
         ckpt, root, out_dir = (os.path.join(tmp, d) for d in ("ckpt", "videos", "out"))
         for d in (root, out_dir):

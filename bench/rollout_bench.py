@@ -1,56 +1,34 @@
-"""Benchmark the rollout engine (rollout.py) against the simple ways of doing the same work.
+"""Benchmark the rollout engine (rollout.py) against the simple ways of doing the same work (tiny Qwen3-VL, CPU).
 
-    python bench/rollout_bench.py                          # tiny Qwen3-VL, CPU, a few minutes
-    python bench/rollout_bench.py --overview-frames 32 --size 64 --repeats 3
+    python bench/rollout_bench.py                          # all five parts
+    python bench/rollout_bench.py --parts 5                # one part
 
-1. multi-turn   One interleaved trajectory of --turns assistant turns (a crop_video call in each but
-                the last, which answers), the model's outputs scripted so both sides do the same work.
-                ours:     run_agent: the prompt (overview video) prefilled once, then each turn only
-                          the new chunk (tool response + clip) is prefilled on top of the KV cache.
-                re-encode the released behaviour: at every turn a full forward over the whole
-                          sequence so far (every frame through the vision tower again), then that
-                          turn's tokens decoded on a fresh cache.
-                The re-encode side is timed on model work alone (the trajectory's token ids and
-                pixels are given); ours is timed end to end (video decoding, cropping, processor
-                included), so the time ratio is conservative.
-                Targets: >= 2x fewer prefilled tokens, >= 1.5x faster.
-2. sub-agents   --calls parallel crop_video calls: all their sub-agents as ONE batched generation
-                (rollout.run_subagents) vs one call of run_subagents per job. Same clips, greedy,
-                <|im_end|> masked so every sub-agent writes exactly --sub-tokens tokens. Target >= 2x.
-3. decode       our engine on plain generation (`one_turn`: prompts prefilled, then token by token) vs
-                model.generate on the same prompts (overview video + question), greedy, exactly
-                --new-tokens tokens each (generate: min_new_tokens = max_new_tokens; ours: <|im_end|> is no
-                stop). Tokens/s at batch 1 and --batch. Target ratio >= 1.0.
-4. scale        G = 8 rows from one long video prompt at Qwen widths (2 layers, vocab 151,936), each side in its
-                own process, --scale-runs times: peak live tensor bytes beyond the weights (LiveTensors, the same
-                in every run; RSS beside it), tokens/s, host syncs per decode step (measured: runtime.HostSyncCounter).
-                Targets >= 4x less memory, >= 1.5x tokens/s, <= 1 sync, the memory ratio within 5 % over the runs.
-5. budget       --budget-prompts x --budget-group rows whose turns take --budget-min to --budget-max tokens (one
-                tool turn for half of them): all at once (the budget unbounded), then under a budget of a quarter
-                of that run's peak memory, by continuous batching and by fixed waves (the batch waits for its
-                longest row each turn). Targets: peak <= 1.1 x budget, continuous >= 1.3x the waves' tokens/s,
-                every trajectory's tokens and log-probs equal to the unbounded run's.
-
-Each measurement runs its two sides interleaved (A, B, A, B) after one warm-up and reports medians;
-ratios are baseline / ours (> 1 means ours is better). `same_tokens` flags check that the two sides
-produced the same tokens. The last line of output is one JSON object.
+1. multi-turn  a scripted interleaved trajectory of --turns turns: run_agent (the prompt prefilled once, each turn's
+               new chunk on the KV cache) vs the released loop (a full forward over the sequence every turn, every
+               frame through the vision tower again; model work only). Targets: >= 2x fewer prefilled tokens, >= 1.5x.
+2. sub-agents  --calls parallel calls' sub-agents as one batched generation vs one at a time. Target >= 2x.
+3. decode      our engine vs model.generate on the same prompts, greedy, exactly --new-tokens each, at batch 1 and
+               --batch. Target >= 1.0.
+4. scale       G = 8 rows from one long video prompt at Qwen widths (vocab 151,936) vs generate(num_return_sequences),
+               each side in its own process: peak live tensor bytes beyond the weights (LiveTensors; RSS beside),
+               tokens/s, host syncs per decode step (runtime.HostSyncCounter). Targets >= 4x, >= 1.5x, <= 1 sync.
+5. budget      rows whose turns take --budget-min to --budget-max tokens, unbounded, then under a quarter of that
+               peak by continuous batching and by fixed waves. Targets: peak <= 1.1 x budget, >= 1.3x the waves'
+               tokens/s, every trajectory's tokens and log-probs equal to the unbounded run's.
+Two sides run interleaved after one warm-up; medians; ratios are baseline / ours (> 1: ours is better). The last
+line is one JSON object.
 """
 import argparse
 import json
 import os
+import random
+import subprocess
+import sys
 import tempfile
 import time
 
 import torch
-from common import (  # bench/common.py (puts the repo on sys.path)
-    LiveTensors,
-    PeakRSS,
-    ab_times,
-    median,
-    print_json,
-    set_threads,
-    table,
-)
+from common import LiveTensors, PeakRSS, Script, ab_times, median, print_json, set_threads, table  # bench/common.py
 from transformers import DynamicCache
 
 import kvcache
@@ -73,60 +51,33 @@ def make_video(root: str, duration: float, size: int) -> dict:
             "answer": "A", "duration": duration}
 
 
-class Script:
-    """Stand-in for rollout.sample_tokens: each row (told apart by its seed) walks through the token
-    lists `turns` (one per assistant turn, the last one repeating)."""
-
-    def __init__(self, turns: list[list[int]]):
-        self.turns, self.state = turns, {}
-
-    def one(self, key: int) -> int:
-        t, p = self.state.get(key, (0, 0))
-        toks = self.turns[min(t, len(self.turns) - 1)]
-        self.state[key] = (t + 1, 0) if p + 1 == len(toks) else (t, p + 1)
-        return toks[p]
-
-    def __call__(self, logits, seeds, counters, temperature, top_p):
-        return torch.tensor([self.one(s) for s in seeds.tolist()])
-
-
 def masked_greedy(stop_id: int):
     """Greedy with <|im_end|> never chosen (what generate's min_new_tokens does), so lengths are fixed."""
-    def sample(logits, seeds, counters, temperature, top_p):
-        return logits.index_fill(1, torch.tensor([stop_id]), -float("inf")).argmax(-1)
-    return sample
+    return lambda logits, *_: logits.index_fill(1, torch.tensor([stop_id]), -float("inf")).argmax(-1)
 
 
 class Counter:
-    """Wraps GroupKV.add_prompts / extend (prefill) and GroupKV.step (decode) to count the tokens and vision
-    patches of a run."""
+    """Counts the tokens and vision patches prefilled (GroupKV.add_prompts / extend) and the tokens decoded
+    (GroupKV.step) while installed."""
 
     def __init__(self):
         self.prefill_tokens = self.decode_tokens = self.patches = 0
 
     def install(self):
-        add_prompts, extend, step = kvcache.GroupKV.add_prompts, kvcache.GroupKV.extend, kvcache.GroupKV.step
+        saved = {name: getattr(kvcache.GroupKV, name) for name in ("add_prompts", "extend", "step")}
 
-        def count(chunks):
-            self.prefill_tokens += sum(len(c.ids) for c in chunks)
-            self.patches += sum(len(c.pixels) for c in chunks if c.pixels is not None)
-
-        def counted_prompts(kv, model, chunks, pad_id):
-            count(chunks)
-            return add_prompts(kv, model, chunks, pad_id)
-
-        def counted_extend(kv, model, rows, chunks, pad_id):
-            count(chunks)
-            return extend(kv, model, rows, chunks, pad_id)
-
-        def counted_step(kv, model, rows, tokens):
-            self.decode_tokens += len(rows)
-            return step(kv, model, rows, tokens)
-
-        kvcache.GroupKV.add_prompts, kvcache.GroupKV.extend = counted_prompts, counted_extend
-        kvcache.GroupKV.step = counted_step
-        return lambda: (setattr(kvcache.GroupKV, "add_prompts", add_prompts), setattr(kvcache.GroupKV, "extend", extend),
-                        setattr(kvcache.GroupKV, "step", step))
+        def counted(name):
+            def call(kv, model, *a):
+                if name == "step":                                      # (rows, tokens)
+                    self.decode_tokens += len(a[0])
+                else:                                                   # ([rows,] chunks, pad_id)
+                    self.prefill_tokens += sum(len(c.ids) for c in a[-2])
+                    self.patches += sum(len(c.pixels) for c in a[-2] if c.pixels is not None)
+                return saved[name](kv, model, *a)
+            return call
+        for name in saved:
+            setattr(kvcache.GroupKV, name, counted(name))
+        return lambda: [setattr(kvcache.GroupKV, name, fn) for name, fn in saved.items()]
 
 
 def one_turn(model, processor, chunks: list, group: int, cfg: rollout.RolloutConfig, n: int, seeds) -> list[list[int]]:
@@ -144,6 +95,20 @@ def one_turn(model, processor, chunks: list, group: int, cfg: rollout.RolloutCon
     return [r.turn_tokens for r in rows]
 
 
+def both_prompts(processor, path: str, cfg: rollout.RolloutConfig, texts: list[str]) -> tuple[list, dict]:
+    """The overview of `path` (cfg's K and pixels) after each prompt text, as our engine's chunks and as generate's
+    inputs (the processor on the same frames, left-padded)."""
+    overview = rollout.load_overview(path, video.probe(path).duration, cfg, rollout.video_factor(processor),
+                                     cfg.overview_nframes)
+    tok, side = processor.tokenizer, processor.tokenizer.padding_side
+    tok.padding_side = "left"
+    inputs = processor(text=texts, videos=[overview.frames] * len(texts), padding=True, return_tensors="pt",
+                       videos_kwargs=dict(do_sample_frames=False, do_resize=False,
+                                          video_metadata=[rollout.clip_metadata(overview)] * len(texts)))
+    tok.padding_side = side
+    return [rollout.encode_chunk(processor, t, [overview]) for t in texts], inputs
+
+
 # ----------------------------------------------------------------------------- 1. multi-turn
 
 def turn_spans(roles: list[int]) -> list[tuple[int, int]]:
@@ -158,16 +123,11 @@ def turn_spans(roles: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def video_tokens(grid: torch.Tensor, merge: int) -> int:
-    return int((grid.prod(-1) // (merge * merge)).sum())
-
-
 @torch.no_grad()
 def reencode_rollout(model, processor, traj: rollout.Trajectory, path: str, cfg: rollout.RolloutConfig) -> dict:
-    """The released loop on a known trajectory: per turn, a full forward over everything before the
-    turn (all its videos through the vision tower), then the turn's tokens one by one on that cache.
-    The video work is the same as ours (overview and every crop decoded once); the processor is not
-    re-run (token ids and pixels are taken from `traj`), which favours this side."""
+    """The released loop on a known trajectory: per turn, a full forward over everything before it (every video
+    through the vision tower), then the turn's tokens one by one on that cache; the videos decoded once as ours, the
+    processor not re-run (the ids and pixels of `traj`), which favours this side."""
     factor, merge = rollout.video_factor(processor), processor.video_processor.merge_size
     pad_id = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     duration = video.probe(path).duration
@@ -180,7 +140,7 @@ def reencode_rollout(model, processor, traj: rollout.Trajectory, path: str, cfg:
         n_video = sum(t == video_id for t in traj.token_ids[:a])
         videos, seen = [], 0
         for p, g in traj.videos:          # the videos whose tokens lie before this turn
-            seen += video_tokens(g, merge)
+            seen += int((g.prod(-1) // (merge * merge)).sum())              # its video tokens
             if seen > n_video:
                 break
             videos.append((p, g))
@@ -216,17 +176,17 @@ def bench_multiturn(model, processor, root: str, rec: dict, args) -> dict:
     texts = [f"I need a closer look.\n</think>\n<tool_call>\n{{\"name\": \"crop_video\", \"arguments\": "
              f"{{\"start_time\": {s}.0, \"end_time\": {s + args.window}.0}}}}\n</tool_call>" for s in starts]
     texts.append("The shape is red.\n</think>\n<answer>A</answer>")
-    cfg = rollout.RolloutConfig(tool_mode="interleaved", max_turns=args.turns - 1, max_new_tokens=128,
-                                temperature=1.0, group_size=1, overview_nframes=args.overview_frames,
+    cfg = rollout.RolloutConfig(tool_mode="interleaved", max_turns=args.turns - 1, max_new_tokens=128, group_size=1,
+                                temperature=1.0, overview_nframes=args.overview_frames,
                                 overview_max_pixels=args.size ** 2, crop_fps=2.0, crop_max_pixels=args.crop_size ** 2,
                                 tools_block=False)
     counter = Counter()
 
     def ours():
-        rollout.sample_tokens = Script([enc(t) for t in texts])
+        rollout.sample_tokens = Script(lambda seed: [enc(t) for t in texts])      # every row the same turns
         return rollout.run_agent(model, processor, [rec], root, cfg, seed=0)[0]
 
-    restore = counter.install()
+    restore = counter.install()                     # the first run counted
     try:
         traj = ours()
     finally:
@@ -271,23 +231,13 @@ def bench_subagents(model, processor, root: str, rec: dict, args) -> dict:
 # ----------------------------------------------------------------------------- 3. decode loop vs generate
 
 def bench_decode(model, processor, root: str, rec: dict, args, batch_size: int) -> dict:
-    tok = processor.tokenizer
     ids = special_token_ids(processor)
     stop, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
     cfg = rollout.RolloutConfig(temperature=0.0, group_size=1, overview_nframes=args.decode_frames,
                                 overview_max_pixels=args.crop_size ** 2, tools_block=False)
-    path = os.path.join(root, rec["video"])
-    overview = rollout.load_overview(path, video.probe(path).duration, cfg, rollout.video_factor(processor),
-                                     cfg.overview_nframes)
     records = [{**rec, "question": QUESTION + " Look carefully." * k} for k in range(batch_size)]   # lengths differ
-    texts = [rollout.prompt_text(processor, r, False) for r in records]
-    chunks = [rollout.encode_chunk(processor, t, [overview]) for t in texts]
-    old_side = tok.padding_side
-    tok.padding_side = "left"
-    inputs = processor(text=texts, videos=[overview.frames] * batch_size, padding=True, return_tensors="pt",
-                       videos_kwargs=dict(do_sample_frames=False, do_resize=False,
-                                          video_metadata=[rollout.clip_metadata(overview)] * batch_size))
-    tok.padding_side = old_side
+    chunks, inputs = both_prompts(processor, os.path.join(root, rec["video"]), cfg,
+                                  [rollout.prompt_text(processor, r, False) for r in records])
     n = args.new_tokens
     rollout.sample_tokens = masked_greedy(stop)
 
@@ -324,21 +274,14 @@ def scale_side(side: str, args) -> dict:
     """One side of the scale bench in this process: prompt setup, then the timed, memory-sampled run."""
     set_threads(args.threads)
     model, processor = scale_model(args)
-    ids = special_token_ids(processor)
-    pad = ids["<|endoftext|>"]
+    pad = special_token_ids(processor)["<|endoftext|>"]
     G, n = args.scale_group, args.scale_new_tokens
     with tempfile.TemporaryDirectory() as root:
         rec = make_video(root, args.scale_frames / 2, args.scale_size)
         cfg = rollout.RolloutConfig(temperature=0.7, top_p=1.0, group_size=G, overview_nframes=args.scale_frames,
                                     overview_max_pixels=args.scale_size ** 2, tools_block=False)
-        path = os.path.join(root, rec["video"])
-        overview = rollout.load_overview(path, video.probe(path).duration, cfg, rollout.video_factor(processor),
-                                         cfg.overview_nframes)
-        text = rollout.prompt_text(processor, rec, False) + rollout.THINK_PREFIX
-        chunk = rollout.encode_chunk(processor, text, [overview])
-        inputs = processor(text=[text], videos=[overview.frames], return_tensors="pt",
-                           videos_kwargs=dict(do_sample_frames=False, do_resize=False,
-                                              video_metadata=[rollout.clip_metadata(overview)]))
+        [chunk], inputs = both_prompts(processor, os.path.join(root, rec["video"]), cfg,
+                                       [rollout.prompt_text(processor, rec, False) + rollout.THINK_PREFIX])
 
     def ours():
         return one_turn(model, processor, [chunk], G, cfg, n, lambda i, s: rollout.row_seed(0, 0, s))
@@ -366,19 +309,12 @@ def scale_side(side: str, args) -> dict:
 
 
 def bench_scale(args) -> dict:
-    """Each side in its own process (so one side's freed memory cannot hide the other's peak), --scale-runs times:
-    peak live tensor bytes (LiveTensors: the same in every run) and resident memory (PeakRSS: noisy), beyond the
-    weights."""
-    import subprocess
-    import sys
+    """Each side in its own process (one side's freed memory cannot hide the other's peak), --scale-runs times."""
     runs = []
     for _ in range(args.scale_runs):
         res = {}
         for side in ("ours", "hf"):
-            cmd = [sys.executable, __file__, "--scale-side", side, "--threads", str(args.threads),
-                   "--scale-layers", str(args.scale_layers), "--scale-frames", str(args.scale_frames),
-                   "--scale-size", str(args.scale_size), "--scale-group", str(args.scale_group),
-                   "--scale-new-tokens", str(args.scale_new_tokens)]
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--scale-side", side]      # this run's flags, one side
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             res[side] = json.loads(out.strip().splitlines()[-1])
         runs.append(res)
@@ -399,11 +335,9 @@ def bench_scale(args) -> dict:
 # ----------------------------------------------------------------------------- 5. budget: continuous batching
 
 class Planned:
-    """Stand-in for rollout.sample_tokens that keeps the real draw (seeded Gumbel-max, special tokens banned) but
-    shapes each row's turns: the row with seed s writes turn k in exactly L_k tokens, L_k uniform in [lo, hi]
-    (drawn from s); half the rows call the tool in their first turn (the call's tokens end it), then answer; every
-    turn ends with <|im_end|>. A function of (seed, counter) alone, as the real sampler: every schedule gives
-    every row the same tokens."""
+    """The real draw (seeded, special tokens banned), each row's turns shaped: the row with seed s writes turn k in
+    L_k tokens, L_k uniform in [lo, hi]; half the rows call the tool in their first turn, then answer. A function of
+    (seed, counter) alone, as the real sampler: every schedule gives every row the same tokens."""
 
     def __init__(self, sample, stop: int, special: list[int], call: list[int], lo: int, hi: int):
         self.sample, self.stop, self.special, self.call, self.lo, self.hi = sample, stop, torch.tensor(special), call, lo, hi
@@ -412,7 +346,6 @@ class Planned:
     def plan(self, seed: int) -> list[tuple[int, bool]]:
         """[(the counter after turn k's last token, whether turn k calls the tool)]."""
         if seed not in self.plans:
-            import random
             rng, ends, c = random.Random(seed), [], 0
             calls = rng.random() < 0.5
             for k in range(2 if calls else 1):
@@ -436,10 +369,9 @@ class Planned:
 
 
 def engine_memory(fn):
-    """(fn's result, peak MB of the tensors the engine allocates while it runs): LiveTensors over Engine.admit (the
-    prefills, the pool) and Engine.step (decode, sampling), not over the tools and the processor (the clips' and
-    overviews' pixels, which the trajectories keep for training)."""
-    live, saved = LiveTensors(), (rollout.Engine.admit, rollout.Engine.step)
+    """(fn's result, peak MB of the tensors the engine allocates, decode steps): LiveTensors over Engine.admit and
+    Engine.step, not over the tools and the processor (the pixels the trajectories keep for training)."""
+    live, saved, steps = LiveTensors(), (rollout.Engine.admit, rollout.Engine.step), rollout.STATS["decode_steps"]
 
     def counted(method):
         def inside(self, *a):
@@ -449,42 +381,29 @@ def engine_memory(fn):
 
     rollout.Engine.admit, rollout.Engine.step = counted(saved[0]), counted(saved[1])
     try:
-        return fn(), live.mb
+        return fn(), live.mb, rollout.STATS["decode_steps"] - steps
     finally:
         rollout.Engine.admit, rollout.Engine.step = saved
 
 
 def bench_budget(args) -> dict:
-    """--budget-prompts x --budget-group rows of a 1-tool-turn interleaved rollout whose turns take --budget-min to
-    --budget-max tokens: all at once (unbounded budget), then under a budget of a quarter of that run's peak, by
-    continuous batching and by fixed waves (the same budget; each turn waits for the wave's longest row). Memory:
-    the peak of the tensors the engine allocates (`engine_memory`). The tiny model with --budget-layers layers, and
-    the working sizes shrunk to the small budget (--budget-scores: SCORES_BUDGET, --budget-prefill: PREFILL_TOKENS,
-    --budget-join: JOIN_PROMPT) so that the attention's slabs, a prefill's activations and the prompt copies stay a
-    few % of it, as they are of a real budget, and the block (--budget-block: BLOCK) a few per turn, as a real
-    run's 256-token blocks are of its 2,048-token turns (at 256 a 24-160-token turn would take a whole block, and
-    the worst cases the scheduler admits on would be rounded up by up to 10x). `decode_steps`: the decode forwards
-    of each schedule (the saving continuous batching makes, whatever a step costs)."""
+    """--budget-prompts x --budget-group rows of a 1-tool-turn interleaved rollout: unbounded, then under a quarter of
+    that peak (`engine_memory`) by continuous batching and by fixed waves (a turn waits for the wave's longest row).
+    kvcache's working sizes and block shrink with the budget (--budget-scores / -prefill / -join / -block), so they
+    stay the share of it they are of a real one. `decode_steps`: the decode forwards of each schedule."""
     from model import ModelConfig, build_tiny
     torch.manual_seed(0)
     model, processor = build_tiny(ModelConfig(layers=args.budget_layers), corpus=rollout.prompt_corpus())
     model.eval()
-    ids = special_token_ids(processor)
     tok = processor.tokenizer
     call = tok("\n</think>\n<tool_call>\n{\"name\": \"crop_video\", \"arguments\": {\"start_time\": 4.0, "
                "\"end_time\": 8.0}}\n</tool_call>", add_special_tokens=False)["input_ids"]
-    planned = Planned(rollout.sample_tokens, ids["<|im_end|>"], sorted(tok.get_added_vocab().values()), call,
-                      args.budget_min, args.budget_max)
+    planned = Planned(rollout.sample_tokens, special_token_ids(processor)["<|im_end|>"],
+                      sorted(tok.get_added_vocab().values()), call, args.budget_min, args.budget_max)
     saved = kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS, kvcache.BLOCK, kvcache.JOIN_PROMPT
     kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS = args.budget_scores, args.budget_prefill
     kvcache.BLOCK, kvcache.JOIN_PROMPT = args.budget_block, args.budget_join
     steps = {}
-
-    def counted(name, **kw):                            # the decode steps of one run of a schedule
-        before = rollout.STATS["decode_steps"]
-        out = run(**kw)
-        steps[name] = rollout.STATS["decode_steps"] - before
-        return out
     try:
         with tempfile.TemporaryDirectory() as root:
             rec = make_video(root, 32.0, 64)
@@ -495,10 +414,10 @@ def bench_budget(args) -> dict:
                         tools_block=False)
             run = lambda **kw: rollout.run_agent(model, processor, recs, root, rollout.RolloutConfig(**base, **kw), seed=0)
             rollout.sample_tokens = planned
-            ref, unbounded_mb = engine_memory(lambda: run(memory_budget_bytes=1 << 40))
+            ref, unbounded_mb, _ = engine_memory(lambda: run(memory_budget_bytes=1 << 40))
             budget = int(unbounded_mb * 2 ** 20) // 4
-            cont, peak_mb = engine_memory(lambda: counted("continuous", memory_budget_bytes=budget))
-            static, static_mb = engine_memory(lambda: counted("static", memory_budget_bytes=budget, continuous=False))
+            cont, peak_mb, steps["continuous"] = engine_memory(lambda: run(memory_budget_bytes=budget))
+            static, static_mb, steps["static"] = engine_memory(lambda: run(memory_budget_bytes=budget, continuous=False))
             wall, cpu = ab_times({"continuous": lambda: run(memory_budget_bytes=budget),
                                 "static": lambda: run(memory_budget_bytes=budget, continuous=False)}, args.budget_repeats)
     finally:
@@ -522,39 +441,31 @@ def bench_budget(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--overview-frames", type=int, default=128, help="overview frames (even)")
-    p.add_argument("--size", type=int, default=128, help="frame side in pixels of the video and its overview")
-    p.add_argument("--crop-size", type=int, default=64, help="frame side in pixels of crops (clips, sub-agents)")
+    for flag, default, what in [("overview-frames", 128, "overview frames (even)"), ("size", 128, "frame side of the video"),
+                                ("crop-size", 64, "frame side of crops (clips, sub-agents)"),
+                                ("turns", 4, "assistant turns in the multi-turn trajectory"),
+                                ("window", 8, "seconds per crop_video call"), ("calls", 5, "parallel calls (part 2)"),
+                                ("sub-tokens", 48, "tokens each sub-agent writes"), ("new-tokens", 64, "tokens a prompt (part 3)"),
+                                ("decode-frames", 16, "overview frames of part 3's prompts (short: decoding dominates)"),
+                                ("batch", 4, "prompts a batch in part 3 (and batch 1)"), ("repeats", 5, "timed repeats a side"),
+                                ("threads", 1, "torch intra-op threads (0: torch's default)")]:
+        p.add_argument(f"--{flag}", type=int, default=default, help=what)
     p.add_argument("--duration", type=float, default=64.0, help="video length, seconds (2 fps)")
-    p.add_argument("--turns", type=int, default=4, help="assistant turns in the multi-turn trajectory")
-    p.add_argument("--window", type=int, default=8, help="seconds per crop_video call")
-    p.add_argument("--calls", type=int, default=5, help="parallel calls for the sub-agent bench")
-    p.add_argument("--sub-tokens", type=int, default=48, help="tokens each sub-agent writes")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt in the decode bench")
-    p.add_argument("--decode-frames", type=int, default=16,
-                   help="overview frames (at --crop-size) in the decode bench's prompts: short, so decoding dominates")
-    p.add_argument("--batch", type=int, default=4, help="prompts per batch in the decode bench (plus batch 1)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per side (median reported)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch default)")
     p.add_argument("--parts", default="1,2,3,4,5", help="which measurements to run, e.g. 1,3")
-    p.add_argument("--scale-layers", type=int, default=2, help="scale bench: text layers (hidden 1024, 8 KV heads x 128)")
-    p.add_argument("--scale-frames", type=int, default=128, help="scale bench: overview frames (2 frames -> 1 temporal patch)")
-    p.add_argument("--scale-size", type=int, default=256, help="scale bench: frame side (256: 64 tokens per temporal patch)")
-    p.add_argument("--scale-group", type=int, default=8, help="scale bench: group size G")
-    p.add_argument("--scale-new-tokens", type=int, default=128, help="scale bench: tokens sampled per row (T = 0.7)")
-    p.add_argument("--budget-prompts", type=int, default=20, help="budget bench: prompts (rows: prompts x group)")
-    p.add_argument("--budget-group", type=int, default=4, help="budget bench: group size G")
-    p.add_argument("--budget-frames", type=int, default=16, help="budget bench: overview frames (64x64)")
-    p.add_argument("--budget-min", type=int, default=24, help="budget bench: fewest tokens of a turn")
-    p.add_argument("--budget-max", type=int, default=160, help="budget bench: most tokens of a turn (max_new_tokens)")
-    p.add_argument("--budget-repeats", type=int, default=3, help="budget bench: timed repeats per schedule")
-    p.add_argument("--budget-layers", type=int, default=8, help="budget bench: text layers of the tiny model")
-    p.add_argument("--budget-scores", type=int, default=2 ** 17, help="budget bench: kvcache.SCORES_BUDGET")
-    p.add_argument("--budget-prefill", type=int, default=256, help="budget bench: kvcache.PREFILL_TOKENS")
-    p.add_argument("--budget-block", type=int, default=32,
-                   help="budget bench: kvcache.BLOCK (a turn of --budget-max tokens spans 5 blocks; the real run's 2,048 spans 8)")
-    p.add_argument("--budget-join", type=int, default=2 ** 11, help="budget bench: kvcache.JOIN_PROMPT (2^17 / 64)")
-    p.add_argument("--scale-runs", type=int, default=3, help="scale bench: runs of both sides (memory figures per run)")
+    for flag, default, what in [("layers", 2, "text layers (hidden 1024, 8 KV heads x 128)"),
+                                ("frames", 128, "overview frames (2 frames -> 1 temporal patch)"),
+                                ("size", 256, "frame side (256: 64 tokens per temporal patch)"), ("group", 8, "group size G"),
+                                ("new-tokens", 128, "tokens sampled per row (T = 0.7)"),
+                                ("runs", 3, "runs of both sides (memory figures per run)")]:
+        p.add_argument(f"--scale-{flag}", type=int, default=default, help=f"scale bench: {what}")
+    for flag, default, what in [("prompts", 20, "prompts (rows: prompts x group)"), ("group", 4, "group size G"),
+                                ("frames", 16, "overview frames (64x64)"), ("min", 24, "fewest tokens of a turn"),
+                                ("max", 160, "most tokens of a turn (max_new_tokens)"),
+                                ("repeats", 3, "timed repeats per schedule"), ("layers", 8, "text layers of the tiny model"),
+                                ("scores", 2 ** 17, "kvcache.SCORES_BUDGET"), ("prefill", 256, "kvcache.PREFILL_TOKENS"),
+                                ("block", 32, "kvcache.BLOCK (a --budget-max turn spans 5 blocks; a real 2,048 spans 8)"),
+                                ("join", 2 ** 11, "kvcache.JOIN_PROMPT (2^17 / 64)")]:
+        p.add_argument(f"--budget-{flag}", type=int, default=default, help=f"budget bench: {what}")
     p.add_argument("--scale-side", choices=["ours", "hf"], help=argparse.SUPPRESS)   # internal: one side per process
     args = p.parse_args()
     if args.scale_side:
@@ -563,80 +474,46 @@ def main() -> None:
     threads = set_threads(args.threads)
     torch.manual_seed(0)
     model, processor = load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
-    sampler = rollout.sample_tokens
+    sampler, parts, out = rollout.sample_tokens, set(args.parts.split(",")), {}
     with tempfile.TemporaryDirectory() as root:
         rec = make_video(root, args.duration, args.size)
-        parts = set(args.parts.split(","))
         try:
-            mt = bench_multiturn(model, processor, root, rec, args) if "1" in parts else None
-            sa = bench_subagents(model, processor, root, rec, args) if "2" in parts else None
-            dec = [bench_decode(model, processor, root, rec, args, b) for b in sorted({1, args.batch})] if "3" in parts else []
-            sc = bench_scale(args) if "4" in parts else None
-            bu = bench_budget(args) if "5" in parts else None
+            if "1" in parts:
+                out["multiturn"] = bench_multiturn(model, processor, root, rec, args)
+            if "2" in parts:
+                out["subagents"] = bench_subagents(model, processor, root, rec, args)
+            if "3" in parts:
+                out["decode"] = {f"batch{b}": bench_decode(model, processor, root, rec, args, b)
+                                 for b in sorted({1, args.batch})}
+            if "4" in parts:
+                out["scale"] = bench_scale(args)
+            if "5" in parts:
+                out["budget"] = bench_budget(args)
         finally:
             rollout.sample_tokens = sampler
-
     print(f"tiny Qwen3-VL on CPU, {threads} thread(s); overview {args.overview_frames} frames at {args.size}x{args.size}, "
           f"crops at {args.crop_size}x{args.crop_size}; medians of {args.repeats} interleaved repeats")
-    out = dict(threads=threads, overview_frames=args.overview_frames, size=args.size, crop_size=args.crop_size,
-               repeats=args.repeats)
+    for name, part in out.items():
+        for sub, figures in (part.items() if name == "decode" else [("", part)]):     # decode: one table a batch
+            print(f"\n{name} {sub}\n" + table([[k, v] for k, v in figures.items()], ["figure", "value"]))
+    mt, sa, dec, sc, bu = (out.get(k) for k in ("multiturn", "subagents", "decode", "scale", "budget"))
     targets = {}
     if mt:
-        print("\n1. multi-turn interleaved rollout, cache reuse vs re-encoding every turn")
-        print(table([["prefilled tokens", mt["ours_prefill_tokens"], mt["reencode_prefill_tokens"], mt["prefill_ratio"]],
-                     ["vision patches", mt["ours_vision_patches"], mt["reencode_vision_patches"],
-                      mt["reencode_vision_patches"] / mt["ours_vision_patches"]],
-                     ["decoded tokens", mt["ours_decode_tokens"], mt["reencode_decode_tokens"], 1.0],
-                     ["wall s", mt["ours_s"], mt["reencode_s"], mt["speedup"]],
-                     ["cpu s", mt["ours_cpu_s"], mt["reencode_cpu_s"], mt["cpu_speedup"]]],
-                    ["", "ours", "re-encode", "ratio"]))
-        out["multiturn"] = mt
         targets.update(prefill_ratio_ge_2=mt["prefill_ratio"] >= 2, multiturn_speedup_ge_1_5=mt["speedup"] >= 1.5)
     if sa:
-        print(f"\n2. {sa['calls']} sub-agents x {sa['tokens_each']} tokens: batched vs one at a time "
-              f"(same tokens: {sa['same_tokens']})")
-        print(table([["wall s", sa["batched_s"], sa["serial_s"], sa["speedup"]]], ["", "batched", "serial", "ratio"]))
-        print(f"cpu ratio {sa['cpu_speedup']:.3g}")
-        out["subagents"] = sa
         targets["subagent_speedup_ge_2"] = sa["speedup"] >= 2
     if dec:
-        print(f"\n3. decode loop vs model.generate, {args.new_tokens} new tokens per prompt, greedy")
-        print(table([[d["batch"], d["ours_tok_s"], d["generate_tok_s"], d["ratio"], d["cpu_ratio"], d["same_tokens"]]
-                     for d in dec], ["batch", "ours tok/s", "generate tok/s", "ratio", "cpu ratio", "same tokens"]))
-        out["decode"] = {f"batch{d['batch']}": d for d in dec}
-        targets["decode_ratio_ge_1"] = all(d["ratio"] >= 1 for d in dec)
+        targets["decode_ratio_ge_1"] = all(d["ratio"] >= 1 for d in dec.values())
     if sc:
-        print(f"\n4. scale: one prompt of {sc['prompt_tokens']} tokens, group {sc['group']}, {sc['new_tokens']} tokens "
-              f"per row at T = 0.7; text hidden 1024, {sc['layers']} layers, 8 KV heads x 128, vocab 151,936 "
-              f"(weights {sc['weights_mb']:.0f} MB, not counted)")
-        print(table([["peak live tensor MB (beyond weights)", sc["ours_peak_mb"], sc["hf_peak_mb"], sc["memory_ratio"]],
-                     ["peak RSS MB (beyond weights)", sc["ours_rss_mb"], sc["hf_rss_mb"], sc["rss_ratio_runs"][-1]],
-                     ["tokens/s", sc["ours_tok_s"], sc["hf_tok_s"], sc["speedup"]]],
-                    ["", "ours", "generate(num_return_sequences)", "ratio"]))
-        print(f"memory ratio per run: live tensors {sc['memory_ratio_runs']}, RSS {sc['rss_ratio_runs']}")
-        print(f"host syncs per decode step (measured, runtime.HostSyncCounter): {sc['host_syncs_per_step']}; outside "
-              f"the steps (the prefill; on the CPU host-side reads too): {sc['host_syncs_outside_steps']}")
-        out["scale"] = {k: sc[k] for k in ("group", "prompt_tokens", "ours_peak_mb", "hf_peak_mb", "memory_ratio",
-                                           "memory_ratio_runs", "memory_ratio_spread", "ours_rss_mb", "hf_rss_mb",
-                                           "rss_ratio_runs", "ours_tok_s", "hf_tok_s", "speedup", "host_syncs_per_step",
-                                           "host_syncs_outside_steps")}
         targets.update(scale_memory_ratio_ge_4=sc["memory_ratio"] >= 4, scale_speedup_ge_1_5=sc["speedup"] >= 1.5,
                        scale_host_syncs_le_1=sc["host_syncs_per_step"] <= 1,
                        scale_memory_runs_within_5pct=sc["memory_ratio_spread"] <= 0.05)
     if bu:
-        print(f"\n5. budget: {bu['rows']} rows, turns of {args.budget_min}-{args.budget_max} tokens (longest / shortest "
-              f"{bu['turn_length_ratio']:.1f}), {bu['tool_turns']} tool turns; budget {bu['budget_mb']:.1f} MB = a quarter "
-              f"of the unbounded run's peak; exact: {bu['exact']} (log-probs within {bu['max_logprob_diff']:.2g})")
-        print(table([["peak live tensor MB", bu["unbounded_peak_mb"], bu["peak_mb"], bu["static_peak_mb"]],
-                     ["tokens/s", None, bu["continuous_tok_s"], bu["static_tok_s"]],
-                     ["decode steps", None, bu["decode_steps"]["continuous"], bu["decode_steps"]["static"]]],
-                    ["", "unbounded", "budget: continuous", "budget: fixed waves"]))
-        print(f"continuous / waves: {bu['speedup']:.3g}x wall time, {bu['cpu_speedup']:.3g}x CPU time")
-        out["budget"] = bu
         targets.update(budget_le_quarter=bu["budget_mb"] <= bu["unbounded_peak_mb"] / 4,
                        budget_peak_le_1_1=bu["peak_mb"] <= 1.1 * bu["budget_mb"],
                        budget_speedup_ge_1_3=bu["speedup"] >= 1.3, budget_exact=bu["exact"])
-    print_json({**out, "targets": targets})
+    print_json(dict(threads=threads, overview_frames=args.overview_frames, size=args.size, crop_size=args.crop_size,
+                    repeats=args.repeats, **out, targets=targets))
 
 
 if __name__ == "__main__":

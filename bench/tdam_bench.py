@@ -2,21 +2,13 @@
 TDAM at the papers' lengths: one forward + backward of a small Qwen3-VL decoder at L = 16,384 tokens, three ways:
   causal  plain causal attention, the model's default (SDPA with is_causal, no mask tensor): the time to match
   dense   TDAM as a dense (1, 1, L, L) additive mask through SDPA (what train.py built before)
-  tdam    TDAM through `ops.tdam_attention` (block-sparse tiles; here on the CPU its "blocked" kernel)
-
-Each run of a side is its own process (one untimed warm-up forward + backward, then one timed), so one side's freed
-memory cannot hide another's peak; peak memory is the resident memory above the level after the model is built
-(bench/common.PeakRSS). The processes run interleaved (causal, dense, tdam, causal, ...) `--repeats` times and each
-side reports the median of its times (wall and CPU seconds). The first dense and tdam runs also save every
-parameter's gradient, compared here. The sequence is a Video-o3-like layout: a 4,096-token overview, two tool
-calls each followed by a 1,024-token clip, an answer.
+  tdam    TDAM through `ops.tdam_attention` (block-sparse tiles; on the CPU its "blocked" kernel)
+on a Video-o3-like layout (a 4,096-token overview, two calls each followed by a 1,024-token clip, an answer), each
+run of a side in its own process (a warm-up, one timed pass; peak RSS above the built model), interleaved --repeats
+times, medians; the dense and tdam gradients compared. Last line: one JSON object (time_vs_causal: target <= 1.5).
 
     python bench/tdam_bench.py                             # L = 16,384, 1 decoder layer of the tiny model's widths
     python bench/tdam_bench.py --length 4096 --layers 2
-
-Last line: one JSON object: each side's median seconds and peak MB, time_vs_causal (tdam / causal, wall; target
-<= 1.5), cpu_time_vs_causal, time_vs_dense, memory_ratio (dense peak / tdam peak) and grad_max_diff (the largest
-|tdam - dense| gradient entry over the largest dense entry).
 """
 import argparse
 import json
@@ -93,15 +85,12 @@ def main() -> None:
         grads = {name: os.path.join(tmp, f"{name}.pt") for name in ("dense", "tdam")}
         for r in range(args.repeats):
             for name in SIDES:
-                cmd = [sys.executable, __file__, "--side", name, "--length", str(args.length), "--layers",
-                       str(args.layers), "--block", str(args.block), "--threads", str(args.threads)]
-                if r == 0 and name in grads:
-                    cmd += ["--grad-file", grads[name]]
-                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                grad = ["--grad-file", grads[name]] if r == 0 and name in grads else []     # saved once
+                out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--side", name, *grad],
+                                     capture_output=True, text=True, check=True).stdout
                 runs[name].append(json.loads(out.strip().splitlines()[-1]))
         dense_grad, tdam_grad = torch.load(grads["dense"]), torch.load(grads["tdam"])
-    res = {name: dict(seconds=median([r["seconds"] for r in rs]), cpu_seconds=median([r["cpu_seconds"] for r in rs]),
-                      peak_mb=median([r["peak_mb"] for r in rs])) for name, rs in runs.items()}
+    res = {name: {k: median([r[k] for r in rs]) for k in ("seconds", "cpu_seconds", "peak_mb")} for name, rs in runs.items()}
     c, d, t = res["causal"], res["dense"], res["tdam"]
     print(table([[n, r["seconds"], r["cpu_seconds"], r["peak_mb"], r["seconds"] / c["seconds"]] for n, r in res.items()],
                 ["attention", "fwd+bwd s", "CPU s", "peak MB", "x causal"]))

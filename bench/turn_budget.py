@@ -1,14 +1,7 @@
 """
-Accuracy against the tool-turn budget (Video-o3's finding, arXiv 2601.23224: accuracy rises with the number of
-tool turns allowed), on the embedded default's synthetic task.
-
-Each budget B runs `eval.py --max-turns B` on the same held-out split: tool calls are executed in at most B
-turns, then the forced-answer message asks for the answer (B = 0: the first turn's calls are not executed, the
-model answers from the overview). The questions that need rounds: a needle (its glyph between the overview's
-frames half the time: one crop), a multi-clue question (two crops in one turn), and a search question (a 4 s
-mark the 8-frame overview misses half the time, its glyph shown 2 s: a whole-video crop, 16 frames 4 s apart,
-finds the mark, and half the time a second, close crop is needed to read the glyph). Direct questions are read
-off the overview at any budget.
+Accuracy against the tool-turn budget (Video-o3's finding, arXiv 2601.23224: accuracy rises with the tool turns
+allowed), on the embedded default's synthetic task: each budget B runs `eval.py --max-turns B` on the same held-out
+split (calls executed in at most B turns, then the forced-answer message; B = 0: the answer from the overview).
 
     python bench/turn_budget.py --model runs/default              # a run dir (its newest checkpoint) or a checkpoint
     python bench/turn_budget.py --model runs/default --budgets 0,1,2,4 --n 240 --seed 3000
@@ -19,15 +12,13 @@ import argparse
 import collections
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import benchmarks  # noqa: E402
-import eval as evaluation  # noqa: E402
-from bench.common import checkpoint_or_exit, synthetic_root  # noqa: E402
+from common import checkpoint_or_exit, synthetic_root  # bench/common.py (puts the repo on sys.path)
+
+import benchmarks
+import eval as evaluation
 
 KINDS = ("single_clue", "multi_clue", "search", "direct")
 

@@ -11,8 +11,6 @@ import torch
 import model as model_lib
 import recipes
 import rollout
-import recipes
-import runtime
 import train
 
 # The fast smoke configuration: tiny default model, 8 SFT prompts and 4 RL prompts, groups of 2, 12 new tokens a

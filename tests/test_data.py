@@ -344,6 +344,23 @@ def test_seen_at_uses_the_printed_patch_time(clue, expected):
     assert data.seen_at(clue, patches) == expected
 
 
+def test_glyphs_seen_counts_the_frames_a_crop_samples_not_its_span():
+    """data.glyphs_seen: the overview alone misses a needle between its frames (the tool is needed), a tight crop
+    shows it, a crop elsewhere does not, and a wide crop that covers the glyph's slot may still miss it between
+    its frames: decided by the frames it samples (data.crop_patch_times), not by its span."""
+    recs = [data._make_one(f"q{i}", "single_clue", np.random.default_rng(i), 64.0)[0] for i in range(12)]
+    rec = next(r for r in recs if data.tool_needed(r, 8))
+    (g0, g1), duration = rec["meta"]["glyph_windows"][0], rec["duration"]
+    assert data.glyphs_seen(rec, 8, None) is False
+    assert data.glyphs_seen(rec, 8, [(max(0.0, g0 - 2), min(duration, g1 + 2))]) is True
+    far = (0.0, 8.0) if g0 > 20 else (duration - 8.0, duration)
+    assert data.glyphs_seen(rec, 8, [far]) is False
+    wide = (0.0, duration)
+    frames = [f for _, f0, f1 in data.crop_patch_times(*wide, duration, 1.0, 16) for f in (f0, f1)]
+    assert data.glyphs_seen(rec, 8, [wide], 1.0, 16) == any(g0 <= f < g1 for f in frames)
+    assert data.glyphs_seen({"task": "grounding", "meta": {}}, 8, None) is None
+
+
 def test_oracle_turns_by_kind(split):
     _, recs = split
     rng = np.random.default_rng(0)

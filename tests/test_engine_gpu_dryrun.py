@@ -25,8 +25,8 @@ def test_gpu_script_dry_run(tmp_path):
         # 2 prompts x group 2, every row scripted through its 3 tool turns, no failed record
         assert ro["trajectories"] == 4 and ro["tool_turns"] == 12 and ro["errors"] == 0
         assert ro["sampled_tokens"] > 0 and ro["host_syncs_per_step"] == 1.0
-    assert out["train"]["rows"] == 4 and out["train"]["seconds"] > 0
-    assert "seconds" in out["loss"]["fused"] and "seconds" in out["loss"]["naive"]
+    loss = out["loss"]                           # bench/logprob_bench.py, naive vs fused: the same loss and gradients
+    assert set(loss["results"]) == {"naive", "fused"} and loss["checksum_rel_diff"] < 1e-3
     parts = out["rehearsal"].get("parts")        # bench/rehearsal.py --ci --ranks 1: every part, beside the plan
     assert parts, out["rehearsal"]
     assert parts["optimizer"]["ratio"] == pytest.approx(1.0) and parts["weights_rollout"]["measured_gb"] == 0

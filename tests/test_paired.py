@@ -1,82 +1,93 @@
-"""bench/paired.py: two checkpoints' predictions on one split, question by question (fixed / broken, sign test)."""
+"""bench/paired.py through its command line: two checkpoints' predictions on one synthetic split, question by
+question (fixed / broken, the sign test, and why an answer changed)."""
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import data  # noqa: E402
-import paired  # noqa: E402
+import data
+
+ROOT = Path(__file__).resolve().parent.parent
+N, SEED = 24, 7                          # the split: 22 MCQs of the four kinds, 2 grounding questions
 
 
-@pytest.mark.parametrize("fixed, broken, p", [(12, 1, 14 / 4096), (13, 4, 2 * 3214 / 2 ** 17), (0, 0, 1.0), (3, 3, 1.0),
-                                              (5, 0, 2 / 32)])
-def test_sign_test_by_hand(fixed, broken, p):
-    assert paired.sign_test(fixed, broken) == pytest.approx(p)
-    assert paired.sign_test(broken, fixed) == pytest.approx(p)        # two-sided
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """(PARAVT_CACHE for paired.py, the split's records): the videos rendered once, where paired.py finds them."""
+    cache = tmp_path_factory.mktemp("cache")
+    return cache, data.make_split(str(cache / "synthetic"), N, seed=SEED)
 
 
-def records() -> list[dict]:
-    """Synthetic records without videos (data._make_one): 4 MCQs of each kind and one grounding question."""
-    kinds = [k for k in ("single_clue", "multi_clue", "search", "direct") for _ in range(4)] + ["grounding"]
-    return [data._make_one(f"q{i}", k, np.random.default_rng(i), 64.0)[0] for i, k in enumerate(kinds)]
+def wrong(r: dict) -> str:
+    return "ABCD"[("ABCD".index(r["answer"]) + 1) % 4]
 
 
-def test_fixed_broken_and_splits_counted_question_by_question():
-    recs = records()
-    mcq = [r for r in recs if r["task"] == "mcq"]
-    wrong = lambda r: "ABCD"[("ABCD".index(r["answer"]) + 1) % 4]
+def paired(split, tmp_path, rows_a: list[dict], rows_b: list[dict], ok: bool = True):
+    """Write the two predictions files, run `python bench/paired.py A B --n N --seed SEED`: its last-line JSON, or
+    (ok=False) the finished process."""
+    cache, _ = split
+    files = [tmp_path / "sft.jsonl", tmp_path / "rl.jsonl"]
+    for path, rows in zip(files, (rows_a, rows_b)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "paired.py"), *map(str, files), "--n", str(N),
+                        "--seed", str(SEED)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PARAVT_CACHE": str(cache), "OMP_NUM_THREADS": "1"})
+    if not ok:
+        return r
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fixed, broken, p", [(12, 1, 14 / 4096), (1, 12, 14 / 4096), (5, 0, 2 / 32), (3, 3, 1.0)])
+def test_sign_test_by_hand(split, tmp_path, fixed, broken, p):
+    """The two-sided exact sign test over the changed answers (the unchanged ones are ties, dropped)."""
+    mcq = [r for r in split[1] if r["task"] == "mcq"]
+    rows_a = [{"id": r["id"], "answer": wrong(r) if i < fixed else r["answer"]} for i, r in enumerate(mcq)]
+    rows_b = [{"id": r["id"], "answer": r["answer"] if i < fixed or i >= fixed + broken else wrong(r)}
+              for i, r in enumerate(mcq)]
+    out = paired(split, tmp_path, rows_a, rows_b)
+    assert (out["fixed"], out["broken"]) == (fixed, broken) and out["sign_test_p"] == pytest.approx(p)
+
+
+def test_fixed_broken_and_splits_counted_question_by_question(split, tmp_path):
+    mcq = [r for r in split[1] if r["task"] == "mcq"]
     # A: right on all but the first two; B: right on all but the last one -> B fixed 2, broke 1
     rows_a = [{"id": r["id"], "answer": wrong(r) if i < 2 else r["answer"], "calls": 1} for i, r in enumerate(mcq)]
     rows_b = [{"id": r["id"], "answer": wrong(r) if i == len(mcq) - 1 else r["answer"], "calls": 0}
               for i, r in enumerate(mcq)]
-    out = paired.compare(recs, rows_a, rows_b, nframes=8)
-    assert (out["right_a"], out["right_b"], out["mcq"], out["fixed"], out["broken"]) == (14, 15, 16, 2, 1)
-    assert out["sign_test_p"] == pytest.approx(1.0)
-    assert out["a"]["single_clue"] == 50.0 and out["b"]["direct"] == 75.0 and out["a"]["all"] == 100 * 14 / 16
+    out = paired(split, tmp_path, rows_a, rows_b)
+    n = len(mcq)
+    assert (out["right_a"], out["right_b"], out["mcq"], out["fixed"], out["broken"]) == (n - 2, n - 1, n, 2, 1)
+    assert out["sign_test_p"] == pytest.approx(1.0) and out["a"]["all"] == pytest.approx(100 * (n - 2) / n)
+    kind = mcq[0]["meta"]["kind"]
+    of_kind = [i for i, r in enumerate(mcq) if r["meta"]["kind"] == kind]
+    assert out["a"][kind] == pytest.approx(100 * sum(i >= 2 for i in of_kind) / len(of_kind))
     need = [r for r in mcq if data.tool_needed(r, 8)]
-    assert out["a"]["n"]["tool_needed"] == len(need) and 0 < len(need) < len(mcq)
+    assert out["a"]["n"]["tool_needed"] == len(need) and 0 < len(need) < n
     assert out["a"]["tool_call_ratio_needed"] == 1.0 and out["b"]["tool_call_ratio_not_needed"] == 0.0
 
 
-def test_a_missing_question_is_an_error_naming_the_file():
-    recs = records()
-    rows = [{"id": r["id"], "answer": r["answer"]} for r in recs if r["task"] == "mcq"][1:]
-    with pytest.raises(ValueError, match=r"rl\.jsonl: no prediction for 1 question"):
-        paired.compare(recs, rows + [{"id": "q0", "answer": "A"}], rows, where=("sft.jsonl", "rl.jsonl"))
+def test_a_missing_question_is_an_error_naming_the_file(split, tmp_path):
+    rows = [{"id": r["id"], "answer": r["answer"]} for r in split[1] if r["task"] == "mcq"]
+    r = paired(split, tmp_path, rows, rows[1:], ok=False)
+    assert r.returncode == 1 and "paired.py: " in r.stderr and "rl.jsonl: no prediction for 1 question" in r.stderr
 
 
-def test_glyphs_seen_counts_the_frames_a_crop_samples_not_its_span():
-    recs = [r for r in records() if r["task"] == "mcq" and data.tool_needed(r, 8)]
-    rec = next(r for r in recs if len(r["meta"]["glyph_windows"]) == 1)
-    (g0, g1), duration = rec["meta"]["glyph_windows"][0], rec["duration"]
-    assert data.glyphs_seen(rec, 8, None) is False                  # the overview alone misses it (tool needed)
-    assert data.glyphs_seen(rec, 8, [(max(0.0, g0 - 2), min(duration, g1 + 2))]) is True   # a tight crop shows it
-    far = (0.0, 8.0) if g0 > 20 else (duration - 8.0, duration)
-    assert data.glyphs_seen(rec, 8, [far]) is False
-    # a wide crop covers the slot and may still miss it between frames: decided by the frames it samples
-    wide = (0.0, duration)
-    frames = [f for _, f0, f1 in data.crop_patch_times(*wide, duration, 1.0, 16) for f in (f0, f1)]
-    assert data.glyphs_seen(rec, 8, [wide], 1.0, 16) == any(g0 <= f < g1 for f in frames)
-    assert data.glyphs_seen({"task": "grounding", "meta": {}}, 8, None) is None
-
-
-def test_changed_answers_split_by_what_was_seen():
-    recs = [r for r in records() if r["task"] == "mcq" and data.tool_needed(r, 8)
-            and len(r["meta"]["glyph_windows"]) == 1][:3]
-    wrong = lambda r: "ABCD"[("ABCD".index(r["answer"]) + 1) % 4]
+def test_changed_answers_split_by_what_was_seen(split, tmp_path):
+    """Why an answer changed: what the frames showed ("look"), the reading of the same evidence ("read"), a guess."""
+    mcq = [r for r in split[1] if r["task"] == "mcq"]
+    q0, q1, q2 = [r for r in mcq if data.tool_needed(r, 8) and len(r["meta"]["glyph_windows"]) == 1][:3]
     tight = lambda r: [[max(0.0, r["meta"]["glyph_windows"][0][0] - 2), r["meta"]["glyph_windows"][0][1] + 2]]
     # q0: A misses the glyph and guesses wrong, B crops it and is right (look); q1: both see it, B misreads (read);
-    # q2: neither sees it, B's guess is right (guess)
-    rows_a = [{"id": recs[0]["id"], "answer": wrong(recs[0]), "windows": []},
-              {"id": recs[1]["id"], "answer": recs[1]["answer"], "windows": tight(recs[1])},
-              {"id": recs[2]["id"], "answer": wrong(recs[2]), "windows": []}]
-    rows_b = [{"id": recs[0]["id"], "answer": recs[0]["answer"], "windows": tight(recs[0])},
-              {"id": recs[1]["id"], "answer": wrong(recs[1]), "windows": tight(recs[1])},
-              {"id": recs[2]["id"], "answer": recs[2]["answer"], "windows": []}]
-    out = paired.compare(recs, rows_a, rows_b, nframes=8)
+    # q2: neither sees it, B's guess is right (guess); the other MCQs: both right, from the overview alone
+    rows_a = {q0["id"]: (wrong(q0), []), q1["id"]: (q1["answer"], tight(q1)), q2["id"]: (wrong(q2), [])}
+    rows_b = {q0["id"]: (q0["answer"], tight(q0)), q1["id"]: (wrong(q1), tight(q1)), q2["id"]: (q2["answer"], [])}
+    rows = lambda side: [{"id": r["id"], "answer": side.get(r["id"], (r["answer"], []))[0],
+                          "windows": side.get(r["id"], (r["answer"], []))[1]} for r in mcq]
+    out = paired(split, tmp_path, rows(rows_a), rows(rows_b))
     assert out["fixed_by"] == {"look": 1, "read": 0, "guess": 1} and out["broken_by"] == {"look": 0, "read": 1, "guess": 0}
-    assert out["a"]["n"]["seen"] == 1 and out["b"]["n"]["seen"] == 2
-    assert out["a"]["seen"] == 100.0 and out["b"]["seen"] == 50.0 and out["b"]["unseen"] == 100.0
+    shown = sum(not data.tool_needed(r, 8) for r in mcq)         # the overview alone shows their glyphs
+    assert out["a"]["n"]["seen"] == shown + 1 and out["b"]["n"]["seen"] == shown + 2

@@ -1,5 +1,7 @@
-"""bench/plan.py, the projection of the papers' steps on 8 x H200: the rollout budget's waves and that both
-recipes fit (the admission rule of the engine, on paper)."""
+"""bench/plan.py, the projection of the papers' steps on 8 x H200, through its last-line JSON: the rollout budget's
+waves and that both recipes fit (the admission rule of the engine, on paper), the update's micro-batch, the K/V
+part in pool blocks; and bench/rehearsal.py --ci, which measures each part beside the plan's."""
+import functools
 import json
 import subprocess
 import sys
@@ -7,49 +9,55 @@ from pathlib import Path
 
 import pytest
 
+import train
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
-import plan  # noqa: E402
 
 
-@pytest.mark.parametrize("groups, group_kv, budget, expected", [
-    (4, 45.0, 115.7, (2, 2)),      # Video-o3 on one GPU: two groups fit, two waves
-    (4, 10.0, 115.7, (4, 1)),      # everything fits at once
-    (0.875, 11.1, 115.7, (1, 1)),  # fewer prompts than GPUs: one group on the GPUs that have one
-    (3, 50.0, 40.0, (1, 3)),       # a group larger than the budget: one at a time (and `fits` is false)
+@functools.lru_cache(maxsize=None)
+def plan(*flags: str) -> dict:
+    """The last-line JSON of `python bench/plan.py FLAGS` (each set of flags run once per session)."""
+    out = subprocess.run([sys.executable, str(BENCH / "plan.py"), *flags], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("flags, recipe, expected, fits", [
+    ((), "Video-o3", (2, 2), True),                                # 4 groups of 45 GB a GPU: two fit, two waves
+    (("--rollout-memory-gb", "1000"), "Video-o3", (4, 1), False),  # all at once: 180 GB of K/V, more than HBM
+    ((), "ParaVT", (1, 1), True),                                  # fewer prompts than GPUs: one group, one wave
+    (("--rollout-memory-gb", "40"), "Video-o3", (1, 4), False),    # a group larger than the budget: one at a time
 ])
-def test_waves(groups, group_kv, budget, expected):
-    assert plan.waves(groups, group_kv, budget) == expected
+def test_waves(flags, recipe, expected, fits):
+    r = plan(*flags)["recipes"][recipe]
+    assert (r["concurrency"], r["waves"]) == expected and r["fits"] == fits
 
 
 def test_both_recipes_fit_eight_h200_under_the_budget():
-    out = subprocess.run([sys.executable, str(BENCH / "plan.py")], capture_output=True, text=True, check=True)
-    recipes = json.loads(out.stdout.strip().splitlines()[-1])["recipes"]
-    for name, r in recipes.items():
+    for name, r in plan()["recipes"].items():
         assert r["fits"], name
         assert r["kv_gb_per_gpu"] <= r["budget_gb"] + 1e-6, name
         assert r["mem_rollout_gb"] < 141, name
-    assert recipes["Video-o3"]["waves"] > 1           # 4 groups of 45 GB per GPU do not fit at once
 
 
 def test_a_small_budget_means_more_waves_and_more_decode_time():
-    run = lambda *a: json.loads(subprocess.run([sys.executable, str(BENCH / "plan.py"), *a], capture_output=True,
-                                               text=True, check=True).stdout.strip().splitlines()[-1])["recipes"]
-    big, small = run()["Video-o3"], run("--rollout-memory-gb", "50")["Video-o3"]
+    big, small = plan()["recipes"]["Video-o3"], plan("--rollout-memory-gb", "50")["recipes"]["Video-o3"]
     assert (small["concurrency"], small["waves"]) == (1, 4)
     assert small["rollout_s"] > big["rollout_s"] and small["kv_gb_per_gpu"] < big["kv_gb_per_gpu"]
 
 
+def rows_in_flight(lengths: list[int], micro_batch: int, micro_batch_tokens: int) -> int:
+    """The largest micro-batch train.micro_batches forms from rows of these lengths."""
+    return max([sl.stop - sl.start for sl in train.micro_batches(lengths, micro_batch, micro_batch_tokens)] + [0])
+
+
 def test_the_update_holds_the_micro_batch_train_py_forms():
-    """The update's memory counts the rows train.micro_batches puts in one micro-batch at the recipe's lengths
-    (plan.update_rows): under train.py's defaults (--micro-batch 8, --micro-batch-tokens 16,384) one row at both
-    recipes' lengths (17k and 36k tokens), so no row is padded; a budget that lets rows share a forward puts more
-    rows in flight and the update needs more memory. Before, the plan assumed one row whatever the flags."""
-    assert plan.update_rows([36000] * 64, 8, 16384) == 1 and plan.update_rows([900] * 64, 8, 16384) == 8
-    assert plan.update_rows([100, 5000, 100, 100], 8, 10000) == 2 and plan.update_rows([], 8, 16384) == 0
-    run = lambda *a: json.loads(subprocess.run([sys.executable, str(BENCH / "plan.py"), *a], capture_output=True,
-                                               text=True, check=True).stdout.strip().splitlines()[-1])["recipes"]
-    default, wide = run(), run("--micro-batch-tokens", "131072")
+    """The update's memory counts the rows train.micro_batches puts in one micro-batch at the recipe's lengths:
+    under train.py's defaults (--micro-batch 8, --micro-batch-tokens 16,384) one row at both recipes' lengths (17k
+    and 36k tokens), so no row is padded; a budget that lets rows share a forward puts more rows in flight and the
+    update needs more memory."""
+    assert rows_in_flight([36000] * 64, 8, 16384) == 1 and rows_in_flight([900] * 64, 8, 16384) == 8
+    assert rows_in_flight([100, 5000, 100, 100], 8, 10000) == 2 and rows_in_flight([], 8, 16384) == 0
+    default, wide = plan()["recipes"], plan("--micro-batch-tokens", "131072")["recipes"]
     for name in default:
         assert default[name]["update_rows"] == 1, name
         assert wide[name]["update_rows"] == min(8, 131072 // wide[name]["seq_tokens"]) > 1, name
@@ -58,18 +66,17 @@ def test_the_update_holds_the_micro_batch_train_py_forms():
 
 
 def test_memory_parts_kv_counts_whole_blocks_and_one_prompt_copy_per_group():
-    """The K/V part in pool blocks: each sequence rounds up to kvcache.BLOCK tokens; the shared prompt is stored
-    once per group (G copies unshared); a sub-agent is a prompt and a row of its own; one process stores bf16 keys too."""
+    """The K/V part in pool blocks (`plan.py --parts`): each sequence rounds up to kvcache.BLOCK tokens; the shared
+    prompt is stored once per group (G copies unshared); a sub-agent is a prompt and a row of its own; one process
+    stores bf16 keys too."""
     import kvcache
-    m = dict(plan.QWEN3VL_8B, layers=1)
-    per_block = kvcache.BLOCK * plan.kv_bytes_per_token(m)
-    kv = lambda gpus=2, **k: plan.memory_parts(m, gpus, **{**dict(prompts=1, rows=2, overview_tokens=kvcache.BLOCK + 1,
-                                                      suffix_tokens=1, flight_tokens=1, flight_patches=0,
-                                                      policy_tokens=1), **k})["kv"]
-    assert kv() == (2 + 2 * 1) * per_block
-    assert kv(shared=False) == (2 * 2 + 2 * 1) * per_block
-    assert kv(subagents=4, subagent_prompt=kvcache.BLOCK, subagent_tokens=3) == (4 + 4 * 2) * per_block
-    assert kv(gpus=1) == kv()                # one process: keys stored in the values' bf16
+    per_block = kvcache.BLOCK * 1 * 8 * 128 * 2 * 2          # one layer, 8 KV heads x 128, K and V, bf16
+    base = dict(model={"layers": 1}, gpus=2, prompts=1, rows=2, overview_tokens=kvcache.BLOCK + 1, suffix_tokens=1,
+                flight_tokens=1, flight_patches=0, policy_tokens=1)
+    cases = [base, {**base, "shared": False},
+             {**base, "subagents": 4, "subagent_prompt": kvcache.BLOCK, "subagent_tokens": 3}, {**base, "gpus": 1}]
+    kv = [parts["kv"] for parts in plan("--parts", json.dumps(cases))]
+    assert kv == [(2 + 2 * 1) * per_block, (2 * 2 + 2 * 1) * per_block, (4 + 4 * 2) * per_block, (2 + 2 * 1) * per_block]
 
 
 def test_rehearsal_ci_runs_every_step_and_reports_every_part(tmp_path):

@@ -14,9 +14,9 @@ MLP 4304 / patch 16 / temporal patch 2 / merge 2 / 2304 position embeddings, dee
 What is cut so CI runs it in under a minute on 2 CPU cores (~40 s measured on a shared one): 3 decoder
 layers and 2 vision blocks (deepstack taps [8, 16, 24] -> [0, 1], feeding decoder layers 0 and 1), the
 text width 4096 -> 256 and MLP 12288 -> 512 (with them the vision merger's output), and the overview
-frames to ~64x64 pixels. bench/real_shapes.py runs the same episode at the full 8B widths (hidden 4096,
-MLP 12288: 2.0 B parameters with 3 layers, ~4 minutes and 12 GB on that CPU; --max-pixels 0 for the
-rollout's own overview budget).
+frames to ~64x64 pixels. The same episode at the full 8B widths (hidden 4096, MLP 12288: 2.0 B parameters
+with 3 layers, ~4 minutes and 12 GB on that CPU) was bench/real_shapes.py, removed from the tree
+(docs/experiments.md, "Figures of 2026-11-30"); bench/gpu.py runs the 8B shapes on a GPU.
 """
 import re
 from pathlib import Path

@@ -63,6 +63,20 @@ def test_search_oracle_acts_on_what_its_crops_show(search):
     assert rounds.count(2) >= 3 and rounds.count(1) >= 3
 
 
+def test_a_whole_video_crop_prints_every_search_mark_near_its_time():
+    """Whatever the 8-frame overview shows, a whole-video crop (16 frames, the tiny rollout's sampling) holds a frame
+    inside a search question's mark, printed at a patch time within 4 s of it (data.seen_at over
+    data.crop_patch_times): the time the policy can name for its second, close crop."""
+    needed = []
+    for seed in range(20):
+        rec = data._make_one("q", "search", np.random.default_rng(seed), 64.0)[0]
+        (s, e), = rec["clues"]
+        t = data.seen_at([s, e], data.crop_patch_times(0.0, 64.0, 64.0, 1.0, 16))
+        assert t is not None and s - 4 <= t < e + 4, (seed, s, t)
+        needed.append(data.tool_needed(rec, 8))
+    assert True in needed and False in needed           # the overview alone misses some marks, shows others
+
+
 def test_budget_limited_recordings_answer_from_what_was_seen(search, tiny):
     root, recs = search
     _, processor = tiny
@@ -159,3 +173,14 @@ def test_tool_needed_agrees_with_the_decoded_overview(tmp_path, nframes):
         assert True in seen and False in seen
     else:
         assert not any(seen)                 # 32 frames, 2 s apart: every glyph is in some frame
+
+
+def test_turn_budget_bench_names_a_path_without_a_checkpoint(tmp_path):
+    """`bench/turn_budget.py --model DIR` on a folder that is neither a checkpoint nor a run dir exits at once,
+    naming the script and the path (bench/common.checkpoint_or_exit)."""
+    import subprocess
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "turn_budget.py")
+    r = subprocess.run([sys.executable, bench, "--model", str(tmp_path / "empty")], capture_output=True, text=True,
+                       env={**os.environ, "PARAVT_CACHE": str(tmp_path)}, timeout=120)
+    assert r.returncode == 1 and "turn_budget.py: " in r.stderr and "neither a checkpoint dir" in r.stderr

@@ -10,7 +10,6 @@ every frame's true pts_time from FFmpeg.
 import io
 import json
 import math
-import sys
 from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,9 +21,6 @@ import torch
 
 import video
 from video import VideoError
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import frame_convert  # noqa: E402  (the per-frame-converter encoder, the reference for write_video's bytes)
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "real_videos"
 NASA = REAL / "nasa_13013.mp4"
@@ -283,14 +279,28 @@ def test_reused_converter_gives_pyav_pixels():
     assert min(checked.values()) >= 10, checked
 
 
+def write_per_frame(target, frames, fps: float) -> None:
+    """The reference encoder: write_video's settings, each frame converted to yuv420p by PyAV's `frame.reformat`
+    (a new converter per frame, what write_video did before it kept one)."""
+    rate = Fraction(fps).limit_denominator(1001)
+    with av.open(target, mode="w", format="mp4") as out:
+        vs = out.add_stream("libx264", rate=rate)
+        vs.width, vs.height, vs.pix_fmt = frames.shape[3], frames.shape[2], "yuv420p"
+        vs.options = {"crf": "18", "preset": "ultrafast", "threads": "1"}
+        for i, x in enumerate(frames.permute(0, 2, 3, 1).numpy()):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(x), format="rgb24").reformat(format="yuv420p")
+            frame.pts, frame.time_base = i, 1 / rate
+            out.mux(vs.encode(frame))
+        out.mux(vs.encode(None))
+
+
 def test_write_video_bytes_as_with_a_converter_per_frame():
     """write_video converts through one reused converter: the file is byte for byte the one that converting each
-    frame with its own (PyAV's `frame.reformat`, bench/frame_convert.write_per_frame) gives, so synthetic-task
-    caches written before stay valid."""
+    frame with its own (`write_per_frame`) gives, so synthetic-task caches written before stay valid."""
     frames = video.synthetic_frames(24, 64, 96, seed=5)
     ours, ref = io.BytesIO(), io.BytesIO()
     video.write_video(ours, frames, FPS)
-    frame_convert.write_per_frame(ref, frames, FPS)
+    write_per_frame(ref, frames, FPS)
     assert len(ours.getvalue()) > 1000 and ours.getvalue() == ref.getvalue()
 
 

@@ -1,24 +1,14 @@
-"""Fuzz the reward parsers with random and mutated model outputs; report the slowest call per parser.
+"""The reward parsers' fuzzer (tests/test_fuzz.py): seeded random and mutated model outputs, and each parser's
+range check.
 
-    python bench/fuzz_parsers.py --n 100000 [--seed 0]
-
-A seeded generator builds valid agent trajectories (both tool-call syntaxes, parallel calls, tool
-responses, mcq/oe/tvg answers), then mutates them: truncation, dropped or duplicated spans, splices
-of two trajectories, inserted and nested tags, JSON with wrong types, huge numbers (1e400, 5000-digit
-ints), NaN/Infinity, deep nesting, unicode, and rare 1 MB strings. Every parser must return, never
-raise, and stay in its documented range (checked by `check_all`, which tests/test_fuzz.py reuses).
-Prints the case count, the max seconds per call of each parser with the size of that input, and as
-the last line one JSON object.
+A seeded generator builds valid agent trajectories (both tool-call syntaxes, parallel calls, tool responses,
+mcq/oe/tvg answers), then mutates them: truncation, dropped or duplicated spans, splices of two trajectories,
+inserted and nested tags, JSON with wrong types, huge numbers (1e400, 5000-digit ints), NaN/Infinity, deep
+nesting, unicode, and rare 1 MB strings. Every parser must return, never raise, and stay in its documented
+range (`check_all`). Not collected by pytest (no test_ prefix): a helper module, imported as `fuzzing`.
 """
-import argparse
-import json
 import math
 import random
-import sys
-import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: rewards.py is one up
 
 from rewards import (DATA_TYPES, ToolCall, call_window, extract_answer, extract_letter, extract_time_range,
                      format_anchor, format_compliant, format_reward, grounding_format_reward, parse_tool_calls,
@@ -181,45 +171,18 @@ CHECKS = {
 }
 
 
-def check_all(text: str, stats: dict | None = None) -> None:
-    """Run every parser on `text` and check its result; record the slowest call per parser in `stats`."""
+def check_all(text: str) -> None:
+    """Run every parser on `text` and check its result; an AssertionError names the parser and the input."""
     for name, (call, check) in CHECKS.items():
-        t0 = time.perf_counter()
-        result = call(text)
-        dt = time.perf_counter() - t0
         try:
-            check(result)
+            check(call(text))
         except AssertionError as e:
             raise AssertionError(f"{name} on input {text[:200]!r} (len {len(text)}): {e}") from None
-        if stats is not None and dt > stats.get(name, (0.0, 0))[0]:
-            stats[name] = (dt, len(text))
 
 
-def fuzz(n: int, seed: int = 0) -> dict:
-    """Check n seeded random inputs; returns {"count", "max_chars", "slowest": {parser: (s, chars)}}."""
-    rng, stats, max_chars = random.Random(seed), {}, 0
+def fuzz(n: int, seed: int = 0) -> int:
+    """Check n seeded random inputs (random_output); returns the number checked."""
+    rng = random.Random(seed)
     for _ in range(n):
-        text = random_output(rng)
-        max_chars = max(max_chars, len(text))
-        check_all(text, stats)
-    return {"count": n, "max_chars": max_chars, "slowest": stats}
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=100_000, help="number of random inputs (default 100000)")
-    ap.add_argument("--seed", type=int, default=0, help="generator seed")
-    args = ap.parse_args()
-    t0 = time.perf_counter()
-    out = fuzz(args.n, args.seed)
-    print(f"checked {out['count']} inputs (largest {out['max_chars']} chars) in {time.perf_counter() - t0:.1f} s")
-    for name, (dt, chars) in sorted(out["slowest"].items()):
-        print(f"  {name:24s} max {dt * 1e3:9.2f} ms per call  (input of {chars} chars)")
-    worst = max(out["slowest"].items(), key=lambda kv: kv[1][0])
-    print(json.dumps({"count": out["count"], "max_chars": out["max_chars"], "worst_parser": worst[0],
-                      "worst_s": round(worst[1][0], 6), "worst_input_chars": worst[1][1],
-                      "max_s": {k: round(v[0], 6) for k, v in out["slowest"].items()}}))
-
-
-if __name__ == "__main__":
-    main()
+        check_all(random_output(rng))
+    return n
