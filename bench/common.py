@@ -16,24 +16,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))   # run from anywhere: the modules are one folder up
 
 
-def checkpoint_dir(path: str) -> str:
-    """A checkpoint dir (has config.json) as is, or a run dir's newest complete checkpoint (runtime.latest_checkpoint).
-    Raises FileNotFoundError naming the path otherwise."""
+def checkpoint_dir(path: str, script: str) -> str:
+    """A checkpoint dir (has config.json) as is, or a run dir's newest complete checkpoint (runtime.latest_checkpoint);
+    otherwise the command-line script exits with `script: the reason`."""
     from runtime import latest_checkpoint
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    found = latest_checkpoint(path)
+    found = path if os.path.exists(os.path.join(path, "config.json")) else latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint dir (no config.json) nor a run dir with a ckpt-* inside")
+        raise SystemExit(f"{script}: {path}: neither a checkpoint dir (no config.json) nor a run dir with a ckpt-* "
+                         "inside")
     return found
-
-
-def checkpoint_or_exit(path: str, script: str) -> str:
-    """checkpoint_dir for a command-line study: a path that is neither exits with `script: the reason`."""
-    try:
-        return checkpoint_dir(path)
-    except FileNotFoundError as e:
-        raise SystemExit(f"{script}: {e}") from None
 
 
 def synthetic_root() -> str:
@@ -56,11 +47,10 @@ def timed(fn: Callable[[], object]) -> tuple[float, float, object]:
     return time.perf_counter() - w0, time.process_time() - c0, out
 
 
-def ab_times(sides: dict[str, Callable[[], object]], repeats: int, warmup: bool = True
-             ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def ab_times(sides: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str, list], dict[str, list]]:
     """(wall, cpu): seconds of each side's repeats, run interleaved A, B, A, B, ... after one untimed call each (CPU
     time is the steadier figure on a shared machine at one thread)."""
-    for fn in sides.values() if warmup else []:
+    for fn in sides.values():
         fn()
     wall, cpu = {name: [] for name in sides}, {name: [] for name in sides}
     for _ in range(repeats):

@@ -65,18 +65,14 @@ def fused(hidden, weight, targets, problem, chunk_size, use_compile):
 
 
 def proc_status_kb(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field} line")
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 
 def worker(args) -> dict:
     """Run one method in this process; return its timings and peak extra memory."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     fn = {"naive": naive, "rowwise": rowwise, "fused": fused, "fused_liger": fused}[args.worker]
-    chunk_size = {"fused": args.fused_chunk, "fused_liger": ops._liger_chunk(args.n, args.d, args.vocab)}.get(
-        args.worker)
+    chunk_size = {"fused": args.fused_chunk, "fused_liger": ops._liger_chunk(args.n, args.d, args.vocab)}.get(args.worker)
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(args.n, args.d, generator=gen, device=device, dtype=dtype)
     weight = (torch.randn(args.vocab, args.d, generator=gen, device=device, dtype=dtype)

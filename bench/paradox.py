@@ -275,10 +275,10 @@ def main(argv=None) -> dict:
     env = {**os.environ, "PARAVT_CACHE": os.path.join(out, "cache")}      # one video cache for every run
     if not args.plot_only:
         if args.skip_sft:
-            ckpt = checkpoint_dir(args.skip_sft)
+            ckpt = checkpoint_dir(args.skip_sft, "paradox.py")
         else:
             run_once([sft_command(args, sft_dir, passthrough)], sft_dir, env)
-            ckpt = checkpoint_dir(sft_dir)
+            ckpt = checkpoint_dir(sft_dir, "paradox.py")
         print(f"warm start: {ckpt}", flush=True)
         one = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}   # a core per run
         with ThreadPoolExecutor(args.jobs) as pool:          # seed-major: a partial study covers every variant

@@ -71,14 +71,11 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
                  flight_tokens: float, flight_patches: float, policy_tokens: int, shared: bool = True,
                  reference: bool = False, subagents: float = 0, subagent_prompt: float = 0,
                  subagent_tokens: float = 0, compiled: bool = True, temperature: float = 0.7) -> dict:
-    """Bytes per GPU of each part of an RL step (see the module docstring), for model shape `m` (QWEN3VL_8B's
-    keys). prompts / rows: this GPU's prompt groups and sampled rows in the rollout at once; overview_tokens: a
-    prompt's tokens; suffix_tokens: a row's tokens after its prompt; subagents: sub-agents alive at once, each a
-    prompt of subagent_prompt tokens and a row of subagent_tokens; each sequence in blocks of kvcache.BLOCK
-    tokens. flight_tokens / flight_patches: the tokens and vision patches of one training micro-batch;
-    policy_tokens: its policy tokens (the loss's N); compiled: the loss's chunk kernels under torch.compile (CUDA's
-    default; eager, the CPU's, keeps fp32 (V, C) temporaries: two in the forward, five in a chunk's gradient, one
-    fewer each at temperature 1, where the kernels skip the division)."""
+    """Bytes per GPU of each part of an RL step (the module docstring), for model shape `m` (QWEN3VL_8B's keys).
+    prompts / rows: this GPU's prompt groups and rows in the rollout at once, of overview_tokens and suffix_tokens;
+    subagents alive at once, of subagent_prompt and subagent_tokens; flight_tokens / flight_patches / policy_tokens:
+    one training micro-batch's; compiled: the loss's chunk kernels under torch.compile (CUDA's default; eager, the
+    CPU's, keeps fp32 (V, C) temporaries: two in the forward, five in the backward, one fewer each at T = 1)."""
     P, D, V = m["params"], m["d_model"], m["vocab"]
     chunk = loss_chunk(int(policy_tokens), D, V)
     W = m["vision_width"]
@@ -94,9 +91,8 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
                    + flight_patches * 2 * (W * (m["vision_depth"] + 4 + 3 * m["vision_taps"]) + PATCH_VALUES))
     root_reduce = 4 * m["params_root"] - stream_acts if gpus > 1 else 0
     n, divides = int(policy_tokens), temperature != 1.0
-    # the lm_head's backward: the kernel's fp32 grad W beside its chunk temporaries (or the bf16 GEMM and cast),
-    # then the unit's gradient handed on: with FSDP2 the returned bf16 grad W, FSDP's unsharded copy and its fp32
-    # reduce-scatter buffer (2 + 2 + 4 B/param); one process, the bf16 grad through the cast to the fp32 master
+    # the lm_head's backward: fp32 grad W beside a chunk's temporaries (or its bf16 GEMM), then the gradient handed
+    # on: FSDP2's bf16 grad, unsharded copy and fp32 reduce-scatter buffer (8 B/param); one process, bf16 + fp32 cast
     kernel = (V * D * 4 + max(V * chunk * (2 + (0 if compiled else (4 + divides) * 4)), V * chunk * 2 + V * D * 2)
               + n * D * 2)
     head_backward = max(kernel, V * D * (8 if gpus > 1 else 6))

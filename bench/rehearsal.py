@@ -305,10 +305,8 @@ def save_rank(out_dir: str, rank: int, world: int, model, result: dict) -> None:
 
 
 def small_logits(args) -> None:
-    """--ci: the losses take ops.token_logprobs' fused chunks, as every micro-batch at the real lengths does (at CI
-    sizes a row's N x V is below the small-logits limit, where the plain log_softmax would run instead)."""
-    if args.ci:
-        ops._MIN_CHUNK_LOGITS = 1
+    """--ci: the losses take the fused chunks, as the real lengths do (CI's N x V is under ops' small-logits limit)."""
+    ops._MIN_CHUNK_LOGITS = 1 if args.ci else ops._MIN_CHUNK_LOGITS
 
 
 def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_dir: str) -> None:

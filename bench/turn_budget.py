@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from common import checkpoint_or_exit, synthetic_root  # bench/common.py (puts the repo on sys.path)
+from common import checkpoint_dir, synthetic_root  # bench/common.py (puts the repo on sys.path)
 
 import benchmarks
 import eval as evaluation
@@ -59,7 +59,7 @@ def by_kind(records: list[dict], rows: list[dict]) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()
-    ckpt = checkpoint_or_exit(args.model, "turn_budget.py")
+    ckpt = checkpoint_dir(args.model, "turn_budget.py")
     root = synthetic_root()
     records = benchmarks.synthetic_records(root, n=args.n, seed=args.seed)
     os.makedirs(args.out, exist_ok=True)
