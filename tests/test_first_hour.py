@@ -202,11 +202,11 @@ def test_videoo3_preset_on_a_saved_checkpoint_samples_a_2fps_overview(tmp_path, 
 def test_an_error_raised_inside_a_library_keeps_its_traceback(monkeypatch, tmp_path):
     """Only the project's own checks become one line: a ValueError from library code is a bug to report whole
     (the one-line form once hid a model error in the RL step)."""
-    monkeypatch.setattr(train, "launch", lambda args: json.loads("{"))              # raised inside json
+    monkeypatch.setattr(train, "start", lambda args: json.loads("{"))              # raised inside json
     with pytest.raises(json.JSONDecodeError):
         train.cli(["--run-dir", str(tmp_path / "run")])
 
-    monkeypatch.setattr(train, "launch", lambda args: data.resolve_video(str(tmp_path), ""))   # a check of ours
+    monkeypatch.setattr(train, "start", lambda args: data.resolve_video(str(tmp_path), ""))   # a check of ours
     with pytest.raises(SystemExit) as e:
         train.cli(["--run-dir", str(tmp_path / "run")])
     assert e.value.code == 2
