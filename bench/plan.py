@@ -48,9 +48,9 @@ RECIPES = {
     # prompts per step (global), group, overview tokens, tool rounds, tokens per assistant turn, tokens a
     # tool response adds to the context per round (clips in interleaved mode, summaries for sub-agents)
     "ParaVT": dict(gpus=8, prompts=7, group=8, overview_tokens=64 * 256 // 2, rounds=3, turn_tokens=2048,
-                   response_tokens=300, subagent_tokens=512, subagent_calls=3, ref_forward=True),
+                   response_tokens=300, subagent_tokens=512, subagent_calls=3, calls=3, ref_forward=True),
     "Video-o3": dict(gpus=8, prompts=32, group=16, overview_tokens=16384, rounds=6, turn_tokens=1024,
-                     response_tokens=2048, subagent_tokens=0, subagent_calls=0, ref_forward=False),
+                     response_tokens=2048, subagent_tokens=0, subagent_calls=0, calls=5, ref_forward=False),
 }
 
 
@@ -124,8 +124,21 @@ def waves(groups_gpu: float, group_kv: float, budget: float) -> tuple[int, int]:
     return min(fit, groups), math.ceil(groups / fit)
 
 
+def engine_time(steps: float, turns: float, calls: int, ops_per_layer_step: float = 0, launch_us: float = 10,
+                tool_s: float = 0, workers: int = 8, overlap: bool = False) -> tuple[float, float, float]:
+    """(host seconds of the decode steps, tool seconds on `workers` threads, seconds the decoding stalls on tools) per
+    GPU: each step launches ops_per_layer_step x LAYERS ops of launch_us each (rollout_bench's gpu_shape measures the
+    count); `turns` tool turns of `calls` crops of tool_s each (crop + processor, rollout_bench measures it). Tools in
+    the decode loop stall every row for a turn's calls, min(calls, workers) at a time; overlapped, none."""
+    host = steps * ops_per_layer_step * LAYERS * launch_us * 1e-6
+    work = turns * calls * tool_s
+    return host, work / workers, 0.0 if overlap else work / min(calls, workers)
+
+
 def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode_batch_eff: float,
-            workspace_gb: float, budget_gb: float | None, micro_batch: int = 8, micro_batch_tokens: int = 16384) -> dict:
+            workspace_gb: float, budget_gb: float | None, micro_batch: int = 8, micro_batch_tokens: int = 16384,
+            tools: dict | None = None) -> dict:
+    """One recipe's step on H200s. tools: the engine's host side (`engine_time`'s keywords; None: none counted)."""
     G, P, gpus = r["group"], r["prompts"], r["gpus"]
     rows = P * G
     rows_gpu = rows / gpus
@@ -165,7 +178,12 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     sub_s = 0.0
     if r["subagent_tokens"]:                                            # sub-agents: one batched generation per round
         sub_s = n_waves * r["rounds"] * r["subagent_tokens"] * (TEXT_PARAMS * 2) / (HBM_BW * hbm_eff) / decode_batch_eff
-    rollout_s = prefill_flops / (BF16_FLOPS * mfu) + decode_s + sub_s
+    sub_steps = n_waves * r["rounds"] * r["subagent_tokens"]             # sub-agents: one batched generation a round
+    host_s, tool_s, stall_s = engine_time(steps + sub_steps, rows_gpu * r["rounds"], r["calls"], **(tools or {}))
+    device_s = decode_s + sub_s
+    decode_s_host = max(device_s, host_s)        # a step's kernel launches overlap the device's work, not the reverse
+    rollout_s = prefill_flops / (BF16_FLOPS * mfu) + (max(decode_s_host, tool_s) if tools and tools.get("overlap")
+                                                      else decode_s_host + stall_s)
     # update: old/ref forwards + forward/backward with checkpointing over every token of every row
     train_tokens = rows_gpu * seq
     fwd = 2 * TEXT_PARAMS * train_tokens + attn(train_tokens, seq / 2)
@@ -174,7 +192,8 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
                 group_kv_gb=group_kv / 2 ** 30, concurrency=concurrency, waves=n_waves, kv_gb_per_gpu=kv / 2 ** 30,
                 mem_rollout_gb=mem_rollout, mem_train_gb=mem_train,
                 fits=group_kv <= budget and mem_rollout < HBM_GB and mem_train < HBM_GB,
-                rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s,
+                rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s, decode_device_s=device_s,
+                decode_host_s=host_s, tool_s=tool_s, tool_stall_s=stall_s,
                 parts_gb={k: v / 2 ** 30 for k, v in parts.items()})
 
 
@@ -193,6 +212,12 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=flags.micro_batch, help="train.py's flag: rows per training forward")
     p.add_argument("--micro-batch-tokens", type=int, default=flags.micro_batch_tokens,
                    help="train.py's flag: padded tokens per training forward")
+    p.add_argument("--ops-per-layer-step", type=float, default=0, help="torch ops a decode step launches per layer "
+                   "(rollout_bench.py's gpu_shape); 0: host time not counted")
+    p.add_argument("--tool-s", type=float, default=0, help="seconds of one crop call, decode + processor "
+                   "(rollout_bench.py's gpu_shape); 0: tools not counted")
+    p.add_argument("--tool-workers", type=int, default=8, help="threads per GPU that run the crops")
+    p.add_argument("--tools-overlap", type=int, default=1, help="1: tools run beside the decoding; 0: in its loop")
     p.add_argument("--parts", metavar="JSON", help="print memory_parts' bytes for each keyword set of a JSON list (the "
                    "8B shape, its keys overridden by a set's 'model') and exit")
     args = p.parse_args()
@@ -200,7 +225,9 @@ def main() -> None:
         print(json.dumps([memory_parts({**QWEN3VL_8B, **kw.pop("model", {})}, **kw) for kw in json.loads(args.parts)]))
         return
     rows = [project(n, r, bool(args.shared_prefix), args.mfu, args.hbm_efficiency, args.decode_batch_efficiency,
-                    args.workspace_gb, args.rollout_memory_gb, args.micro_batch, args.micro_batch_tokens)
+                    args.workspace_gb, args.rollout_memory_gb, args.micro_batch, args.micro_batch_tokens,
+                    dict(ops_per_layer_step=args.ops_per_layer_step, tool_s=args.tool_s, workers=args.tool_workers,
+                         overlap=bool(args.tools_overlap)))
             for n, r in RECIPES.items()]
     head = ["recipe", "GPUs", "rows", "tokens/row", "update rows", "budget GB", "group KV GB", "groups x waves", "KV GB/GPU",
             "rollout GB/GPU", "train GB/GPU", "fits 141 GB", "rollout s", "update s", "step s"]

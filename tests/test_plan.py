@@ -45,6 +45,19 @@ def test_a_small_budget_means_more_waves_and_more_decode_time():
     assert small["rollout_s"] > big["rollout_s"] and small["kv_gb_per_gpu"] < big["kv_gb_per_gpu"]
 
 
+def test_host_time_and_tools_count_in_the_rollout():
+    """A decode step's launched ops cost host time that the device's cannot hide once it is larger (1,125 ops a layer:
+    ~0.4 s a step); tools in the decode loop add their whole time, beside it only what the decoding does not cover."""
+    flags = ("--tool-s", "1.0", "--tool-workers", "8")
+    base, slow = plan()["recipes"]["Video-o3"], plan("--ops-per-layer-step", "1125", *flags)["recipes"]["Video-o3"]
+    fast = plan("--ops-per-layer-step", "40", *flags)["recipes"]["Video-o3"]
+    in_loop = plan("--ops-per-layer-step", "40", "--tools-overlap", "0", *flags)["recipes"]["Video-o3"]
+    assert base["decode_host_s"] == base["tool_s"] == 0 and slow["decode_host_s"] > 10 * slow["decode_device_s"]
+    assert fast["decode_host_s"] < fast["decode_device_s"] and fast["rollout_s"] == pytest.approx(base["rollout_s"])
+    assert fast["tool_stall_s"] == 0 and in_loop["tool_stall_s"] > 0                 # 64 rows x 6 turns x 5 crops
+    assert in_loop["rollout_s"] == pytest.approx(base["rollout_s"] + in_loop["tool_stall_s"], rel=1e-3)
+
+
 def rows_in_flight(lengths: list[int], micro_batch: int, micro_batch_tokens: int) -> int:
     """The largest micro-batch train.micro_batches forms from rows of these lengths."""
     return max([sl.stop - sl.start for sl in train.micro_batches(lengths, micro_batch, micro_batch_tokens)] + [0])
