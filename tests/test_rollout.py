@@ -48,7 +48,9 @@ def split(tmp_path_factory):
 
 
 def config(**kw) -> rollout.RolloutConfig:
-    return rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, **kw})
+    """The tests' rollout: log-probs recorded at sampling time (record_logprobs), to check against a recompute."""
+    return rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, "record_logprobs": True,
+                                    **kw})
 
 
 def call(start, end, **extra) -> str:
@@ -391,9 +393,9 @@ def test_a_turns_end_tightens_the_rows_promise(tiny, split, script, mode, shrunk
     promises, checked = [], []
     respond, step = rollout.Engine.respond, rollout.Engine.step
 
-    def watched_respond(self, r):
+    def watched_respond(self, r, chunk):
         before = r.reserve
-        respond(self, r)
+        respond(self, r, chunk)
         promises.append((before, r.reserve))
 
     def watched_step(self):
