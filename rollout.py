@@ -30,15 +30,17 @@ vision tower once per distinct overview, not once per sample.
 The scheduler (continuous batching, as vLLM's, with a banker's rule): a row is granted the blocks its current
 turn may take only while every admitted group could still reach its worst case (its prompt + `row_blocks` per
 row) in some order (`safe`); the rest waits. Each decode step is one batched forward and one read of the sampled
-tokens to the host, for the stop check (runtime.HostSyncCounter measures it). A row whose turn ends leaves the step at once; its tools run, and its
-response chunk joins the next step (as do sub-agents and newly admitted groups), instead of the batch waiting
-for its longest row; a finished row returns its pool blocks at once. A row's tokens depend only on its seed
+tokens to the host, for the stop check (runtime.HostSyncCounter measures it). A row whose turn ends leaves the step at once; its tools run in the
+engine's tool threads while the other rows decode, and its response chunk joins a later step (as do sub-agents and
+newly admitted groups), instead of the batch waiting for its longest row or its slowest crop; a finished row
+returns its pool blocks at once. A row's tokens depend only on its seed
 and draw counter, so the budget changes when a row runs, never what it samples.
 
 Shapes: positions (3, B, L) for (t, h, w); logits (B, V); the cache's shapes: kvcache.py.
 """
 import dataclasses
 import json
+import threading
 import time
 import warnings
 from collections import deque
@@ -444,9 +446,9 @@ def split_group(group: tuple, budget: int) -> list[tuple]:
 # the engine: a scheduler over the paged cache (kvcache.GroupKV)
 
 # Counted by every Engine: decode steps (the benches divide runtime.HostSyncCounter's in_steps by them); seconds on
-# the engine's thread in the model (admit's prefills and the decode steps), seconds of tool work (each job's own:
-# crops, the processor; summed, whether beside the decoding or not) and seconds in Engine.run. The overlap of tools
-# and decoding: (decode_s + tool_s - wall_s) / min(decode_s, tool_s), 0 when every tool call stalls the batch (fixed
+# the engine's thread in the model (admit's prefills and the decode steps), seconds while tool work was in progress
+# (crops, the processor: jobs running side by side count once) and seconds in Engine.run. The overlap of tools and
+# decoding: (decode_s + tool_s - wall_s) / min(decode_s, tool_s), 0 when every tool call stalls the batch (fixed
 # waves), 1 when the shorter of the two is hidden entirely.
 STATS = {"decode_steps": 0, "decode_s": 0.0, "tool_s": 0.0, "wall_s": 0.0}
 TOOL_WORKERS = 4   # threads of an engine's tool work (its own: a job waits on its crops in the DecodePool's threads)
@@ -520,8 +522,9 @@ class Engine:
         self.ban = torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
         self.queued: deque = deque()     # (prompt chunk, rows, prompt blocks) not admitted yet
         self.subs, self.ready = [], []   # (chunk, row): sub-agent prompts, next-turn chunks
-        self.away = []                   # (row, future of (its tool work's result, seconds), what follows: `called`..)
+        self.away = []                   # (row, future of its tool work's result, what follows: `called`, `respond`)
         self.tools = None                # the tool threads while `run` runs (continuous batching; waves: none)
+        self.busy = [threading.Lock(), 0, 0.0]   # tool jobs running: (lock, how many, since when)
         self.active, self.logits, self.seeds, self.counters = [], None, None, None
         self.groups = {}                 # prompt id -> (its rows not retired, its prompt's blocks)
         self.kv, self.need = None, 0
@@ -594,11 +597,26 @@ class Engine:
         """Row r goes away for `work()` (tool work: crops, the processor; it reads no engine state), in the tool
         threads (waves: here, at once); `then(r, its result)` runs on the engine's thread at a later `collect`."""
         if self.tools is not None:
-            job = self.tools.submit(_timed, work)
+            job = self.tools.submit(self.timed, work)
         else:
             job = Future()
-            job.set_result(_timed(work))
+            job.set_result(self.timed(work))
         self.away.append((r, job, then))
+
+    def timed(self, work):
+        """work(), counted in STATS["tool_s"]: the seconds while at least one tool job runs (in any thread)."""
+        lock = self.busy[0]
+        with lock:
+            if not self.busy[1]:
+                self.busy[2] = time.perf_counter()
+            self.busy[1] += 1
+        try:
+            return work()
+        finally:
+            with lock:
+                self.busy[1] -= 1
+                if not self.busy[1]:
+                    STATS["tool_s"] += time.perf_counter() - self.busy[2]
 
     def collect(self, wait: bool = False) -> None:
         """The rows whose tool work is done come back, in the order they went away; wait=True first blocks
@@ -609,9 +627,7 @@ class Engine:
         done = [job.done() for _, job, _ in self.away]
         back, self.away = [a for a, d in zip(self.away, done) if d], [a for a, d in zip(self.away, done) if not d]
         for r, job, then in back:
-            out, seconds = job.result()
-            STATS["tool_s"] += seconds
-            then(r, out)
+            then(r, job.result())
 
     def admit(self) -> None:
         """Ready chunks, queued groups that fit, sub-agents -> the active batch (see the class docstring)."""
@@ -858,13 +874,6 @@ class Engine:
             self.kv.free_prompt(r.prompt)
             self.kv.release(prompt_blocks)
             del self.groups[r.prompt]
-
-
-def _timed(work) -> tuple:
-    """(work(), its seconds): a tool job and what it cost (STATS["tool_s"])."""
-    t = time.perf_counter()
-    out = work()
-    return out, time.perf_counter() - t
 
 
 def vision_ids(ids: dict) -> list[int]:
