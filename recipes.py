@@ -68,6 +68,7 @@ COMMON = dict(
     top_p=1.0, min_window=1.0, overview_fps=2.0, overview_max_frames=768, overview_max_pixels=None, crop_fps=2.0,
     crop_max_frames=128, crop_max_pixels=None, subagent_fps=1.0, subagent_max_frames=16, subagent_max_pixels=224 * 224,
     subagent_max_new_tokens=512, tools_block=True, continuous=True, max_calls_per_turn=5,
+    record_logprobs=False,
     # the RL step
     rl_steps=20, warmup_steps=0, ppo_epochs=1, micro_batch=8, micro_batch_tokens=16384, max_draws=4, placebo=False,
     train_subagents=False, released_scoring=False, logprob_chunk=1024, loss_chunk=0, eval_every=0, final_eval=False,

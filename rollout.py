@@ -30,19 +30,24 @@ vision tower once per distinct overview, not once per sample.
 The scheduler (continuous batching, as vLLM's, with a banker's rule): a row is granted the blocks its current
 turn may take only while every admitted group could still reach its worst case (its prompt + `row_blocks` per
 row) in some order (`safe`); the rest waits. Each decode step is one batched forward and one read of the sampled
-tokens to the host, for the stop check (runtime.HostSyncCounter measures it). A row whose turn ends leaves the step at once; its tools run, and its
-response chunk joins the next step (as do sub-agents and newly admitted groups), instead of the batch waiting
-for its longest row; a finished row returns its pool blocks at once. A row's tokens depend only on its seed
+tokens to the host, for the stop check (runtime.HostSyncCounter measures it). A row whose turn ends leaves the step at once; its tools run in the
+engine's tool threads while the other rows decode, and its response chunk joins a later step (as do sub-agents and
+newly admitted groups), instead of the batch waiting for its longest row or its slowest crop; a finished row
+returns its pool blocks at once. A row's tokens depend only on its seed
 and draw counter, so the budget changes when a row runs, never what it samples.
 
 Shapes: positions (3, B, L) for (t, h, w); logits (B, V); the cache's shapes: kvcache.py.
 """
 import dataclasses
 import json
+import threading
 import time
 import warnings
 from collections import deque
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -94,6 +99,8 @@ class RolloutConfig:
     max_context: int = P["max_context"]              # tokens a row may hold; one that reaches it is cut and flagged
     tools_block: bool = P["tools_block"]             # Hermes tools block in the system prompt (real checkpoints)
     continuous: bool = P["continuous"]               # continuous batching; False: fixed waves (a benchmark's baseline)
+    record_logprobs: bool = P["record_logprobs"]     # Trajectory.logprobs at sampling time (exactness checks): a
+                                                     # (B, V) log_softmax a decode step, off in a run
     memory_budget_bytes: int | None = None           # K/V the engine may hold (--rollout-memory-gb); None: memory_budget()
 
     @classmethod
@@ -129,7 +136,9 @@ class Trajectory:
     policy_text: str = ""                # only the sampled tokens (the released ParaVT reward input)
     answer: str | None = None
     latency: float = 0.0
-    logprobs: list[float] = field(default_factory=list)   # log p of each POLICY token at sampling time (T = 1)
+    draws: int = 0                       # tokens sampled (the sampler's draw counter: POLICY tokens, in order)
+    logprobs: list[float] = field(default_factory=list)   # cfg.record_logprobs: log p of each POLICY token at
+                                                          # sampling time (T = 1); else empty
     parent: tuple[int, int] | None = None   # sub-agents: (caller row, call index)
     subagents: list["Trajectory"] = field(default_factory=list)
 
@@ -436,7 +445,13 @@ def split_group(group: tuple, budget: int) -> list[tuple]:
 # -----------------------------------------------------------------------------
 # the engine: a scheduler over the paged cache (kvcache.GroupKV)
 
-STATS = {"decode_steps": 0}   # counted by Engine.step; the benches divide runtime.HostSyncCounter's in_steps by it
+# Counted by every Engine: decode steps (the benches divide runtime.HostSyncCounter's in_steps by them); seconds on
+# the engine's thread in the model (admit's prefills and the decode steps), seconds while tool work was in progress
+# (crops, the processor: jobs running side by side count once) and seconds in Engine.run. The overlap of tools and
+# decoding: (decode_s + tool_s - wall_s) / min(decode_s, tool_s), 0 when every tool call stalls the batch (fixed
+# waves), 1 when the shorter of the two is hidden entirely.
+STATS = {"decode_steps": 0, "decode_s": 0.0, "tool_s": 0.0, "wall_s": 0.0}
+TOOL_WORKERS = 4   # threads of an engine's tool work (its own: a job waits on its crops in the DecodePool's threads)
 
 
 @dataclass(eq=False)
@@ -468,7 +483,7 @@ class _Row:
 class Engine:
     """The rollout's scheduler over one paged cache (kvcache.GroupKV). A row goes
 
-        queued group --admit--> active --step (its turn ends)--> end_turn --tools--> ready --admit--> active ...
+        queued group --admit--> active --step (its turn ends)--> end_turn --> away --collect--> ready --admit--> active ...
                                                                           \\--> retire (its blocks back at once)
 
     admit: ready chunks (a turn's tool responses), queued prompt groups in order, sub-agents (their room is their
@@ -481,11 +496,19 @@ class Engine:
         ready chunks on top of their rows in one forward. All of it joins the next decode step.
     step: one decode step of the active rows (one forward, one (n, V) sampling op, one host sync); a row whose
         turn ends (<|im_end|>, its max_new tokens, max_context) leaves at once and the others go on.
+    end_turn -> away: the turn's tool work (`tool_work`: the crops, then the processor: the response chunk, or in
+        sub-agent mode the sub-agents' prompts) goes to the engine's tool threads and the row is away: it keeps its
+        blocks and its grant (the scheduler counts them as a ready row's) while the other rows decode.
+    collect: at each step, the rows whose work is done come back on the engine's thread (`called`): the listener
+        hears the turn's responses (call order), the chunk goes to ready (`respond`: the row's promise tightens);
+        sub-agent mode: the sub-agents join, and their caller's response (text) is encoded in the tool threads once
+        the last of them ends. When no row is active and work is away, the loop waits on it.
     retire: a finished row frees its blocks and its grant; its prompt's blocks go with the prompt's last row.
     continuous=False runs fixed waves instead (the bench's baseline): new groups only into an empty engine, each
-    admitted on its whole worst case (a static batch cannot pause a row for memory), and a turn's responses only
-    once every row of the batch has ended its turn. A row's tokens depend only on its seed
-    and counter, never on its neighbours, so any schedule gives the same trajectories."""
+    admitted on its whole worst case (a static batch cannot pause a row for memory), the tool work done in the loop
+    itself (every row waits), and a turn's responses only once every row of the batch has ended its turn. A row's
+    tokens depend only on its seed and draw counter (Trajectory.draws), never on its neighbours or on when its
+    tools end, so any schedule gives the same trajectories."""
 
     def __init__(self, model, processor, cfg: RolloutConfig, ids: dict, pool: video.DecodePool | None = None,
                  on_turn=None):
@@ -499,6 +522,9 @@ class Engine:
         self.ban = torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
         self.queued: deque = deque()     # (prompt chunk, rows, prompt blocks) not admitted yet
         self.subs, self.ready = [], []   # (chunk, row): sub-agent prompts, next-turn chunks
+        self.away = []                   # (row, future of its tool work's result, what follows: `called`, `respond`)
+        self.tools = None                # the tool threads while `run` runs (continuous batching; waves: none)
+        self.busy = [threading.Lock(), 0, 0.0]   # tool jobs running: (lock, how many, since when)
         self.active, self.logits, self.seeds, self.counters = [], None, None, None
         self.groups = {}                 # prompt id -> (its rows not retired, its prompt's blocks)
         self.kv, self.need = None, 0
@@ -517,9 +543,11 @@ class Engine:
         """Queue a prompt and its rows (they share its K/V); each row's `reserve` is its worst case in blocks."""
         self.queued.append((chunk, rows, blocks_for(len(chunk.ids))))
 
-    def add_subagent(self, parent: tuple[int, int], clip: video.Clip, seed: int, caller: _Row | None = None) -> _Row:
-        """A sub-agent on `clip` (its own one-row prompt, one turn): joins at the next admit."""
-        c = self.stored(encode_chunk(self.processor, self.sub_text, [clip]))
+    def add_subagent(self, parent: tuple[int, int], clip: video.Clip, seed: int, caller: _Row | None = None,
+                     chunk: Chunk | None = None) -> _Row:
+        """A sub-agent on `clip` (its own one-row prompt, one turn; `chunk`: that prompt already encoded,
+        `subagent_chunk`): joins at the next admit."""
+        c = chunk if chunk is not None else self.subagent_chunk(clip)
         t = Trajectory("", 0, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids), [(c.pixels, c.grid)], parent=parent)
         sub = _Row(t, "", seed, max_new=self.cfg.subagent_max_new_tokens, tools=False, caller=caller, call=parent[1])
         if caller is not None:
@@ -531,7 +559,9 @@ class Engine:
     @torch.no_grad()
     def run(self) -> None:
         """Roll out everything queued. The pool holds the budget's blocks, or all the queued work's worst case if
-        that is less, and at least the largest single group's worst case (with a warning when that is more)."""
+        that is less, and at least the largest single group's worst case (with a warning when that is more).
+        Continuous batching: the tool work runs in TOOL_WORKERS threads beside the decoding (`send`, `collect`)."""
+        t0 = time.perf_counter()
         budget = kvcache.memory_budget(self.cfg.memory_budget_bytes, self.device, self.model) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
         self.queued = deque(part for group in self.queued for part in split_group(group, budget))
         need = [blocks_for(len(c.ids)) + sum(r.reserve for r in rows) for c, rows, _ in self.queued]
@@ -541,12 +571,63 @@ class Engine:
                           f"worst case ({max(need)} blocks): the pool holds that instead", stacklevel=2)
         self.need = sum(need)
         self.kv = GroupKV(self.model, self.device, max(max(need, default=1), min(budget, self.need)))
-        while self.queued or self.subs or self.ready or self.active:
-            self.admit()
-            if not self.active:
-                raise RuntimeError("rollout engine stalled: work is queued but nothing can be admitted")
-            for r in self.step():
-                self.end_turn(r)
+        self.tools = ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="tools") if self.cfg.continuous else None
+        try:
+            while self.queued or self.subs or self.ready or self.active or self.away:
+                self.collect()
+                t = time.perf_counter()
+                self.admit()
+                if not self.active:
+                    STATS["decode_s"] += time.perf_counter() - t
+                    if not self.away:
+                        raise RuntimeError("rollout engine stalled: work is queued but nothing can be admitted")
+                    self.collect(wait=True)                 # nothing to decode until some tool work ends
+                    continue
+                ended = self.step()
+                STATS["decode_s"] += time.perf_counter() - t
+                for r in ended:
+                    self.end_turn(r)
+        finally:
+            if self.tools is not None:
+                self.tools.shutdown(wait=True, cancel_futures=True)
+                self.tools = None
+            STATS["wall_s"] += time.perf_counter() - t0
+
+    def send(self, r: _Row, work, then) -> None:
+        """Row r goes away for `work()` (tool work: crops, the processor; it reads no engine state), in the tool
+        threads (waves: here, at once); `then(r, its result)` runs on the engine's thread at a later `collect`."""
+        if self.tools is not None:
+            job = self.tools.submit(self.timed, work)
+        else:
+            job = Future()
+            job.set_result(self.timed(work))
+        self.away.append((r, job, then))
+
+    def timed(self, work):
+        """work(), counted in STATS["tool_s"]: the seconds while at least one tool job runs (in any thread)."""
+        lock = self.busy[0]
+        with lock:
+            if not self.busy[1]:
+                self.busy[2] = time.perf_counter()
+            self.busy[1] += 1
+        try:
+            return work()
+        finally:
+            with lock:
+                self.busy[1] -= 1
+                if not self.busy[1]:
+                    STATS["tool_s"] += time.perf_counter() - self.busy[2]
+
+    def collect(self, wait: bool = False) -> None:
+        """The rows whose tool work is done come back, in the order they went away; wait=True first blocks
+        until one is done (the loop has nothing to decode). A job's exception is raised here: a tool call's own
+        errors are data (run_calls), so one is a bug."""
+        if wait:
+            futures.wait([job for _, job, _ in self.away], return_when=futures.FIRST_COMPLETED)
+        done = [job.done() for _, job, _ in self.away]
+        back, self.away = [a for a, d in zip(self.away, done) if d], [a for a, d in zip(self.away, done) if not d]
+        for r, job, then in back:
+            then(r, job.result())
 
     def admit(self) -> None:
         """Ready chunks, queued groups that fit, sub-agents -> the active batch (see the class docstring)."""
@@ -615,7 +696,7 @@ class Engine:
         for r in rows:
             r.turn_tokens = []
         seeds = kvcache._on(self.device, [r.seed for r in rows])
-        counters = kvcache._on(self.device, [len(r.traj.logprobs) for r in rows])   # each row's draw index
+        counters = kvcache._on(self.device, [r.traj.draws for r in rows])   # each row's draw index
         if self.active:
             logits, seeds, counters = (torch.cat(p) for p in ((self.logits, logits), (self.seeds, seeds),
                                                              (self.counters, counters)))
@@ -628,21 +709,27 @@ class Engine:
 
     def step(self) -> list[_Row]:
         """One decode step of the active rows; returns the rows whose turn ended (they have left the batch).
-        `ban` ids (vision placeholders: only the processor writes them) are never sampled; the recorded log-probs
-        are those of the unmasked logits (T = 1), the numbers a training forward computes."""
+        `ban` ids (vision placeholders: only the processor writes them) are never sampled. cfg.record_logprobs: the
+        log-probs of the sampled tokens are recorded too, those of the unmasked logits (T = 1), the numbers a
+        training forward computes (a (n, V) log_softmax a step: only for exactness checks)."""
         logits = self.logits
         masked = logits.index_fill(1, self.ban, float("-inf")) if self.ban is not None else logits
         tok = sample_tokens(masked, self.seeds, self.counters, self.cfg.temperature, self.cfg.top_p)
-        lp = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
-        toks, lps = torch.stack([tok.double(), lp.double()]).tolist()      # the step's one host sync
+        if self.cfg.record_logprobs:
+            lp = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
+            toks, lps = torch.stack([tok.double(), lp.double()]).tolist()  # the step's one host sync
+        else:
+            toks, lps = tok.tolist(), None                                  # the step's one host sync
         STATS["decode_steps"] += 1
         keep, ended = [], []
-        for j, (r, t, p) in enumerate(zip(self.active, toks, lps)):
+        for j, (r, t) in enumerate(zip(self.active, toks)):
             t = int(t)
             r.turn_tokens.append(t)
             r.traj.token_ids.append(t)
             r.traj.roles.append(POLICY)
-            r.traj.logprobs.append(p)
+            r.traj.draws += 1
+            if lps is not None:
+                r.traj.logprobs.append(lps[j])
             if t == self.stop or len(r.turn_tokens) == r.max_new or len(r.traj.token_ids) >= self.cfg.max_context:
                 r.pending = [t]                             # fed with the next chunk
                 r.traj.truncated |= t != self.stop
@@ -658,13 +745,13 @@ class Engine:
             self.logits = self.kv.step(self.model, [r.kv for r in self.active], tok)
         return ended
 
-    # -- a turn's end: tools, sub-agents, the next chunk
+    # -- a turn's end: tools (in the tool threads), sub-agents, the next chunk
     def end_turn(self, r: _Row) -> None:
-        """Run the calls of a row's turn; the tool-turn budget: calls are executed in at most cfg.max_turns turns,
-        and the response to the last of them carries the forced-answer message. Calls made once the budget is spent
-        are not executed: with a budget of 0 the first turn's calls get the forced-answer message alone (one more
-        turn to answer from the overview), and calls after the forced-answer message end the trajectory
-        (hit_turn_limit)."""
+        """Send the calls of a row's turn to the tool threads (`tool_work`; the row is away until `called`); the
+        tool-turn budget: calls are executed in at most cfg.max_turns turns, and the response to the last of them
+        carries the forced-answer message. Calls made once the budget is spent are not executed: with a budget of 0
+        the first turn's calls get the forced-answer message alone (one more turn to answer from the overview), and
+        calls after the forced-answer message end the trajectory (hit_turn_limit)."""
         if not r.tools:
             return self.end_subagent(r)
         cfg = self.cfg
@@ -680,26 +767,50 @@ class Engine:
             if r.forced:
                 r.traj.hit_turn_limit = True
                 return self.retire(r, last_turn=True)
-            r.results = []                                  # budget 0: the forced-answer message alone
-            return self.respond(r)
+            return self.reply(r, [])                        # budget 0: the forced-answer message alone
         r.traj.n_tool_turns += 1
         r.traj.n_calls += len(calls)
-        r.results = run_calls(calls, r.path, r.duration, cfg, self.factor, self.pool)
-        if len(calls_all) > len(calls):         # beyond the per-turn cap: one error observation, counted
-            r.results.append((None, None, f"only {cfg.max_calls_per_turn} calls per turn are executed; "
-                                          f"{len(calls_all) - len(calls)} were dropped"))
-        r.traj.tool_failures += sum(err is not None for _, _, err in r.results)
-        r.traj.windows += [w for w, _, err in r.results if err is None]
-        if cfg.tool_mode == "subagent":
-            # each sub-agent's seed comes from its caller's seed, the turn and the call index, so a trajectory
-            # does not depend on which other records share its batch
-            turn = len(r.traj.turns) - 1
-            for k, (_, clip, err) in enumerate(r.results):
-                if err is None:
-                    self.add_subagent((r.order, k), clip, row_seed(r.seed, 10_000 + turn, k), caller=r)
-            if r.waiting:
-                return                                      # respond once its sub-agents are done
-        self.respond(r)
+        forced = r.traj.n_tool_turns >= cfg.max_turns
+        self.send(r, partial(self.tool_work, calls, len(calls_all) - len(calls), r.path, r.duration, forced),
+                  self.called)
+
+    def tool_work(self, calls: list[ToolCall], dropped: int, path: str, duration: float, forced: bool) -> tuple:
+        """One turn's tool work, in a tool thread (it reads no engine state): (results, made). results: run_calls'
+        (window, clip, error) per call in call order, + one error observation on the `dropped` calls past the cap.
+        made: interleaved mode, the response chunk (the processor over its clips); sub-agent mode, the sub-agents'
+        prompt chunks {call index: chunk} of the calls that gave a clip."""
+        results = run_calls(calls, path, duration, self.cfg, self.factor, self.pool)
+        if dropped:                                         # beyond the per-turn cap: one error observation, counted
+            results.append((None, None, f"only {self.cfg.max_calls_per_turn} calls per turn are executed; "
+                                        f"{dropped} were dropped"))
+        if self.cfg.tool_mode == "subagent":
+            return results, {k: self.subagent_chunk(clip) for k, (_, clip, err) in enumerate(results) if err is None}
+        return results, self.response_chunk(*tool_response_parts(results), forced)
+
+    def subagent_chunk(self, clip: video.Clip) -> Chunk:
+        """A sub-agent's prompt on `clip` (the processor; a tool thread's work)."""
+        return self.stored(encode_chunk(self.processor, self.sub_text, [clip]))
+
+    def response_chunk(self, parts: list[str], clips: list, forced: bool) -> Chunk:
+        """The user turn of tool responses (response_chunk_text over `parts`, the processor over `clips`)."""
+        return self.stored(encode_chunk(self.processor, response_chunk_text(parts, forced), clips))
+
+    def called(self, r: _Row, out: tuple) -> None:
+        """A turn's tool work is done (tool_work's (results, made)), on the engine's thread: counted; interleaved
+        mode, its responses; sub-agent mode, its sub-agents join (their caller responds once they end)."""
+        results, made = out
+        r.traj.tool_failures += sum(err is not None for _, _, err in results)
+        r.traj.windows += [w for w, _, err in results if err is None]
+        if self.cfg.tool_mode != "subagent":
+            return self.reply(r, results, chunk=made)
+        # each sub-agent's seed comes from its caller's seed, the turn and the call index, so a trajectory
+        # does not depend on which other records share its batch
+        turn = len(r.traj.turns) - 1
+        r.results = results
+        for k, c in made.items():
+            self.add_subagent((r.order, k), results[k][1], row_seed(r.seed, 10_000 + turn, k), caller=r, chunk=c)
+        if not r.waiting:                                   # no call gave a clip: its errors at once
+            self.reply(r, results, {})
 
     def end_subagent(self, s: _Row) -> None:
         toks = [t for t in s.turn_tokens if t != self.stop]
@@ -710,18 +821,23 @@ class Engine:
             c.subs[s.call], c.waiting = s.traj, c.waiting - 1
             if not c.waiting:                               # its caller's response, the summaries in call order
                 c.traj.subagents += [c.subs[k] for k in sorted(c.subs)]
-                self.respond(c)
+                self.reply(c, c.results, {k: t.text for k, t in c.subs.items()})
 
-    def respond(self, r: _Row) -> None:
-        """The user turn of tool responses (one block per call, call order, + the forced-answer message once the
-        budget is spent) after the turn's last token -> ready; a row past max_context ends truncated."""
-        forced = r.forced = r.traj.n_tool_turns >= self.cfg.max_turns
-        summaries = {k: s.text for k, s in r.subs.items()} if self.cfg.tool_mode == "subagent" else None
-        parts, clips = tool_response_parts(r.results, summaries)
+    def reply(self, r: _Row, results: list, summaries: dict[int, str] | None = None, chunk: Chunk | None = None) -> None:
+        """The turn's tool responses (tool_response_parts: one per call, call order; `summaries` in sub-agent mode)
+        to the listener, then their chunk (`chunk`: encoded already) to `respond`, encoded in the tool threads."""
+        parts, clips = tool_response_parts(results, summaries)
         r.results, r.subs = [], {}
         if self.on_turn is not None:                        # the listener: a turn and its tool responses
             self.on_turn(r.traj, parts)
-        c = self.stored(encode_chunk(self.processor, response_chunk_text(parts, forced), clips))
+        if chunk is not None:
+            return self.respond(r, chunk)
+        self.send(r, partial(self.response_chunk, parts, clips, r.traj.n_tool_turns >= self.cfg.max_turns), self.respond)
+
+    def respond(self, r: _Row, c: Chunk) -> None:
+        """The encoded user turn of tool responses (+ the forced-answer message once the budget is spent) after the
+        turn's last token -> ready; a row past max_context ends truncated."""
+        forced = r.forced = r.traj.n_tool_turns >= self.cfg.max_turns
         c = Chunk(torch.cat([torch.tensor(r.pending), c.ids]),
                   torch.cat([torch.zeros(len(r.pending), dtype=torch.int32), c.mm_types]), c.pixels, c.grid)
         r.traj.token_ids += c.ids[len(r.pending):].tolist()

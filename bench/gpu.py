@@ -117,7 +117,7 @@ def section_rollout(model, processor, root, recs, args, device) -> dict:
             counted = rollout.STATS["decode_steps"] - counted
         finally:
             rollout.sample_tokens = rollout.sample_tokens.sample
-        sampled = sum(len(t.logprobs) + sum(len(st.logprobs) for st in t.subagents) for t in out)
+        sampled = sum(t.draws + sum(st.draws for st in t.subagents) for t in out)
         res[mode] = dict(trajectories=len(out), tool_turns=sum(t.n_tool_turns for t in out), sampled_tokens=sampled,
                          seconds=s, tok_s=sampled / s, peak_mb=peak_mb(device),
                          host_syncs_per_step=syncs.in_steps / max(1, counted),

@@ -411,7 +411,7 @@ def bench_budget(args) -> dict:
             base = dict(tool_mode="interleaved", max_turns=1, max_calls_per_turn=1, max_new_tokens=args.budget_max,
                         temperature=1.0, group_size=args.budget_group, overview_nframes=args.budget_frames,
                         overview_max_pixels=64 * 64, crop_fps=1.0, crop_max_frames=4, crop_max_pixels=64 * 64,
-                        tools_block=False)
+                        tools_block=False, record_logprobs=True)
             run = lambda **kw: rollout.run_agent(model, processor, recs, root, rollout.RolloutConfig(**base, **kw), seed=0)
             rollout.sample_tokens = planned
             ref, unbounded_mb, _ = engine_memory(lambda: run(memory_budget_bytes=1 << 40))
@@ -425,7 +425,7 @@ def bench_budget(args) -> dict:
         rollout.sample_tokens = planned.sample
     diff = max(abs(a - b) for other in (cont, static) for t, r in zip(other, ref) for a, b in zip(t.logprobs, r.logprobs))
     same = all(t.token_ids == r.token_ids for other in (cont, static) for t, r in zip(other, ref))
-    tokens = sum(len(t.logprobs) for t in ref)
+    tokens = sum(t.draws for t in ref)
     turns = [n for t in ref for n in (b - a for a, b in turn_spans(t.roles))]
     return dict(rows=len(ref), tool_turns=sum(t.n_tool_turns for t in ref), sampled_tokens=tokens,
                 turn_length_ratio=max(turns) / min(turns), budget_mb=budget / 2 ** 20, peak_mb=peak_mb,

@@ -89,11 +89,11 @@ def real_8b_cut():
 
 
 def mode_rollout_config(mode: str) -> rollout.RolloutConfig:
-    """ParaVT's overview (64 frames) at 64x64 pixels a frame; 2 fps crops at the same size."""
+    """ParaVT's overview (64 frames) at 64x64 pixels a frame; 2 fps crops at the same size; log-probs recorded."""
     return rollout.RolloutConfig(tool_mode=mode, max_turns=2, max_new_tokens=128, temperature=1.0, group_size=1,
                                  overview_nframes=64, overview_max_pixels=64 * 64, crop_fps=2.0,
                                  crop_max_pixels=64 * 64, subagent_max_pixels=64 * 64, subagent_max_frames=8,
-                                 subagent_max_new_tokens=32, tools_block=True)
+                                 subagent_max_new_tokens=32, tools_block=True, record_logprobs=True)
 
 
 def test_published_8b_config_and_cut():
@@ -230,7 +230,7 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     opt.step()
     opt.zero_grad(set_to_none=True)
     model.eval()
-    assert torch.isfinite(sft_loss) and n == len(t.logprobs) and 5.0 < float(sft_loss.detach()) < 20.0   # ~ln(151936)
+    assert torch.isfinite(sft_loss) and n == t.draws and 5.0 < float(sft_loss.detach()) < 20.0   # ~ln(151936)
     assert not torch.equal(before, model.lm_head.weight)
 
 

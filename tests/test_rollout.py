@@ -8,6 +8,7 @@ log-probs are real and can be checked against a full recompute.
     cd /work/main && /work/venv/bin/python -m pytest tests/test_rollout.py -q
 """
 import json
+import time
 import re
 import warnings
 import weakref
@@ -48,7 +49,9 @@ def split(tmp_path_factory):
 
 
 def config(**kw) -> rollout.RolloutConfig:
-    return rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, **kw})
+    """The tests' rollout: log-probs recorded at sampling time (record_logprobs), to check against a recompute."""
+    return rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96, "temperature": 1.0, "record_logprobs": True,
+                                    **kw})
 
 
 def call(start, end, **extra) -> str:
@@ -391,9 +394,9 @@ def test_a_turns_end_tightens_the_rows_promise(tiny, split, script, mode, shrunk
     promises, checked = [], []
     respond, step = rollout.Engine.respond, rollout.Engine.step
 
-    def watched_respond(self, r):
+    def watched_respond(self, r, chunk):
         before = r.reserve
-        respond(self, r)
+        respond(self, r, chunk)
         promises.append((before, r.reserve))
 
     def watched_step(self):
@@ -664,3 +667,117 @@ def test_target_chars_leaves_the_rest_of_a_turn_as_context(tiny, split, tokenize
         with pytest.raises(ValueError, match="target_chars"):
             sft.encode_messages(processor, records[0], [{"role": "assistant", "content": text, "target_chars": bad}],
                                     root, cfg)
+
+
+# ----------------------------------------------------------------------------- tools beside the decoding
+
+def _slow_tools(monkeypatch, seconds: float) -> list:
+    """rollout.run_calls made slow (`seconds` a turn, before the real work); returns a list that gets, per turn's
+    tool work, the decode steps the engine made while it ran."""
+    during, run_calls = [], rollout.run_calls
+
+    def slow(*a, **kw):
+        before = rollout.STATS["decode_steps"]
+        time.sleep(seconds)
+        out = run_calls(*a, **kw)
+        during.append(rollout.STATS["decode_steps"] - before)
+        return out
+    monkeypatch.setattr(rollout, "run_calls", slow)
+    return during
+
+
+def _same(runs: dict, ref: str) -> None:
+    for name, trajs in runs.items():
+        for t, r in zip(trajs, runs[ref]):
+            assert (t.token_ids, t.roles, t.answer, t.windows, t.draws, t.tool_failures) == \
+                (r.token_ids, r.roles, r.answer, r.windows, r.draws, r.tool_failures), name
+            torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+            assert [s.token_ids for s in t.subagents] == [s.token_ids for s in r.subagents], name
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "subagent"])
+def test_tools_run_beside_the_decoding(tiny, split, script, mode, monkeypatch):
+    """Slow tool work (0.3 s a turn) on the rows that call: with continuous batching the other rows decode
+    meanwhile (the engine's steps go on during the tool work), the overlap of STATS' decode_s and tool_s
+    ((decode_s + tool_s - wall_s) / min(decode_s, tool_s)) is large,
+    and the listener hears each trajectory's turns in the same order; fixed waves run the tools in the loop (no
+    step during them, no overlap). The trajectories are the same either way."""
+    model, processor = tiny
+    root, recs = split
+    during = _slow_tools(monkeypatch, 0.3)
+    runs, heard, overlap, steps_during = {}, {}, {}, {}
+    for name, continuous in [("overlapped", True), ("waves", False)]:
+        script(BUDGET_SCRIPTS, sub="A blue square.")
+        during.clear()
+        heard[name] = {}
+        listen = lambda t, parts, h=heard[name]: h.setdefault((t.record_id, t.sample), []).append((t.turns[-1], parts))
+        before = dict(rollout.STATS)
+        runs[name] = rollout.run_agent(model, processor, recs[:3], root,
+                                       config(tool_mode=mode, group_size=2, continuous=continuous), seed=SEED,
+                                       on_turn=listen)
+        d = {k: rollout.STATS[k] - before[k] for k in ("decode_s", "tool_s", "wall_s")}
+        overlap[name] = (d["decode_s"] + d["tool_s"] - d["wall_s"]) / min(d["decode_s"], d["tool_s"])
+        assert len(during) == 4                                           # 4 tool turns (BUDGET_SCRIPTS)
+        assert d["tool_s"] >= 0.3 * (1 if continuous else 4)             # side by side, tool work counts once
+        steps_during[name] = list(during)
+    assert max(steps_during["overlapped"]) > 0 and max(steps_during["waves"]) == 0
+    assert overlap["overlapped"] > 0.5 and overlap["waves"] < 0.1, overlap
+    assert heard["overlapped"] == heard["waves"] and len(heard["waves"]) == 6
+    _same(runs, "waves")
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "subagent"])
+def test_overlapped_tools_exact_across_budgets_and_waves(tiny, split, script, mode, shrunk_thresholds, monkeypatch):
+    """Tool work of uneven length (rows come back out of the order they left) under an unbounded budget, a budget
+    of about one group (the default CPU budget shrunk), and in fixed waves: the same trajectories, log-probs and
+    sub-agents; every engine returns every block; the default step records no log-probs (record_logprobs off)
+    but counts its draws, and samples the same tokens."""
+    model, processor = tiny
+    root, recs = split
+    engines, run_calls = _record_engines(monkeypatch), rollout.run_calls
+    delays = iter([0.2, 0.0, 0.1, 0.05] * 20)
+    monkeypatch.setattr(rollout, "run_calls", lambda *a, **kw: (time.sleep(next(delays)), run_calls(*a, **kw))[1])
+    runs = {}
+    for name, kw in [("unbounded", dict(memory_budget_bytes=1 << 40)), ("budget", {}),
+                     ("waves", dict(continuous=False)), ("no_logprobs", dict(record_logprobs=False))]:
+        script(BUDGET_SCRIPTS, sub="A blue square.")
+        first = len(engines)
+        runs[name] = rollout.run_agent(model, processor, recs[:3], root, config(tool_mode=mode, group_size=2, **kw),
+                                       seed=SEED)
+        kv = engines[first].kv
+        assert kv.reserved == 0 and not kv.rows and not kv.prompts and kv.pool.peak <= kv.pool.n_blocks
+        assert not engines[first].away and engines[first].tools is None
+    assert engines[1].kv.pool.n_blocks < engines[1].need                # the budget bit
+    assert [t.n_tool_turns for t in runs["unbounded"]] == [1, 0, 0, 2, 0, 1]
+    plain = runs.pop("no_logprobs")
+    _same(runs, "unbounded")
+    for t, r in zip(plain, runs["unbounded"]):
+        assert t.logprobs == [] and t.draws == len(r.logprobs) == sum(r.roles) and t.token_ids == r.token_ids
+
+
+def test_tool_responses_keep_call_order(tiny, split, script, monkeypatch):
+    """A turn's crops decode in parallel in a DecodePool and finish in reverse call order (the first call's crop is
+    the slowest): the responses, windows and clips still come in call order; the one row's engine waits on its
+    tool work without spinning (a few loop turns, not one per millisecond)."""
+    model, processor = tiny
+    root, recs = split
+    finished, crop = [], video.crop
+
+    def slow_crop(path, start, end, **kw):
+        time.sleep(0.1 * (3 - start // 10))               # calls at 10, 20, 30 s: 0.2, 0.1, 0.0 s
+        finished.append(start)
+        return crop(path, start, end, **kw)
+    monkeypatch.setattr(video, "crop", slow_crop)
+    admits, admit = [], rollout.Engine.admit
+    monkeypatch.setattr(rollout.Engine, "admit", lambda self: (admits.append(1), admit(self))[1])
+    body = "\n".join(call(s, s + 4.0) for s in (10.0, 20.0, 30.0))
+    script({(0, 0): [turn("three", body), ANSWER]})
+    with video.DecodePool(workers=3, timeout=60) as pool:
+        before = rollout.STATS["decode_steps"]
+        [t] = rollout.run_agent(model, processor, recs[1:2], root, config(max_new_tokens=400), seed=SEED,
+                                       pool=pool)
+        steps = rollout.STATS["decode_steps"] - before
+    assert finished == [30.0, 20.0, 10.0]
+    assert t.windows == [(10.0, 14.0), (20.0, 24.0), (30.0, 34.0)] and t.answer == "B"
+    assert [p.split(" s:")[0] for p in responses(t.text)] == ["Clip 10.0-14.0", "Clip 20.0-24.0", "Clip 30.0-34.0"]
+    assert len(admits) <= steps + 5
