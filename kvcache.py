@@ -12,7 +12,7 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   of its own suffix (its turns, tool responses, clips), one block more each time it crosses a block boundary.
   Sequences come and go: a finished row returns its blocks at once, a prompt when its last row has. `reserve`
   and `release` count the blocks the scheduler has promised to admitted work (each row its current turn's), so
-  that it grants blocks only while every admitted group could still reach its worst case (rollout.safe). GroupKV is what the model gets as its `cache` (the `update` hook the attention
+  that it grants blocks only while every admitted group could still reach its worst case (`safe`). GroupKV is what the model gets as its `cache` (the `update` hook the attention
   layers call) and as the `rollout_cache` keyword.
 - `cascade_attention`: registered with transformers' AttentionInterface as "paravt_cascade" and used only while
   the engine runs. A row's queries attend to [its prompt ; its own suffix]: the rows of a prompt are batched as
@@ -26,6 +26,9 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   step with no prompt read in place (nothing to merge) is one fused SDPA call over the slabs; the LSE path is for
   the rest.
 
+- The memory side (at the end of the file): `memory_budget` (the K/V a rollout may hold) and the scheduler's worst
+  cases over a rollout.RolloutConfig: `row_blocks` (the blocks a row may come to hold), `safe` (the banker's rule
+  every grant keeps), `split_group` (a group larger than the budget in parts).
 Shapes: pool per layer (n_blocks * BLOCK, kv_heads, head_dim); a forward's queries (n, heads, l, head_dim) for
 n rows of l tokens (right-padded), positions (3, n, l) for (t, h, w); logits (n, V).
 Sizes that choose a path (shrunk in tests: tests/conftest.py `SMALL_THRESHOLDS`; docs/method.md §8): BLOCK (tokens
@@ -53,6 +56,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import video
 from ops import autocast_dtype
 
 BLOCK = 256                          # tokens per block of the pool
@@ -139,7 +143,7 @@ class BlockPool:
     def _grow(self, n: int) -> None:
         n = max(n, self.n_blocks // 4)
         warnings.warn(f"rollout K/V pool grew from {self.n_blocks} to {self.n_blocks + n} blocks of {BLOCK} tokens: "
-                      "a sequence outgrew the scheduler's estimate (rollout.row_blocks)", stacklevel=3)
+                      "a sequence outgrew the scheduler's estimate (kvcache.row_blocks)", stacklevel=3)
         for kv in (self.k, self.v):
             for i, t in enumerate(kv):
                 kv[i] = torch.cat([t, t.new_zeros(n * BLOCK, *t.shape[1:])])
@@ -636,3 +640,85 @@ def autocast_copies(model) -> int:
     params = {id(p): p for m in model.modules() if isinstance(m, layers) for p in m.parameters(recurse=False)
               if p.dtype == torch.float32 and p.requires_grad}
     return sum(p.numel() for p in params.values())
+
+
+# -----------------------------------------------------------------------------
+# the engine's memory: the pool blocks a row may come to hold (the budget: memory_budget above); cfg is a
+# rollout.RolloutConfig
+
+TEXT_PER_CALL = 64       # tokens around one call's result: tags, "Clip s-e s:", an error message
+TEXT_PER_TURN = 96       # tokens of a response's fixed text: the user turn, the forced-answer message, "<think>"
+TEXT_PER_PATCH = 16      # tokens of the timestamp Qwen3-VL writes before each temporal patch of a clip
+
+
+def clip_tokens(max_frames: int, max_pixels: int | None, factor: int) -> int:
+    """Most tokens one clip of at most `max_frames` frames costs: each temporal patch (2 frames) at most
+    max_pixels / factor^2 visual tokens; without a pixel cap the crop levels' quota, at most the finest level's
+    (video.LEVEL_TOKENS, at least one token a patch); plus each patch's timestamp text."""
+    n = max(1, max_frames // 2)
+    visual = n * max(1, max_pixels // factor ** 2) if max_pixels else max(max(video.LEVEL_TOKENS.values()), n)
+    return visual + n * TEXT_PER_PATCH
+
+
+def assistant_turns(cfg) -> int:
+    """The most assistant turns a row writes: max_turns tool turns (at least one: with max_turns 0 a turn's calls
+    get the forced-answer message), then the answer."""
+    return max(cfg.max_turns, 1) + 1
+
+
+def row_blocks(cfg, prompt_len: int, factor: int, held: int = 0, turns: int | None = None,
+               this_turn: bool = False) -> int:
+    """Pool blocks one row may come to hold: the scheduler's worst case (docs/method.md §8). Its own suffix
+        own = min(held + T * max_new_tokens + (T - 1) * (TEXT_PER_TURN + C * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL),
+                  max_context - prompt_len)
+    with T = `turns` assistant turns still to write (at the start `assistant_turns(cfg)`), `held` tokens already in
+    its suffix (0 at the start; at a turn's end what it wrote and the response it is about to read, when the bound
+    is tightened), and a response of C = max_calls_per_turn results, per_call a clip (`clip_tokens`) in interleaved
+    mode or a summary (at most subagent_max_new_tokens) in sub-agent mode, each with TEXT_PER_CALL, one
+    TEXT_PER_CALL more for the note on calls past the cap; plus, in sub-agent mode while a tool turn may still come
+    (T > 1), the sub-agents of one turn (they live while their caller waits): C x (a clip prompt +
+    subagent_max_new_tokens), each two sequences of its own. A sequence of n tokens holds ceil(n / BLOCK) blocks.
+    The bound is loose (real turns are shorter than max_new_tokens): a larger --rollout-memory-gb admits more at
+    once, and each turn's end tightens it (Engine.respond). `this_turn`: only what the row may hold by the end of
+    its current turn (T = 1 in `own`; the sub-agents still counted while T > 1): the grant continuous batching
+    makes at a turn's start (Engine.admit)."""
+    turns = assistant_turns(cfg) if turns is None else turns
+    if cfg.tool_mode == "subagent":
+        per_call = cfg.subagent_max_new_tokens
+        sub_prompt = clip_tokens(cfg.subagent_max_frames, cfg.subagent_max_pixels, factor) + TEXT_PER_TURN
+        subs = cfg.max_calls_per_turn * (blocks_for(sub_prompt) + blocks_for(cfg.subagent_max_new_tokens))
+    else:
+        per_call, subs = clip_tokens(cfg.crop_max_frames, cfg.crop_max_pixels, factor), 0
+    response = TEXT_PER_TURN + cfg.max_calls_per_turn * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL
+    t = 1 if this_turn else turns
+    own = min(held + t * cfg.max_new_tokens + (t - 1) * response, max(1, cfg.max_context - prompt_len))
+    return blocks_for(own) + (subs if turns > 1 else 0)
+
+
+def safe(groups: list[tuple[int, int]], free: int) -> bool:
+    """The banker's algorithm (Dijkstra), for one resource: can every group, holding `held` blocks and promised
+    at most `need` in all ((held, need) pairs), reach its worst case in some order, if each in turn takes what it
+    still may need from `free` and returns everything it holds at its end? With one resource the order to try is
+    the one by what each still may need, smallest first. Continuous batching keeps the engine in such a state at
+    every grant, so some row can always go on (no deadlock) and the pool never outgrows the budget."""
+    for held, need in sorted(groups, key=lambda g: g[1] - g[0]):
+        if need - held > free:
+            return False
+        free += held
+    return True
+
+
+def split_group(group: tuple, budget: int) -> list[tuple]:
+    """A queued (prompt chunk, rows, prompt blocks) whose worst case (the prompt once + every row's reserve)
+    exceeds the budget, as consecutive parts of its rows that each fit (at least one row a part), each with its
+    own copy of the prompt's K/V: a Video-o3 group of 16 rows of ~200k tokens at 8B is ~400 GiB of worst case,
+    one row ~30 GiB. A row samples from its own seed and draw counter, so the parts sample what the whole group
+    would (the prompt is prefilled once per part)."""
+    chunk, rows, prompt = group
+    parts, part = [], []
+    for r in rows:
+        if part and prompt + sum(x.reserve for x in part) + r.reserve > budget:
+            parts.append(part)
+            part = []
+        part.append(r)
+    return [(chunk, p, prompt) for p in parts + [part]]

@@ -1,5 +1,6 @@
 """
-The training kernels: the fused linear log-prob gather and loss, and TDAM's attention without an L x L mask.
+The kernels: the fused linear log-prob gather and loss, TDAM's attention without an L x L mask, and the rollout's
+sampler.
 Plain PyTorch plus `torch.compile` on the per-chunk softmax math; train.py holds the equations that use them.
 (Named ops.py, not kernels.py: transformers imports a top-level `kernels` module if one is importable.)
 
@@ -17,6 +18,9 @@ Plain PyTorch plus `torch.compile` on the per-chunk softmax math; train.py holds
    and one of two kernels attends the rest, flex_attention (CUDA) or a blocked CPU flash kernel; no L x L tensor
    ever exists. Which spans of a trajectory the rules apply to is found from its text in sft.py (`tdam_spans`).
      tdam_attention(module, q (B, H, L, d), k / v (B, H_kv, L, d), ..., tdam=TdamSpec) -> (B, L, H, d)
+3. Sampling, one (B, V) operation a decode step on the logits' device (rollout.Engine.step calls it):
+     sample_tokens(logits (B, V), seeds (B,), counters (B,), T, top_p) -> tokens (B,)
+   Gumbel-max over a counter-based hash (`uniform_noise`): a row's draw depends on its seed and draw index only.
 
 Sizes and devices that choose a path (each path runs in tests, sizes shrunk): _MIN_CHUNK_LOGITS (token_logprobs'
 plain path below it, chunk_size None), MAX_CHUNKS (the default chunk rule), the chunk size itself (padding of the last chunk);
@@ -647,3 +651,56 @@ def use_tdam_attention(config) -> None:
     if impl not in ("sdpa", TDAM_ATTENTION):
         raise ValueError(f"TDAM runs on a model with sdpa attention (the library default); this one uses {impl!r}")
     config._attn_implementation = TDAM_ATTENTION
+
+
+# -----------------------------------------------------------------------------
+# sampling: one (B, V) operation per decode step, on the logits' device (rollout.Engine.step)
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (the "hash32" finaliser: xor-shift, multiply by 0x45d9f3b, twice) on int64
+    tensors holding values < 2^32; the constant is < 2^27, so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, V) uniforms in (0, 1) from a counter-based hash of (row seed, draw index, token id), computed
+    on the seeds' device: row b's numbers depend on (seeds[b], counters[b]) only, never on which other
+    rows share the batch, and no torch.Generator is involved (a CPU generator cannot drive CUDA draws).
+    u = (k + 0.5) / 2**23 with k the hash's top 23 bits: k + 0.5 has at most 24 significant bits, so every
+    value is exact in fp32 and u lies in [2**-24, 1 - 2**-24], strictly inside (0, 1); the Gumbel term
+    -log(-log u) is then finite (in about [-2.81, 16.64]). With 24 bits, (2**24 - 0.5) / 2**24 rounded up to 1.0."""
+    s = seeds.long()
+    key = _mix32(_mix32(_mix32(s & _M32) ^ ((s >> 32) & _M32)) ^ (counters.long() & _M32))      # (B,)
+    tok = _mix32((torch.arange(vocab, device=seeds.device) * 0x9E3779B1 + 0x7F4A7C15) & _M32)   # (V,)
+    x = _mix32(_mix32(key[:, None] ^ tok[None]) ^ key[:, None])                                 # (B, V)
+    return ((x >> 9).float() + 0.5) / 2.0 ** 23
+
+
+def sample_tokens(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, temperature: float,
+                  top_p: float) -> torch.Tensor:
+    """(B,) tokens from (B, V) logits, all rows in one operation on the logits' device. Greedy when
+    temperature == 0; else softmax(logits / T) restricted to the nucleus (the smallest set of top
+    tokens whose mass reaches top_p; the top token always stays), drawn by Gumbel-max:
+        token = argmax_v (logits_v / T + g_v),  g_v = -log(-log u_v),  u = uniform_noise(seed, counter)
+    which is an exact draw from that distribution (Gumbel 1954; the trick of Maddison et al. 2014).
+    A banned token (logit -inf, or outside the nucleus) keeps score -inf whatever its noise, so it is never
+    drawn: the noise is finite by construction, and the where() below holds even if it were not (-inf + inf
+    would be NaN, which argmax picks)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    scores = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_s, order = scores.sort(-1, descending=True)
+        p = torch.softmax(sorted_s, -1)
+        drop = p.cumsum(-1) - p >= top_p                   # mass before this token already reaches top_p
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_s.masked_fill(drop, float("-inf")))
+    u = uniform_noise(seeds.to(logits.device), counters.to(logits.device), logits.shape[-1])
+    noisy = scores - torch.log(-torch.log(u))
+    return torch.where(scores == float("-inf"), scores, noisy).argmax(-1)

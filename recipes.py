@@ -107,7 +107,7 @@ PRESETS = {
     # overview and 384 timestamps leave 1,536 to the system prompt, tools and question), 8,192 new tokens a turn,
     # 6 tool rounds (8 in evaluation), clip higher 0.3, dynamic sampling; a context that holds the whole protocol,
     # so no full-length row is cut and masked: 7 turns x 8,192 + 6 rounds x (96 + 5 fine clips x (3,072 + 64 x 16
-    # + 64) + 64) (rollout.row_blocks' worst case; docs/method.md §5, §7)
+    # + 64) + 64) (kvcache.row_blocks' worst case; docs/method.md §5, §7)
     "videoo3": dict(COMMON, recipe="vtgr",
                     tool_mode="interleaved", overview_nframes=None, overview_tokens=12288, max_turns=6,
                     eval_max_turns=8, max_new_tokens=8192,

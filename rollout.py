@@ -55,8 +55,9 @@ import kvcache
 import recipes
 import video
 from data import INSTRUCTIONS, format_question, resolve_video
-from kvcache import Chunk, GroupKV, blocks_for, kv_bytes_per_token
+from kvcache import Chunk, GroupKV, assistant_turns, blocks_for, kv_bytes_per_token, row_blocks, safe, split_group
 from model import TOOLS_INTRO, TOOLS_OUTRO, special_token_ids
+from ops import sample_tokens
 from rewards import ToolCall, call_window, extract_answer, parse_tool_calls
 
 ENV, POLICY = 0, 1
@@ -144,57 +145,7 @@ class Trajectory:
 
 
 # -----------------------------------------------------------------------------
-# sampling: one (B, V) operation per step, on the logits' device
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (the "hash32" finaliser: xor-shift, multiply by 0x45d9f3b, twice) on int64
-    tensors holding values < 2^32; the constant is < 2^27, so no product overflows int64."""
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _M32
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B, V) uniforms in (0, 1) from a counter-based hash of (row seed, draw index, token id), computed
-    on the seeds' device: row b's numbers depend on (seeds[b], counters[b]) only, never on which other
-    rows share the batch, and no torch.Generator is involved (a CPU generator cannot drive CUDA draws).
-    u = (k + 0.5) / 2**23 with k the hash's top 23 bits: k + 0.5 has at most 24 significant bits, so every
-    value is exact in fp32 and u lies in [2**-24, 1 - 2**-24], strictly inside (0, 1); the Gumbel term
-    -log(-log u) is then finite (in about [-2.81, 16.64]). With 24 bits, (2**24 - 0.5) / 2**24 rounded up to 1.0."""
-    s = seeds.long()
-    key = _mix32(_mix32(_mix32(s & _M32) ^ ((s >> 32) & _M32)) ^ (counters.long() & _M32))      # (B,)
-    tok = _mix32((torch.arange(vocab, device=seeds.device) * 0x9E3779B1 + 0x7F4A7C15) & _M32)   # (V,)
-    x = _mix32(_mix32(key[:, None] ^ tok[None]) ^ key[:, None])                                 # (B, V)
-    return ((x >> 9).float() + 0.5) / 2.0 ** 23
-
-
-def sample_tokens(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, temperature: float,
-                  top_p: float) -> torch.Tensor:
-    """(B,) tokens from (B, V) logits, all rows in one operation on the logits' device. Greedy when
-    temperature == 0; else softmax(logits / T) restricted to the nucleus (the smallest set of top
-    tokens whose mass reaches top_p; the top token always stays), drawn by Gumbel-max:
-        token = argmax_v (logits_v / T + g_v),  g_v = -log(-log u_v),  u = uniform_noise(seed, counter)
-    which is an exact draw from that distribution (Gumbel 1954; the trick of Maddison et al. 2014).
-    A banned token (logit -inf, or outside the nucleus) keeps score -inf whatever its noise, so it is never
-    drawn: the noise is finite by construction, and the where() below holds even if it were not (-inf + inf
-    would be NaN, which argmax picks)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    scores = logits.float() / temperature
-    if top_p < 1.0:
-        sorted_s, order = scores.sort(-1, descending=True)
-        p = torch.softmax(sorted_s, -1)
-        drop = p.cumsum(-1) - p >= top_p                   # mass before this token already reaches top_p
-        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_s.masked_fill(drop, float("-inf")))
-    u = uniform_noise(seeds.to(logits.device), counters.to(logits.device), logits.shape[-1])
-    noisy = scores - torch.log(-torch.log(u))
-    return torch.where(scores == float("-inf"), scores, noisy).argmax(-1)
-
+# sampling (the kernel, one (B, V) operation a step: ops.sample_tokens) and the seeds
 
 def row_seed(seed: int, record_index: int, sample: int) -> int:
     """Explicit per-trajectory seed from (seed, prompt, sample): same inputs => same trajectory."""
@@ -359,87 +310,6 @@ def tool_response_parts(results: list, summaries: dict[int, str] | None = None) 
             parts.append(clip_part(w))
             clips.append(clip)
     return parts, clips
-
-
-# -----------------------------------------------------------------------------
-# the engine's memory: the pool blocks a row may come to hold (the budget: kvcache.memory_budget)
-
-TEXT_PER_CALL = 64       # tokens around one call's result: tags, "Clip s-e s:", an error message
-TEXT_PER_TURN = 96       # tokens of a response's fixed text: the user turn, the forced-answer message, "<think>"
-TEXT_PER_PATCH = 16      # tokens of the timestamp Qwen3-VL writes before each temporal patch of a clip
-
-
-def clip_tokens(max_frames: int, max_pixels: int | None, factor: int) -> int:
-    """Most tokens one clip of at most `max_frames` frames costs: each temporal patch (2 frames) at most
-    max_pixels / factor^2 visual tokens; without a pixel cap the crop levels' quota, at most the finest level's
-    (video.LEVEL_TOKENS, at least one token a patch); plus each patch's timestamp text."""
-    n = max(1, max_frames // 2)
-    visual = n * max(1, max_pixels // factor ** 2) if max_pixels else max(max(video.LEVEL_TOKENS.values()), n)
-    return visual + n * TEXT_PER_PATCH
-
-
-def assistant_turns(cfg: RolloutConfig) -> int:
-    """The most assistant turns a row writes: max_turns tool turns (at least one: with max_turns 0 a turn's calls
-    get the forced-answer message), then the answer."""
-    return max(cfg.max_turns, 1) + 1
-
-
-def row_blocks(cfg: RolloutConfig, prompt_len: int, factor: int, held: int = 0, turns: int | None = None,
-               this_turn: bool = False) -> int:
-    """Pool blocks one row may come to hold: the scheduler's worst case (docs/method.md §8). Its own suffix
-        own = min(held + T * max_new_tokens + (T - 1) * (TEXT_PER_TURN + C * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL),
-                  max_context - prompt_len)
-    with T = `turns` assistant turns still to write (at the start `assistant_turns(cfg)`), `held` tokens already in
-    its suffix (0 at the start; at a turn's end what it wrote and the response it is about to read, when the bound
-    is tightened), and a response of C = max_calls_per_turn results, per_call a clip (`clip_tokens`) in interleaved
-    mode or a summary (at most subagent_max_new_tokens) in sub-agent mode, each with TEXT_PER_CALL, one
-    TEXT_PER_CALL more for the note on calls past the cap; plus, in sub-agent mode while a tool turn may still come
-    (T > 1), the sub-agents of one turn (they live while their caller waits): C x (a clip prompt +
-    subagent_max_new_tokens), each two sequences of its own. A sequence of n tokens holds ceil(n / BLOCK) blocks.
-    The bound is loose (real turns are shorter than max_new_tokens): a larger --rollout-memory-gb admits more at
-    once, and each turn's end tightens it (Engine.respond). `this_turn`: only what the row may hold by the end of
-    its current turn (T = 1 in `own`; the sub-agents still counted while T > 1): the grant continuous batching
-    makes at a turn's start (Engine.admit)."""
-    turns = assistant_turns(cfg) if turns is None else turns
-    if cfg.tool_mode == "subagent":
-        per_call = cfg.subagent_max_new_tokens
-        sub_prompt = clip_tokens(cfg.subagent_max_frames, cfg.subagent_max_pixels, factor) + TEXT_PER_TURN
-        subs = cfg.max_calls_per_turn * (blocks_for(sub_prompt) + blocks_for(cfg.subagent_max_new_tokens))
-    else:
-        per_call, subs = clip_tokens(cfg.crop_max_frames, cfg.crop_max_pixels, factor), 0
-    response = TEXT_PER_TURN + cfg.max_calls_per_turn * (per_call + TEXT_PER_CALL) + TEXT_PER_CALL
-    t = 1 if this_turn else turns
-    own = min(held + t * cfg.max_new_tokens + (t - 1) * response, max(1, cfg.max_context - prompt_len))
-    return blocks_for(own) + (subs if turns > 1 else 0)
-
-
-def safe(groups: list[tuple[int, int]], free: int) -> bool:
-    """The banker's algorithm (Dijkstra), for one resource: can every group, holding `held` blocks and promised
-    at most `need` in all ((held, need) pairs), reach its worst case in some order, if each in turn takes what it
-    still may need from `free` and returns everything it holds at its end? With one resource the order to try is
-    the one by what each still may need, smallest first. Continuous batching keeps the engine in such a state at
-    every grant, so some row can always go on (no deadlock) and the pool never outgrows the budget."""
-    for held, need in sorted(groups, key=lambda g: g[1] - g[0]):
-        if need - held > free:
-            return False
-        free += held
-    return True
-
-
-def split_group(group: tuple, budget: int) -> list[tuple]:
-    """A queued (prompt chunk, rows, prompt blocks) whose worst case (the prompt once + every row's reserve)
-    exceeds the budget, as consecutive parts of its rows that each fit (at least one row a part), each with its
-    own copy of the prompt's K/V: a Video-o3 group of 16 rows of ~200k tokens at 8B is ~400 GiB of worst case,
-    one row ~30 GiB. A row samples from its own seed and draw counter, so the parts sample what the whole group
-    would (the prompt is prefilled once per part)."""
-    chunk, rows, prompt = group
-    parts, part = [], []
-    for r in rows:
-        if part and prompt + sum(x.reserve for x in part) + r.reserve > budget:
-            parts.append(part)
-            part = []
-        part.append(r)
-    return [(chunk, p, prompt) for p in parts + [part]]
 
 
 # -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 
 import data
 import kvcache
+import ops
 import rollout
 import sft
 import runtime
@@ -39,7 +40,7 @@ def test_sampler_random_source_on_logits_device():
     "meta" device, every tensor of the draw (noise and tokens) stays on "meta", for CPU seeds too."""
     logits = torch.empty(3, 50, device="meta")
     seeds, counters = torch.tensor([1, 2, 3]), torch.tensor([0, 0, 5])
-    noise = rollout.uniform_noise(seeds.to("meta"), counters.to("meta"), 50)
+    noise = ops.uniform_noise(seeds.to("meta"), counters.to("meta"), 50)
     assert noise.device.type == "meta" and noise.shape == (3, 50) and noise.dtype == torch.float32
     for top_p in (1.0, 0.9):
         tok = rollout.sample_tokens(logits, seeds, counters, 0.7, top_p)
@@ -95,7 +96,7 @@ def test_uniform_noise_open_interval_at_qwen_vocab():
     """Noise lies strictly inside (0, 1) in fp32 and its Gumbel term is finite, on 1,024 rows of 151,936:
     the old 24-bit form rounded (2**24 - 0.5) / 2**24 up to 1.0 (5 of these rows), making -log(-log u) = +inf."""
     for seeds, counters in _qwen_rows(range(16)):
-        u = rollout.uniform_noise(seeds, counters, QWEN_V)
+        u = ops.uniform_noise(seeds, counters, QWEN_V)
         assert u.dtype == torch.float32 and float(u.min()) > 0 and float(u.max()) < 1
         assert torch.isfinite(-torch.log(-torch.log(u))).all()
 
