@@ -1,6 +1,6 @@
 """Benchmark the rollout engine (rollout.py) against the simple ways of doing the same work (tiny Qwen3-VL, CPU).
 
-    python bench/rollout_bench.py                          # all five parts
+    python bench/rollout_bench.py                          # all six parts
     python bench/rollout_bench.py --parts 5                # one part
 
 1. multi-turn  a scripted interleaved trajectory of --turns turns: run_agent (the prompt prefilled once, each turn's
@@ -15,6 +15,9 @@
 5. budget      rows whose turns take --budget-min to --budget-max tokens, unbounded, then under a quarter of that
                peak by continuous batching and by fixed waves. Targets: peak <= 1.1 x budget, >= 1.3x the waves'
                tokens/s, every trajectory's tokens and log-probs equal to the unbounded run's.
+6. gpu_shape   8 groups x 8 rows cropping a 1280x720 H.264 file: the torch ops and attention kernels per decoder layer of
+               a decode step of all 64 rows after their first turn, and the tools beside the decoding (overlap =
+               (decode_s + tool_s - wall_s) / min of the two). Targets <= 2 calls, <= 60 ops, overlap >= 0.7, exact.
 Two sides run interleaved after one warm-up; medians; ratios are baseline / ours (> 1: ours is better). The last
 line is one JSON object.
 """
@@ -437,6 +440,67 @@ def bench_budget(args) -> dict:
                 exact=same and diff <= 1e-5)
 
 
+# ----------------------------------------------------------------------------- 6. gpu shape: a step's ops, tools beside it
+
+class CallThenAnswer(Planned):
+    """Planned's draw, every row calling the tool in its first turn ([lo, hi] tokens), then answering ([hi, 2 hi])."""
+
+    def plan(self, seed: int) -> list[tuple[int, bool]]:
+        if seed not in self.plans:
+            rng = random.Random(seed)
+            first = rng.randint(self.lo, self.hi)
+            self.plans[seed] = [(first, True), (first + rng.randint(self.hi, 2 * self.hi), False)]
+        return self.plans[seed]
+
+
+def bench_gpu_shape(model, processor, args) -> dict:
+    """--shape-prompts groups of --shape-group rows, each crops a 1280x720 H.264 file in its first turn. Fixed waves
+    (every tool turn waits for the batch, then its responses join at once): the first decode step of every row after
+    its first turn, its torch ops and attention kernels per decoder layer (runtime.step_ops: a TorchFunctionMode).
+    Continuous batching: the tools run beside the decoding (rollout.STATS' decode_s, tool_s, wall_s), and its
+    trajectories equal the waves' token for token (`exact`)."""
+    tok = processor.tokenizer
+    call = tok("\n</think>\n<tool_call>\n{\"name\": \"crop_video\", \"arguments\": {\"start_time\": 4.0, "
+               "\"end_time\": 12.0}}\n</tool_call>", add_special_tokens=False)["input_ids"]
+    planned = CallThenAnswer(rollout.sample_tokens, special_token_ids(processor)["<|im_end|>"],
+                             sorted(tok.get_added_vocab().values()), call, args.shape_min, args.shape_max)
+    seen, measured, step = set(), {}, kvcache.GroupKV.step
+    rows_now = args.shape_prompts * args.shape_group
+
+    def watched(kv, model, rows, tokens):                   # the first step of all rows after their first turn
+        if measured or len(rows) < rows_now or not seen.issuperset(rows):
+            return step(kv, model, rows, tokens)
+        out = {}
+        ops = runtime.forward_ops(model, kv, lambda: out.setdefault("logits", step(kv, model, rows, tokens)))
+        measured.update({f"{k}_per_layer_step": v for k, v in ops.items()}, rows=len(rows))
+        return out["logits"]
+
+    with tempfile.TemporaryDirectory() as root:
+        video.write_video(os.path.join(root, "hd.mp4"), video.synthetic_frames(args.shape_seconds * 10, 720, 1280), 10.0)
+        recs = [{"id": f"q{i}", "video": "hd.mp4", "question": QUESTION + " Look carefully." * i, "options": OPTIONS,
+                 "task": "mcq", "answer": "A", "duration": float(args.shape_seconds)} for i in range(args.shape_prompts)]
+        cfg = dict(tool_mode="interleaved", max_turns=1, max_calls_per_turn=1, max_new_tokens=2 * args.shape_max,
+                   temperature=1.0, group_size=args.shape_group, overview_nframes=8, overview_max_pixels=64 * 64,
+                   crop_fps=2.0, crop_max_frames=8, crop_max_pixels=64 * 64, tools_block=False,
+                   memory_budget_bytes=1 << 40)
+        run = lambda **kw: rollout.run_agent(model, processor, recs, root, rollout.RolloutConfig(**cfg, **kw), seed=0)
+        extend = kvcache.GroupKV.extend
+        kvcache.GroupKV.extend = lambda kv, m, rows, *a: (seen.update(rows), extend(kv, m, rows, *a))[1]
+        kvcache.GroupKV.step = watched
+        rollout.sample_tokens = planned
+        try:
+            waves = run(continuous=False)
+        finally:
+            kvcache.GroupKV.extend, kvcache.GroupKV.step = extend, step
+        before = dict(rollout.STATS)
+        overlapped = run()
+    d = {k: rollout.STATS[k] - before[k] for k in ("decode_s", "tool_s", "wall_s")}
+    d["overlap"] = (d["decode_s"] + d["tool_s"] - d["wall_s"]) / min(d["decode_s"], d["tool_s"])
+    return dict(measured, tool_overlap=d, exact=all(a.token_ids == b.token_ids and a.windows == b.windows
+                                                     for a, b in zip(waves, overlapped)),
+                tool_turns=sum(t.n_tool_turns for t in overlapped))
+
+
 # ----------------------------------------------------------------------------- main
 
 def main() -> None:
@@ -451,7 +515,7 @@ def main() -> None:
                                 ("threads", 1, "torch intra-op threads (0: torch's default)")]:
         p.add_argument(f"--{flag}", type=int, default=default, help=what)
     p.add_argument("--duration", type=float, default=64.0, help="video length, seconds (2 fps)")
-    p.add_argument("--parts", default="1,2,3,4,5", help="which measurements to run, e.g. 1,3")
+    p.add_argument("--parts", default="1,2,3,4,5,6", help="which measurements to run, e.g. 1,3")
     for flag, default, what in [("layers", 2, "text layers (hidden 1024, 8 KV heads x 128)"),
                                 ("frames", 128, "overview frames (2 frames -> 1 temporal patch)"),
                                 ("size", 256, "frame side (256: 64 tokens per temporal patch)"), ("group", 8, "group size G"),
@@ -466,6 +530,9 @@ def main() -> None:
                                 ("block", 32, "kvcache.BLOCK (a --budget-max turn spans 5 blocks; a real 2,048 spans 8)"),
                                 ("join", 2 ** 11, "kvcache.JOIN_PROMPT (2^17 / 64)")]:
         p.add_argument(f"--budget-{flag}", type=int, default=default, help=f"budget bench: {what}")
+    for flag, default, what in [("prompts", 8, "groups"), ("group", 8, "rows a group"), ("seconds", 30, "seconds of 720p video"),
+                                ("min", 8, "fewest tokens of a first turn"), ("max", 32, "most (an answer: max to 2 max)")]:
+        p.add_argument(f"--shape-{flag}", type=int, default=default, help=f"gpu shape bench: {what}")
     p.add_argument("--scale-side", choices=["ours", "hf"], help=argparse.SUPPRESS)   # internal: one side per process
     args = p.parse_args()
     if args.scale_side:
@@ -489,6 +556,8 @@ def main() -> None:
                 out["scale"] = bench_scale(args)
             if "5" in parts:
                 out["budget"] = bench_budget(args)
+            if "6" in parts:
+                out["gpu_shape"] = bench_gpu_shape(model, processor, args)
         finally:
             rollout.sample_tokens = sampler
     print(f"tiny Qwen3-VL on CPU, {threads} thread(s); overview {args.overview_frames} frames at {args.size}x{args.size}, "
@@ -496,7 +565,7 @@ def main() -> None:
     for name, part in out.items():
         for sub, figures in (part.items() if name == "decode" else [("", part)]):     # decode: one table a batch
             print(f"\n{name} {sub}\n" + table([[k, v] for k, v in figures.items()], ["figure", "value"]))
-    mt, sa, dec, sc, bu = (out.get(k) for k in ("multiturn", "subagents", "decode", "scale", "budget"))
+    mt, sa, dec, sc, bu, gs = (out.get(k) for k in ("multiturn", "subagents", "decode", "scale", "budget", "gpu_shape"))
     targets = {}
     if mt:
         targets.update(prefill_ratio_ge_2=mt["prefill_ratio"] >= 2, multiturn_speedup_ge_1_5=mt["speedup"] >= 1.5)
@@ -512,6 +581,10 @@ def main() -> None:
         targets.update(budget_le_quarter=bu["budget_mb"] <= bu["unbounded_peak_mb"] / 4,
                        budget_peak_le_1_1=bu["peak_mb"] <= 1.1 * bu["budget_mb"],
                        budget_speedup_ge_1_3=bu["speedup"] >= 1.3, budget_exact=bu["exact"])
+    if gs:
+        targets.update(shape_rows_ge_64=gs.get("rows", 0) >= 64, shape_attention_calls_le_2=
+                       gs.get("attention_calls_per_layer_step", 99) <= 2, shape_ops_le_60=gs.get("ops_per_layer_step", 1e9) <= 60,
+                       shape_tool_overlap_ge_0_7=gs["tool_overlap"]["overlap"] >= 0.7, shape_exact=gs["exact"])
     print_json(dict(threads=threads, overview_frames=args.overview_frames, size=args.size, crop_size=args.crop_size,
                     repeats=args.repeats, **out, targets=targets))
 
