@@ -15,35 +15,44 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   that it grants blocks only while every admitted group could still reach its worst case (rollout.safe). GroupKV is what the model gets as its `cache` (the `update` hook the attention
   layers call) and as the `rollout_cache` keyword.
 - `cascade_attention`: registered with transformers' AttentionInterface as "paravt_cascade" and used only while
-  the engine runs. A row's queries attend to [its prompt ; its own suffix]: the rows of a prompt are batched as
-  queries against the one prompt K/V, each row against its own suffix (causal), read through its block table;
-  the two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`). Several prompts whose K/V
-  together fit SCORES_BUDGET go in one call (gathered, padded to the longest: `_PromptSlab`), so that a step's
-  cost does not grow by a call per prompt group in flight; a prompt alone is read in place. A prompt whose
-  copies for its rows in the forward are small (JOIN_PROMPT) is read with each row's suffix instead, as one
-  causal sequence [prompt ; suffix]: the copies cost less than an attention call for the prompt alone (a single
-  row's prompt, e.g. a sub-agent's clip). No decode step touches the K/V of a row that is not in it. A decode
-  step with no prompt read in place (nothing to merge) is one fused SDPA call over the slabs; the LSE path is for
-  the rest.
+  the engine runs. A row's queries attend to [its prompt ; its own suffix], in at most TWO attention calls per layer
+  whatever the number of rows, groups and turns (no Python loop over rows or groups on the per-step path; the
+  host builds each forward's indices once, as a fixed number of tensors):
+  1. the rows' own blocks: every row's keys ([small prompt ;] own suffix) gathered through its block table into
+     ONE slab padded to the longest row (`_key_slots`; -inf on the keys past a row's end), causal within a chunk;
+  2. the large prompts: ONE slab of all of them (`_PromptSlab`: their K/V gathered, padded to the longest; a
+     prompt alone in consecutive blocks read in place), each prompt's rows batched as its queries.
+  The two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`; a row with no large prompt
+  gets weight 0 on the second). A prompt whose copies for its rows in the forward are small (JOIN_PROMPT) is
+  read with each row's suffix instead, as one causal sequence [prompt ; suffix]: the copies cost less than an
+  attention call for the prompt alone (a single row's prompt, e.g. a sub-agent's clip). A decode step with no
+  large prompt is one fused SDPA call (nothing to merge, no LSE). No decode step touches the K/V of a row that is
+  not in it. The prefill of next-turn chunks (`extend`) takes the same two parts (the chunk's own part causal,
+  in query blocks of SCORES_BUDGET scores). `runtime.OpCounter` / `runtime.step_ops` measure the calls and ops
+  per layer of a step (tests/test_kvcache.py: equal at 4 and 32 rows).
 
 Shapes: pool per layer (n_blocks * BLOCK, kv_heads, head_dim); a forward's queries (n, heads, l, head_dim) for
 n rows of l tokens (right-padded), positions (3, n, l) for (t, h, w); logits (n, V).
 Sizes that choose a path (shrunk in tests: tests/conftest.py `SMALL_THRESHOLDS`; docs/method.md §8): BLOCK (tokens
-per block), SCORES_BUDGET (elements of any one working tensor of the attention: a block of fp32 scores, its mask,
-a slab of K/V gathered through the block tables or of prompts read together; one row's keys are the least a slab
-holds), JOIN_PROMPT (K elements, rows x tokens x kv_heads x head_dim, of a prompt's copies read with its rows
-rather than the prompt once in place: about where a copy and an attention call cost the same on this project's
-CPU; 128 tokens of Qwen3-VL-8B, one row),
-PREFILL_TOKENS (tokens of one prefill forward, padding included: the chunks of an admission go in several forwards,
-so that their activations stay bounded beside the budget), SLAB_PADDING (K elements of padding, rows x keys x
-kv_heads x head_dim, that a slab of rows may take on at once rather than start another slab: about where padded keys
-and an attention call cost the same on this project's CPU; a decode step takes its rows shortest first).
+per block), SCORES_BUDGET (elements of a block of fp32 scores and its mask in the hand-written attention: its
+queries go in blocks; the fused CPU kernel holds its scores in tiles), GATHER_BUDGET (K elements, keys x kv_heads
+x head_dim, of one slab gathered for the attention, rows x longest row or prompts x longest prompt: past it the
+slab splits into several, one call each, a loop over slabs; one row's or one prompt's keys are the least a slab
+holds; 2^28, 256 M elements, 1 GiB in fp32 a gathered K, is not reached at 64 rows of 4,096 keys of Qwen3-VL-8B's
+8 x 128 K/V, nor by the tiny and bench sizes), JOIN_PROMPT (K elements, rows x tokens x kv_heads x head_dim, of a
+prompt's copies read with its rows rather than the prompt once in place: about where a copy and an attention call
+cost the same on this project's CPU; 128 tokens of Qwen3-VL-8B, one row), PREFILL_TOKENS (tokens of one prefill
+forward, padding included: the chunks of an admission go in several forwards, so that their activations stay
+bounded beside the budget).
 Precision: scores, softmax, the LSE and the merge run in fp32 whatever the model's dtype and the ambient autocast
 (autocast is off inside the attention: the RL step's --precision bf16); the output is rounded to the compute dtype.
-Departures: plain PyTorch. A row's suffix is gathered (copied) from its blocks into slabs of at most SCORES_BUDGET
-elements for each forward, and bf16 K/V are upcast to fp32 for the attention (a prompt's whole, for each layer),
-where a GPU deployment would read the block table inside a fused kernel that keeps fp32 accumulators and returns
-the LSE (FlashInfer's cascade and paged attention, vLLM).
+Departures: plain PyTorch. The rows' keys and the prompts' are gathered (copied) from their blocks into slabs
+padded to the longest row or prompt for each forward (at most GATHER_BUDGET elements each: the split above is
+the one departure from a fixed number of calls), and bf16 K/V are upcast to fp32 for the attention, where a GPU
+deployment would read the block table inside a fused varlen kernel without padding that keeps fp32 accumulators
+and returns the LSE (FlashInfer's cascade and paged attention, vLLM; flex_attention). The padding costs compute on
+the CPU where rows' lengths differ much (the step pads every row to the longest), the price of one call. On CUDA
+the LSE path is the hand-written form (not run here).
 """
 import warnings
 from dataclasses import dataclass, field
@@ -153,7 +162,7 @@ class BlockPool:
         if layer == len(self.k):
             self.k.append(v.new_zeros(self.n_blocks * BLOCK, *k.shape[1:]))
             self.v.append(v.new_zeros(self.n_blocks * BLOCK, *v.shape[1:]))
-        self.k[layer].index_copy_(0, slots, k.to(v.dtype))
+        self.k[layer].index_copy_(0, slots, k if k.dtype == v.dtype else k.to(v.dtype))
         self.v[layer].index_copy_(0, slots, v)
 
     def nbytes(self) -> int:
