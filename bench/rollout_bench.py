@@ -465,7 +465,7 @@ def main() -> None:
                                 ("scores", 2 ** 17, "kvcache.SCORES_BUDGET"), ("prefill", 256, "kvcache.PREFILL_TOKENS"),
                                 ("block", 32, "kvcache.BLOCK (a --budget-max turn spans 5 blocks; a real 2,048 spans 8)"),
                                 ("join", 2 ** 11, "kvcache.JOIN_PROMPT (2^17 / 64)"),
-                                ("gather", 2 ** 21, "kvcache.GATHER_BUDGET (2^28 / 128, as the scores)")]:
+                                ("gather", 2 ** 17, "kvcache.GATHER_BUDGET (as the scores: the slabs bounded as before)")]:
         p.add_argument(f"--budget-{flag}", type=int, default=default, help=f"budget bench: {what}")
     p.add_argument("--scale-side", choices=["ours", "hf"], help=argparse.SUPPRESS)   # internal: one side per process
     args = p.parse_args()
