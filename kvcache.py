@@ -15,16 +15,21 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   that it grants blocks only while every admitted group could still reach its worst case (`safe`). GroupKV is what the model gets as its `cache` (the `update` hook the attention
   layers call) and as the `rollout_cache` keyword.
 - `cascade_attention`: registered with transformers' AttentionInterface as "paravt_cascade" and used only while
-  the engine runs. A row's queries attend to [its prompt ; its own suffix]: the rows of a prompt are batched as
-  queries against the one prompt K/V, each row against its own suffix (causal), read through its block table;
-  the two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`). Several prompts whose K/V
-  together fit SCORES_BUDGET go in one call (gathered, padded to the longest: `_PromptSlab`), so that a step's
-  cost does not grow by a call per prompt group in flight; a prompt alone is read in place. A prompt whose
-  copies for its rows in the forward are small (JOIN_PROMPT) is read with each row's suffix instead, as one
-  causal sequence [prompt ; suffix]: the copies cost less than an attention call for the prompt alone (a single
-  row's prompt, e.g. a sub-agent's clip). No decode step touches the K/V of a row that is not in it. A decode
-  step with no prompt read in place (nothing to merge) is one fused SDPA call over the slabs; the LSE path is for
-  the rest.
+  the engine runs. A row's queries attend to [its prompt ; its own suffix], in at most TWO attention calls per layer
+  whatever the number of rows, groups and turns (no Python loop over rows or groups on the per-step path; the
+  host builds each forward's indices once, as a fixed number of tensors):
+  1. the rows' own blocks: every row's keys ([small prompt ;] own suffix) gathered through its block table into
+     ONE slab padded to the longest row (`_key_slots`; -inf on the keys past a row's end), causal within a chunk;
+  2. the large prompts: ONE slab of all of them (`_PromptSlab`: their K/V gathered, padded to the longest; a
+     prompt alone in consecutive blocks read in place), each prompt's rows batched as its queries.
+  The two partial softmaxes are merged by their log-sum-exp (`_attend`, `_merge`; a row with no large prompt
+  gets weight 0 on the second). A prompt whose copies for its rows in the forward are small (JOIN_PROMPT) is
+  read with each row's suffix instead, as one causal sequence [prompt ; suffix]: the copies cost less than an
+  attention call for the prompt alone (a single row's prompt, e.g. a sub-agent's clip). A decode step with no
+  large prompt is one fused SDPA call (nothing to merge, no LSE). No decode step touches the K/V of a row that is
+  not in it. The prefill of next-turn chunks (`extend`) takes the same two parts (the chunk's own part causal,
+  in query blocks of SCORES_BUDGET scores). `runtime.OpCounter` / `runtime.step_ops` measure the calls and ops
+  per layer of a step (tests/test_kvcache.py: equal at 4 and 32 rows).
 
 - The memory side (at the end of the file): `memory_budget` (the K/V a rollout may hold) and the scheduler's worst
   cases over a rollout.RolloutConfig: `row_blocks` (the blocks a row may come to hold), `safe` (the banker's rule
@@ -32,21 +37,25 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
 Shapes: pool per layer (n_blocks * BLOCK, kv_heads, head_dim); a forward's queries (n, heads, l, head_dim) for
 n rows of l tokens (right-padded), positions (3, n, l) for (t, h, w); logits (n, V).
 Sizes that choose a path (shrunk in tests: tests/conftest.py `SMALL_THRESHOLDS`; docs/method.md §8): BLOCK (tokens
-per block), SCORES_BUDGET (elements of any one working tensor of the attention: a block of fp32 scores, its mask,
-a slab of K/V gathered through the block tables or of prompts read together; one row's keys are the least a slab
-holds), JOIN_PROMPT (K elements, rows x tokens x kv_heads x head_dim, of a prompt's copies read with its rows
-rather than the prompt once in place: about where a copy and an attention call cost the same on this project's
-CPU; 128 tokens of Qwen3-VL-8B, one row),
-PREFILL_TOKENS (tokens of one prefill forward, padding included: the chunks of an admission go in several forwards,
-so that their activations stay bounded beside the budget), SLAB_PADDING (K elements of padding, rows x keys x
-kv_heads x head_dim, that a slab of rows may take on at once rather than start another slab: about where padded keys
-and an attention call cost the same on this project's CPU; a decode step takes its rows shortest first).
+per block), SCORES_BUDGET (elements of a block of fp32 scores and its mask in the hand-written attention: its
+queries go in blocks; the fused CPU kernel holds its scores in tiles), GATHER_BUDGET (K elements, keys x kv_heads
+x head_dim, of one slab gathered for the attention, rows x longest row or prompts x longest prompt: past it the
+slab splits into several, one call each, a loop over slabs; one row's or one prompt's keys are the least a slab
+holds; 2^28, 256 M elements, 1 GiB in fp32 a gathered K, is not reached at 64 rows of 4,096 keys of Qwen3-VL-8B's
+8 x 128 K/V, nor by the tiny and bench sizes), JOIN_PROMPT (K elements, rows x tokens x kv_heads x head_dim, of a
+prompt's copies read with its rows rather than the prompt once in place: about where a copy and an attention call
+cost the same on this project's CPU; 128 tokens of Qwen3-VL-8B, one row), PREFILL_TOKENS (tokens of one prefill
+forward, padding included: the chunks of an admission go in several forwards, so that their activations stay
+bounded beside the budget).
 Precision: scores, softmax, the LSE and the merge run in fp32 whatever the model's dtype and the ambient autocast
 (autocast is off inside the attention: the RL step's --precision bf16); the output is rounded to the compute dtype.
-Departures: plain PyTorch. A row's suffix is gathered (copied) from its blocks into slabs of at most SCORES_BUDGET
-elements for each forward, and bf16 K/V are upcast to fp32 for the attention (a prompt's whole, for each layer),
-where a GPU deployment would read the block table inside a fused kernel that keeps fp32 accumulators and returns
-the LSE (FlashInfer's cascade and paged attention, vLLM).
+Departures: plain PyTorch. The rows' keys and the prompts' are gathered (copied) from their blocks into slabs
+padded to the longest row or prompt for each forward (at most GATHER_BUDGET elements each: the split above is
+the one departure from a fixed number of calls), and bf16 K/V are upcast to fp32 for the attention, where a GPU
+deployment would read the block table inside a fused varlen kernel without padding that keeps fp32 accumulators
+and returns the LSE (FlashInfer's cascade and paged attention, vLLM; flex_attention). The padding costs compute on
+the CPU where rows' lengths differ much (the step pads every row to the longest), the price of one call. On CUDA
+the LSE path is the hand-written form (not run here).
 """
 import warnings
 from dataclasses import dataclass, field
@@ -63,7 +72,7 @@ BLOCK = 256                          # tokens per block of the pool
 SCORES_BUDGET = 2 ** 24              # elements of one working tensor of the attention (scores block, mask, K/V slab)
 JOIN_PROMPT = 2 ** 17                # K elements of a prompt's copies (rows x tokens x heads x dim) read with its rows
 PREFILL_TOKENS = 2 ** 15             # tokens (padding included) of one prefill forward, at most (a longer chunk: alone)
-SLAB_PADDING = 2 ** 15               # K elements of padding a slab of rows may take on at once rather than split
+GATHER_BUDGET = 2 ** 28              # K elements (keys x kv_heads x head_dim) of one slab gathered for the attention
 FUSED_CPU = True                     # on the CPU, attention without a causal limit in one fused kernel (`_attend`)
 
 
@@ -157,7 +166,7 @@ class BlockPool:
         if layer == len(self.k):
             self.k.append(v.new_zeros(self.n_blocks * BLOCK, *k.shape[1:]))
             self.v.append(v.new_zeros(self.n_blocks * BLOCK, *v.shape[1:]))
-        self.k[layer].index_copy_(0, slots, k.to(v.dtype))
+        self.k[layer].index_copy_(0, slots, k if k.dtype == v.dtype else k.to(v.dtype))
         self.v[layer].index_copy_(0, slots, v)
 
     def nbytes(self) -> int:
@@ -187,14 +196,17 @@ class _Seq:
 
 @dataclass
 class _PromptSlab:
-    """Several large prompts read in one attention call (their K/V gathered, padded to the longest), with the
-    rows of each as its queries: p prompts, at most r rows of one prompt in the forward."""
-    keys: torch.Tensor                   # (p * L,) pool slots of each prompt's L keys (0-padded; masked by `bias`)
-    rmax: int                            # r
-    pick: torch.Tensor                   # (p * r,) the row whose queries fill each (prompt, member) place (pads: 0)
-    real: torch.Tensor | None            # (k,) the places that are real rows (None: all p * r) ...
-    rows: torch.Tensor                   # (k,) ... and those rows
-    bias: torch.Tensor                   # (p, 1, 1, L) fp32 added to the scores: -inf past each prompt's length
+    """The large prompts of a forward read in one attention call, with the rows of each as its queries: p prompts
+    padded to the longest (L keys), r places of queries each (r: the most rows of one prompt in the forward)."""
+    p: int
+    r: int
+    L: int
+    first: int | None                    # one prompt in consecutive blocks: its first slot (K/V a view of the pool)
+    keys: torch.Tensor | None            # else (p * L,) pool slots of each prompt's keys (0-padded; hidden by `bias`)
+    pick: torch.Tensor | None            # (p * r,) the row whose queries fill each place (a pad: a row of its prompt;
+                                         # None: the forward's rows in their order)
+    bias: torch.Tensor | None            # (p, 1, 1, L) fp32 added to the scores: -inf past each prompt's length
+                                         # (None: all of one length)
 
 
 @dataclass
@@ -207,13 +219,15 @@ class _Forward:
     start: torch.Tensor | None = None    # (n,) keys of each row before this forward ([small prompt ;] suffix)
     end: torch.Tensor | None = None      # (n,) after it
     end_host: list[int] = field(default_factory=list)
-    runs: list = field(default_factory=list)    # (prompt _Seq, its rows' positions: a slice or (k,) tensor)
-    slabs: list = field(default_factory=list)   # _PromptSlab: large prompts read together
     off: torch.Tensor | None = None      # (n,) where each row's suffix starts among its keys (a small prompt's length)
     ptables: torch.Tensor | None = None  # (n, nbp) the blocks of each row's small prompt (0-padded)
+    slabs: list = field(default_factory=list)   # _PromptSlab: the large prompts (one, unless GATHER_BUDGET splits)
+    place: torch.Tensor | None = None    # (n,) each row's place among the slabs' p * r places (None: its own index)
+    alone: torch.Tensor | None = None    # (n, 1, 1, 1) bool: rows with no large prompt (None: every row has one)
     qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
     cuts: list = field(default_factory=list)    # the slabs of rows (first layer): (a, b, span, the rows' key slots
-                                                # (b - a, span), their mask (b - a, 1, 1, span)), `_pack`
+                                                # ((b - a) * span,), their mask (b - a, 1, 1, span) or None); one,
+                                                # unless GATHER_BUDGET splits them (`_pack`)
 
 
 class GroupKV:
@@ -268,23 +282,14 @@ class GroupKV:
         return self._prefills(model, seqs, chunks, pad_id, prompt_mode=False)
 
     def step(self, model, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        """Decode: feed tokens (n,) (on the device; no host sync) to rows; returns (n, V) logits. The forward
-        takes the rows shortest first, so that the attention's slabs of rows (`_pack`) pad little; the logits
-        come back in the caller's order."""
-        order = sorted(range(len(rows)), key=lambda i: self.rows[rows[i]].length)
-        seqs = [self.rows[rows[i]] for i in order]
-        back = None
-        if order != list(range(len(order))):          # not already shortest first
-            tokens = tokens.index_select(0, _on(self.device, order))
-            back = torch.empty(len(order), dtype=torch.long)
-            back[order] = torch.arange(len(order))
-            back = _on(self.device, back)
+        """Decode: feed tokens (n,) (on the device; no host sync) to rows; returns (n, V) logits."""
+        seqs = [self.rows[r] for r in rows]
         for s in seqs:
             if s.length == len(s.blocks) * BLOCK:
                 s.blocks += self.pool.alloc(1)
         pos = _on(self.device, [s.next_pos for s in seqs]).view(1, -1, 1).expand(3, -1, 1)
         fwd = self._rows_forward(seqs, [1] * len(seqs))
-        logits = self._run(model, fwd, tokens[:, None], pos, back=back)
+        logits = self._run(model, fwd, tokens[:, None], pos)
         for s in seqs:
             s.length += 1
             s.next_pos += 1
@@ -338,13 +343,13 @@ class GroupKV:
         """The forward of rows `seqs`, lengths[i] new tokens on top of each, built on the host and sent at once:
         the tokens' slots, each row's block tables, and where its keys start. A row's keys are its own suffix, or
         [its prompt ; its suffix] where the copies of the prompt for its rows here are small (JOIN_PROMPT), so that
-        no call is spent on it alone; the rows of a larger prompt go together as queries against its one K/V
-        read in place (`runs`)."""
+        no call is spent on it alone; the larger prompts go in one slab (`_PromptSlab`) whose queries are the rows
+        of each. Host work over the rows (lists); a fixed number of tensors whatever the rows and groups."""
         per_token = self.pool.k[0][0].numel()              # kv_heads * head_dim
         count: dict[int, int] = {}
         for s in seqs:
             count[s.prompt] = count.get(s.prompt, 0) + 1
-        off, ptables, members = [], [], {}
+        off, ptables, members = [], [], {}                 # members: the rows of each large prompt, in order seen
         for i, s in enumerate(seqs):
             prompt = self.prompts[s.prompt]
             joined = count[s.prompt] * prompt.length * per_token <= JOIN_PROMPT      # its copies cost little
@@ -353,22 +358,30 @@ class GroupKV:
             if not joined:
                 members.setdefault(s.prompt, []).append(i)
         pad = lambda rows: [r + [0] * (max(map(len, rows)) - len(r)) for r in rows]
+        n = len(seqs)
         fwd = _Forward(False, _on(self.device, [t for s, ln in zip(seqs, lengths) for t in s.slots(s.length, ln)]),
                        self._take(lengths, max(lengths)), _on(self.device, pad([s.blocks for s in seqs])),
                        _on(self.device, [o + s.length for o, s in zip(off, seqs)]),
                        end_host=[o + s.length + ln for o, s, ln in zip(off, seqs, lengths)])
         fwd.end, fwd.off = _on(self.device, fwd.end_host), _on(self.device, off)
-        fwd.ptables = _on(self.device, pad(ptables) if any(ptables) else [[0]] * len(seqs))
-        # the large prompts, shortest first, in slabs whose K/V (prompts x longest x kv_heads x head_dim) fits
-        # SCORES_BUDGET: a slab of several is one attention call, a prompt alone is read in place
-        large = sorted(members, key=lambda p: self.prompts[p].length)
-        for a, b, _ in _pack([self.prompts[p].length for p in large], SCORES_BUDGET // per_token):
-            if b - a > 1:
-                fwd.slabs.append(self._slab([self.prompts[p] for p in large[a:b]], [members[p] for p in large[a:b]]))
-                continue
-            idx = members[large[a]]
-            rows = slice(idx[0], idx[-1] + 1) if idx[-1] - idx[0] == len(idx) - 1 else _on(self.device, idx)
-            fwd.runs.append((self.prompts[large[a]], rows))
+        fwd.ptables = _on(self.device, pad(ptables) if any(ptables) else [[0]] * n)
+        if not members:
+            return fwd
+        # the large prompts in one slab; several only where their padded K/V would pass GATHER_BUDGET
+        large = list(members)
+        place = [0] * n
+        for a, b, _ in _pack([self.prompts[p].length for p in large], GATHER_BUDGET // per_token):
+            mem = [members[p] for p in large[a:b]]
+            sb = self._slab([self.prompts[p] for p in large[a:b]], mem, n)
+            base = sum(s.p * s.r for s in fwd.slabs)
+            for i, m in enumerate(mem):
+                for j, row in enumerate(m):
+                    place[row] = base + i * sb.r + j
+            fwd.slabs.append(sb)
+        if place != list(range(n)) or sum(sb.p * sb.r for sb in fwd.slabs) != n:
+            fwd.place = _on(self.device, place)
+        if sum(map(len, members.values())) < n:            # some rows read their (small) prompt with their suffix
+            fwd.alone = _on(self.device, torch.tensor([o > 0 for o in off]).view(n, 1, 1, 1))
         return fwd
 
     def _prompt_keys(self, prompt: _Seq) -> torch.Tensor:
@@ -377,25 +390,27 @@ class GroupKV:
             prompt.keys = _on(self.device, prompt.slots(0, prompt.length))
         return prompt.keys
 
-    def _slab(self, prompts: list[_Seq], members: list[list[int]]) -> _PromptSlab:
-        """The host-built indices of one batched read of `prompts`, members[i] the rows of prompts[i] here."""
-        L, r = max(q.length for q in prompts), max(map(len, members))
-        keys = torch.zeros(len(prompts), L, dtype=torch.long, device=self.device)
-        for i, q in enumerate(prompts):
-            keys[i, :q.length] = self._prompt_keys(q)
-        pick = [m[j] if j < len(m) else 0 for m in members for j in range(r)]
-        real = [i * r + j for i, m in enumerate(members) for j in range(len(m))]
-        lens = _on(self.device, [q.length for q in prompts])
-        return _PromptSlab(keys.view(-1), r, _on(self.device, pick),
-                           _on(self.device, real) if len(real) < len(pick) else None,
-                           _on(self.device, [x for m in members for x in m]),
-                           _hidden(torch.arange(L, device=self.device) >= lens[:, None])[:, None, None])
+    def _slab(self, prompts: list[_Seq], members: list[list[int]], n: int) -> _PromptSlab:
+        """The host-built indices of one read of `prompts` (members[i]: the rows of prompts[i] among the forward's
+        n): one prompt in consecutive blocks is read in place, else their keys are gathered through the block
+        tables, padded to the longest."""
+        p, L, r = len(prompts), max(q.length for q in prompts), max(map(len, members))
+        first, keys, bias = prompts[0].run() if p == 1 else None, None, None
+        if p == 1 and first is None:
+            keys = self._prompt_keys(prompts[0])
+        elif p > 1:
+            tables = _on(self.device, [q.blocks + [0] * (blocks_for(L) - len(q.blocks)) for q in prompts])
+            keys = _table_slots(tables, L).view(-1)
+        lens = [q.length for q in prompts]
+        if min(lens) < L:
+            bias = _hidden(torch.arange(L, device=self.device) >= _on(self.device, lens)[:, None])[:, None, None]
+        pick = [m[j] if j < len(m) else m[0] for m in members for j in range(r)]
+        return _PromptSlab(p, r, L, first, keys, None if pick == list(range(n)) else _on(self.device, pick), bias)
 
     @torch.no_grad()
-    def _run(self, model, fwd: _Forward, ids, pos, types=None, vision=None, last=None, back=None) -> torch.Tensor:
+    def _run(self, model, fwd: _Forward, ids, pos, types=None, vision=None, last=None) -> torch.Tensor:
         """One forward through the model with this cache's hooks; (n, V) float logits after token `last[i]` of
-        each row (default: the last column), of rows back[i] of the forward (default: in its order; the hidden
-        states are reordered, not the logits)."""
+        each row (default: the last column)."""
         self.fwd = fwd
         lm = model.model.language_model.config
         impl, lm._attn_implementation = lm._attn_implementation, "paravt_cascade"
@@ -407,7 +422,7 @@ class GroupKV:
             self.fwd = None
         h = out.last_hidden_state
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
-        return model.lm_head(h if back is None else h.index_select(0, back)).float()
+        return model.lm_head(h).float()
 
     @staticmethod
     def _key_slots(fwd: _Forward, span: int) -> torch.Tensor:
@@ -435,9 +450,13 @@ class GroupKV:
         bf16) its matmuls would otherwise round the scores and the LSE to bf16 (tests/test_engine_precision.py)."""
         dtype = autocast_dtype(q.device.type) or q.dtype
         with torch.autocast(q.device.type, enabled=False):
-            return self._attend_rows(layer, q, scale, key, value, module).to(dtype)
+            out = self._attend_rows(layer, q, scale, key, value, module)
+        return out if out.dtype == dtype else out.to(dtype)
 
     def _attend_rows(self, layer: int, q: torch.Tensor, scale: float, key, value, module) -> torch.Tensor:
+        """At most two attention calls, whatever the rows and groups (GATHER_BUDGET apart): every row's [small
+        prompt ;] own suffix, gathered through the block tables into one slab padded to the longest row; and the
+        large prompts, one slab with each prompt's rows as its queries. Their softmaxes are merged by the LSE."""
         fwd = self.fwd
         if fwd.prompt_mode:                                # whole prompts from position 0: plain causal SDPA, fp32
             return sdpa_attention_forward(module, q.float(), key.float(), value.float(), None, scaling=scale,
@@ -446,73 +465,62 @@ class GroupKV:
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         Hkv = pool_k.shape[1]
         g = H // Hkv                                       # query heads per KV head (GQA)
-        qg = q.reshape(n, Hkv, g * l, d)
-        fused = l == 1 and not (fwd.runs or fwd.slabs)     # decode, nothing to merge: one SDPA call a slab, no LSE
+        gl = g * l
+        qg = q.reshape(n, Hkv, gl, d)
+        fused = l == 1 and not fwd.slabs                   # decode, nothing to merge: one SDPA call, no LSE
         if fwd.qpos is None:                               # made at the first layer, for every layer
-            fwd.qpos = fwd.start[:, None] + torch.arange(g * l, device=q.device) % l      # the (g, l) order of qg
+            fwd.qpos = fwd.start[:, None] + torch.arange(gl, device=q.device) % l      # the (g, l) order of qg
             span = max(fwd.end_host)
             keys = self._key_slots(fwd, span)
             bias = _hidden(torch.arange(span, device=q.device) >= fwd.end[:, None])      # (n, span): past a row's end
-            fwd.cuts = [(a, b, w, keys[a:b, :w].reshape(-1), None if fused and b - a == 1 else bias[a:b, None, None, :w])
-                        for a, b, w in _pack(fwd.end_host, SCORES_BUDGET // (Hkv * d), SLAB_PADDING // (Hkv * d))]
-        # [small prompt ;] own suffix, causal, read through the block tables in slabs of rows
-        o_s, l_s = [], []
-        for a, b, span, keys, mask in fwd.cuts:
-            # (rows, Hkv, span, d)
+            fwd.cuts = [(a, b, w, (keys if b - a == n else keys[a:b])[:, :w].reshape(-1),
+                         None if min(fwd.end_host[a:b]) == w else bias[a:b, None, None, :w])
+                        for a, b, w in _pack(fwd.end_host, GATHER_BUDGET // (Hkv * d))]
+        # [small prompt ;] own suffix, causal, read through the block tables: (rows, Hkv, span, d)
+        own = []
+        for a, b, span, keys, mask in fwd.cuts:           # one slab, unless GATHER_BUDGET splits the rows
             K, V = (_gather(pool, keys, b - a, span).transpose(1, 2) for pool in (pool_k, pool_v))
-            if fused:                                      # mask: -inf on the keys not seen
-                o_s.append(F.scaled_dot_product_attention(qg[a:b].float(), K.float(), V.float(), attn_mask=mask,
-                                                          scale=scale))
-                continue
-            # a decode query sees exactly the keys before its row's end: the causal limit only when l > 1
-            o, lse = _attend(qg[a:b], K, V, scale, fwd.qpos[a:b] if l > 1 else None, mask)
-            o_s.append(o)
-            l_s.append(lse)
-        o_s = o_s[0] if len(o_s) == 1 else torch.cat(o_s)
-        if not (fwd.runs or fwd.slabs):
-            return o_s.to(q.dtype).reshape(n, H, l, d).transpose(1, 2)
-        l_s = l_s[0] if len(l_s) == 1 else torch.cat(l_s)
-        # a large prompt: the rows of a prompt batched as queries against its one K/V (the other rows' prompt part
-        # is empty: weight 0 in the merge)
-        o_p, l_p = torch.zeros_like(o_s), torch.full_like(l_s, float("-inf"))
-        for prompt, rows in fwd.runs:
-            first = prompt.run()
-            if first is not None:
-                K, V = pool_k[first:first + prompt.length], pool_v[first:first + prompt.length]
+            qa = qg if b - a == n else qg[a:b]
+            if fused:                                      # mask: -inf on the keys past a row's end
+                own.append(F.scaled_dot_product_attention(_f32(qa), _f32(K), _f32(V), attn_mask=mask, scale=scale))
+            else:                                          # a decode query sees every key before its row's end
+                own.append(_attend(qa, K, V, scale, fwd.qpos[a:b] if l > 1 else None, mask))
+        if fused:
+            o_s = own[0] if len(own) == 1 else torch.cat(own)
+            return o_s.reshape(n, H, l, d).transpose(1, 2)
+        o_s, l_s = own[0] if len(own) == 1 else [torch.cat(t) for t in zip(*own)]
+        if not fwd.slabs:                                  # a chunk, every prompt read with its rows
+            return o_s.reshape(n, H, l, d).transpose(1, 2)
+        # the large prompts: each prompt's rows are its queries (r places a prompt, pads included), (p, Hkv, r gl, d)
+        o_p, l_p = [], []
+        for sb in fwd.slabs:                               # one slab, unless GATHER_BUDGET splits the prompts
+            p, r = sb.p, sb.r
+            qs = qg if sb.pick is None else qg.index_select(0, sb.pick)
+            qs = qs.view(p, r, Hkv, gl, d).transpose(1, 2).reshape(p, Hkv, r * gl, d)
+            if sb.first is not None:                       # in place: a view of the pool
+                K, V = (pool[sb.first:sb.first + sb.L].transpose(0, 1)[None] for pool in (pool_k, pool_v))
             else:
-                slots = self._prompt_keys(prompt)         # blocks not consecutive: read through its slots
-                K, V = pool_k.index_select(0, slots), pool_v.index_select(0, slots)
-            qr = qg[rows]                                   # (r, Hkv, gl, d) -> (1, Hkv, r * gl, d)
-            r = qr.shape[0]
-            o, lse = _attend(qr.transpose(0, 1).reshape(1, Hkv, r * g * l, d), K.transpose(0, 1)[None],
-                             V.transpose(0, 1)[None], scale)
-            o_p[rows] = o.reshape(Hkv, r, g * l, d).transpose(0, 1)
-            l_p[rows] = lse.reshape(Hkv, r, g * l, 1).transpose(0, 1)
-        for sb in fwd.slabs:                                # several prompts, one call: (p, Hkv, r * gl, d) queries
-            p, r = sb.bias.shape[0], sb.rmax
-            qs = qg.index_select(0, sb.pick).view(p, r, Hkv, g * l, d).transpose(1, 2).reshape(p, Hkv, r * g * l, d)
-            K, V = (_gather(pool, sb.keys, p, -1).transpose(1, 2) for pool in (pool_k, pool_v))  # (p, Hkv, L, d)
+                K, V = (_gather(pool, sb.keys, p, sb.L).transpose(1, 2) for pool in (pool_k, pool_v))
             o, lse = _attend(qs, K, V, scale, bias=sb.bias)
-            back = lambda t: t.view(p, Hkv, r, g * l, -1).transpose(1, 2).reshape(p * r, Hkv, g * l, -1)
-            real = (lambda t: t) if sb.real is None else (lambda t: t.index_select(0, sb.real))
-            o_p.index_copy_(0, sb.rows, real(back(o)))
-            l_p.index_copy_(0, sb.rows, real(back(lse)))
-        out = _merge(o_p, l_p, o_s, l_s).to(q.dtype)
-        return out.reshape(n, H, l, d).transpose(1, 2)
+            back = lambda t: t.view(p, Hkv, r, gl, -1).transpose(1, 2).reshape(p * r, Hkv, gl, -1)
+            o_p.append(back(o))
+            l_p.append(back(lse))
+        o_p, l_p = (o_p[0], l_p[0]) if len(o_p) == 1 else (torch.cat(o_p), torch.cat(l_p))
+        if fwd.place is not None:                          # each row's place among the slabs'
+            o_p, l_p = o_p.index_select(0, fwd.place), l_p.index_select(0, fwd.place)
+        if fwd.alone is not None:                          # no large prompt: weight 0 in the merge
+            l_p = l_p.masked_fill(fwd.alone, float("-inf"))
+        return _merge(o_p, l_p, o_s, l_s).reshape(n, H, l, d).transpose(1, 2)
 
 
-def _pack(lengths: list[int], limit: int, padding: int | None = None) -> list[tuple[int, int, int]]:
+def _pack(lengths: list[int], limit: int) -> list[tuple[int, int, int]]:
     """Consecutive items in groups (a, b, longest): each as many items as keep (b - a) x longest <= limit (one item
-    at least), the padded size of the group, and (with `padding`) as do not add more than `padding` padded places
-    at once: an item that would (a long row after many short ones, each then padded to it) starts the next group.
-    Prefill forwards (chunks, PREFILL_TOKENS), the attention's slabs of rows (keys, SCORES_BUDGET / (kv_heads x
-    head_dim): short rows share a slab with more rows than long ones; padding SLAB_PADDING / (kv_heads x
-    head_dim), the rows shortest first: GroupKV.step) and of prompts read together."""
+    at least), the padded size of the group. Prefill forwards (chunks, PREFILL_TOKENS) and the attention's slabs of
+    rows and of prompts (keys, GATHER_BUDGET / (kv_heads x head_dim): one slab unless it would pass the budget)."""
     groups, a = [], 0
     while a < len(lengths):
         b, longest = a + 1, lengths[a]
-        while (b < len(lengths) and (b + 1 - a) * max(longest, lengths[b]) <= limit
-               and (padding is None or (b - a) * (lengths[b] - longest) <= padding)):
+        while b < len(lengths) and (b + 1 - a) * max(longest, lengths[b]) <= limit:
             longest = max(longest, lengths[b])
             b += 1
         groups.append((a, b, longest))
@@ -524,6 +532,17 @@ def _gather(pool: torch.Tensor, slots: torch.Tensor, *shape: int) -> torch.Tenso
     """pool (slots, ...) rows at the flat `slots` (k,) -> shape + pool.shape[1:] (shape's product k). index_select:
     on the CPU about 7 times faster than advanced indexing (pool[slots]) for a decode step's slabs."""
     return pool.index_select(0, slots).view(*shape, *pool.shape[1:])
+
+
+def _table_slots(tables: torch.Tensor, span: int) -> torch.Tensor:
+    """tables (m, nb) block tables (nb >= span / BLOCK) -> (m, span) the pool slot of each sequence's token j."""
+    j = torch.arange(span, device=tables.device)
+    return tables.index_select(1, j // BLOCK) * BLOCK + j % BLOCK
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """t in fp32 (t itself where it is: no op)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def _hidden(hide: torch.Tensor) -> torch.Tensor:
@@ -557,7 +576,7 @@ def _attend_fp32(q, k, v, scale, qpos, bias):
     c = k.shape[2]
     if FUSED_CPU and qpos is None and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.float(), k.float(), v.float(), attn_mask=bias, scale=scale)
+            _f32(q), _f32(k), _f32(v), attn_mask=bias, scale=scale)
         return out, lse.unsqueeze(-1)
     block = max(1, SCORES_BUDGET // max(1, n * h * c))
     q3 = q.float().reshape(n * h, m, d)                                                  # (n h) batches for bmm

@@ -747,3 +747,60 @@ class HostSyncCounter(torch.overrides.TorchFunctionMode):
         if name in ("tensor", "as_tensor", "asarray") and kw.get("device") is not None:
             return torch.device(kw["device"]).type == self.device and not isinstance(first, torch.Tensor)
         return False
+
+
+class OpCounter(torch.overrides.TorchFunctionMode):
+    """Counts the torch calls made while it is active (`with OpCounter() as ops:`), as they happen: each a host-side
+    launch of work (an op or a view; on a GPU about 5-10 us of the host's time each, whatever its size). Reads of a
+    tensor's metadata (shape, dtype, size, dim, ...: METADATA) launch nothing and are not counted.
+    count: the ops; attention: the attention kernels called (ATTENTION: a fused SDPA or flash call, flex_attention;
+    the hand-written form's matmuls count as ops only); names: a Counter by op name. Divided by the decoder layers
+    of the forward it watched: `ops per layer per step` and `attention calls per layer per step`
+    (tests/test_kvcache.py; bench/rollout_bench.py can report them)."""
+
+    METADATA = {"__get__", "size", "dim", "stride", "numel", "__len__", "data_ptr", "element_size", "is_contiguous",
+                "storage_offset", "nelement", "ndimension", "is_floating_point", "is_complex", "get_device",
+                "untyped_storage", "is_sparse", "__format__", "__repr__", "__hash__", "__iter__"}
+    ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "flex_attention"}
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.attention, self.names = 0, 0, Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name not in self.METADATA:
+            self.count += 1
+            self.attention += name in self.ATTENTION
+            self.names[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def forward_ops(model, kv, run) -> dict:
+    """The forwards `run()` makes through the cache `kv` (a kvcache.GroupKV: a decode step, a chunk's prefill)
+    measured by OpCounter, per decoder layer: attention_calls (attention kernels), ops (all, the host's preparation,
+    embedding and head included) and attention_ops (those inside the cache's attention hook, GroupKV.attend)."""
+    layers = len(model.model.language_model.layers)
+    inner, attend = OpCounter(), kv.attend
+
+    def counted(*args, **kwargs):
+        with inner:
+            return attend(*args, **kwargs)
+
+    kv.attend = counted                                    # this cache only, for this call
+    try:
+        with OpCounter() as ops:
+            run()
+    finally:
+        del kv.attend
+    return dict(attention_calls=ops.attention / layers, ops=ops.count / layers, attention_ops=inner.count / layers)
+
+
+def step_ops(model, kv, rows: list[int], tokens: torch.Tensor) -> dict:
+    """One decode step (kvcache.GroupKV.step of `rows` with `tokens` (n,): a real one, the rows take the tokens)
+    per decoder layer (`forward_ops`), as bench/rollout_bench.py reports it: attention_calls_per_layer_step,
+    ops_per_layer_step, attention_ops_per_layer_step."""
+    out = forward_ops(model, kv, lambda: kv.step(model, rows, tokens))
+    return {f"{k}_per_layer_step": v for k, v in out.items()}

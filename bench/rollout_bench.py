@@ -392,8 +392,8 @@ def engine_memory(fn):
 def bench_budget(args) -> dict:
     """--budget-prompts x --budget-group rows of a 1-tool-turn interleaved rollout: unbounded, then under a quarter of
     that peak (`engine_memory`) by continuous batching and by fixed waves (a turn waits for the wave's longest row).
-    kvcache's working sizes and block shrink with the budget (--budget-scores / -prefill / -join / -block), so they
-    stay the share of it they are of a real one. `decode_steps`: the decode forwards of each schedule."""
+    kvcache's working sizes and block shrink with the budget (--budget-scores / -prefill / -join / -block /
+    -gather), so they stay the share of it they are of a real one. `decode_steps`: the decode forwards of each schedule."""
     from model import ModelConfig, build_tiny
     torch.manual_seed(0)
     model, processor = build_tiny(ModelConfig(layers=args.budget_layers), corpus=rollout.prompt_corpus())
@@ -403,9 +403,9 @@ def bench_budget(args) -> dict:
                "\"end_time\": 8.0}}\n</tool_call>", add_special_tokens=False)["input_ids"]
     planned = Planned(rollout.sample_tokens, special_token_ids(processor)["<|im_end|>"],
                       sorted(tok.get_added_vocab().values()), call, args.budget_min, args.budget_max)
-    saved = kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS, kvcache.BLOCK, kvcache.JOIN_PROMPT
+    saved = kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS, kvcache.BLOCK, kvcache.JOIN_PROMPT, kvcache.GATHER_BUDGET
     kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS = args.budget_scores, args.budget_prefill
-    kvcache.BLOCK, kvcache.JOIN_PROMPT = args.budget_block, args.budget_join
+    kvcache.BLOCK, kvcache.JOIN_PROMPT, kvcache.GATHER_BUDGET = args.budget_block, args.budget_join, args.budget_gather
     steps = {}
     try:
         with tempfile.TemporaryDirectory() as root:
@@ -424,7 +424,7 @@ def bench_budget(args) -> dict:
             wall, cpu = ab_times({"continuous": lambda: run(memory_budget_bytes=budget),
                                 "static": lambda: run(memory_budget_bytes=budget, continuous=False)}, args.budget_repeats)
     finally:
-        kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS, kvcache.BLOCK, kvcache.JOIN_PROMPT = saved
+        kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS, kvcache.BLOCK, kvcache.JOIN_PROMPT, kvcache.GATHER_BUDGET = saved
         rollout.sample_tokens = planned.sample
     diff = max(abs(a - b) for other in (cont, static) for t, r in zip(other, ref) for a, b in zip(t.logprobs, r.logprobs))
     same = all(t.token_ids == r.token_ids for other in (cont, static) for t, r in zip(other, ref))
@@ -528,7 +528,8 @@ def main() -> None:
                                 ("repeats", 3, "timed repeats per schedule"), ("layers", 8, "text layers of the tiny model"),
                                 ("scores", 2 ** 17, "kvcache.SCORES_BUDGET"), ("prefill", 256, "kvcache.PREFILL_TOKENS"),
                                 ("block", 32, "kvcache.BLOCK (a --budget-max turn spans 5 blocks; a real 2,048 spans 8)"),
-                                ("join", 2 ** 11, "kvcache.JOIN_PROMPT (2^17 / 64)")]:
+                                ("join", 2 ** 11, "kvcache.JOIN_PROMPT (2^17 / 64)"),
+                                ("gather", 2 ** 17, "kvcache.GATHER_BUDGET (as the scores: the slabs bounded as before)")]:
         p.add_argument(f"--budget-{flag}", type=int, default=default, help=f"budget bench: {what}")
     for flag, default, what in [("prompts", 8, "groups"), ("group", 8, "rows a group"), ("seconds", 30, "seconds of 720p video"),
                                 ("min", 8, "fewest tokens of a first turn"), ("max", 32, "most (an answer: max to 2 max)")]:

@@ -78,8 +78,8 @@ SMALL_THRESHOLDS = {
                                          # prompts are read with each row's suffix as one causal sequence)
                 "PREFILL_TOKENS": 64,    # prefills of at most 64 tokens a forward (an admission's chunks in
                                          # several forwards, a long one alone)
-                "SLAB_PADDING": 64,      # a slab of rows splits where the next row is longer by more than a
-                                         # key (tiny: 64 K elements a key)
+                "GATHER_BUDGET": 2048,   # the attention's slabs split past 32 keys of the tiny model: rows
+                                         # in several slabs, each large prompt alone (in place or gathered)
                 "CPU_BUDGET_GB": 0.024},  # the default memory budget: about one prompt group of the rollout tests
 }                                         # (groups wait and are admitted as others retire)
 

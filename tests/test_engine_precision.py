@@ -66,10 +66,11 @@ def sharp():
 # the sizes that pick the engine's attention paths, and the paths each setting must reach
 SETTINGS = {
     "shipped": ({}, {"prompt", "chunk", "decode_sdpa", "hand_written"}),
-    "each_prompt_in_place": ({"BLOCK": 4, "JOIN_PROMPT": 0, "SCORES_BUDGET": 0},
+    "each_prompt_in_place": ({"BLOCK": 4, "JOIN_PROMPT": 0, "SCORES_BUDGET": 0, "GATHER_BUDGET": 0},
                              {"prompt", "chunk", "in_place", "fragmented", "merge", "query_blocks", "row_slabs"}),
     "prompts_together": ({"BLOCK": 4, "JOIN_PROMPT": 0}, {"prompt", "chunk", "slabs", "merge"}),
-    "small": ({"BLOCK": 4, "SCORES_BUDGET": 512, "JOIN_PROMPT": 0, "PREFILL_TOKENS": 64, "SLAB_PADDING": 64},
+    "some_prompts_joined": ({"BLOCK": 4, "JOIN_PROMPT": 1024}, {"prompt", "chunk", "slabs", "merge", "joined"}),
+    "small": ({"BLOCK": 4, "SCORES_BUDGET": 512, "JOIN_PROMPT": 0, "PREFILL_TOKENS": 64, "GATHER_BUDGET": 2048},
               {"prompt", "chunk", "in_place", "merge", "query_blocks", "row_slabs"}),
 }
 
@@ -111,11 +112,12 @@ def test_engine_attention_fp32_under_autocast(sharp, monkeypatch, setting, fused
         if fwd.prompt_mode:
             seen.add("prompt")
         else:
-            seen.add("chunk" if q.shape[2] > 1 else "decode_sdpa" if not (fwd.runs or fwd.slabs) else "decode")
-            seen.update({"in_place"} if fwd.runs else set())
-            seen.update({"fragmented"} if any(p.run() is None for p, _ in fwd.runs) else set())
-            seen.update({"slabs"} if fwd.slabs else set())
-            seen.update({"merge"} if fwd.runs or fwd.slabs else set())
+            seen.add("chunk" if q.shape[2] > 1 else "decode_sdpa" if not fwd.slabs else "decode")
+            seen.update({"in_place"} if any(sb.first is not None for sb in fwd.slabs) else set())
+            seen.update({"fragmented"} if any(sb.p == 1 and sb.first is None for sb in fwd.slabs) else set())
+            seen.update({"slabs"} if any(sb.p > 1 for sb in fwd.slabs) else set())
+            seen.update({"merge"} if fwd.slabs else set())
+            seen.update({"joined"} if fwd.alone is not None else set())
             seen.update({"row_slabs"} if len(fwd.cuts) > 1 else set())
         return out
 

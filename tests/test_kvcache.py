@@ -293,49 +293,72 @@ def test_fragmented_prompt_equals_plain_forward(tiny, monkeypatch, join):
         torch.testing.assert_close(out[j], _alone(model, [prompt, c, nxt]), atol=1e-4, rtol=0)
 
 
-def test_pack_splits_where_a_row_would_pad_the_slab():
-    """Slabs of rows, shortest first: without a padding limit the first slab takes rows up to the size limit (13
-    short rows padded to 143 keys); with one, a row that would add more padded keys than the limit at once starts
-    the next slab: the same number of slabs, 2,242 keys gathered instead of 2,806 for 1,573 real."""
+def test_pack_splits_only_past_the_memory_limit():
+    """Slabs of rows (or prompts) in their order: one group while the padded size (items x longest) fits the limit,
+    the next group where it would not; an item longer than the limit alone."""
     ends = [24] * 4 + [52] * 4 + [74] * 3 + [90] * 2 + [143, 154, 223, 268]
-    keys = lambda groups: sum((b - a) * w for a, b, w in groups)
-    plain = kvcache._pack(ends, 2048)
-    assert plain == [(0, 14, 143), (14, 17, 268)] and keys(plain) == 2806
-    split = kvcache._pack(ends, 2048, 512)
-    assert split == [(0, 13, 90), (13, 17, 268)] and keys(split) == 2242
-    assert kvcache._pack(ends, 2048, 0) == [(0, 4, 24), (4, 8, 52), (8, 11, 74), (11, 13, 90)] + \
-        [(i, i + 1, ends[i]) for i in range(13, 17)]                         # every longer row: a new slab
-    assert kvcache._pack([268, 24, 24], 2048, 0) == [(0, 3, 268)]           # shorter rows pad nothing new
+    assert kvcache._pack(ends, 17 * 268) == [(0, 17, 268)]                   # fits: one slab
+    assert kvcache._pack(ends, 2048) == [(0, 14, 143), (14, 17, 268)]
+    assert kvcache._pack([268, 24, 24], 2048) == [(0, 3, 268)]
+    assert kvcache._pack([300, 24], 100) == [(0, 1, 300), (1, 2, 24)]       # one item at least
 
 
-def test_decode_step_takes_rows_shortest_first(tiny, monkeypatch):
-    """GroupKV.step runs its forward on the rows shortest first (the slabs of rows then pad little) and returns
-    the logits in the caller's order: rows of one prompt with suffixes of 9, 2 and 5 tokens, stepped in that
-    order, equal plain forwards, and the forward saw them as 2, 5, 9 (+1)."""
-    monkeypatch.setattr(kvcache, "BLOCK", 4)
+def _decode_shape(model, pad, groups: list[int], seed: int = 0):
+    """Rows after a first turn: prompts of different lengths (one per group, `groups` rows each), then a chunk of
+    a different length on each row; (cache, rows, text)."""
+    text = _text(model, seed)
+    kv = kvcache.GroupKV(model, "cpu", kvcache.blocks_for(20000))
+    prompts, _ = kv.add_prompts(model, [text(40 + 9 * i) for i in range(len(groups))], pad)
+    rows = [r for p, g in zip(prompts, groups) for r in kv.fork(p, g)]
+    kv.extend(model, rows, [text(3 + (7 * i) % 20) for i in range(len(rows))], pad)
+    return kv, rows, text
+
+
+def test_decode_step_attention_calls_do_not_grow_with_rows(tiny, monkeypatch):
+    """Measured (runtime.OpCounter over GroupKV.step): a decode step of 4 rows from 2 groups and of 32 rows from 5
+    groups (uneven groups, prompts and suffixes of different lengths, after a first turn) makes the same number
+    of attention calls per layer, 2 (the rows' own blocks, the large prompts), and the same number of torch ops
+    per layer, in the attention hook and in the whole step; the prefill of a next-turn chunk on them, the same
+    attention ops.
+    Before: the rows' slabs split by padding and a prompt per call (each row its own call at real widths)."""
+    monkeypatch.setattr(kvcache, "JOIN_PROMPT", 0)        # every prompt read once per group, as a video prompt is
     model, processor = tiny
-    text = _text(model, 7)
     pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    kv = kvcache.GroupKV(model, "cpu", 40)
-    prompt = text(6)
-    (p,), _ = kv.add_prompts(model, [prompt], pad)
-    rows = kv.fork(p, 3)
-    chunks = [text(n) for n in (9, 2, 5)]
-    kv.extend(model, rows, chunks, pad)
-    seen = []
-    rows_forward = kvcache.GroupKV._rows_forward
+    steps, chunks = {}, {}
+    for groups in ([3, 1], [8, 8, 8, 5, 3]):
+        kv, rows, text = _decode_shape(model, pad, groups)
+        n = len(rows)
+        steps[n] = runtime.step_ops(model, kv, rows, torch.arange(n) + 400)
+        chunks[n] = runtime.forward_ops(model, kv, lambda: kv.extend(model, rows, [text(2 + i % 5) for i in range(n)], pad))
+    assert steps[4] == steps[32], steps
+    assert steps[4]["attention_calls_per_layer_step"] == 2, steps
+    # a chunk: the same attention ops (its own part hand-written, causal: matmuls, not a kernel call); the host's
+    # preparation of the chunks (ids, positions) grows with them
+    assert chunks[4]["attention_ops"] == chunks[32]["attention_ops"] and chunks[4]["attention_calls"] <= 2, chunks
 
-    def recorded(self, seqs, lengths):
-        seen.append([s.length for s in seqs])
-        return rows_forward(self, seqs, lengths)
 
-    monkeypatch.setattr(kvcache.GroupKV, "_rows_forward", recorded)
-    toks = torch.tensor([501, 502, 503])
-    out = kv.step(model, rows, toks)
-    assert seen == [[2, 5, 9]]
-    for j, r in enumerate(rows):
-        seq = [prompt, chunks[j], kvcache.Chunk(toks[j:j + 1], torch.zeros(1, dtype=torch.int32))]
-        torch.testing.assert_close(out[j], _alone(model, seq), atol=1e-4, rtol=0)
+def test_decode_step_one_fused_call_without_large_prompts(tiny):
+    """Every prompt small enough to be read with its rows (as shipped, the tiny model's): one attention call per
+    layer, the fused SDPA, at 4 and at 32 rows, and ops that do not grow with the rows."""
+    model, processor = tiny
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    steps = {}
+    for groups in ([1, 1, 1, 1], [1] * 32):
+        kv, rows, _ = _decode_shape(model, pad, groups)
+        steps[len(rows)] = runtime.step_ops(model, kv, rows, torch.arange(len(rows)) + 400)
+    assert steps[4] == steps[32] and steps[4]["attention_calls_per_layer_step"] == 1, steps
+
+
+def test_op_counter_counts_ops_not_metadata():
+    """OpCounter: each torch call once (views included), reads of shape / dtype / size none; the SDPA kernels
+    (public and the CPU flash one) as attention calls."""
+    x = torch.randn(2, 3, 4, 8)
+    with runtime.OpCounter() as ops:
+        x.shape, x.dtype, x.size(0), x.dim(), len(x)
+        y = x.view(-1).add(1)
+        torch.nn.functional.scaled_dot_product_attention(x, x, x)
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(x, x, x, scale=1.0)
+    assert ops.count == 4 and ops.attention == 2 and ops.names["view"] == 1, ops.names
 
 
 @pytest.mark.parametrize("scores", [2 ** 24, 512], ids=["one_block", "query_blocks"])
@@ -439,9 +462,9 @@ class _Allocs(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_attention_working_tensors_bounded(tiny, shrunk_thresholds, monkeypatch):
     """No tensor the engine's attention allocates grows with chunk x span past the scores budget: a 120-token
-    chunk on 3 rows of a 110-token prompt, and decode steps after it, with SCORES_BUDGET shrunk to 512
-    elements. Every allocation inside GroupKV.attend stays within the largest of: the budget, the queries
-    themselves (the output has their size), the K/V of one row's keys (prompt + own suffix, whole blocks). The
+    chunk on 3 rows of a 110-token prompt, and decode steps after it, with SCORES_BUDGET and GATHER_BUDGET shrunk
+    (512 and 2,048 elements). Every allocation inside GroupKV.attend stays within the largest of: the budgets, the
+    queries themselves (the output has their size), the K/V of one row's keys (prompt + own suffix, whole blocks). The
     whole masks (rows x chunk x span) broke it (and a multi-block chunk crashed first)."""
     model, processor = tiny
     text = _text(model, 1)
@@ -457,7 +480,7 @@ def test_attention_working_tensors_bounded(tiny, shrunk_thresholds, monkeypatch)
             out = attend(self, layer, q, scale, key, value, module)
         hkv, d = key.shape[1], key.shape[3]
         keys = kvcache.blocks_for(110) * kvcache.BLOCK + kvcache.blocks_for(max(self.fwd.end_host)) * kvcache.BLOCK
-        seen.append((big.numel, big.op, max(kvcache.SCORES_BUDGET, q.numel(), keys * hkv * d)))
+        seen.append((big.numel, big.op, max(kvcache.SCORES_BUDGET, kvcache.GATHER_BUDGET, q.numel(), keys * hkv * d)))
         return out
 
     monkeypatch.setattr(kvcache.GroupKV, "attend", recorded)
@@ -575,17 +598,19 @@ def test_autocast_pool_stores_keys_in_the_values_dtype(tiny):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_cpu_kernel", "hand_written"])
-@pytest.mark.parametrize("scores", [kvcache.SCORES_BUDGET, 0], ids=["prompts_together", "each_prompt_in_place"])
-def test_several_prompts_in_one_step_equal_plain_forwards(tiny, monkeypatch, scores, fused):
-    """Rows of three prompts of different lengths (one fragmented) in one forward, every prompt read once per
-    group: with room in SCORES_BUDGET the three prompts are one attention call (their K/V gathered, padded to the
-    longest; queries of an uneven number of rows each), without it each prompt alone in place. Either way every
-    row's logits are a plain forward's, in an extend and in decode steps; with the fused CPU kernel and with the
-    hand-written attention that CUDA runs (`FUSED_CPU` off)."""
+@pytest.mark.parametrize("gather,join", [(kvcache.GATHER_BUDGET, 0), (0, 0), (kvcache.GATHER_BUDGET, 64 * 5)],
+                         ids=["prompts_together", "each_prompt_alone", "one_prompt_joined"])
+def test_several_prompts_in_one_step_equal_plain_forwards(tiny, monkeypatch, gather, join, fused):
+    """Rows of three prompts of different lengths (one fragmented) in one forward: as shipped the large prompts
+    are one attention call (their K/V gathered, padded to the longest; queries of an uneven number of rows each),
+    with GATHER_BUDGET 0 each prompt alone (in place, or gathered when fragmented) and each row its own slab, and
+    with JOIN_PROMPT at 5 keys the one-row 5-token prompt read with its row (weight 0 on the large prompts' part).
+    Either way every row's logits are a plain forward's, in an extend and in decode steps; with the fused CPU
+    kernel and with the hand-written attention that CUDA runs (`FUSED_CPU` off)."""
     monkeypatch.setattr(kvcache, "FUSED_CPU", fused)
     monkeypatch.setattr(kvcache, "BLOCK", 4)
-    monkeypatch.setattr(kvcache, "JOIN_PROMPT", 0)
-    monkeypatch.setattr(kvcache, "SCORES_BUDGET", scores)
+    monkeypatch.setattr(kvcache, "JOIN_PROMPT", join)
+    monkeypatch.setattr(kvcache, "GATHER_BUDGET", gather)
     model, processor = tiny
     text = _text(model, 5)
     pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -601,7 +626,7 @@ def test_several_prompts_in_one_step_equal_plain_forwards(tiny, monkeypatch, sco
 
     def recorded(self, seqs, lengths):
         fwd = rows_forward(self, seqs, lengths)
-        slabs.append((len(fwd.slabs), len(fwd.runs)))
+        slabs.append((len(fwd.slabs), sum(sb.first is not None for sb in fwd.slabs), fwd.alone is not None))
         return fwd
 
     monkeypatch.setattr(kvcache.GroupKV, "_rows_forward", recorded)
@@ -617,4 +642,4 @@ def test_several_prompts_in_one_step_equal_plain_forwards(tiny, monkeypatch, sco
         for j, r in enumerate(order):
             seqs[r].append(kvcache.Chunk(toks[j:j + 1], torch.zeros(1, dtype=torch.int32)))
             torch.testing.assert_close(out[j], _alone(model, seqs[r]), atol=1e-4, rtol=0)
-    assert set(slabs) == ({(1, 0)} if scores else {(0, 3)}), slabs
+    assert set(slabs) == {(1, 0, bool(join))} if gather else {(3, 1, False)}, slabs
