@@ -212,10 +212,11 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=flags.micro_batch, help="train.py's flag: rows per training forward")
     p.add_argument("--micro-batch-tokens", type=int, default=flags.micro_batch_tokens,
                    help="train.py's flag: padded tokens per training forward")
-    p.add_argument("--ops-per-layer-step", type=float, default=0, help="torch ops a decode step launches per layer "
-                   "(rollout_bench.py's gpu_shape); 0: host time not counted")
-    p.add_argument("--tool-s", type=float, default=0, help="seconds of one crop call, decode + processor "
-                   "(rollout_bench.py's gpu_shape); 0: tools not counted")
+    p.add_argument("--ops-per-layer-step", type=float, default=161.5, help="torch ops a decode step launches per layer "
+                   "(measured 12-06 by runtime.forward_ops at Qwen widths, 64 rows of 8 groups; rollout_bench.py's "
+                   "gpu_shape on the tiny model: 106.5); 0: host time not counted")
+    p.add_argument("--tool-s", type=float, default=0.97, help="seconds of one crop call of a 720p file, decode + "
+                   "processor (measured on the 2-core CPU: 5 parallel crops 4.85 s); 0: tools not counted")
     p.add_argument("--tool-workers", type=int, default=8, help="threads per GPU that run the crops")
     p.add_argument("--tools-overlap", type=int, default=1, help="1: tools run beside the decoding; 0: in its loop")
     p.add_argument("--parts", metavar="JSON", help="print memory_parts' bytes for each keyword set of a JSON list (the "

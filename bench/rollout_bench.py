@@ -532,7 +532,7 @@ def main() -> None:
                                 ("gather", 2 ** 17, "kvcache.GATHER_BUDGET (as the scores: the slabs bounded as before)")]:
         p.add_argument(f"--budget-{flag}", type=int, default=default, help=f"budget bench: {what}")
     for flag, default, what in [("prompts", 8, "groups"), ("group", 8, "rows a group"), ("seconds", 30, "seconds of 720p video"),
-                                ("min", 8, "fewest tokens of a first turn"), ("max", 32, "most (an answer: max to 2 max)")]:
+                                ("min", 48, "fewest tokens of a first turn (the call: ~40)"), ("max", 80, "most (an answer: max to 2 max)")]:
         p.add_argument(f"--shape-{flag}", type=int, default=default, help=f"gpu shape bench: {what}")
     p.add_argument("--scale-side", choices=["ours", "hf"], help=argparse.SUPPRESS)   # internal: one side per process
     args = p.parse_args()
