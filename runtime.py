@@ -798,9 +798,10 @@ def forward_ops(model, kv, run) -> dict:
     return dict(attention_calls=ops.attention / layers, ops=ops.count / layers, attention_ops=inner.count / layers)
 
 
-def step_ops(model, kv, rows: list[int], tokens: torch.Tensor) -> dict:
+def step_ops(model, kv, rows: list[int], tokens: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """One decode step (kvcache.GroupKV.step of `rows` with `tokens` (n,): a real one, the rows take the tokens)
-    per decoder layer (`forward_ops`), as bench/rollout_bench.py reports it: attention_calls_per_layer_step,
-    ops_per_layer_step, attention_ops_per_layer_step."""
-    out = forward_ops(model, kv, lambda: kv.step(model, rows, tokens))
-    return {f"{k}_per_layer_step": v for k, v in out.items()}
+    per decoder layer (`forward_ops`), as bench/rollout_bench.py reports it: ({attention_calls_per_layer_step,
+    ops_per_layer_step, attention_ops_per_layer_step}, the step's (n, V) logits)."""
+    logits = []
+    out = forward_ops(model, kv, lambda: logits.append(kv.step(model, rows, tokens)))
+    return {f"{k}_per_layer_step": v for k, v in out.items()}, logits[0]

@@ -470,10 +470,10 @@ def bench_gpu_shape(model, processor, args) -> dict:
     def watched(kv, model, rows, tokens):                   # the first step of all rows after their first turn
         if measured or len(rows) < rows_now or not seen.issuperset(rows):
             return step(kv, model, rows, tokens)
-        out = {}
-        ops = runtime.forward_ops(model, kv, lambda: out.setdefault("logits", step(kv, model, rows, tokens)))
-        measured.update({f"{k}_per_layer_step": v for k, v in ops.items()}, rows=len(rows))
-        return out["logits"]
+        kvcache.GroupKV.step = step                         # measured once: the plain step from here on
+        figures, logits = runtime.step_ops(model, kv, rows, tokens)
+        measured.update(figures, rows=len(rows))
+        return logits
 
     with tempfile.TemporaryDirectory() as root:
         video.write_video(os.path.join(root, "hd.mp4"), video.synthetic_frames(args.shape_seconds * 10, 720, 1280), 10.0)

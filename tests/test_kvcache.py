@@ -328,7 +328,7 @@ def test_decode_step_attention_calls_do_not_grow_with_rows(tiny, monkeypatch):
     for groups in ([3, 1], [8, 8, 8, 5, 3]):
         kv, rows, text = _decode_shape(model, pad, groups)
         n = len(rows)
-        steps[n] = runtime.step_ops(model, kv, rows, torch.arange(n) + 400)
+        steps[n] = runtime.step_ops(model, kv, rows, torch.arange(n) + 400)[0]
         chunks[n] = runtime.forward_ops(model, kv, lambda: kv.extend(model, rows, [text(2 + i % 5) for i in range(n)], pad))
     assert steps[4] == steps[32], steps
     assert steps[4]["attention_calls_per_layer_step"] == 2, steps
@@ -345,7 +345,7 @@ def test_decode_step_one_fused_call_without_large_prompts(tiny):
     steps = {}
     for groups in ([1, 1, 1, 1], [1] * 32):
         kv, rows, _ = _decode_shape(model, pad, groups)
-        steps[len(rows)] = runtime.step_ops(model, kv, rows, torch.arange(len(rows)) + 400)
+        steps[len(rows)] = runtime.step_ops(model, kv, rows, torch.arange(len(rows)) + 400)[0]
     assert steps[4] == steps[32] and steps[4]["attention_calls_per_layer_step"] == 1, steps
 
 
