@@ -633,16 +633,20 @@ class Engine:
         r.traj.calls.append(calls)
         if r.traj.truncated or not calls_all:
             return self.retire(r, last_turn=True)
-        if r.traj.n_tool_turns >= cfg.max_turns:            # the budget is spent: calls are not executed
+        if self.spent(r):                                   # the budget is spent: calls are not executed
             if r.forced:
                 r.traj.hit_turn_limit = True
                 return self.retire(r, last_turn=True)
             return self.reply(r, [])                        # budget 0: the forced-answer message alone
         r.traj.n_tool_turns += 1
         r.traj.n_calls += len(calls)
-        forced = r.traj.n_tool_turns >= cfg.max_turns
-        self.send(r, partial(self.tool_work, calls, len(calls_all) - len(calls), r.path, r.duration, forced),
+        self.send(r, partial(self.tool_work, calls, len(calls_all) - len(calls), r.path, r.duration, self.spent(r)),
                   self.called)
+
+    def spent(self, r: _Row) -> bool:
+        """r's tool-turn budget is spent: cfg.max_turns turns' calls executed (its response then carries the
+        forced-answer message, and calls after it are not executed)."""
+        return r.traj.n_tool_turns >= self.cfg.max_turns
 
     def tool_work(self, calls: list[ToolCall], dropped: int, path: str, duration: float, forced: bool) -> tuple:
         """One turn's tool work, in a tool thread (it reads no engine state): (results, made). results: run_calls'
@@ -702,12 +706,12 @@ class Engine:
             self.on_turn(r.traj, parts)
         if chunk is not None:
             return self.respond(r, chunk)
-        self.send(r, partial(self.response_chunk, parts, clips, r.traj.n_tool_turns >= self.cfg.max_turns), self.respond)
+        self.send(r, partial(self.response_chunk, parts, clips, self.spent(r)), self.respond)
 
     def respond(self, r: _Row, c: Chunk) -> None:
         """The encoded user turn of tool responses (+ the forced-answer message once the budget is spent) after the
         turn's last token -> ready; a row past max_context ends truncated."""
-        forced = r.forced = r.traj.n_tool_turns >= self.cfg.max_turns
+        forced = r.forced = self.spent(r)
         c = Chunk(torch.cat([torch.tensor(r.pending), c.ids]),
                   torch.cat([torch.zeros(len(r.pending), dtype=torch.int32), c.mm_types]), c.pixels, c.grid)
         r.traj.token_ids += c.ids[len(r.pending):].tolist()
