@@ -326,7 +326,7 @@ def evaluate_held_out(model, processor, records: list, video_root: str, cfg, run
     compliance, tool-call ratio, clue score, turns), split over the ranks as `eval.py --gpus N` splits them
     (question i on rank i % N); rank 0 merges the predictions into RUN_DIR/eval/<name>.jsonl, scores them once
     and writes a trajectory report of the first `report_questions` questions in RUN_DIR/report/<name>/index.html.
-    `batch_size`: questions per batched rollout (train.py --eval-batch). Every rank returns rank 0's figures."""
+    `batch_size`: questions per batched rollout (train.py --set eval_batch). Every rank returns rank 0's figures."""
     out = os.path.join(run.run_dir, "eval", f"{name}.jsonl")
     if run.rank == 0:                                  # new weights: never resume another evaluation's answers
         remove_predictions(out)

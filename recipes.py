@@ -78,8 +78,10 @@ COMMON = dict(
     # the synthetic task's SFT data (docs/experiments.md has what each changed)
     n_rl=0, task_duration=64.0, task_mix=None, direct_crop=0.5, sft_budget_fraction=0.1, sft_gated_overviews=None,
     always_call=False,
-    # video decoding
-    decode_workers=2, decode_timeout=120.0, frame_cache_gb=2.0,
+    # video decoding (frame_cache: a folder that also keeps decoded overviews on disk, size-capped)
+    decode_workers=2, decode_timeout=120.0, frame_cache_gb=2.0, frame_cache=None,
+    # rollout beside training (async_rl.py; ParaVT's release: AReaL's asynchronous mode, behaviour weight cap 5)
+    async_staleness=0, rollout_ranks=1, behav_weight_cap=5.0,
 )
 
 PRESETS = {
@@ -199,8 +201,6 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="K/V the rollout engine may hold (per rank); a row's next turn waits until every admitted "
                         "group could still reach its worst case (default: 80%% of the free GPU memory beside the weights and autocast's weight copies; 4 GB "
                         "on CPU)")
-    g.add_argument("--frame-cache", metavar="DIR", default=None,
-                   help="also keep decoded overviews on disk here (written atomically, size-capped)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a Qwen3-VL / Qwen2.5-VL checkpoint dir")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -254,8 +254,13 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
     opt(g, "--overview-tokens", int, "visual tokens of the whole overview (frames sized to fit)")
     opt(g, "--overview-nframes", int, "overview frames when gating is off (0 = the fps rule)")
     opt(g, "--temperature", float, "RL sampling temperature (every log-prob of the loss is taken at it)")
-    opt(g, "--eval-batch", int, "held-out questions per batched rollout")
     g.add_argument("--final-eval", action="store_true", help="held-out evaluation at the end (always on for --stage all)")
+    g = p.add_argument_group("asynchronous RL (async_rl.py)")
+    opt(g, "--async-staleness", int, "eta: 0 = the synchronous loop; >= 1: rollout ranks sample while trainer ranks "
+                                     "update, a step's groups sampled by a policy at most eta versions old, the "
+                                     "decoupled PPO loss")
+    opt(g, "--rollout-ranks", int, "with --async-staleness >= 1: the last R of --gpus ranks roll out, the rest train")
+    opt(g, "--behav-weight-cap", float, "the decoupled loss drops tokens whose pi_prox / pi_behav exceeds it")
     args = p.parse_args(argv)
     try:
         resolve(args)
@@ -317,7 +322,13 @@ def resolve(args) -> None:
         raise ValueError(f"sft_tool_free is a probability (0: the oracle alone, 1: a twin beside every recording "
                          f"that calls the tool), got {args.sft_tool_free}")
     if args.eval_batch < 1:
-        raise ValueError(f"--eval-batch must be >= 1 (held-out questions per batched rollout), got {args.eval_batch}")
+        raise ValueError(f"eval_batch must be >= 1 (held-out questions per batched rollout), got {args.eval_batch}")
+    if args.async_staleness < 0 or args.behav_weight_cap <= 1.0:
+        raise ValueError(f"--async-staleness must be >= 0 and --behav-weight-cap > 1, got {args.async_staleness} and "
+                         f"{args.behav_weight_cap}")
+    if args.async_staleness and not 1 <= args.rollout_ranks < (args.gpus or 1):
+        raise ValueError(f"--async-staleness {args.async_staleness} needs --rollout-ranks R >= 1 and --gpus > R (the "
+                         f"ranks that train), got --rollout-ranks {args.rollout_ranks} of --gpus {args.gpus}")
     if args.vision_lr_scale < 0:
         raise ValueError(f"--vision-lr-scale must be >= 0 (0 freezes the vision tower), got {args.vision_lr_scale}")
     if args.gating and not args.data and not args.sft_gated_overviews:

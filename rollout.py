@@ -100,8 +100,8 @@ class RolloutConfig:
     max_context: int = P["max_context"]              # tokens a row may hold; one that reaches it is cut and flagged
     tools_block: bool = P["tools_block"]             # Hermes tools block in the system prompt (real checkpoints)
     continuous: bool = P["continuous"]               # continuous batching; False: fixed waves (a benchmark's baseline)
-    record_logprobs: bool = P["record_logprobs"]     # Trajectory.logprobs at sampling time (exactness checks): a
-                                                     # (B, V) log_softmax a decode step, off in a run
+    record_logprobs: bool = P["record_logprobs"]     # Trajectory.logprobs at sampling time (the decoupled loss,
+                                                     # exactness checks): a (B, V) log_softmax a decode step
     memory_budget_bytes: int | None = None           # K/V the engine may hold (--rollout-memory-gb); None: memory_budget()
 
     @classmethod
@@ -138,8 +138,9 @@ class Trajectory:
     answer: str | None = None
     latency: float = 0.0
     draws: int = 0                       # tokens sampled (the sampler's draw counter: POLICY tokens, in order)
-    logprobs: list[float] = field(default_factory=list)   # cfg.record_logprobs: log p of each POLICY token at
-                                                          # sampling time (T = 1); else empty
+    logprobs: list[float] = field(default_factory=list)   # cfg.record_logprobs: log p_T of each POLICY token at
+                                                          # sampling time; else empty
+    versions: list[int] = field(default_factory=list)     # async_rl.py: the policy version of each assistant turn
     parent: tuple[int, int] | None = None   # sub-agents: (caller row, call index)
     subagents: list["Trajectory"] = field(default_factory=list)
 
@@ -580,13 +581,14 @@ class Engine:
     def step(self) -> list[_Row]:
         """One decode step of the active rows; returns the rows whose turn ended (they have left the batch).
         `ban` ids (vision placeholders: only the processor writes them) are never sampled. cfg.record_logprobs: the
-        log-probs of the sampled tokens are recorded too, those of the unmasked logits (T = 1), the numbers a
-        training forward computes (a (n, V) log_softmax a step: only for exactness checks)."""
+        log-probs of the sampled tokens are recorded too, log_softmax(logits / T) of the unmasked logits at the
+        sampling temperature (1 when greedy), the numbers a training forward computes: the behaviour log-probs of
+        the decoupled loss (async_rl.py) and the exactness checks (a (n, V) log_softmax a step, off otherwise)."""
         logits = self.logits
         masked = logits.index_fill(1, self.ban, float("-inf")) if self.ban is not None else logits
         tok = sample_tokens(masked, self.seeds, self.counters, self.cfg.temperature, self.cfg.top_p)
         if self.cfg.record_logprobs:
-            lp = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
+            lp = torch.log_softmax(logits.float() / (self.cfg.temperature or 1.0), -1).gather(1, tok[:, None])[:, 0]
             toks, lps = torch.stack([tok.double(), lp.double()]).tolist()  # the step's one host sync
         else:
             toks, lps = tok.tolist(), None                                  # the step's one host sync

@@ -53,8 +53,10 @@ class Run:
     export of the weights beside it), --keep-last pruning, the best-by-eval checkpoint, skip-and-count."""
 
     def __init__(self, run_dir: str, rank: int, world: int, seed: int, save_every: int, keep_last: int,
-                 strict: bool, max_bad_fraction: float, report_to: str = "none", export_dtype: torch.dtype | None = None):
+                 strict: bool, max_bad_fraction: float, report_to: str = "none", export_dtype: torch.dtype | None = None,
+                 group=None):
         self.run_dir, self.rank, self.world, self.seed = run_dir, rank, world, seed
+        self.group = group                           # the ranks that train and save (None: all; async_rl.py's trainers)
         self.export_dtype = export_dtype             # the Hugging Face export's dtype (None: the parameters')
         self.save_every, self.keep_last, self.strict = save_every, keep_last, strict
         self.max_bad_fraction = max_bad_fraction
@@ -97,7 +99,7 @@ class Run:
     def save(self, stage: str, step: int, model, optimizer) -> str:
         path = save_checkpoint(self.run_dir, step, model, self.processor, optimizer,
                                {"stage": stage, "counters": self.counters}, rank=self.rank, world=self.world,
-                               export_dtype=self.export_dtype)
+                               export_dtype=self.export_dtype, group=self.group)
         if self.rank == 0 and self.keep_last > 0:
             prune_checkpoints(self.run_dir, self.keep_last)
         return path
@@ -106,7 +108,7 @@ class Run:
         """The trainer state of `ckpt` and its master weights (train_state/, fp32 where training keeps fp32 weights;
         the Hugging Face export may be bf16); metrics after it are dropped."""
         state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=True)   # tensors and plain data only
-        load_train_state(ckpt, model, None)
+        load_train_state(ckpt, model, None, self.group)
         self.counters.update(state.get("counters", {}))
         torch.set_rng_state(state["rng_torch"])
         random.setstate(state["rng_random"])
@@ -119,7 +121,7 @@ class Run:
     def load_optimizer(self, ckpt: str | None, model, optimizer, state: dict | None, stage: str) -> None:
         """AdamW's moments from the checkpoint's distributed state, when it was saved in this stage."""
         if ckpt and state and state["stage"] == stage:
-            load_train_state(ckpt, model, optimizer)
+            load_train_state(ckpt, model, optimizer, self.group)
 
     def is_best(self, result: dict) -> bool:
         score = eval_score(result)
@@ -174,13 +176,13 @@ def atomic_write_json(path: str, obj) -> None:
 # checkpoints: atomic, resumable on any number of ranks
 
 def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra: dict, rank: int = 0,
-                    world: int = 1, export_dtype: torch.dtype | None = None) -> str:
+                    world: int = 1, export_dtype: torch.dtype | None = None, group=None) -> str:
     """RUN_DIR/ckpt-<stage>-<step>: `train_state/` (torch.distributed.checkpoint: model and optimizer as trained,
     fp32 master weights and AdamW moments, each rank its shard, loadable on any number of ranks), the Hugging Face
     export (model.safetensors + config + processor, gathered on rank 0; in `export_dtype` when given, e.g. bf16
     for a bf16 run, the dtype its config.json names) and `trainer.pt` (step, counters, RNG: tensors and plain
     data, no pickled code). Atomic: everything goes to `.tmp`, and one rename makes it visible; trainer.pt is
-    written last."""
+    written last. `group`: the ranks that hold the model (None: every rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
     final = os.path.join(run_dir, f"ckpt-{extra['stage']}-{step:06d}")   # SFT step 2 and RL step 2 are two models
@@ -188,11 +190,12 @@ def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra:
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    barrier(world)
+    barrier(world, group)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with warnings.catch_warnings():             # one process, no process group: DCP says so, rightly
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "train_state"))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "train_state"),
+                 process_group=group)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
         if world > 1 or export_dtype is not None else None
     if rank == 0:
@@ -211,7 +214,7 @@ def save_checkpoint(run_dir: str, step: int, model, processor, optimizer, extra:
             os.replace(final, final + ".old")
         os.replace(tmp, final)                   # the only moment a checkpoint becomes visible
         shutil.rmtree(final + ".old", ignore_errors=True)
-    barrier(world)
+    barrier(world, group)
     return final
 
 
@@ -228,9 +231,9 @@ def _set_config_dtype(folder: str, dtype: torch.dtype) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
-def load_train_state(ckpt: str, model, optimizer) -> None:
+def load_train_state(ckpt: str, model, optimizer, group=None) -> None:
     """Model and optimizer (None: the model alone) from a checkpoint's `train_state/`, resharded to this run's
-    ranks."""
+    ranks (`group`: those that hold the model; None: every rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
@@ -247,7 +250,7 @@ def load_train_state(ckpt: str, model, optimizer) -> None:
     # partial: a parameter that never had a gradient has no AdamW state in the file and keeps fresh zeros
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True), process_group=group)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -468,7 +471,7 @@ def collective_device(backend_config: str | None = None) -> torch.device:
     raise ValueError(f"collective_device: the process group serves {sorted(served)}, neither cpu nor cuda")
 
 
-def shard_model(model, param_dtype: torch.dtype | None = None) -> None:
+def shard_model(model, param_dtype: torch.dtype | None = None, mesh=None) -> None:
     """FSDP2: each decoder layer its own unit, the final norm with the lm_head (token_logprobs reads
     lm_head.weight directly), and the root (the vision tower and embeddings), which every forward enters.
     Tied embeddings (tie_word_embeddings: Qwen3-VL-2B/4B, lm_head.weight IS embed_tokens.weight): the embeddings
@@ -476,8 +479,10 @@ def shard_model(model, param_dtype: torch.dtype | None = None) -> None:
     refuses a parameter shared between units).
     param_dtype bf16 (--precision bf16): the parameters stay fp32 (each rank's shard is the master copy AdamW
     updates), are all-gathered in bf16 for compute, and gradients are reduce-scattered in fp32
-    (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))."""
+    (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)). mesh: the ranks that shard it (a DeviceMesh;
+    None: every rank), the trainers of an asynchronous run (async_rl.py)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    fully_shard = functools.partial(fully_shard, mesh=mesh)
     if param_dtype is not None and param_dtype != torch.float32:
         if {p.dtype for p in model.parameters()} != {torch.float32}:
             raise ValueError(f"shard_model: mixed precision needs fp32 parameters (the master weights), got "
@@ -554,28 +559,29 @@ def finish(world: int) -> None:
         dist.destroy_process_group()
 
 
-def barrier(world: int) -> None:
+def barrier(world: int, group=None) -> None:
     if world > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _all_reduce(values: list[float], op) -> list[float]:
-    """One all-reduce of a list of numbers, on the device the process group serves (NCCL: CUDA tensors only)."""
+def _all_reduce(values: list[float], op, group=None) -> list[float]:
+    """One all-reduce of a list of numbers over `group` (None: every rank), on the device the process group
+    serves (NCCL: CUDA tensors only)."""
     t = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return t.tolist()
 
 
-def all_sum(value: int) -> int:
-    return int(_all_reduce([value], dist.ReduceOp.SUM)[0])
+def all_sum(value: int, group=None) -> int:
+    return int(_all_reduce([value], dist.ReduceOp.SUM, group)[0])
 
 
-def all_sum_float(value: float) -> float:
-    return _all_reduce([value], dist.ReduceOp.SUM)[0]
+def all_sum_float(value: float, group=None) -> float:
+    return _all_reduce([value], dist.ReduceOp.SUM, group)[0]
 
 
-def all_max(value: int) -> int:
-    return int(_all_reduce([value], dist.ReduceOp.MAX)[0])
+def all_max(value: int, group=None) -> int:
+    return int(_all_reduce([value], dist.ReduceOp.MAX, group)[0])
 
 
 def all_sums(values: list[float], world: int) -> list[float]:
@@ -601,12 +607,13 @@ def broadcast_object(obj, world: int):
     return box[0]
 
 
-def all_mean(values: dict, world: int) -> dict:
-    """Average scalar metrics across ranks (each rank rolled out its own prompts)."""
+def all_mean(values: dict, world: int, group=None) -> dict:
+    """Average scalar metrics across the `world` ranks of `group` (None: every rank)."""
     if world == 1:
         return {k: float(v) for k, v in values.items()}
     keys = sorted(values)
-    return {k: v / world for k, v in zip(keys, _all_reduce([float(values[k]) for k in keys], dist.ReduceOp.SUM))}
+    return {k: v / world for k, v in zip(keys, _all_reduce([float(values[k]) for k in keys], dist.ReduceOp.SUM,
+                                                           group))}
 
 
 def all_weighted_mean(values: dict, weight: float, world: int) -> dict:

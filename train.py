@@ -102,12 +102,19 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 def grpo_token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, clip_low: float,
                      clip_high: float, kl_coef: float = 0.0, ref_logprobs: torch.Tensor | None = None,
-                     kl_estimator: str = "k3") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     kl_estimator: str = "k3", behav_logprobs: torch.Tensor | None = None, behav_cap: float = 5.0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """
     The PPO-clip surrogate with group advantages (GRPO, arXiv 2402.03300), per token, elementwise:
 
         r_it = exp(log pi_theta(o_it) - log pi_old(o_it))
-        l_it = -min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it) + beta KL_it
+        l_it = -w_it min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it) + beta KL_it
+
+    w_it = 1 unless behav_logprobs are given: then the decoupled PPO objective of asynchronous training (AReaL,
+    arXiv 2505.24298, the decoupled PPO objective; docs/method.md §5.3): pi_old is the proximal policy (the trainer's weights before this
+    update, recomputed) and the behaviour policy that sampled the token (an older version) enters as the
+    importance weight w_it = pi_old(o_it) / pi_behav(o_it), tokens whose w exceeds behav_cap (ParaVT 5) dropped
+    (w = 0, as AReaL's behav_imp_weight_cap filters them). With behav = old, w = 1: plain PPO-clip.
 
     eps_low / eps_high = clip_low / clip_high (ParaVT 0.2 / 0.2, Video-o3 "clip higher" 0.2 / 0.3). KL_it is
     `kl_penalty(logprobs, ref_logprobs, kl_estimator)` against a frozen reference, weighted by beta = kl_coef
@@ -120,6 +127,9 @@ def grpo_token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: to
     """
     ratio = torch.exp(logprobs - old_logprobs)
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    if behav_logprobs is not None:
+        w = torch.exp(old_logprobs.detach() - behav_logprobs)
+        per_token = per_token * torch.where(w <= behav_cap, w, 0.0)
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
@@ -134,8 +144,8 @@ def grpo_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch
               old_logprobs: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor, *,
               clip_low: float, clip_high: float, kl_coef: float = 0.0, ref_logprobs: torch.Tensor | None = None,
               kl_estimator: str = "k3", num_tokens: float | torch.Tensor | None = None,
-              temperature: float = 1.0, chunk_size: int | None = None,
-              compile: bool = True) -> tuple[torch.Tensor, dict]:
+              temperature: float = 1.0, chunk_size: int | None = None, compile: bool = True,
+              behav_logprobs: torch.Tensor | None = None, behav_cap: float = 5.0) -> tuple[torch.Tensor, dict]:
     """
     The loss the RL step runs: `grpo_token_terms`, token-mean over the policy's tokens of the whole batch (DAPO,
     arXiv 2503.14476), from the final hidden states, never the (B, L, V) logits:
@@ -148,6 +158,7 @@ def grpo_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch
     policy's own sampled tokens: never the prompt, tool responses, inserted frames, forced text or pads; only
     those rows are gathered (ops.policy_rows), so garbage at masked positions never enters.
     old_logprobs None: the single on-policy epoch, ratio = exp(logp - logp.detach()) = 1 with logp's gradient.
+    behav_logprobs (B, L): the sampling version's log-probs (asynchronous runs): the decoupled objective.
     num_tokens: with micro-batches (or ranks) the policy-token count of the whole batch, so the summed
     gradients equal one big batch's. Temperature: the rollouts sample from softmax(logits / T), so every
     log-prob here (old, reference, current) is of that same tempered distribution, as verl and TRL compute
@@ -159,11 +170,12 @@ def grpo_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("grpo_loss: kl_coef != 0 needs ref_logprobs")
     h, t, mask, rows = policy_rows("grpo_loss", hidden, targets, mask, old_logprobs=old_logprobs,
-                                   advantages=advantages, ref_logprobs=ref_logprobs)
+                                   advantages=advantages, ref_logprobs=ref_logprobs, behav_logprobs=behav_logprobs)
     logp = token_logprobs(h, lm_head_weight, t, chunk_size, compile, temperature)           # (N,) fp32
     old = logp.detach() if rows["old_logprobs"] is None else rows["old_logprobs"]
     per_token, ratio, kl, clipped = grpo_token_terms(logp, old, rows["advantages"], clip_low, clip_high, kl_coef,
-                                                     rows["ref_logprobs"], kl_estimator)
+                                                     rows["ref_logprobs"], kl_estimator, rows["behav_logprobs"],
+                                                     behav_cap)
     n_tokens = h.shape[0]
     loss = per_token.sum() / (max(n_tokens, 1) if num_tokens is None else num_tokens)
     denom = max(n_tokens, 1)
@@ -176,7 +188,8 @@ def grpo_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch
 def grpo_loss_on_logprobs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                           mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
                           ref_logprobs: torch.Tensor | None = None, kl_estimator: str = "k3",
-                          num_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                          num_tokens: float | torch.Tensor | None = None, behav_logprobs: torch.Tensor | None = None,
+                          behav_cap: float = 5.0) -> tuple[torch.Tensor, dict]:
     """`grpo_loss` on (B, L) log-prob tensors instead of hidden states: the reference the tests and benches hold
     the fused path to (same terms, same token-mean, same stats). Masked positions are cut out before any
     arithmetic, so garbage there (inf, NaN) gets exactly zero gradient."""
@@ -196,7 +209,8 @@ def grpo_loss_on_logprobs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ad
     adv = cut((advantages[:, None] if advantages.dim() == 1 else advantages).to(logprobs.dtype))
     per_token, ratio, kl, clipped = grpo_token_terms(cut(logprobs), cut(old_logprobs.detach()), adv, clip_low,
                                                      clip_high, kl_coef, cut(None if ref_logprobs is None else
-                                                                             ref_logprobs.detach()), kl_estimator)
+                                                                             ref_logprobs.detach()), kl_estimator,
+                                                     cut(behav_logprobs), behav_cap)
     n_tokens = mask.sum()
     loss = torch.where(mask, per_token, 0.0).sum() / (n_tokens.clamp(min=1) if num_tokens is None else num_tokens)
     with torch.no_grad():
@@ -266,6 +280,8 @@ class GRPOSettings:
     loss_chunk: int = T["loss_chunk"]                # token_logprobs' chunk in the loss; 0: its own rule
     compile: bool = False                            # resolve: True on CUDA
     precision: str = "fp32"                          # fp32 | bf16 (resolve: bf16 on CUDA): the compute dtype
+    async_staleness: int = T["async_staleness"]      # >= 1: rollout beside training (async_rl.py), the decoupled loss
+    behav_weight_cap: float = T["behav_weight_cap"]  # the decoupled loss's cap on pi_prox / pi_behav
 
 
 @dataclasses.dataclass
@@ -402,13 +418,27 @@ def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> 
     return out
 
 
+def behaviour_logprobs(trajs: list, batch: dict) -> torch.Tensor:
+    """(B, L-1) the log-probs the rollout recorded for each row's policy tokens (Trajectory.logprobs, at the
+    sampling temperature), at the positions `policy_mask` marks; 0 elsewhere."""
+    mask = policy_mask(batch["roles"])
+    out = torch.zeros(mask.shape)
+    for i, t in enumerate(trajs):
+        if int(mask[i].sum()) != len(t.logprobs):
+            raise ValueError(f"behaviour_logprobs: trajectory {t.record_id} holds {len(t.logprobs)} recorded log-probs "
+                             f"for {int(mask[i].sum())} policy tokens (was it sampled with record_logprobs?)")
+        out[i][mask[i]] = torch.tensor(t.logprobs, dtype=torch.float32)
+    return out
+
+
 def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad_id: int, tokenizer,
-                  world: int, filler=None, step_fn=None) -> tuple[float | None, dict]:
+                  world: int, filler=None, step_fn=None, group=None) -> tuple[float | None, dict]:
     """GRPO update on the kept trajectories: s.ppo_epochs passes of micro-batches (`micro_batches`: at most
     s.micro_batch rows and s.micro_batch_tokens padded tokens each, in order), token-mean over the policy
-    tokens of ALL ranks (each rank normalises by N_global / world, and FSDP averages the ranks' gradients).
-    With several epochs the old log-probs are recomputed first by a no-grad forward (with one, they equal the
-    current ones). A rank with nothing to learn still runs zero-weight passes on `filler` (any trajectory it
+    tokens of ALL ranks (each rank normalises by N_global / world, and FSDP averages the ranks' gradients;
+    `group`: the ranks that train, when others roll out). With several epochs, or asynchronously (s.async_staleness:
+    the decoupled loss, its behaviour log-probs those the rollout recorded), the old (proximal) log-probs are
+    recomputed first by a no-grad forward (else they equal the current ones). A rank with nothing to learn still runs zero-weight passes on `filler` (any trajectory it
     sampled), so every rank joins the same collectives; the step is skipped only when no rank has a token.
     `step_fn(loss)` clips, checks and applies the gradients (Run.optimizer_step). Returns (grad norm, stats)."""
     chunks = [items[sl] for sl in micro_batches([len(t.token_ids) for t, _, _ in items], s.micro_batch,
@@ -421,43 +451,44 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
             a += anchor_credit(b["input_ids"], tokenizer, [cm["anchor"] for _, _, cm in c])
         advs.append(a)
     n_local = sum(int(policy_mask(b["roles"]).sum()) for b in batches)
-    n_global = all_sum(n_local) if world > 1 else n_local
+    n_global = all_sum(n_local, group) if world > 1 else n_local
     if n_global == 0:                                   # no rank has a token to learn from: skip, all together
         return None, {"clip_frac": 0.0, "kl": 0.0, "loss": 0.0}
     use_ref = ref_model is not None and s.kl_coef > 0 and not s.kl_in_reward
     with torch.no_grad(), full_weights(model):
         old = [forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile, precision=s.precision)
-               if s.ppo_epochs > 1 else None for b in batches]
+               if s.ppo_epochs > 1 or s.async_staleness else None for b in batches]
         ref = [forward_logprobs(ref_model, b, s.logprob_chunk, s.temperature, compile=s.compile, precision=s.precision)
                if use_ref else None for b in batches]
+    behav = [behaviour_logprobs([t for t, _, _ in c], b) if s.async_staleness else None for c, b in zip(chunks, batches)]
     norm = n_global / world                             # FSDP averages over ranks: sum_all / N_global overall
-    n_pad = (all_max(len(batches)) if world > 1 else len(batches)) - len(batches)
+    n_pad = (all_max(len(batches), group) if world > 1 else len(batches)) - len(batches)
     if n_pad and not batches:                           # nothing kept here: zero-weight passes on a filler row
         fb = rollout.collate([filler], model, pad_id)
         with torch.no_grad():                           # a KL loss term needs the filler's reference log-probs
             fill_ref = forward_logprobs(ref_model, fb, s.logprob_chunk, s.temperature, compile=s.compile,
                                         precision=s.precision) if use_ref else None
-        fill = (fb, None, torch.zeros(1, fb["input_ids"].shape[1] - 1), fill_ref)
+        fill = (fb, None, torch.zeros(1, fb["input_ids"].shape[1] - 1), fill_ref, None)
     else:
-        fill = (batches[-1], old[-1], advs[-1], ref[-1]) if batches else None
+        fill = (batches[-1], old[-1], advs[-1], ref[-1], behav[-1]) if batches else None
     gn, stats = None, {"clip_frac": 0.0, "kl": 0.0}
     terms = dict(clip_low=s.clip_low, clip_high=s.clip_high, kl_coef=0.0 if s.kl_in_reward else s.kl_coef,
                  kl_estimator=s.kl_estimator, num_tokens=norm, temperature=s.temperature,
-                 chunk_size=s.loss_chunk or None, compile=s.compile)
+                 chunk_size=s.loss_chunk or None, compile=s.compile, behav_cap=s.behav_weight_cap)
     for epoch in range(s.ppo_epochs):
         total = torch.zeros(())
-        for b, o, a, r in zip(batches, old, advs, ref):
+        for b, o, a, r, w in zip(batches, old, advs, ref, behav):
             hidden, weight, targets, mask = policy_head(model, b, s.precision)
-            loss, st = grpo_loss(hidden, weight, targets, o, a, mask, ref_logprobs=r, **terms)
+            loss, st = grpo_loss(hidden, weight, targets, o, a, mask, ref_logprobs=r, behav_logprobs=w, **terms)
             loss.backward()
             total = total + loss.detach().cpu()
             for k in stats:
                 stats[k] += float(st.get(k, 0.0)) * st["n_tokens"] / max(1, n_local) / s.ppo_epochs
         for _ in range(n_pad):                          # zero-weight passes: no gradient, matching collectives
-            b, o, a, r = fill
+            b, o, a, r, w = fill
             hidden, weight, targets, mask = policy_head(model, b, s.precision)
-            (grpo_loss(hidden, weight, targets, o, a, mask, ref_logprobs=r, **terms)[0] * 0.0).backward()
-        total = all_sum_float(float(total)) / world if world > 1 else float(total)
+            (grpo_loss(hidden, weight, targets, o, a, mask, ref_logprobs=r, behav_logprobs=w, **terms)[0] * 0.0).backward()
+        total = all_sum_float(float(total), group) / world if world > 1 else float(total)
         gn = step_fn(torch.tensor(total))
         stats["loss"] = total                           # the last epoch's token-mean loss, all ranks
     return gn, stats
@@ -777,6 +808,9 @@ def main(rank: int, args) -> dict:
     """One rank of a run: model and data, SFT, RL, the held-out evaluation; returns the summary."""
     t_start = time.time()
     rank, world, device = runtime.setup_distributed(rank, args.gpus, args.device, args.threads)
+    if args.async_staleness:    # rollout ranks beside trainer ranks: async_rl.py (which builds on this module)
+        import async_rl
+        layout = async_rl.make_layout(world, args.rollout_ranks)
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     run = Run(args.run_dir, rank, world, args.seed, args.save_every, args.keep_last, args.strict,
@@ -826,16 +860,22 @@ def main(rank: int, args) -> dict:
         run_sft(run, model, items, optimizer, sft_settings(args), pad_id, processor.tokenizer, start=step0 if stage0 == "sft" else 0)
         if args.stage == "all":
             summary["sft"] = evaluate(model, "sft")
-    if args.stage in ("all", "rl"):
+    pool = lambda: video.DecodePool(args.decode_workers, args.decode_timeout,
+                                    video.FrameCache(int(args.frame_cache_gb * 2 ** 30), disk_dir=args.frame_cache))
+    if args.stage in ("all", "rl") and args.async_staleness:    # its own models, from the newest checkpoint
+        source, model = ckpt if stage0 == "rl" else runtime.latest_checkpoint(args.run_dir), None
+        with pool() as p:
+            model = async_rl.run_rl(run, layout, args, processor, source, state, device, rl_recs, video_root, cfg,
+                                    grpo_settings(args), step0 if stage0 == "rl" else 0, pad_id, evaluate, p)
+    elif args.stage in ("all", "rl"):
         optimizer = make_optimizer(model, args.lr, args.vision_lr_scale)
         run.load_optimizer(ckpt, model, optimizer, state, "rl")
         ref_model = runtime.reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed,
                                     PRECISION[args.precision]) if args.kl_coef > 0 else None
-        with video.DecodePool(args.decode_workers, args.decode_timeout,
-                              video.FrameCache(int(args.frame_cache_gb * 2 ** 30), disk_dir=args.frame_cache)) as pool:
+        with pool() as p:
             run_rl(run, model, ref_model, processor, optimizer, rl_recs, video_root, cfg, grpo_settings(args),
                    args.rl_steps, args.lr, args.warmup_steps, pad_id, start=step0 if stage0 == "rl" else 0,
-                   eval_every=args.eval_every, evaluate=evaluate, pool=pool)
+                   eval_every=args.eval_every, evaluate=evaluate, pool=p)
     if args.stage == "all" or args.final_eval:
         summary["after"] = evaluate(model, "final")
         summary["seconds"] = round(time.time() - t_start, 1)

@@ -247,12 +247,12 @@ def test_sft_items_keep_at_most_their_budget_of_pixels_and_train_the_same(tmp_pa
 
 
 def test_held_out_batch_size_reaches_the_rollout(tmp_path, monkeypatch):
-    """--eval-batch: the tiny model's default 64, a real checkpoint's 8 (its overviews stay in memory for the
+    """--set eval_batch: the tiny model's default 64, a real checkpoint's 8 (its overviews stay in memory for the
     whole batch), and the held-out evaluation rolls out that many questions at a time."""
     assert recipes.parse_train_args([]).eval_batch == 64
     assert recipes.parse_train_args(["--preset", "paravt"]).eval_batch == 8
     with pytest.raises(SystemExit):
-        recipes.parse_train_args(["--eval-batch", "0"])
+        recipes.parse_train_args(["--set", "eval_batch=0"])
     import eval as evaluation
     sizes, real_predict = [], evaluation.predict
 
@@ -261,7 +261,7 @@ def test_held_out_batch_size_reaches_the_rollout(tmp_path, monkeypatch):
         return real_predict(records, run_batch, out_path, batch_size, *a, **k)
 
     monkeypatch.setattr(evaluation, "predict", spy)
-    run(smoke_argv(tmp_path, "--stage", "sft", "--final-eval", "--eval-batch", "3"))
+    run(smoke_argv(tmp_path, "--stage", "sft", "--final-eval", "--set", "eval_batch=3"))
     assert sizes == [3]
 
 

@@ -1,0 +1,332 @@
+"""
+Rollout and training side by side: the asynchronous mode of the papers' releases (ParaVT trains with AReaL's, rollout
+on 1 GPU beside FSDP2 on 7; Video-o3 with verl's asynchronous multi-turn rollout), with a staleness bound and
+AReaL's decoupled PPO objective (train.grpo_token_terms; docs/method.md §5.3).
+
+    python train.py --gpus 8 --async-staleness 1 --rollout-ranks 1 --model CKPT ...   # 1 rollout rank, 7 trainers
+    python train.py --gpus 3 --device cpu --async-staleness 1 --rollout-ranks 1      # the same on CPU (gloo)
+
+--async-staleness 0 (the default) never enters this file: train.run_rl, the synchronous loop.
+
+The layout (`Layout`). Of W ranks the last R roll out and the first W - R train: FSDP2 over their own mesh, rank 0
+(a trainer) logs and saves. Beside the world, two process groups: `trainers` (FSDP2, the update's sums, the
+checkpoints) and `sync` (rank 0 and the rollout ranks: the weight broadcast). The SFT warm start and every
+held-out evaluation run on all W ranks, as in a synchronous run; the RL stage builds its two models from the SFT's
+last checkpoint (or --resume's, or --model).
+
+The schedule. Version v = the weights after v updates (the RL step that made them). Step u's groups may be sampled
+by a version v >= u - 1 - eta (the staleness bound; AReaL's max_head_offpolicyness eta; eta = 0 is the synchronous
+loop). The rollout takes v = max(start, u - 1 - eta): the newest the bound lets it use without waiting on the
+trainers, and the same version for a step on every run, whatever the timings. With eta = 1, in steady state:
+
+    trainers:  recv(u)  | update u  | recv(u + 1) | send weights v=u | recv(u + 1) was there: update u + 1 | ...
+    rollout:   sample u + 1 with v = u - 1         | send(u + 1)      | recv weights v=u | sample u + 2 ...
+
+Every message is received in the order it is sent, on both sides (trainers: after update u, receive the groups of
+steps up to u + eta, then send v = u; the rollout: before sampling step w, receive the versions up to w - 1 - eta),
+so no rank waits on one that waits on it. A group is held, not split: one version samples it from its first token
+to its last (a weight update never lands inside a trajectory: its earlier turns' K/V stay the policy's that extends
+them, and each behaviour log-prob is one policy's); Trajectory.versions records the version of each turn.
+
+Messages. Rollout rank -> rank 0: a step's kept items (trajectories with their behaviour log-probs, advantages,
+reward components) and its rollout figures, one pickled object (`send_groups`); rank 0 deals the items to the
+trainers (one broadcast over `trainers`). Weights: the trainers gather the full weights onto rank 0's host (FSDP2's
+full state dict), which packs them into buckets of BUCKET_BYTES in the compute dtype (bf16 on GPU: half the bytes of
+the fp32 masters; fp32 in a CPU fp32 run, so the rollout samples from the trainers' weights bit for bit) and
+broadcasts each over `sync` (`broadcast_weights`); no files.
+
+Events. A crash loses the groups in flight (checkpoints are the trainers', atomic, every --save-every updates). On
+--resume the trainers load the last checkpoint and send it as version `start`; steps start+1.. are drawn again
+(train.draw_prompts is seeded by the step). A rollout rank that raises ends the run with its rank named (the
+launcher stops the others); a trainer whose rollout rank died raises naming the rank it waited on.
+"""
+import copy
+import dataclasses
+import time
+import types
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import runtime
+import train
+
+BUCKET_BYTES = 256 * 2 ** 20       # one weight broadcast's size at most (a larger parameter goes alone)
+
+
+@dataclasses.dataclass
+class Layout:
+    """Who does what in an asynchronous run: ranks 0 .. world - rollout_ranks - 1 train, the rest roll out."""
+    world: int
+    rollout_ranks: int
+    trainers: object = None        # process group of the trainers
+    sync: object = None            # process group of rank 0 and the rollout ranks (the weight broadcast)
+
+    @property
+    def n_trainers(self) -> int:
+        return self.world - self.rollout_ranks
+
+    @property
+    def rollout(self) -> list[int]:
+        return list(range(self.n_trainers, self.world))
+
+    def is_rollout(self, rank: int) -> bool:
+        return rank >= self.n_trainers
+
+
+def make_layout(world: int, rollout_ranks: int) -> Layout:
+    """The layout and its two process groups (every rank calls this, in the same order)."""
+    if not 1 <= rollout_ranks < world:
+        raise ValueError(f"async_rl: {rollout_ranks} rollout ranks of {world}: need at least one of each kind")
+    layout = Layout(world, rollout_ranks)
+    layout.trainers = dist.new_group(list(range(layout.n_trainers)))
+    layout.sync = dist.new_group([0] + layout.rollout)
+    return layout
+
+
+# -----------------------------------------------------------------------------
+# weights: trainers -> rollout ranks, in buckets over the process group
+
+def buckets(shapes: list[tuple[str, torch.Size]], element_bytes: int, limit: int = BUCKET_BYTES) -> list[list]:
+    """Consecutive runs of (name, shape) of at most `limit` bytes each (a larger tensor alone): both sides of a
+    broadcast cut the same parameter list the same way."""
+    out, size = [], limit
+    for name, shape in shapes:
+        n = shape.numel() * element_bytes
+        if size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append((name, shape))
+        size += n
+    return out
+
+
+def broadcast_weights(model, full: dict | None, group, dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Rank 0's weights onto every rank of `group`: `full` (name -> full tensor, rank 0: the trainers' weights) is
+    packed bucket by bucket into one flat `dtype` tensor on the device the process group serves and broadcast; the
+    other ranks (full None) unpack each into `model`'s parameters of the same names. The parameter list is
+    model.named_parameters() on both sides (tied weights once). Returns the bytes sent per rank."""
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
+    params = dict(model.named_parameters()) if full is None else None
+    device, sent = runtime.collective_device(), 0
+    for bucket in buckets(shapes, torch.empty(0, dtype=dtype).element_size(), bucket_bytes):
+        if full is not None:
+            flat = torch.cat([full[n].detach().reshape(-1).to(dtype) for n, _ in bucket]).to(device)
+        else:
+            flat = torch.empty(sum(s.numel() for _, s in bucket), dtype=dtype, device=device)
+        dist.broadcast(flat, src=0, group=group)
+        sent += flat.numel() * flat.element_size()
+        if params is not None:
+            with torch.no_grad():
+                offset = 0
+                for n, s in bucket:
+                    params[n].copy_(flat[offset:offset + s.numel()].view(s))
+                    offset += s.numel()
+    return sent
+
+
+def full_state(model, n_trainers: int) -> dict | None:
+    """The trainers' full weights on rank 0's host (None on the other trainers): FSDP2's full state dict, all-gathered
+    over the trainers' mesh (every trainer calls it); a single trainer's own parameters as they are."""
+    if n_trainers == 1:
+        return {n: p.detach() for n, p in model.named_parameters()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return full if dist.get_rank() == 0 else None
+
+
+def weight_dtype(s) -> torch.dtype:
+    """The weight broadcast's dtype: the compute dtype (bf16 on GPU, fp32 in a CPU fp32 run)."""
+    return train.PRECISION[s.precision]
+
+
+# -----------------------------------------------------------------------------
+# groups: rollout ranks -> rank 0 -> the trainers
+
+def send_groups(message: dict) -> None:
+    """A rollout rank's step (its kept items and figures) to rank 0, one pickled object."""
+    dist.send_object_list([message], dst=0)
+
+
+def receive_groups(src: int, step: int) -> dict:
+    """Rank 0 receives rollout rank `src`'s step; a rank that died is named, not waited on forever."""
+    box = [None]
+    try:
+        dist.recv_object_list(box, src=src)
+    except RuntimeError as e:
+        raise RuntimeError(f"rank 0 lost rollout rank {src} while waiting for RL step {step}'s groups (it died or "
+                           f"failed: see its error): {e}") from e
+    if box[0]["step"] != step:
+        raise RuntimeError(f"rank 0 expected RL step {step}'s groups from rollout rank {src}, got step {box[0]['step']}")
+    return box[0]
+
+
+def merge_rollout_figures(messages: list[dict]) -> dict:
+    """The rollout ranks' figures of one step as train.reduce_metrics would give them: per-sample means weighted by
+    each rank's trajectory count, the per-need sums summed and turned into ratios (train.split_accuracy)."""
+    n = sum(m["n"] for m in messages)
+    keys = sorted(set().union(*(m["figures"] for m in messages)))
+    out = {}
+    for k in keys:
+        values = [(m["n"], m["figures"][k]) for m in messages if k in m["figures"]]
+        out[k] = sum(v for _, v in values) if k.endswith(("_hits", "_calls", "_n")) else \
+            sum(w * v for w, v in values) / max(1, sum(w for w, _ in values))
+    return train.split_accuracy({**out, "trajectories": n})
+
+
+# -----------------------------------------------------------------------------
+# the two loops
+
+def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list, video_root: str, cfg,
+                 s, steps: int, start: int, pad_id: int, pool=None, eval_every: int = 0, evaluate=None) -> None:
+    """A rollout rank: for each step u, receive weights until the version is max(start, u - 1 - eta), sample the
+    step's groups of this rank's share (train.collect_groups, the R rollout ranks splitting the prompts as ranks
+    do), stamp each turn with the version and send them to rank 0; then receive the last versions (the final
+    evaluation reads them). A held-out evaluation runs after each version v with v % eval_every == 0, on every rank.
+    Raises naming this rank on any failure (the launcher then stops the others)."""
+    index, version = layout.rollout.index(run.rank), start - 1
+    cfg = dataclasses.replace(cfg, record_logprobs=True)        # the behaviour log-probs of the decoupled loss
+    share = types.SimpleNamespace(seed=run.seed, rank=index, world=layout.rollout_ranks)   # collect_groups' view
+    by_id, failed, idle_from = {str(r["id"]): r for r in records}, 0, time.time()
+
+    def next_version():
+        nonlocal version
+        broadcast_weights(model, None, layout.sync, weight_dtype(s))
+        version += 1
+        if eval_every and evaluate is not None and version > start and version % eval_every == 0:
+            evaluate(model, f"rl-{version:06d}")
+
+    try:
+        next_version()                                           # version `start`: the trainers' weights now
+        for u in range(start + 1, steps + 1):
+            while version < max(start, u - 1 - s.async_staleness):
+                next_version()
+            t0 = time.time()
+            model.eval()
+            g = train.collect_groups(share, model, ref_model, processor, records, video_root, cfg, s, u, pad_id, pool)
+            for t in g.trajs:
+                for x in [t] + t.subagents:
+                    x.versions = [version] * max(1, len(x.turns))
+            failed += sum(t.error is not None for t in g.trajs)
+            for t in g.trajs[::s.group_size]:
+                run.warn_sample(t, u)
+            if failed > run.max_bad_fraction * (u - start) * max(1, len(g.trajs)) and u - start > 5:
+                raise RuntimeError(f"more than {run.max_bad_fraction:.0%} of samples failed by step {u}")
+            figures = train.rollout_metrics(g.trajs, g.comps, by_id)
+            figures.update(reward=float(g.rewards.mean()) if g.trajs else 0.0, zero_var_frac=g.zero_var_frac,
+                           reward_kl=float(g.seq_kl.mean()) if g.trajs else 0.0)
+            rollout_s = time.time() - t0
+            send_groups({"step": u, "version": version, "items": g.items, "n": len(g.trajs), "groups": g.n_groups,
+                         "draws": g.draws, "bad": sum(t.error is not None for t in g.trajs), "figures": figures,
+                         "tokens": sum(len(t.token_ids) for t in g.trajs), "rollout_s": rollout_s,
+                         "rollout_wait_s": t0 - idle_from})
+            idle_from = time.time()
+        while version < steps:
+            next_version()
+    except Exception as e:
+        raise RuntimeError(f"rollout rank {run.rank} failed at policy version {version}: {e}") from e
+
+
+def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, records: list, video_root: str, cfg,
+                 s, steps: int, lr: float, warmup_steps: int, pad_id: int, start: int = 0, eval_every: int = 0,
+                 evaluate=None) -> None:
+    """A trainer rank (`run`: the trainers' Run, its group and world): send version `start`; then for each step u:
+    take its groups (rank 0 receives them from every rollout rank and deals the items over the trainers), the
+    decoupled PPO update (train.policy_update over the trainers' group), the step's row and checkpoint, receive the
+    groups of the steps up to u + eta, send version u, and evaluate every `eval_every` steps on every rank."""
+    T, trainer0, inbox = layout.n_trainers, run.rank == 0, {}
+    spare, t_row = None, time.time()
+
+    def send_version():
+        full = full_state(model, T)                            # every trainer joins the gather
+        if trainer0:
+            broadcast_weights(model, full, layout.sync, weight_dtype(s))
+
+    def take(u: int) -> list:
+        if u not in inbox:
+            inbox[u] = [receive_groups(src, u) for src in layout.rollout]
+        return inbox.pop(u)
+
+    send_version()
+    for u in tqdm(range(start + 1, steps + 1), desc="rl async", disable=not trainer0, initial=start, total=steps):
+        t0 = time.time()
+        box = [take(u) if trainer0 else None]
+        if T > 1:
+            dist.broadcast_object_list(box, src=0, group=layout.trainers)
+        messages = box[0]
+        items = [it for m in messages for it in m["items"]]
+        mine = items[run.rank * len(items) // T:(run.rank + 1) * len(items) // T]
+        wait_s = time.time() - t0
+        step_lr = train.set_lr(optimizer, train.get_lr(u - 1, steps, lr, warmup_steps))
+        model.train()
+        filler = items[0][0] if items else None
+        if filler is None and T > 1:
+            spare = spare or train.filler_trajectory(processor, records, video_root, cfg)
+            filler = spare
+        t1 = time.time()
+        gn, stats = train.policy_update(model, ref_model, optimizer, mine, s, pad_id, processor.tokenizer, T, filler,
+                                        lambda loss: run.optimizer_step(model, optimizer, loss, "rl", u,
+                                                                        [t.record_id for t, _, _ in mine]), layout.trainers)
+        update_s = time.time() - t1
+        stats = runtime.all_mean({**stats, "update_s": update_s, "wait_s": wait_s}, T, layout.trainers)
+        if trainer0:
+            versions = sorted({v for m in messages for t, _, _ in m["items"] for v in t.versions})
+            run.counters["bad_samples"] += sum(m["bad"] for m in messages)
+            row = {**merge_rollout_figures(messages), **stats, "kept": len(items), "lr": step_lr,
+                   "grad_norm": float("nan") if gn is None else gn, "groups": sum(m["groups"] for m in messages),
+                   "draws": max(m["draws"] for m in messages), "policy_version": min(m["version"] for m in messages),
+                   "trained_versions": versions, "staleness": u - 1 - min(m["version"] for m in messages),
+                   "rollout_s": max(m["rollout_s"] for m in messages),
+                   "rollout_wait_s": max(m["rollout_wait_s"] for m in messages), "step_time": time.time() - t_row,
+                   "tokens_per_s": sum(m["tokens"] for m in messages) / max(1e-9, time.time() - t_row)}
+            run.log("rl", u, row)
+            tqdm.write(f"rl {u}/{steps} | R {row['reward']:.3f} | acc {row['accuracy']:.2f} | tool "
+                       f"{row['tool_call_ratio']:.2f} | version {row['policy_version']} (staleness {row['staleness']}) | "
+                       f"update {update_s:.1f}s wait {wait_s:.1f}s | {row['step_time']:.1f}s")
+        t_row = time.time()
+        saved = u % run.save_every == 0 or u == steps
+        if saved:
+            run.save("rl", u, model, optimizer)
+        if trainer0:
+            for w in range(u + 1, min(steps, u + s.async_staleness) + 1):
+                if w not in inbox:
+                    inbox[w] = [receive_groups(src, w) for src in layout.rollout]
+        send_version()
+        if eval_every and evaluate is not None and u % eval_every == 0:
+            result = evaluate(model, f"rl-{u:06d}")              # every rank: the rollout ranks hold version u too
+            run.log("eval", u, result)
+            if run.is_best(result):
+                if not saved:
+                    run.save("rl", u, model, optimizer)
+                run.mark_best("rl", u, result)
+    model.eval()
+
+
+def run_rl(run, layout: Layout, args, processor, source: str | None, state: dict | None, device, records: list,
+           video_root: str, cfg, s, start: int, pad_id: int, evaluate, pool=None):
+    """The RL stage of an asynchronous run on this rank: its model (a trainer: FSDP2 over the trainers' mesh, loaded
+    from `source`, a checkpoint, when given; a rollout rank: unsharded, its weights the trainers' first broadcast),
+    the reference when the recipe has a KL, then its loop. `state`: the checkpoint's trainer state when resuming.
+    Returns the model (the final evaluation's)."""
+    rollout_rank = layout.is_rollout(run.rank)
+    model, _ = train.policy_model(args.model, device, args.precision, 1, args.seed,
+                                  args.grad_checkpointing and not rollout_rank)
+    ref_model = runtime.reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed,
+                                        train.PRECISION[args.precision]) if args.kl_coef > 0 else None
+    if rollout_rank:
+        rollout_loop(run, layout, model, ref_model, processor, records, video_root, cfg, s, args.rl_steps, start,
+                     pad_id, pool, args.eval_every, evaluate)
+        return model
+    trun = copy.copy(run)                                      # the trainers' view of the run: its group and size
+    trun.world, trun.group = layout.n_trainers, layout.trainers
+    if layout.n_trainers > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+        runtime.shard_model(model, train.PRECISION[args.precision], DeviceMesh.from_group(layout.trainers, device.type))
+    if source is not None:
+        runtime.load_train_state(source, model, None, layout.trainers)
+    optimizer = train.make_optimizer(model, args.lr, args.vision_lr_scale)
+    trun.load_optimizer(source, model, optimizer, state, "rl")             # AdamW's moments when resuming RL
+    trainer_loop(trun, layout, model, ref_model, processor, optimizer, records, video_root, cfg, s, args.rl_steps,
+                 args.lr, args.warmup_steps, pad_id, start, args.eval_every, evaluate)
+    return model
