@@ -78,6 +78,8 @@ COMMON = dict(
     # the synthetic task's SFT data (docs/experiments.md has what each changed)
     n_rl=0, task_duration=64.0, task_mix=None, direct_crop=0.5, sft_budget_fraction=0.1, sft_gated_overviews=None,
     always_call=False,
+    # real data: with --data and no --eval-data, records held out of training for evaluation (at most 20 %)
+    held_out=32,
     # video decoding (frame_cache: a folder that also keeps decoded overviews on disk, size-capped)
     decode_workers=2, decode_timeout=120.0, frame_cache_gb=2.0, frame_cache=None,
     # rollout beside training (async_rl.py; ParaVT's release: AReaL's asynchronous mode, behaviour weight cap 5)
@@ -210,8 +212,6 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--sft-data", default=None, help="SFT trajectory records JSONL (docs/data.md); needs --data")
     g.add_argument("--video-root", default=None, help="folder the records' video paths are relative to (needs --data)")
     g.add_argument("--eval-data", default=None, help="held-out prompt records (default: --held-out records split off --data)")
-    g.add_argument("--held-out", type=int, default=32,
-                   help="with --data and no --eval-data: records held out of training for evaluation (at most 20%%)")
     g.add_argument("--max-bad-fraction", type=float, default=0.2, help="stop if more than this fraction of samples is bad")
     g.add_argument("--n-train", type=int, default=256, help="synthetic task: training prompts")
     g.add_argument("--n-eval", type=int, default=192, help="synthetic task: held-out prompts")

@@ -11,8 +11,8 @@ same context (Video-o3, arXiv 2601.23224). The file reads in the order a rollout
     5. memory        row_blocks (a row's worst case, in pool blocks), safe (the banker's rule), split_group; the
                      budget itself: kvcache.memory_budget (--rollout-memory-gb)
     6. the engine    Engine: admit -> step -> retire over kvcache.GroupKV; run_subagents; run_agent
-    7. training I/O  collate, shared_video_hidden_states (whole trajectories); a recorded SFT trajectory goes
-                     through the same pieces in sft.encode_messages
+    7. training I/O  collate, behaviour_logprobs, shared_video_hidden_states (whole trajectories); a recorded
+                     SFT trajectory goes through the same pieces in sft.encode_messages
 
 Everything works on token sequences. A trajectory is the prompt followed by turns; every token carries a role:
     ENV    prompt, the forced "<think>\n" prefix, tool responses, inserted frames, forced-answer text
@@ -880,6 +880,20 @@ def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = Fa
         out.update(pixel_values_videos=torch.cat(pixels), video_grid_thw=torch.cat(grids))
         if share_videos:
             out["video_index"] = torch.tensor(index, dtype=torch.long)
+    return out
+
+
+def behaviour_logprobs(trajs: list[Trajectory], batch: dict) -> torch.Tensor:
+    """(B, L-1) the log-probs the rollout recorded for each row's policy tokens (Trajectory.logprobs, at the
+    sampling temperature) at the positions that predict them in `collate`'s batch; 0 elsewhere. The behaviour
+    policy's log-probs of the decoupled loss (train.grpo_token_terms, async_rl.py)."""
+    mask = batch["roles"][:, 1:] == POLICY
+    out = torch.zeros(mask.shape)
+    for i, t in enumerate(trajs):
+        if int(mask[i].sum()) != len(t.logprobs):
+            raise ValueError(f"behaviour_logprobs: trajectory {t.record_id} holds {len(t.logprobs)} recorded log-probs "
+                             f"for {int(mask[i].sum())} policy tokens (was it sampled with record_logprobs?)")
+        out[i][mask[i]] = torch.tensor(t.logprobs, dtype=torch.float32)
     return out
 
 

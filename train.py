@@ -16,23 +16,20 @@ The file reads top to bottom (docs/method.md has every formula and its source):
 The flags, the presets and the recipes (every default) live in recipes.py; the kernels (fused log-prob gather and
 loss, TDAM's blocked attention) in ops.py, the rollout engine in rollout.py (its K/V cache in kvcache.py), the
 rewards in rewards.py, the run directory and the processes (checkpoints, metrics, FSDP2, the launcher) in
-runtime.py.
+runtime.py; rollout ranks beside trainer ranks (--async-staleness >= 1: main hands them the RL stage) in async_rl.py.
 
 Algorithm (docs/method.md §4-§6). Per RL step the ranks draw `--prompts-per-step` records in all (each its
 share), gate each overview to K frames (nFrames gating: K drawn uniformly from the gating_choices, {4, 8, 16,
 32} on the tiny default, {4, ..., 64} in ParaVT's recipe; the same K for a prompt's whole group), roll out G
-samples per prompt (parallel crop_video calls, up to --max-turns tool rounds, the K/V cache reused across turns), score every trajectory under the chosen recipe, optionally shape the task reward and
-subtract a per-token k1 KL from it (ParaVT: shaped first, then the KL), turn rewards into group advantages
+samples per prompt (parallel crop_video calls, up to --max-turns tool rounds, the K/V cache reused across
+turns), score every trajectory under the chosen recipe, optionally shape the task reward and subtract a
+per-token k1 KL from it (ParaVT: shaped first, then the KL), turn rewards into group advantages
 A = (R - mean) / (std + eps) (dynamic sampling draws more prompts until the batch holds groups with signal),
 optionally add the exploration-anchoring credit on the closing-tag tokens, and take a PPO-clip step on the
 policy's own tokens (token-mean). Every log-prob in the loss is taken at the sampling temperature.
 
-Recipes (--recipe, recipes.RECIPES): para_grpo = ParaVT's PARA-GRPO: R_acc + R_fmt with exploration anchoring +
-R_tool, nFrames gating, k1 KL in the reward; vtgr = Video-o3's trajectory-guided reward: R_acc + strict R_fmt +
-hybrid clue score x turn decay; combined = ParaVT's accuracy and anchored format terms, gating, and the VTGR tool
-term wherever a record has clue windows; vanilla = accuracy + format + tool reward, no gating, no anchoring (the
-ablation). `paravt` is accepted as the old name of para_grpo. Presets (--preset tiny | paravt | videoo3,
-recipes.PRESETS) set a whole run: the recipe, the overview, limits, clip range, KL, temperature, learning rates.
+Recipes (--recipe, recipes.RECIPES): para_grpo (ParaVT's PARA-GRPO), vtgr (Video-o3's trajectory-guided reward),
+combined, vanilla (the ablation); presets (--preset tiny | paravt | videoo3, recipes.PRESETS) set a whole run.
 
 Departures from the papers' releases are noted where they happen and listed in docs/method.md ("Departures"):
 the trajectory scored as the model saw it (--set released_scoring=1 restores ParaVT's), token-level anchoring
@@ -110,11 +107,11 @@ def grpo_token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: to
         r_it = exp(log pi_theta(o_it) - log pi_old(o_it))
         l_it = -w_it min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it) + beta KL_it
 
-    w_it = 1 unless behav_logprobs are given: then the decoupled PPO objective of asynchronous training (AReaL,
-    arXiv 2505.24298, the decoupled PPO objective; docs/method.md §5.3): pi_old is the proximal policy (the trainer's weights before this
-    update, recomputed) and the behaviour policy that sampled the token (an older version) enters as the
-    importance weight w_it = pi_old(o_it) / pi_behav(o_it), tokens whose w exceeds behav_cap (ParaVT 5) dropped
-    (w = 0, as AReaL's behav_imp_weight_cap filters them). With behav = old, w = 1: plain PPO-clip.
+    w_it = 1 unless behav_logprobs are given: then AReaL's decoupled PPO objective (arXiv 2505.24298; docs/method.md
+    §5.1) of asynchronous training: pi_old is the proximal policy (the trainer's weights before this update,
+    recomputed), and the behaviour policy that sampled the token (an older version) enters as the importance
+    weight w_it = pi_old(o_it) / pi_behav(o_it); tokens whose w exceeds behav_cap (ParaVT 5) are dropped (w = 0,
+    as AReaL's behav_imp_weight_cap filters them). With behav = old, w = 1: plain PPO-clip.
 
     eps_low / eps_high = clip_low / clip_high (ParaVT 0.2 / 0.2, Video-o3 "clip higher" 0.2 / 0.3). KL_it is
     `kl_penalty(logprobs, ref_logprobs, kl_estimator)` against a frozen reference, weighted by beta = kl_coef
@@ -418,28 +415,16 @@ def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> 
     return out
 
 
-def behaviour_logprobs(trajs: list, batch: dict) -> torch.Tensor:
-    """(B, L-1) the log-probs the rollout recorded for each row's policy tokens (Trajectory.logprobs, at the
-    sampling temperature), at the positions `policy_mask` marks; 0 elsewhere."""
-    mask = policy_mask(batch["roles"])
-    out = torch.zeros(mask.shape)
-    for i, t in enumerate(trajs):
-        if int(mask[i].sum()) != len(t.logprobs):
-            raise ValueError(f"behaviour_logprobs: trajectory {t.record_id} holds {len(t.logprobs)} recorded log-probs "
-                             f"for {int(mask[i].sum())} policy tokens (was it sampled with record_logprobs?)")
-        out[i][mask[i]] = torch.tensor(t.logprobs, dtype=torch.float32)
-    return out
-
-
 def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad_id: int, tokenizer,
                   world: int, filler=None, step_fn=None, group=None) -> tuple[float | None, dict]:
     """GRPO update on the kept trajectories: s.ppo_epochs passes of micro-batches (`micro_batches`: at most
     s.micro_batch rows and s.micro_batch_tokens padded tokens each, in order), token-mean over the policy
-    tokens of ALL ranks (each rank normalises by N_global / world, and FSDP averages the ranks' gradients;
-    `group`: the ranks that train, when others roll out). With several epochs, or asynchronously (s.async_staleness:
-    the decoupled loss, its behaviour log-probs those the rollout recorded), the old (proximal) log-probs are
-    recomputed first by a no-grad forward (else they equal the current ones). A rank with nothing to learn still runs zero-weight passes on `filler` (any trajectory it
-    sampled), so every rank joins the same collectives; the step is skipped only when no rank has a token.
+    tokens of ALL ranks (each rank normalises by N_global / world, FSDP averages the ranks' gradients; `group`:
+    the ranks that train, when others roll out). With several epochs, or with s.async_staleness (the decoupled
+    loss, its behaviour log-probs those the rollout recorded), the old (proximal) log-probs are recomputed first by
+    a no-grad forward (else they equal the current ones). A rank with nothing to learn still runs zero-weight
+    passes on `filler` (any trajectory it sampled), so every rank joins the same collectives; the step is skipped
+    only when no rank has a token.
     `step_fn(loss)` clips, checks and applies the gradients (Run.optimizer_step). Returns (grad norm, stats)."""
     chunks = [items[sl] for sl in micro_batches([len(t.token_ids) for t, _, _ in items], s.micro_batch,
                                                  s.micro_batch_tokens)]
@@ -460,7 +445,8 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
                if s.ppo_epochs > 1 or s.async_staleness else None for b in batches]
         ref = [forward_logprobs(ref_model, b, s.logprob_chunk, s.temperature, compile=s.compile, precision=s.precision)
                if use_ref else None for b in batches]
-    behav = [behaviour_logprobs([t for t, _, _ in c], b) if s.async_staleness else None for c, b in zip(chunks, batches)]
+    behav = [rollout.behaviour_logprobs([t for t, _, _ in c], b) if s.async_staleness else None
+             for c, b in zip(chunks, batches)]
     norm = n_global / world                             # FSDP averages over ranks: sum_all / N_global overall
     n_pad = (all_max(len(batches), group) if world > 1 else len(batches)) - len(batches)
     if n_pad and not batches:                           # nothing kept here: zero-weight passes on a filler row

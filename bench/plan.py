@@ -21,6 +21,19 @@ default HBM - the bf16 weights - --workspace-gb): a GPU's groups run in `waves` 
 their whole worst cases; the engine admits at least this much (its banker's rule, docs/method.md §8), so the decode
 time is an upper bound. `prompts` are the papers' prompts per step over all GPUs. ParaVT reports ~250 s a step on 8
 GPUs (docs/method.md §5); efficiencies are assumptions, printed with the table.
+
+Beside the colocated synchronous step (rollout on all 8 GPUs, then the update on all 8), each recipe's asynchronous
+layout (`project(..., layout=(R, T))`, RECIPES' `layout`): the same prompts' groups over R rollout GPUs (more groups
+a GPU: more waves under the same budget), the same tokens' update over T FSDP2 GPUs. A rollout GPU holds the bf16
+weights and its K/V only: no fp32 shards, AdamW, gradients or reference (the trainers compute the reference), so its
+memory is the budget's own terms (the default budget, HBM - weights - workspace, is the same on both layouts: the
+colocated one does not subtract the resident state). In steady state with staleness >= 1, step t+1's rollout runs
+beside step t's update: step = max(rollout on R, update on T) + the broadcast of the bf16 weights (2 B a parameter
+at --broadcast-gbps, an assumed 100 GB/s effective); staleness 0 would add them. ParaVT's layout is its release's
+(AReaL async: 1 rollout GPU + 7 trainers, max_head_offpolicyness 2); Video-o3's is ASSUMED (verl fully_async's
+usual 4 + 4, one step off; the Video-o3-Qwen3VL repository's RL scripts run verl's hybrid engine colocated on 8
+GPUs with rollout.mode=async, asynchronous within the rollout only: its release's step is the colocated one).
+Printed: both layouts' rows, the busy fractions (rollout_s and update_s over the step) and the speed-up sync / async.
 """
 import argparse
 import json
@@ -43,14 +56,20 @@ LAYERS, D_MODEL = QWEN3VL_8B["layers"], QWEN3VL_8B["d_model"]
 PATCHES_PER_TOKEN = 4                               # a visual token merges 2 x 2 patches (each 2 frames x 16 x 16)
 PATCH_VALUES = 3 * 2 * 16 * 16                      # pixel values of one patch
 HBM_BW, BF16_FLOPS, HBM_GB = 4.8e12, 989e12, 141
+BROADCAST_GBPS = 100                                # assumed effective NCCL/NVLink rate of the weights' broadcast, GB/s
 
 RECIPES = {
     # prompts per step (global), group, overview tokens, tool rounds, tokens per assistant turn, tokens a
-    # tool response adds to the context per round (clips in interleaved mode, summaries for sub-agents)
+    # tool response adds to the context per round (clips in interleaved mode, summaries for sub-agents); the
+    # asynchronous layout (rollout GPUs, trainer GPUs) and its off-policy bound in steps: ParaVT's release, AReaL's
+    # async mode (1 rollout GPU, 7 FSDP2 GPUs, max_head_offpolicyness 2); Video-o3's ASSUMED: verl fully_async's
+    # usual 4 + 4, one step off (the module docstring)
     "ParaVT": dict(gpus=8, prompts=7, group=8, overview_tokens=64 * 256 // 2, rounds=3, turn_tokens=2048,
-                   response_tokens=300, subagent_tokens=512, subagent_calls=3, calls=3, ref_forward=True),
+                   response_tokens=300, subagent_tokens=512, subagent_calls=3, calls=3, ref_forward=True,
+                   layout=(1, 7), offpolicy=2, layout_note="release: AReaL async"),
     "Video-o3": dict(gpus=8, prompts=32, group=16, overview_tokens=16384, rounds=6, turn_tokens=1024,
-                     response_tokens=2048, subagent_tokens=0, subagent_calls=0, calls=5, ref_forward=False),
+                     response_tokens=2048, subagent_tokens=0, subagent_calls=0, calls=5, ref_forward=False,
+                     layout=(4, 4), offpolicy=1, layout_note="ASSUMED: verl fully_async's 4 + 4"),
 }
 
 
@@ -137,12 +156,17 @@ def engine_time(steps: float, turns: float, calls: int, ops_per_layer_step: floa
 
 def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode_batch_eff: float,
             workspace_gb: float, budget_gb: float | None, micro_batch: int = 8, micro_batch_tokens: int = 16384,
-            tools: dict | None = None) -> dict:
-    """One recipe's step on H200s. tools: the engine's host side (`engine_time`'s keywords; None: none counted)."""
-    G, P, gpus = r["group"], r["prompts"], r["gpus"]
+            tools: dict | None = None, layout: tuple[int, int] | None = None,
+            broadcast_gbps: float = BROADCAST_GBPS) -> dict:
+    """One recipe's step on H200s. tools: the engine's host side (`engine_time`'s keywords; None: none counted).
+    layout: None, colocated on r["gpus"] (rollout, then update); (R, T), the asynchronous split: the rollout's
+    groups over R GPUs that hold only the bf16 weights and their K/V, the update's rows over T FSDP2 GPUs, the new
+    weights broadcast to the rollout GPUs each step; with r["offpolicy"] >= 1 the two overlap."""
+    G, P = r["group"], r["prompts"]
+    R, T = layout or (r["gpus"], r["gpus"])
     rows = P * G
-    rows_gpu = rows / gpus
-    prompts_gpu = P / gpus
+    rows_gpu = rows / R                                                 # the rollout's rows and groups per GPU
+    prompts_gpu = P / R
     suffix = r["rounds"] * (r["turn_tokens"] + r["response_tokens"]) + r["turn_tokens"]
     seq = r["overview_tokens"] + suffix                                # tokens of one trajectory
     weights = PARAMS * 2
@@ -151,21 +175,22 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     group_kv = ((1 if shared else G) * r["overview_tokens"] + G * suffix) * KV_BYTES_PER_TOKEN
     concurrency, n_waves = waves(prompts_gpu, group_kv, budget)
     # memory per GPU, part by part (memory_parts): the rollout holds the resident state, the full bf16 weights and
-    # the K/V of the groups in flight; the update the resident state and one micro-batch in flight: the rows
+    # the K/V of the groups in flight (a rollout GPU of a layout: the bf16 weights and K/V alone, no fp32 shards,
+    # AdamW, gradients or reference); the update the resident state and one micro-batch in flight: the rows
     # train.micro_batches forms from this GPU's rows (all of length seq: no padding), a prompt's rows sharing its
     # overview's vision pass (collate share_videos)
     prompt_copies = concurrency if shared else concurrency * G
     sub = r["subagent_calls"] * concurrency * G if r["subagent_tokens"] else 0   # one turn's sub-agents, every row
     sub_prompt = r["response_tokens"] * 2 if sub else 0                          # a clip prompt: ~2 summaries' worth
-    flight = update_rows([seq] * math.ceil(rows_gpu), micro_batch, micro_batch_tokens)
+    flight = update_rows([seq] * math.ceil(rows / T), micro_batch, micro_batch_tokens)
     policy = flight * (r["rounds"] + 1) * r["turn_tokens"]
     patches = PATCHES_PER_TOKEN * (math.ceil(flight / G) * r["overview_tokens"]
                                    + flight * (0 if r["subagent_tokens"] else r["rounds"] * r["response_tokens"]))
-    parts = memory_parts(QWEN3VL_8B, gpus, concurrency, concurrency * G, r["overview_tokens"], suffix, flight * seq,
+    parts = memory_parts(QWEN3VL_8B, T, concurrency, concurrency * G, r["overview_tokens"], suffix, flight * seq,
                          patches, policy, shared, r["ref_forward"], sub, sub_prompt, r["subagent_tokens"])
     kv = parts["kv"]
     resident = parts["weights_shard"] + parts["optimizer"] + parts["reference"]
-    mem_rollout = (resident + parts["weights_rollout"] + kv) / 2 ** 30 + workspace_gb
+    mem_rollout = ((weights + kv) if layout else (resident + parts["weights_rollout"] + kv)) / 2 ** 30 + workspace_gb
     mem_train = (resident + parts["grads"] + parts["activations"] + max(parts["loss"], parts["backward"])) / 2 ** 30
     # rollout time: prefill (FLOPs) + decode (bandwidth), per GPU
     attn = lambda n_tokens, ctx: 4 * LAYERS * D_MODEL * n_tokens * ctx
@@ -185,19 +210,24 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     rollout_s = prefill_flops / (BF16_FLOPS * mfu) + (max(decode_s_host, tool_s) if tools and tools.get("overlap")
                                                       else decode_s_host + stall_s)
     # update: old/ref forwards + forward/backward with checkpointing over every token of every row
-    train_tokens = rows_gpu * seq
+    train_tokens = rows / T * seq
     fwd = 2 * TEXT_PARAMS * train_tokens + attn(train_tokens, seq / 2)
     update_s = (fwd * 4 + fwd * (1 + r["ref_forward"])) / (BF16_FLOPS * mfu)
-    return dict(recipe=name, gpus=gpus, rows=rows, seq_tokens=seq, update_rows=flight, budget_gb=budget / 2 ** 30,
-                group_kv_gb=group_kv / 2 ** 30, concurrency=concurrency, waves=n_waves, kv_gb_per_gpu=kv / 2 ** 30,
-                mem_rollout_gb=mem_rollout, mem_train_gb=mem_train,
-                fits=group_kv <= budget and mem_rollout < HBM_GB and mem_train < HBM_GB,
-                rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s, decode_device_s=device_s,
-                decode_host_s=host_s, tool_s=tool_s, tool_stall_s=stall_s,
-                parts_gb={k: v / 2 ** 30 for k, v in parts.items()})
+    out = dict(recipe=name, gpus=R + T if layout else R, rows=rows, seq_tokens=seq, update_rows=flight,
+               budget_gb=budget / 2 ** 30, group_kv_gb=group_kv / 2 ** 30, concurrency=concurrency, waves=n_waves,
+               kv_gb_per_gpu=kv / 2 ** 30, mem_rollout_gb=mem_rollout, mem_train_gb=mem_train,
+               fits=group_kv <= budget and mem_rollout < HBM_GB and mem_train < HBM_GB,
+               rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s, decode_device_s=device_s,
+               decode_host_s=host_s, tool_s=tool_s, tool_stall_s=stall_s,
+               parts_gb={k: v / 2 ** 30 for k, v in parts.items()})
+    if layout:        # steady state: step t+1's rollout beside step t's update, then the bf16 weights' broadcast
+        broadcast_s = weights / (broadcast_gbps * 1e9)
+        out.update(rollout_gpus=R, trainer_gpus=T, offpolicy=r["offpolicy"], broadcast_s=broadcast_s,
+                   step_s=(max(rollout_s, update_s) if r["offpolicy"] >= 1 else rollout_s + update_s) + broadcast_s)
+    return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shared-prefix", type=int, default=1, help="1: one K/V copy of each prompt per group (GroupKV)")
     p.add_argument("--mfu", type=float, default=0.4, help="fraction of bf16 peak reached by prefill and training")
@@ -219,28 +249,60 @@ def main() -> None:
                    "processor (measured on the 2-core CPU: 5 parallel crops 4.85 s); 0: tools not counted")
     p.add_argument("--tool-workers", type=int, default=8, help="threads per GPU that run the crops")
     p.add_argument("--tools-overlap", type=int, default=1, help="1: tools run beside the decoding; 0: in its loop")
+    p.add_argument("--broadcast-gbps", type=float, default=BROADCAST_GBPS, help="assumed effective GB/s of the bf16 "
+                   "weights' broadcast from the trainers to the asynchronous layouts' rollout GPUs (NCCL, NVLink)")
     p.add_argument("--parts", metavar="JSON", help="print memory_parts' bytes for each keyword set of a JSON list (the "
                    "8B shape, its keys overridden by a set's 'model') and exit")
-    args = p.parse_args()
+    return p
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """`project`'s keywords from the command line's flags (tests/test_plan.py projects with the defaults' too)."""
+    return dict(shared=bool(args.shared_prefix), mfu=args.mfu, hbm_eff=args.hbm_efficiency,
+                decode_batch_eff=args.decode_batch_efficiency, workspace_gb=args.workspace_gb,
+                budget_gb=args.rollout_memory_gb, micro_batch=args.micro_batch,
+                micro_batch_tokens=args.micro_batch_tokens, broadcast_gbps=args.broadcast_gbps,
+                tools=dict(ops_per_layer_step=args.ops_per_layer_step, tool_s=args.tool_s, workers=args.tool_workers,
+                           overlap=bool(args.tools_overlap)))
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.parts:
         print(json.dumps([memory_parts({**QWEN3VL_8B, **kw.pop("model", {})}, **kw) for kw in json.loads(args.parts)]))
         return
-    rows = [project(n, r, bool(args.shared_prefix), args.mfu, args.hbm_efficiency, args.decode_batch_efficiency,
-                    args.workspace_gb, args.rollout_memory_gb, args.micro_batch, args.micro_batch_tokens,
-                    dict(ops_per_layer_step=args.ops_per_layer_step, tool_s=args.tool_s, workers=args.tool_workers,
-                         overlap=bool(args.tools_overlap)))
-            for n, r in RECIPES.items()]
+    kw = settings(args)
+    rows = [project(n, r, **kw) for n, r in RECIPES.items()]
+    split = {n: project(n + " async", r, layout=r["layout"], **kw) for n, r in RECIPES.items()}
+    for r in rows:                      # the asynchronous layout beside the colocated synchronous step
+        a = split[r["recipe"]]
+        r["async"] = dict(rollout_gpus=a["rollout_gpus"], trainer_gpus=a["trainer_gpus"], offpolicy=a["offpolicy"],
+                          note=RECIPES[r["recipe"]]["layout_note"], rollout_s=a["rollout_s"], update_s=a["update_s"],
+                          broadcast_s=a["broadcast_s"], step_s=a["step_s"], sync_step_s=r["step_s"],
+                          speedup=r["step_s"] / a["step_s"], rollout_busy=a["rollout_s"] / a["step_s"],
+                          trainer_busy=a["update_s"] / a["step_s"], concurrency=a["concurrency"], waves=a["waves"],
+                          mem_rollout_gb=a["mem_rollout_gb"], mem_train_gb=a["mem_train_gb"], fits=a["fits"])
     head = ["recipe", "GPUs", "rows", "tokens/row", "update rows", "budget GB", "group KV GB", "groups x waves", "KV GB/GPU",
             "rollout GB/GPU", "train GB/GPU", "fits 141 GB", "rollout s", "update s", "step s"]
-    cells = [[r["recipe"], r["gpus"], r["rows"], r["seq_tokens"], r["update_rows"], f"{r['budget_gb']:.1f}", f"{r['group_kv_gb']:.1f}",
+    cells = [[r["recipe"], f"{r['rollout_gpus']}+{r['trainer_gpus']}" if "rollout_gpus" in r else r["gpus"], r["rows"],
+              r["seq_tokens"], r["update_rows"], f"{r['budget_gb']:.1f}", f"{r['group_kv_gb']:.1f}",
               f"{r['concurrency']} x {r['waves']}", f"{r['kv_gb_per_gpu']:.1f}", f"{r['mem_rollout_gb']:.1f}",
               f"{r['mem_train_gb']:.1f}", r["fits"], f"{r['rollout_s']:.0f}", f"{r['update_s']:.0f}", f"{r['step_s']:.0f}"]
-             for r in rows]
+             for r in rows + list(split.values())]
     print(f"H200: {HBM_BW / 1e12:.1f} TB/s at {args.hbm_efficiency:.0%}, {BF16_FLOPS / 1e12:.0f} bf16 TFLOP/s at "
           f"MFU {args.mfu:.0%}; Qwen3-VL-8B, {KV_BYTES_PER_TOKEN // 1024} KiB KV per token; shared prefix: "
           f"{bool(args.shared_prefix)}. ParaVT reports ~250 s per step on 8 GPUs.")
     print(table(cells, head))
-    rnd = lambda v: (round(v, 2) if isinstance(v, float) else {k: round(x, 2) for k, x in v.items()}
+    print(f"Asynchronous layouts (R rollout GPUs + T trainer GPUs), steady state with staleness >= 1: step = "
+          f"max(rollout on R, update on T) + broadcast of the bf16 weights at an assumed {args.broadcast_gbps:g} "
+          "GB/s; a rollout GPU holds the bf16 weights and its K/V only.")
+    print(table([[r["recipe"], f"{a['rollout_gpus']}+{a['trainer_gpus']}", a["offpolicy"], f"{a['rollout_s']:.0f}",
+                  f"{a['update_s']:.0f}", f"{a['broadcast_s']:.2f}", f"{a['step_s']:.0f}", f"{a['sync_step_s']:.0f}",
+                  f"{a['speedup']:.2f}x", f"{a['rollout_busy']:.0%}", f"{a['trainer_busy']:.0%}", a["note"]]
+                 for r in rows for a in [r["async"]]],
+                ["recipe", "R+T", "off-policy", "rollout s", "update s", "broadcast s", "async step s", "sync step s",
+                 "speed-up", "rollout busy", "trainer busy", "layout"]))
+    rnd = lambda v: (round(v, 2) if isinstance(v, float) else {k: rnd(x) for k, x in v.items()}
                      if isinstance(v, dict) else v)
     print(json.dumps({"shared_prefix": bool(args.shared_prefix), "mfu": args.mfu, "hbm_efficiency": args.hbm_efficiency,
                       "recipes": {r["recipe"]: {k: rnd(v) for k, v in r.items() if k != "recipe"} for r in rows}}))

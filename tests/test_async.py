@@ -86,7 +86,7 @@ def test_behaviour_logprobs_are_the_training_forwards_at_the_sampling_temperatur
     trajs = rollout.run_agent(model, processor, recs, str(tmp_path), cfg, seed=3)
     pad = processor.tokenizer.pad_token_id
     batch = rollout.collate(trajs, model, pad, share_videos=True)
-    behav = train.behaviour_logprobs(trajs, batch)
+    behav = rollout.behaviour_logprobs(trajs, batch)
     with torch.no_grad():
         prox = train.forward_logprobs(model, batch, 1024, temperature=0.7, compile=False)
     mask = train.policy_mask(batch["roles"])
@@ -94,7 +94,7 @@ def test_behaviour_logprobs_are_the_training_forwards_at_the_sampling_temperatur
     torch.testing.assert_close(behav[mask], prox[mask], atol=1e-4, rtol=0)
     trajs[0].logprobs.pop()
     with pytest.raises(ValueError, match="recorded log-probs"):
-        train.behaviour_logprobs(trajs, batch)
+        rollout.behaviour_logprobs(trajs, batch)
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """bench/plan.py, the projection of the papers' steps on 8 x H200, through its last-line JSON: the rollout budget's
 waves and that both recipes fit (the admission rule of the engine, on paper), the update's micro-batch, the K/V
-part in pool blocks; and bench/rehearsal.py --ci, which measures each part beside the plan's."""
+part in pool blocks, the asynchronous layouts beside the colocated step; and bench/rehearsal.py --ci, which measures
+each part beside the plan's."""
 import functools
+import importlib.util
 import json
 import subprocess
 import sys
@@ -57,6 +59,73 @@ def test_host_time_and_tools_count_in_the_rollout():
     assert fast["decode_host_s"] < fast["decode_device_s"] and fast["rollout_s"] == pytest.approx(base["rollout_s"])
     assert fast["tool_stall_s"] == 0 and in_loop["tool_stall_s"] > 0                 # 64 rows x 6 turns x 5 crops
     assert in_loop["rollout_s"] == pytest.approx(base["rollout_s"] + in_loop["tool_stall_s"], rel=1e-3)
+
+
+@functools.lru_cache(maxsize=None)
+def plan_module():
+    """bench/plan.py as a module (its `project` called with other layouts and GPU counts); bench/ on sys.path for
+    its `common` import."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_plan", BENCH / "plan.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_async_step_is_the_rollout_on_r_beside_the_update_on_t_plus_the_broadcast():
+    """Each recipe's asynchronous layout (R rollout GPUs, T trainer GPUs) is plan's own projection evaluated twice:
+    its rollout (waves, time) is the colocated rollout on R GPUs, its update (rows in flight, time, memory) the
+    colocated update on T; with staleness >= 1 the step is the larger of the two plus the bf16 weights' broadcast
+    (2 bytes a parameter at --broadcast-gbps), on-policy their sum. A rollout GPU holds the bf16 weights, its K/V
+    and the workspace, none of the fp32 shards, AdamW or reference the colocated GPU keeps through its rollout. The
+    printed JSON's "async" section is this projection."""
+    mod = plan_module()
+    kw = mod.settings(mod.parser().parse_args([]))
+    out, slow_link = plan()["recipes"], plan("--broadcast-gbps", "1")["recipes"]
+    broadcast = 2 * mod.PARAMS / 100e9
+    for name, r in mod.RECIPES.items():
+        R, T = r["layout"]
+        a = mod.project(name, r, layout=(R, T), **kw)
+        on_r, on_t = mod.project(name, {**r, "gpus": R}, **kw), mod.project(name, {**r, "gpus": T}, **kw)
+        assert (a["concurrency"], a["waves"], a["rollout_s"]) == (on_r["concurrency"], on_r["waves"], on_r["rollout_s"])
+        assert (a["update_rows"], a["update_s"], a["mem_train_gb"]) == (on_t["update_rows"], on_t["update_s"],
+                                                                          on_t["mem_train_gb"])
+        assert a["step_s"] == pytest.approx(max(on_r["rollout_s"], on_t["update_s"]) + broadcast)
+        on_policy = mod.project(name, {**r, "offpolicy": 0}, layout=(R, T), **kw)
+        assert on_policy["step_s"] == pytest.approx(on_r["rollout_s"] + on_t["update_s"] + broadcast)
+        assert a["mem_rollout_gb"] == pytest.approx(2 * mod.PARAMS / 2 ** 30 + a["kv_gb_per_gpu"] + kw["workspace_gb"])
+        assert a["mem_rollout_gb"] < on_r["mem_rollout_gb"] and a["fits"], name
+        j = out[name]["async"]
+        assert (j["rollout_gpus"], j["trainer_gpus"], j["offpolicy"]) == (R, T, r["offpolicy"]) and j["offpolicy"] >= 1
+        for k in ("rollout_s", "update_s", "broadcast_s", "step_s"):
+            assert j[k] == pytest.approx(a[k], abs=0.01), (name, k)
+        assert j["sync_step_s"] == out[name]["step_s"]
+        assert j["speedup"] == pytest.approx(out[name]["step_s"] / a["step_s"], abs=0.01)
+        assert slow_link[name]["async"]["broadcast_s"] == pytest.approx(2 * mod.PARAMS / 1e9, abs=0.01)
+        assert slow_link[name]["async"]["step_s"] == pytest.approx(a["step_s"] - broadcast + 2 * mod.PARAMS / 1e9,
+                                                                   abs=0.02)
+
+
+def test_async_speedup_follows_the_rollout_waves():
+    """The update on T GPUs is the colocated update x 8 / T (the same tokens), and the rollout on R <= 8 GPUs costs
+    at least the colocated rollout (more groups a GPU), so a split cannot beat sync / max(rollout on 8, update on T)
+    (< 2). Under the defaults the decode is host-bound (a step's launches outlast its bandwidth): ParaVT's one
+    rollout GPU takes all 7 groups (11.1 GB each under the 115.7 GB budget) in the single wave the colocated rollout
+    takes, so it costs about what it costs on 8 GPUs and the update on 7 hides beside it: a speed-up > 1. Video-o3's
+    4 rollout GPUs take 8 groups of 45 GB each in 4 waves of 2 (2 waves on 8 GPUs): the rollout alone outlasts the
+    colocated step, a speed-up < 1 (the split costs more than the overlap gives)."""
+    out = plan()["recipes"]
+    for name, r in out.items():
+        a = r["async"]
+        assert a["update_s"] == pytest.approx(r["update_s"] * 8 / a["trainer_gpus"], abs=0.02), name
+        assert a["rollout_s"] >= r["rollout_s"], name
+        assert a["speedup"] <= r["step_s"] / max(r["rollout_s"], a["update_s"]) + 0.01 and a["speedup"] < 2, name
+        assert max(a["rollout_busy"], a["trainer_busy"]) == pytest.approx(1.0, abs=0.01), name
+    p, v = out["ParaVT"]["async"], out["Video-o3"]["async"]
+    assert (out["ParaVT"]["concurrency"], out["ParaVT"]["waves"], p["concurrency"], p["waves"]) == (1, 1, 7, 1)
+    assert p["speedup"] > 1 and p["rollout_busy"] > 0.99 and p["trainer_busy"] < 0.1
+    assert (out["Video-o3"]["waves"], v["concurrency"], v["waves"]) == (2, 2, 4) and v["speedup"] < 1
 
 
 def rows_in_flight(lengths: list[int], micro_batch: int, micro_batch_tokens: int) -> int:
