@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import rollout
 import runtime
 import train
 
@@ -222,6 +223,9 @@ def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list
                          "tokens": sum(len(t.token_ids) for t in g.trajs), "rollout_s": rollout_s,
                          "rollout_wait_s": t0 - idle_from})
             idle_from = time.time()
+            if pool is not None and u < steps:     # the next step's overviews decode while this rank waits
+                upcoming, ks = train.draw_prompts(records, s, run.seed, index, layout.rollout_ranks, u + 1)
+                rollout.prefetch(pool, upcoming, video_root, cfg, rollout.video_factor(processor), ks)
         while version < steps:
             next_version()
     except Exception as e:
