@@ -240,28 +240,31 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
     decoupled PPO update (train.policy_update over the trainers' group), the step's row and checkpoint, receive the
     groups of the steps up to u + eta, send version u, and evaluate every `eval_every` steps on every rank."""
     T, trainer0, inbox = layout.n_trainers, run.rank == 0, {}
-    spare, t_row = None, time.time()
+    spare, t_row, waited = None, time.time(), 0.0
+
+    def receive(w: int) -> None:                             # rank 0: step w's groups from every rollout rank
+        nonlocal waited
+        t = time.time()
+        if w not in inbox:
+            inbox[w] = [receive_groups(src, w) for src in layout.rollout]
+        waited += time.time() - t
 
     def send_version():
         full = full_state(model, T)                            # every trainer joins the gather
         if trainer0:
             broadcast_weights(model, full, layout.sync, weight_dtype(s))
 
-    def take(u: int) -> list:
-        if u not in inbox:
-            inbox[u] = [receive_groups(src, u) for src in layout.rollout]
-        return inbox.pop(u)
-
     send_version()
     for u in tqdm(range(start + 1, steps + 1), desc="rl async", disable=not trainer0, initial=start, total=steps):
-        t0 = time.time()
-        box = [take(u) if trainer0 else None]
+        if trainer0:
+            receive(u)
+        box = [inbox.pop(u) if trainer0 else None]
         if T > 1:
             dist.broadcast_object_list(box, src=0, group=layout.trainers)
         messages = box[0]
         items = [it for m in messages for it in m["items"]]
         mine = items[run.rank * len(items) // T:(run.rank + 1) * len(items) // T]
-        wait_s = time.time() - t0
+        wait_s, waited = waited, 0.0       # rank 0's time waiting on the rollout since the last step (here and below)
         step_lr = train.set_lr(optimizer, train.get_lr(u - 1, steps, lr, warmup_steps))
         model.train()
         filler = items[0][0] if items else None
@@ -273,11 +276,11 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
                                         lambda loss: run.optimizer_step(model, optimizer, loss, "rl", u,
                                                                         [t.record_id for t, _, _ in mine]), layout.trainers)
         update_s = time.time() - t1
-        stats = runtime.all_mean({**stats, "update_s": update_s, "wait_s": wait_s}, T, layout.trainers)
+        stats = runtime.all_mean({**stats, "update_s": update_s}, T, layout.trainers)
         if trainer0:
             versions = sorted({v for m in messages for t, _, _ in m["items"] for v in t.versions})
             run.counters["bad_samples"] += sum(m["bad"] for m in messages)
-            row = {**merge_rollout_figures(messages), **stats, "kept": len(items), "lr": step_lr,
+            row = {**merge_rollout_figures(messages), **stats, "wait_s": wait_s, "kept": len(items), "lr": step_lr,
                    "grad_norm": float("nan") if gn is None else gn, "groups": sum(m["groups"] for m in messages),
                    "draws": max(m["draws"] for m in messages), "policy_version": min(m["version"] for m in messages),
                    "trained_versions": versions, "staleness": u - 1 - min(m["version"] for m in messages),
@@ -294,8 +297,7 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
             run.save("rl", u, model, optimizer)
         if trainer0:
             for w in range(u + 1, min(steps, u + s.async_staleness) + 1):
-                if w not in inbox:
-                    inbox[w] = [receive_groups(src, w) for src in layout.rollout]
+                receive(w)
         send_version()
         if eval_every and evaluate is not None and u % eval_every == 0:
             result = evaluate(model, f"rl-{u:06d}")              # every rank: the rollout ranks hold version u too
