@@ -203,7 +203,7 @@ def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list
         for u in range(start + 1, steps + 1):
             while version < max(start, u - 1 - s.async_staleness):
                 next_version()
-            t0 = time.time()
+            t0, last_idle = time.time(), idle_from
             model.eval()
             g = train.collect_groups(share, model, ref_model, processor, records, video_root, cfg, s, u, pad_id, pool)
             for t in g.trajs:
@@ -217,12 +217,11 @@ def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list
             figures = train.rollout_metrics(g.trajs, g.comps, by_id)
             figures.update(reward=float(g.rewards.mean()) if g.trajs else 0.0, zero_var_frac=g.zero_var_frac,
                            reward_kl=float(g.seq_kl.mean()) if g.trajs else 0.0)
-            rollout_s = time.time() - t0
+            rollout_s, idle_from = time.time() - t0, time.time()       # idle from here: the send waits on rank 0
             send_groups({"step": u, "version": version, "items": g.items, "n": len(g.trajs), "groups": g.n_groups,
                          "draws": g.draws, "bad": sum(t.error is not None for t in g.trajs), "figures": figures,
                          "tokens": sum(len(t.token_ids) for t in g.trajs), "rollout_s": rollout_s,
-                         "rollout_wait_s": t0 - idle_from})
-            idle_from = time.time()
+                         "rollout_wait_s": t0 - last_idle})
             if pool is not None and u < steps:     # the next step's overviews decode while this rank waits
                 upcoming, ks = train.draw_prompts(records, s, run.seed, index, layout.rollout_ranks, u + 1)
                 rollout.prefetch(pool, upcoming, video_root, cfg, rollout.video_factor(processor), ks)

@@ -108,8 +108,8 @@ def grpo_token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: to
         l_it = -w_it min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it) + beta KL_it
 
     w_it = 1 unless behav_logprobs are given: then AReaL's decoupled PPO objective (arXiv 2505.24298; docs/method.md
-    §5.1) of asynchronous training: pi_old is the proximal policy (the trainer's weights before this update,
-    recomputed), and the behaviour policy that sampled the token (an older version) enters as the importance
+    §5.1) of asynchronous training: pi_old is the proximal policy (the trainer's weights before this update), and
+    the behaviour policy that sampled the token (an older version) enters as the importance
     weight w_it = pi_old(o_it) / pi_behav(o_it); tokens whose w exceeds behav_cap (ParaVT 5) are dropped (w = 0,
     as AReaL's behav_imp_weight_cap filters them). With behav = old, w = 1: plain PPO-clip.
 
@@ -420,11 +420,11 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     """GRPO update on the kept trajectories: s.ppo_epochs passes of micro-batches (`micro_batches`: at most
     s.micro_batch rows and s.micro_batch_tokens padded tokens each, in order), token-mean over the policy
     tokens of ALL ranks (each rank normalises by N_global / world, FSDP averages the ranks' gradients; `group`:
-    the ranks that train, when others roll out). With several epochs, or with s.async_staleness (the decoupled
-    loss, its behaviour log-probs those the rollout recorded), the old (proximal) log-probs are recomputed first by
-    a no-grad forward (else they equal the current ones). A rank with nothing to learn still runs zero-weight
-    passes on `filler` (any trajectory it sampled), so every rank joins the same collectives; the step is skipped
-    only when no rank has a token.
+    the ranks that train, when others roll out). With several epochs the old (proximal) log-probs are recomputed
+    first by a no-grad forward; with one they are the current ones (the weights before this update), detached.
+    s.async_staleness: the decoupled loss, its behaviour log-probs those the rollout recorded. A rank with nothing
+    to learn still runs zero-weight passes on `filler` (any trajectory it sampled), so every rank joins the same
+    collectives; the step is skipped only when no rank has a token.
     `step_fn(loss)` clips, checks and applies the gradients (Run.optimizer_step). Returns (grad norm, stats)."""
     chunks = [items[sl] for sl in micro_batches([len(t.token_ids) for t, _, _ in items], s.micro_batch,
                                                  s.micro_batch_tokens)]
@@ -442,7 +442,7 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     use_ref = ref_model is not None and s.kl_coef > 0 and not s.kl_in_reward
     with torch.no_grad(), full_weights(model):
         old = [forward_logprobs(model, b, s.logprob_chunk, s.temperature, compile=s.compile, precision=s.precision)
-               if s.ppo_epochs > 1 or s.async_staleness else None for b in batches]
+               if s.ppo_epochs > 1 else None for b in batches]
         ref = [forward_logprobs(ref_model, b, s.logprob_chunk, s.temperature, compile=s.compile, precision=s.precision)
                if use_ref else None for b in batches]
     behav = [rollout.behaviour_logprobs([t for t, _, _ in c], b) if s.async_staleness else None
