@@ -211,7 +211,7 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--data", default=None, help="RL prompt records JSONL (docs/data.md); default: the synthetic task")
     g.add_argument("--sft-data", default=None, help="SFT trajectory records JSONL (docs/data.md); needs --data")
     g.add_argument("--video-root", default=None, help="folder the records' video paths are relative to (needs --data)")
-    g.add_argument("--eval-data", default=None, help="held-out prompt records (default: --held-out records split off --data)")
+    g.add_argument("--eval-data", default=None, help="held-out prompt records (default: --set held_out records split off --data)")
     g.add_argument("--max-bad-fraction", type=float, default=0.2, help="stop if more than this fraction of samples is bad")
     g.add_argument("--n-train", type=int, default=256, help="synthetic task: training prompts")
     g.add_argument("--n-eval", type=int, default=192, help="synthetic task: held-out prompts")
