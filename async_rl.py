@@ -16,11 +16,12 @@ last checkpoint (or --resume's, or --model).
 
 The schedule. Version v = the weights after v updates (the RL step that made them). Step u's groups may be sampled
 by a version v >= u - 1 - eta (the staleness bound; AReaL's max_head_offpolicyness eta; eta = 0 is the synchronous
-loop). The rollout takes v = max(start, u - 1 - eta): the newest the bound lets it use without waiting on the
-trainers, and the same version for a step on every run, whatever the timings. With eta = 1, in steady state:
+loop). The rollout takes v = max(start, u - 1 - eta), the oldest version the bound allows: it waits for no update
+it does not need, and a step's samples come from the same version on every run, whatever the timings. With eta = 1,
+in steady state:
 
-    trainers:  recv(u)  | update u  | recv(u + 1) | send weights v=u | recv(u + 1) was there: update u + 1 | ...
-    rollout:   sample u + 1 with v = u - 1         | send(u + 1)      | recv weights v=u | sample u + 2 ...
+    trainers:  update u (its groups sampled by v = u - 1)  | recv(u + 1) | send v = u | update u + 1 ...
+    rollout:   sample u + 1 with v = u - 1                 | send(u + 1) | recv v = u | sample u + 2 with v = u ...
 
 Every message is received in the order it is sent, on both sides (trainers: after update u, receive the groups of
 steps up to u + eta, then send v = u; the rollout: before sampling step w, receive the versions up to w - 1 - eta),
