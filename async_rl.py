@@ -309,30 +309,30 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
     model.eval()
 
 
-def run_rl(run, layout: Layout, args, processor, source: str | None, state: dict | None, device, records: list,
-           video_root: str, cfg, s, start: int, pad_id: int, evaluate, pool=None):
-    """The RL stage of an asynchronous run on this rank: its model (a trainer: FSDP2 over the trainers' mesh, loaded
-    from `source`, a checkpoint, when given; a rollout rank: unsharded, its weights the trainers' first broadcast),
-    the reference when the recipe has a KL, then its loop. `state`: the checkpoint's trainer state when resuming.
-    Returns the model (the final evaluation's)."""
+def run_rl(run, layout: Layout, processor, model_source: str, source: str | None, state: dict | None, device,
+           precision: str, seed: int, grad_checkpointing: bool, reference, records: list, video_root: str, cfg, s,
+           steps: int, lr: float, vision_lr_scale: float, warmup_steps: int, start: int, pad_id: int,
+           eval_every: int, evaluate, pool=None):
+    """The RL stage of an asynchronous run on this rank: its model (`model_source`'s architecture; a trainer: FSDP2
+    over the trainers' mesh, its weights loaded from `source`, a checkpoint, when given; a rollout rank: unsharded,
+    its weights the trainers' first broadcast), the reference when the recipe has a KL (`reference()` builds it),
+    then its loop. `state`: the checkpoint's trainer state when resuming. Returns the model (the final evaluation's)."""
     rollout_rank = layout.is_rollout(run.rank)
-    model, _ = train.policy_model(args.model, device, args.precision, 1, args.seed,
-                                  args.grad_checkpointing and not rollout_rank)
-    ref_model = runtime.reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed,
-                                        train.PRECISION[args.precision]) if args.kl_coef > 0 else None
+    model, _ = train.policy_model(model_source, device, precision, 1, seed, grad_checkpointing and not rollout_rank)
+    ref_model = reference() if s.kl_coef > 0 else None
     if rollout_rank:
-        rollout_loop(run, layout, model, ref_model, processor, records, video_root, cfg, s, args.rl_steps, start,
-                     pad_id, pool, args.eval_every, evaluate)
+        rollout_loop(run, layout, model, ref_model, processor, records, video_root, cfg, s, steps, start, pad_id,
+                     pool, eval_every, evaluate)
         return model
     trun = copy.copy(run)                                      # the trainers' view of the run: its group and size
     trun.world, trun.group = layout.n_trainers, layout.trainers
     if layout.n_trainers > 1:
         from torch.distributed.device_mesh import DeviceMesh
-        runtime.shard_model(model, train.PRECISION[args.precision], DeviceMesh.from_group(layout.trainers, device.type))
+        runtime.shard_model(model, train.PRECISION[precision], DeviceMesh.from_group(layout.trainers, device.type))
     if source is not None:
         runtime.load_train_state(source, model, None, layout.trainers)
-    optimizer = train.make_optimizer(model, args.lr, args.vision_lr_scale)
+    optimizer = train.make_optimizer(model, lr, vision_lr_scale)
     trun.load_optimizer(source, model, optimizer, state, "rl")             # AdamW's moments when resuming RL
-    trainer_loop(trun, layout, model, ref_model, processor, optimizer, records, video_root, cfg, s, args.rl_steps,
-                 args.lr, args.warmup_steps, pad_id, start, args.eval_every, evaluate)
+    trainer_loop(trun, layout, model, ref_model, processor, optimizer, records, video_root, cfg, s, steps, lr,
+                 warmup_steps, pad_id, start, eval_every, evaluate)
     return model

@@ -31,10 +31,7 @@ policy's own tokens (token-mean). Every log-prob in the loss is taken at the sam
 Recipes (--recipe, recipes.RECIPES): para_grpo (ParaVT's PARA-GRPO), vtgr (Video-o3's trajectory-guided reward),
 combined, vanilla (the ablation); presets (--preset tiny | paravt | videoo3, recipes.PRESETS) set a whole run.
 
-Departures from the papers' releases are noted where they happen and listed in docs/method.md ("Departures"):
-the trajectory scored as the model saw it (--set released_scoring=1 restores ParaVT's), token-level anchoring
-(--anchoring token), gating that really acts, sub-agent tokens optionally trained, old log-probs recomputed by a
-training forward, k1 KL only folded into the reward.
+Departures from the papers' releases are noted where they happen and listed in docs/method.md ("Departures").
 
 Run commands:
     python train.py                                   # the embedded default on CPU: tiny model, synthetic task
@@ -848,16 +845,20 @@ def main(rank: int, args) -> dict:
             summary["sft"] = evaluate(model, "sft")
     pool = lambda: video.DecodePool(args.decode_workers, args.decode_timeout,
                                     video.FrameCache(int(args.frame_cache_gb * 2 ** 30), disk_dir=args.frame_cache))
+    reference = lambda: runtime.reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed,
+                                                PRECISION[args.precision])
     if args.stage in ("all", "rl") and args.async_staleness:    # its own models, from the newest checkpoint
         source, model = ckpt if stage0 == "rl" else runtime.latest_checkpoint(args.run_dir), None
         with pool() as p:
-            model = async_rl.run_rl(run, layout, args, processor, source, state, device, rl_recs, video_root, cfg,
-                                    grpo_settings(args), step0 if stage0 == "rl" else 0, pad_id, evaluate, p)
+            model = async_rl.run_rl(run, layout, processor, args.model, source, state, device, args.precision,
+                                    args.seed, args.grad_checkpointing, reference, rl_recs, video_root, cfg,
+                                    grpo_settings(args), args.rl_steps, args.lr, args.vision_lr_scale,
+                                    args.warmup_steps, step0 if stage0 == "rl" else 0, pad_id, args.eval_every,
+                                    evaluate, p)
     elif args.stage in ("all", "rl"):
         optimizer = make_optimizer(model, args.lr, args.vision_lr_scale)
         run.load_optimizer(ckpt, model, optimizer, state, "rl")
-        ref_model = runtime.reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed,
-                                    PRECISION[args.precision]) if args.kl_coef > 0 else None
+        ref_model = reference() if args.kl_coef > 0 else None
         with pool() as p:
             run_rl(run, model, ref_model, processor, optimizer, rl_recs, video_root, cfg, grpo_settings(args),
                    args.rl_steps, args.lr, args.warmup_steps, pad_id, start=step0 if stage0 == "rl" else 0,
