@@ -12,10 +12,11 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   of its own suffix (its turns, tool responses, clips), one block more each time it crosses a block boundary.
   Sequences come and go: a finished row returns its blocks at once, a prompt when its last row has. `reserve`
   and `release` count the blocks the scheduler has promised to admitted work (each row its current turn's), so
-  that it grants blocks only while every admitted group could still reach its worst case (`safe`). GroupKV is what the model gets as its `cache` (the `update` hook the attention
-  layers call) and as the `rollout_cache` keyword.
-- `cascade_attention`: registered with transformers' AttentionInterface as "paravt_cascade" and used only while
-  the engine runs. A row's queries attend to [its prompt ; its own suffix], in at most TWO attention calls per layer
+  that it grants blocks only while every admitted group could still reach its worst case (`safe`). GroupKV is what
+  the model gets as the `rollout_cache` keyword: each decoder layer (layers.PlainLayer) hands it the forward's new
+  keys and values (`write`) and its queries (`attend`), in plain calls.
+- The cascade attention (`GroupKV.attend`): a row's queries attend to [its prompt ; its own suffix], in at most TWO
+  attention calls per layer
   whatever the number of rows, groups and turns (no Python loop over rows or groups on the per-step path; the
   host builds each forward's indices once, as a fixed number of tensors):
   1. the rows' own blocks: every row's keys ([small prompt ;] own suffix) gathered through its block table into
@@ -62,10 +63,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import video
+from layers import rope_tables
 from ops import autocast_dtype
 
 BLOCK = 256                          # tokens per block of the pool
@@ -110,11 +111,24 @@ def kv_bytes_per_token(model) -> int:
 
 
 def _on(device, xs) -> torch.Tensor:
-    """xs (a host tensor, or a list: long) on `device`; to CUDA from pinned memory, without a host sync."""
+    """xs (a host tensor, or a list: long) on `device`; to an accelerator from pinned memory, without a host sync."""
     t = xs if isinstance(xs, torch.Tensor) else torch.tensor(xs, dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    if (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _on_together(device, *parts: list) -> list[torch.Tensor]:
+    """Several host lists (each flat, or rows of equal length: a table) on `device` as ONE host tensor and one copy
+    (`_on`), handed back as views of it in their shapes: a forward's indices cost one transfer, not one each."""
+    flat, sizes, widths = [], [], []
+    for xs in parts:
+        rows = bool(xs) and isinstance(xs[0], list)
+        flat += [v for row in xs for v in row] if rows else xs
+        sizes.append(len(xs) * len(xs[0]) if rows else len(xs))
+        widths.append(len(xs[0]) if rows else None)
+    pieces = _on(device, flat).split(sizes)
+    return [t if w is None else t.view(-1, w) for t, w in zip(pieces, widths)]
 
 
 class BlockPool:
@@ -225,6 +239,8 @@ class _Forward:
     place: torch.Tensor | None = None    # (n,) each row's place among the slabs' p * r places (None: its own index)
     alone: torch.Tensor | None = None    # (n, 1, 1, 1) bool: rows with no large prompt (None: every row has one)
     qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
+    rope: tuple | None = None            # layers.rope_tables of the forward's positions (first layer)
+    autocast: bool = False               # autocast is on around the forward (turned off inside the attention)
     cuts: list = field(default_factory=list)    # the slabs of rows (first layer): (a, b, span, the rows' key slots
                                                 # ((b - a) * span,), their mask (b - a, 1, 1, span) or None); one,
                                                 # unless GATHER_BUDGET splits them (`_pack`)
@@ -287,9 +303,8 @@ class GroupKV:
         for s in seqs:
             if s.length == len(s.blocks) * BLOCK:
                 s.blocks += self.pool.alloc(1)
-        pos = _on(self.device, [s.next_pos for s in seqs]).view(1, -1, 1).expand(3, -1, 1)
-        fwd = self._rows_forward(seqs, [1] * len(seqs))
-        logits = self._run(model, fwd, tokens[:, None], pos)
+        fwd, (pos,) = self._rows_forward(seqs, [1] * len(seqs), [s.next_pos for s in seqs])
+        logits = self._run(model, fwd, tokens[:, None], pos.view(1, -1, 1).expand(3, -1, 1))
         for s in seqs:
             s.length += 1
             s.next_pos += 1
@@ -327,7 +342,7 @@ class GroupKV:
             fwd = _Forward(True, _on(self.device, [t for s, ln in zip(seqs, lengths) for t in s.slots(0, ln)]),
                            self._take(lengths, L))
         else:
-            fwd = self._rows_forward(seqs, lengths)
+            fwd, _ = self._rows_forward(seqs, lengths)
         logits = self._run(model, fwd, _on(self.device, ids), _on(self.device, pos), _on(self.device, types), vision,
                            _on(self.device, [ln - 1 for ln in lengths]))
         for s, ln in zip(seqs, lengths):
@@ -339,12 +354,13 @@ class GroupKV:
             return None
         return _on(self.device, [i * L + j for i, ln in enumerate(lengths) for j in range(ln)])
 
-    def _rows_forward(self, seqs: list[_Seq], lengths: list[int]) -> _Forward:
+    def _rows_forward(self, seqs: list[_Seq], lengths: list[int], *more: list) -> tuple[_Forward, list]:
         """The forward of rows `seqs`, lengths[i] new tokens on top of each, built on the host and sent at once:
         the tokens' slots, each row's block tables, and where its keys start. A row's keys are its own suffix, or
         [its prompt ; its suffix] where the copies of the prompt for its rows here are small (JOIN_PROMPT), so that
         no call is spent on it alone; the larger prompts go in one slab (`_PromptSlab`) whose queries are the rows
-        of each. Host work over the rows (lists); a fixed number of tensors whatever the rows and groups."""
+        of each. Host work over the rows (lists); a fixed number of tensors whatever the rows and groups, sent to the
+        device in one copy with `more` (further lists the caller needs there, handed back beside the forward)."""
         per_token = self.pool.k[0][0].numel()              # kv_heads * head_dim
         count: dict[int, int] = {}
         for s in seqs:
@@ -359,14 +375,14 @@ class GroupKV:
                 members.setdefault(s.prompt, []).append(i)
         pad = lambda rows: [r + [0] * (max(map(len, rows)) - len(r)) for r in rows]
         n = len(seqs)
-        fwd = _Forward(False, _on(self.device, [t for s, ln in zip(seqs, lengths) for t in s.slots(s.length, ln)]),
-                       self._take(lengths, max(lengths)), _on(self.device, pad([s.blocks for s in seqs])),
-                       _on(self.device, [o + s.length for o, s in zip(off, seqs)]),
-                       end_host=[o + s.length + ln for o, s, ln in zip(off, seqs, lengths)])
-        fwd.end, fwd.off = _on(self.device, fwd.end_host), _on(self.device, off)
-        fwd.ptables = _on(self.device, pad(ptables) if any(ptables) else [[0]] * n)
+        end = [o + s.length + ln for o, s, ln in zip(off, seqs, lengths)]
+        slots, tables, start, fwd_end, fwd_off, ptab, *more = _on_together(
+            self.device, [t for s, ln in zip(seqs, lengths) for t in s.slots(s.length, ln)],
+            pad([s.blocks for s in seqs]), [o + s.length for o, s in zip(off, seqs)], end, off,
+            pad(ptables) if any(ptables) else [[0]] * n, *more)
+        fwd = _Forward(False, slots, self._take(lengths, max(lengths)), tables, start, fwd_end, end, fwd_off, ptab)
         if not members:
-            return fwd
+            return fwd, more
         # the large prompts in one slab; several only where their padded K/V would pass GATHER_BUDGET
         large = list(members)
         place = [0] * n
@@ -382,7 +398,7 @@ class GroupKV:
             fwd.place = _on(self.device, place)
         if sum(map(len, members.values())) < n:            # some rows read their (small) prompt with their suffix
             fwd.alone = _on(self.device, torch.tensor([o > 0 for o in off]).view(n, 1, 1, 1))
-        return fwd
+        return fwd, more
 
     def _prompt_keys(self, prompt: _Seq) -> torch.Tensor:
         """(length,) the pool slots of a prompt's keys, on the device (made at its first read)."""
@@ -409,16 +425,14 @@ class GroupKV:
 
     @torch.no_grad()
     def _run(self, model, fwd: _Forward, ids, pos, types=None, vision=None, last=None) -> torch.Tensor:
-        """One forward through the model with this cache's hooks; (n, V) float logits after token `last[i]` of
-        each row (default: the last column)."""
+        """One forward through the model, its decoder layers attending through this cache (`rollout_cache`); (n, V)
+        float logits after token `last[i]` of each row (default: the last column)."""
         self.fwd = fwd
-        lm = model.model.language_model.config
-        impl, lm._attn_implementation = lm._attn_implementation, "paravt_cascade"
+        fwd.autocast = autocast_dtype(ids.device.type) is not None
         try:
-            out = model.model(input_ids=ids, position_ids=pos, cache=self, mm_token_type_ids=types, use_cache=True,
+            out = model.model(input_ids=ids, position_ids=pos, mm_token_type_ids=types, use_cache=False,
                               rollout_cache=self, **(vision or {}))
         finally:
-            lm._attn_implementation = impl
             self.fwd = None
         h = out.last_hidden_state
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
@@ -434,23 +448,34 @@ class GroupKV:
         prompt = fwd.ptables.gather(1, (pos // BLOCK).clamp(max=fwd.ptables.shape[1] - 1).expand(len(own), -1))
         return torch.where(pos < fwd.off[:, None], prompt * BLOCK + pos % BLOCK, suffix)
 
-    # -- the two hooks the model calls
-    def update(self, k, v, layer_idx, kwargs=None, **_):
-        """k, v (n, kv_heads, l, head_dim) of this forward's tokens -> their slots in the pool."""
-        n, Hkv, l, d = k.shape
-        kk, vv = k.transpose(1, 2).reshape(n * l, Hkv, d), v.transpose(1, 2).reshape(n * l, Hkv, d)
+    # -- what each decoder layer calls (layers.attention)
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """layers.rope_tables of this forward's (cos, sin), made at the first layer for all of them."""
+        if self.fwd.rope is None:
+            self.fwd.rope = rope_tables(cos, sin)
+        return self.fwd.rope
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (n, l, kv_heads, head_dim) of this forward's tokens -> their slots in the pool."""
+        n, l, Hkv, d = k.shape
+        kk, vv = k.reshape(n * l, Hkv, d), v.reshape(n * l, Hkv, d)
         if self.fwd.take is not None:                      # right-padding: pads are never stored
             kk, vv = kk[self.fwd.take], vv[self.fwd.take]
-        self.pool.write(layer_idx, self.fwd.slots, kk, vv)
-        return k, v
+        self.pool.write(layer, self.fwd.slots, kk, vv)
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float, key=None, value=None, module=None) -> torch.Tensor:
-        """q (n, heads, l, d) of this forward's rows -> (n, l, heads, d), in the compute dtype (autocast's where it
-        is on, else q's). The attention runs with autocast off, in fp32: under the RL step's autocast (--precision
-        bf16) its matmuls would otherwise round the scores and the LSE to bf16 (tests/test_engine_precision.py)."""
-        dtype = autocast_dtype(q.device.type) or q.dtype
+    def attend(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               module) -> torch.Tensor:
+        """q (n, heads, l, d) of this forward's rows -> (n, l, heads * d), in the compute dtype (autocast's where it
+        is on, else q's). key / value (n, l, kv_heads, d): this forward's own, read only by a prompt forward (the
+        rest reads the pool). The attention runs with autocast off, in fp32: under the RL step's autocast
+        (--precision bf16) its matmuls would otherwise round the scores and the LSE to bf16
+        (tests/test_engine_precision.py)."""
+        if not self.fwd.autocast:
+            out = self._attend_rows(layer, q, scale, key, value, module)
+            return out if out.dtype == q.dtype else out.to(q.dtype)
         with torch.autocast(q.device.type, enabled=False):
             out = self._attend_rows(layer, q, scale, key, value, module)
+        dtype = torch.get_autocast_dtype(q.device.type)
         return out if out.dtype == dtype else out.to(dtype)
 
     def _attend_rows(self, layer: int, q: torch.Tensor, scale: float, key, value, module) -> torch.Tensor:
@@ -459,8 +484,8 @@ class GroupKV:
         large prompts, one slab with each prompt's rows as its queries. Their softmaxes are merged by the LSE."""
         fwd = self.fwd
         if fwd.prompt_mode:                                # whole prompts from position 0: plain causal SDPA, fp32
-            return sdpa_attention_forward(module, q.float(), key.float(), value.float(), None, scaling=scale,
-                                          is_causal=True)[0]
+            return sdpa_attention_forward(module, q.float(), key.transpose(1, 2).float(),
+                                          value.transpose(1, 2).float(), None, scaling=scale, is_causal=True)[0].flatten(2)
         n, H, l, d = q.shape
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         Hkv = pool_k.shape[1]
@@ -468,8 +493,9 @@ class GroupKV:
         gl = g * l
         qg = q.reshape(n, Hkv, gl, d)
         fused = l == 1 and not fwd.slabs                   # decode, nothing to merge: one SDPA call, no LSE
-        if fwd.qpos is None:                               # made at the first layer, for every layer
-            fwd.qpos = fwd.start[:, None] + torch.arange(gl, device=q.device) % l      # the (g, l) order of qg
+        if not fwd.cuts:                                   # made at the first layer, for every layer
+            if l > 1:                                      # each query's position: a chunk's causal limit
+                fwd.qpos = fwd.start[:, None] + torch.arange(gl, device=q.device) % l      # the (g, l) order of qg
             span = max(fwd.end_host)
             keys = self._key_slots(fwd, span)
             bias = _hidden(torch.arange(span, device=q.device) >= fwd.end[:, None])      # (n, span): past a row's end
@@ -485,12 +511,11 @@ class GroupKV:
                 own.append(F.scaled_dot_product_attention(_f32(qa), _f32(K), _f32(V), attn_mask=mask, scale=scale))
             else:                                          # a decode query sees every key before its row's end
                 own.append(_attend(qa, K, V, scale, fwd.qpos[a:b] if l > 1 else None, mask))
-        if fused:
-            o_s = own[0] if len(own) == 1 else torch.cat(own)
-            return o_s.reshape(n, H, l, d).transpose(1, 2)
+        if fused:                                          # (n, Hkv, g, d) is (n, 1, H d) in memory
+            return (own[0] if len(own) == 1 else torch.cat(own)).view(n, 1, H * d)
         o_s, l_s = own[0] if len(own) == 1 else [torch.cat(t) for t in zip(*own)]
         if not fwd.slabs:                                  # a chunk, every prompt read with its rows
-            return o_s.reshape(n, H, l, d).transpose(1, 2)
+            return o_s.reshape(n, H, l, d).transpose(1, 2).reshape(n, l, H * d)
         # the large prompts: each prompt's rows are its queries (r places a prompt, pads included), (p, Hkv, r gl, d)
         o_p, l_p = [], []
         for sb in fwd.slabs:                               # one slab, unless GATHER_BUDGET splits the prompts
@@ -510,7 +535,7 @@ class GroupKV:
             o_p, l_p = o_p.index_select(0, fwd.place), l_p.index_select(0, fwd.place)
         if fwd.alone is not None:                          # no large prompt: weight 0 in the merge
             l_p = l_p.masked_fill(fwd.alone, float("-inf"))
-        return _merge(o_p, l_p, o_s, l_s).reshape(n, H, l, d).transpose(1, 2)
+        return _merge(o_p, l_p, o_s, l_s).reshape(n, H, l, d).transpose(1, 2).reshape(n, l, H * d)
 
 
 def _pack(lengths: list[int], limit: int) -> list[tuple[int, int, int]]:
@@ -602,19 +627,6 @@ def _merge(o1, lse1, o2, lse2):
     """Cascade merge in fp32: softmax over [A; B] = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)
     = o_B + w (o_A - o_B), w = e^lse_A / (e^lse_A + e^lse_B) = sigmoid(lse_A - lse_B) (A empty: lse_A = -inf, w = 0)."""
     return torch.lerp(o2, o1, torch.sigmoid(lse1 - lse2))
-
-
-def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The attention function registered as "paravt_cascade": with a `rollout_cache` keyword (a GroupKV)
-    it ignores the key/value it is handed (already written into the cache by `update`) and attends
-    over [the row's prompt ; the row's suffix] (GroupKV.attend); without one it is plain SDPA."""
-    cache = kwargs.pop("rollout_cache", None)
-    if cache is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    return cache.attend(module.layer_idx, query, scaling, key, value, module), None
-
-
-AttentionInterface.register("paravt_cascade", cascade_attention)
 
 
 # -----------------------------------------------------------------------------

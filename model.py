@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from layers import use_plain_layers
+
 # Two reasons for the floor: Qwen3-VL's forward takes `cache=` from 5.24 on (5.23 names it past_key_values and
 # would drop our `cache=` into **kwargs, silently decoding without the engine's K/V store), and 5.24's processor
 # nests a video's per-frame <|vision_start|> .. <|vision_end|> pairs inside the chat template's outer pair, a
@@ -554,7 +556,7 @@ def _tiny_qwen3vl(cfg: ModelConfig, tokenizer, vocab_size: int, seed: int):
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.config.tiny_model_config = asdict(cfg)   # recorded so a saved tiny checkpoint says what it is
-    return use_linear_patch_embed(model).float().eval()
+    return use_plain_layers(use_linear_patch_embed(model)).float().eval()
 
 
 def build_tiny(cfg: ModelConfig | None = None, seed: int = 0, corpus: tuple[str, ...] = ()):
@@ -646,7 +648,7 @@ def build_qwen3vl(config, dtype: torch.dtype = torch.float32, seed: int = 0):
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     v = config.vision_config
     shapes = ModelConfig(patch_size=v.patch_size, spatial_merge=v.spatial_merge_size, temporal_patch=v.temporal_patch_size)
-    return use_linear_patch_embed(model).eval(), build_processor(qwen_tokenizer(), shapes)
+    return use_plain_layers(use_linear_patch_embed(model)).eval(), build_processor(qwen_tokenizer(), shapes)
 
 
 # -----------------------------------------------------------------------------
@@ -657,29 +659,25 @@ def default_device() -> torch.device:
 
 
 def load_model(name_or_path: str = "tiny", device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, attn_implementation: str | None = None, seed: int = 0,
-               tiny_corpus: tuple[str, ...] = (), tiny_config: ModelConfig | None = None):
+               dtype: torch.dtype | None = None, seed: int = 0, tiny_corpus: tuple[str, ...] = (),
+               tiny_config: ModelConfig | None = None):
     """Return `(model, processor)`: `"tiny"` builds the embedded default, `"tiny-qwen"` the same architecture
     on the real Qwen tokenizer and vocab (`build_tiny_qwen`); a directory or hub id goes
     through the Auto classes (Qwen3-VL, Qwen2.5-VL, ...). bf16 on CUDA, fp32 on CPU unless `dtype`.
-    `attn_implementation`: None (library default), "sdpa", "eager" (needed for TDAM's 4-D masks on
-    some versions) or "flash_attention_2". `tiny_corpus` / `tiny_config`: see `build_tokenizer` / `ModelConfig`.
-    Every model's vision patch embedding runs as one matmul (`use_linear_patch_embed`; same state dict)."""
+    `tiny_corpus` / `tiny_config`: see `build_tokenizer` / `ModelConfig`. Every model's vision patch embedding
+    runs as one matmul (`use_linear_patch_embed`) and its decoder layers run layers.PlainLayer's forward
+    (`use_plain_layers`: SDPA, the engine's cache or TDAM by keyword); the state dict is unchanged."""
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if name_or_path in ("tiny", "tiny-qwen"):
         model, processor = (build_tiny(tiny_config, seed=seed, corpus=tiny_corpus) if name_or_path == "tiny"
                             else build_tiny_qwen(tiny_config, seed=seed))
-        if attn_implementation:
-            model.set_attn_implementation(attn_implementation)
     else:
         if not os.path.exists(name_or_path) and os.sep in name_or_path:
             raise FileNotFoundError(f"model directory {name_or_path!r} does not exist")
         from transformers import AutoModelForImageTextToText, AutoProcessor
-        kwargs = dict(dtype=dtype)
-        if attn_implementation:
-            kwargs["attn_implementation"] = attn_implementation
-        model = use_linear_patch_embed(AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs))
+        model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa")
+        model = use_plain_layers(use_linear_patch_embed(model))
         processor = AutoProcessor.from_pretrained(name_or_path)
     return cast_parameters(model.to(device), dtype).eval(), processor
 

@@ -12,12 +12,12 @@ Plain PyTorch plus `torch.compile` on the per-chunk softmax math; train.py holds
    `policy_rows` gathers the policy tokens of (B, L) batches into the (N, ...) rows the kernels take.
 2. TDAM (Video-o3, arXiv 2601.23224), the tensor side: `tdam_rects` states the two masking rules as rectangles
    of (query, key) ranges; `tdam_mask` / `to_additive_mask` build the dense (L, L) form from them (tests, small
-   inputs); `TdamSpec` + `tdam_attention` (the attention implementation "paravt_tdam", which a model keeps once
-   `use_tdam_attention` sets it; SDPA for any forward without the `tdam` keyword) attend block-sparse:
+   inputs); `TdamSpec` + `tdam_attention` (which a decoder layer calls when its forward has the `tdam` keyword,
+   layers.attention) attend block-sparse:
    `tdam_tiles` sorts (query tile, key tile) pairs into skipped / unmasked / causal / masked from the rectangles,
    and one of two kernels attends the rest, flex_attention (CUDA) or a blocked CPU flash kernel; no L x L tensor
    ever exists. Which spans of a trajectory the rules apply to is found from its text in sft.py (`tdam_spans`).
-     tdam_attention(module, q (B, H, L, d), k / v (B, H_kv, L, d), ..., tdam=TdamSpec) -> (B, L, H, d)
+     tdam_attention(q (B, H, L, d), k / v (B, H_kv, L, d), TdamSpec, scaling) -> (B, L, H, d)
 3. Sampling, one (B, V) operation a decode step on the logits' device (rollout.Engine.step calls it):
      sample_tokens(logits (B, V), seeds (B,), counters (B,), T, top_p) -> tokens (B,)
    Gumbel-max over a counter-based hash (`uniform_noise`): a row's draw depends on its seed and draw index only.
@@ -34,9 +34,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 # -----------------------------------------------------------------------------
 # 1. Chunked log-probabilities: hidden states x lm_head -> log p(token), never the (N, V) matrix
@@ -591,10 +588,11 @@ def _tdam_flex(query, key, value, spec: TdamSpec, scaling: float) -> torch.Tenso
                              enable_gqa=query.shape[1] != key.shape[1])
 
 
-def tdam_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, tdam: TdamSpec = None,
-                   **kwargs):
+def tdam_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tdam: TdamSpec,
+                   scaling: float) -> torch.Tensor:
     """
-    The attention function registered as "paravt_tdam": TDAM's masked attention, block-sparse.
+    TDAM's masked attention, block-sparse (a decoder layer calls it when its forward has the `tdam` keyword:
+    layers.attention).
 
         out_i = sum_j P_ij v_j,   P_ij = exp(s_ij - lse_i) over the keys j that row i may see (TdamSpec.allowed),
         s_ij = q_i k_j / sqrt(d),  lse_i = log sum_j exp(s_ij)
@@ -612,20 +610,14 @@ def tdam_attention(module, query, key, value, attention_mask, scaling=None, drop
     Measured (bench/tdam_bench.py, docs/experiments.md): the blocked kernel's fwd+bwd at 16,384 tokens vs plain causal
     SDPA. Shapes: query (B, H, L, d), key / value (B, H_kv, L, d) (grouped-query heads) -> (B, L, H, d).
     Under autocast the three are cast to its dtype first, as SDPA is (--precision bf16 on fp32 weights).
-    Without `tdam`: plain SDPA, with the mask the "paravt_tdam" mask interface (SDPA's) built.
+    No attention dropout (Qwen-VL trains with 0; layers.attention passes none).
     """
-    if tdam is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    if dropout:
-        raise ValueError(f"tdam_attention: attention dropout {dropout} is not supported (Qwen-VL trains with 0)")
-    scaling = module.scaling if scaling is None else scaling
     kernel = _tdam_flex if tdam_kernel(tdam, query.device) == "flex" else _tdam_blocked
     # as SDPA under autocast: all three in its dtype (Qwen3-VL's q / k norms return fp32 beside bf16 values)
     dtype = autocast_dtype(query.device.type)
     if dtype is not None:
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    return kernel(query, key, value, tdam, scaling).transpose(1, 2).contiguous(), None
+    return kernel(query, key, value, tdam, scaling).transpose(1, 2).contiguous()
 
 
 def autocast_dtype(device: str) -> torch.dtype | None:
@@ -634,23 +626,6 @@ def autocast_dtype(device: str) -> torch.dtype | None:
     if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return None
-
-
-TDAM_ATTENTION = "paravt_tdam"
-AttentionInterface.register(TDAM_ATTENTION, tdam_attention)
-AttentionMaskInterface.register(TDAM_ATTENTION, sdpa_mask)   # SDPA's masks: forwards without `tdam` are plain SDPA
-
-
-def use_tdam_attention(config) -> None:
-    """Run the decoder of `config` under "paravt_tdam" from now on. Permanent, not switched per forward: gradient
-    checkpointing recomputes each decoder layer in BACKWARD, where it must find the same attention function (it
-    keeps the `tdam` keyword of the forward's call). Forwards without `tdam` are unchanged: "paravt_tdam" builds
-    SDPA's masks and calls SDPA. A forward with `tdam` should pass no 2-D attention mask (the spec holds each
-    row's length; the mask would only make SDPA's (B, 1, L, L) padding mask)."""
-    impl = config._attn_implementation
-    if impl not in ("sdpa", TDAM_ATTENTION):
-        raise ValueError(f"TDAM runs on a model with sdpa attention (the library default); this one uses {impl!r}")
-    config._attn_implementation = TDAM_ATTENTION
 
 
 # -----------------------------------------------------------------------------

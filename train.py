@@ -63,7 +63,7 @@ import rollout
 import runtime
 import sft
 import video
-from ops import TdamSpec, policy_rows, token_logprobs, use_tdam_attention
+from ops import TdamSpec, policy_rows, token_logprobs
 from runtime import Run, all_max, all_mean, all_sum, all_sum_float, all_weighted_mean, full_weights, print0
 
 T = recipes.TINY      # the settings dataclasses' defaults: what `python train.py` runs
@@ -611,10 +611,9 @@ def hidden_and_targets(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | N
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden (B, L-1, D), targets (B, L-1), policy mask (B, L-1)): the final hidden states that predict each
     next token, for the fused kernels. A batch collated with share_videos=True runs the vision tower once per
-    distinct video (the G samples of a prompt share its overview), as the rollout did. `tdam`: the decoder's
-    attention is `tdam_attention` (no L x L mask), selected by the `tdam` keyword under the "paravt_tdam"
-    implementation the model keeps from then on (so gradient checkpointing's recompute in backward attends
-    the same way); `attn_mask_4d`: a dense 4-D mask instead.
+    distinct video (the G samples of a prompt share its overview), as the rollout did. `tdam`: each decoder
+    layer attends by `ops.tdam_attention` (no L x L mask), picked by the `tdam` keyword (layers.attention;
+    gradient checkpointing's recompute in backward gets the same keyword); `attn_mask_4d`: a dense 4-D mask.
     FSDP: the lm_head unit is gathered here, since the kernels read lm_head.weight directly (its gradient is
     reduce-scattered with the final norm's, in backward)."""
     device = next(model.parameters()).device
@@ -625,7 +624,6 @@ def hidden_and_targets(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | N
     if attn_mask_4d is not None:
         kw["attention_mask"] = attn_mask_4d.to(device)
     if tdam is not None:                  # the spec is the mask (padding included); positions come from collate
-        use_tdam_attention(model.model.language_model.config)
         kw.pop("attention_mask", None)
         kw["tdam"] = tdam
     hidden = rollout.shared_video_hidden_states(model, kw)[:, :-1]          # (B, L-1, D); vision once per distinct video

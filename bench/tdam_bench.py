@@ -43,8 +43,6 @@ def side(name: str, L: int, layers: int, block: int, grad_file: str | None) -> d
     sp = layout(L)
     ids = torch.randint(0, 1000, (1, L))
     rects = ops.tdam_rects(L, sp["overview"], sp["answer"], sp["calls"], sp["obs"])
-    if name == "tdam":
-        ops.use_tdam_attention(lm.config)
 
     def step():
         kw = dict(input_ids=ids, use_cache=False)

@@ -10,6 +10,7 @@ import torch
 
 import data
 import kvcache
+import layers
 import ops
 import rollout
 import sft
@@ -411,15 +412,12 @@ def _fp32_attention(module, query, key, value, attention_mask, scaling=None, dro
     return (torch.softmax(s, -1) @ v).to(query.dtype).transpose(1, 2), None
 
 
-def test_cascade_attention_in_fp32_under_bf16(one_thread, small_thresholds):
+def test_cascade_attention_in_fp32_under_bf16(one_thread, small_thresholds, monkeypatch):
     """A bf16 model's engine logits equal a full recompute of the same bf16 model whose attention runs in fp32:
     one layer (the logits of a chunk's tokens then depend on the engine's attention alone: the prompt's K/V are
     the same either way) and q_norm scaled x8, so scores are large as in real models. Scores from a bf16 matmul
     (rounded to 2^-9 relative before the fp32 softmax) moved these logits by 0.008-0.014."""
-    from transformers import AttentionInterface
-
     from model import ModelConfig, load_model
-    AttentionInterface.register("fp32_reference", _fp32_attention)
     model, processor = load_model("tiny", device="cpu", dtype=torch.bfloat16, tiny_corpus=rollout.prompt_corpus(),
                                   tiny_config=ModelConfig(layers=1))
     with torch.no_grad():
@@ -432,7 +430,7 @@ def test_cascade_attention_in_fp32_under_bf16(one_thread, small_thresholds):
     rows = kv.fork(p, 2)
     chunk = kv.extend(model, rows, sfx, pad)                 # a chunk on each row
     step = kv.step(model, rows, torch.tensor([500, 501]))     # one decode step
-    model.set_attn_implementation("fp32_reference")
+    monkeypatch.setattr(layers, "sdpa_attention_forward", _fp32_attention)
     for r, tok in enumerate([500, 501]):
         with torch.no_grad():
             ref = model(input_ids=torch.cat([prompt.ids, sfx[r].ids, torch.tensor([tok])])[None]).logits[0].float()
@@ -624,10 +622,10 @@ def test_several_prompts_in_one_step_equal_plain_forwards(tiny, monkeypatch, gat
     slabs = []
     rows_forward = kvcache.GroupKV._rows_forward
 
-    def recorded(self, seqs, lengths):
-        fwd = rows_forward(self, seqs, lengths)
+    def recorded(self, seqs, lengths, *more):
+        fwd, more = rows_forward(self, seqs, lengths, *more)
         slabs.append((len(fwd.slabs), sum(sb.first is not None for sb in fwd.slabs), fwd.alone is not None))
-        return fwd
+        return fwd, more
 
     monkeypatch.setattr(kvcache.GroupKV, "_rows_forward", recorded)
     chunks = [text(n) for n in (3, 6, 2, 7, 4, 5)]

@@ -646,9 +646,7 @@ def dense_attention(q, k, v, spec):
 
 
 def tdam_call(q, k, v, spec):
-    module = torch.nn.Module()
-    module.scaling = q.shape[-1] ** -0.5
-    return ops.tdam_attention(module, q, k, v, None, tdam=spec)[0]
+    return ops.tdam_attention(q, k, v, spec, q.shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("block", [1, 5, 8, 16, 70, 128])

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 import data
 import model as model_lib
+import layers
 import ops
 import rewards
 import rollout
@@ -567,29 +568,25 @@ def test_blocked_tdam_attention_equals_the_dense_mask(tiny, tdam_batch):
     assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < 1e-4
 
 
-def test_tdam_attention_is_sdpa_without_the_keyword(tiny, tdam_batch):
-    """After a TDAM forward the decoder stays on "paravt_tdam" (so a recompute in backward finds it), and a forward
-    without the `tdam` keyword there is exactly SDPA's, padding mask included; a non-SDPA model is refused."""
+def test_tdam_attention_is_reached_by_keyword_in_plain_calls(tiny, tdam_batch, monkeypatch):
+    """The `tdam` keyword alone picks TDAM's attention in every decoder layer (layers.attention calls
+    ops.tdam_attention: no registry, the model's attention implementation untouched), and a forward without it is
+    SDPA's, padding mask included, the same loss as before the TDAM forward."""
     model, processor = tiny
     _, batch = tdam_batch
-    lm = model.model.language_model.config
-    impl = lm._attn_implementation
-    losses = []
-    try:
-        for name in ("sdpa", ops.TDAM_ATTENTION):
-            lm._attn_implementation = name
-            with torch.no_grad():
-                losses.append(train.sft_loss(model, batch, None, compile=False)[0])
-        lm._attn_implementation = "eager"
-        with pytest.raises(ValueError, match="sdpa attention"):
-            ops.use_tdam_attention(lm)
-    finally:
-        lm._attn_implementation = impl
-    assert torch.equal(losses[0], losses[1])
+    lm = model.model.language_model
+    impl = lm.config._attn_implementation
+    calls = []
+    tdam = layers.tdam_attention
+    monkeypatch.setattr(layers, "tdam_attention", lambda *a: (calls.append(a[3]), tdam(*a))[1])
     spec = sft.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
     with torch.no_grad():
+        before = train.sft_loss(model, batch, None, compile=False)[0]
+        assert not calls
         train.sft_loss(model, batch, None, compile=False, tdam=spec)
-    assert lm._attn_implementation == ops.TDAM_ATTENTION
+        after = train.sft_loss(model, batch, None, compile=False)[0]
+    assert len(calls) == len(lm.layers) and all(c is spec for c in calls)
+    assert lm.config._attn_implementation == impl and torch.equal(before, after)
 
 
 def test_tdam_gradients_equal_with_gradient_checkpointing(tiny, tdam_batch):

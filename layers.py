@@ -1,0 +1,120 @@
+"""
+The text decoder's layer in plain calls: Qwen3-VL's pre-norm block (Qwen2.5-VL's is the same without the per-head
+q / k norms, with q / k / v biases), and the attention it runs picked by its forward's keywords, not looked up in
+transformers' attention registry.
+
+    n = RMSNorm(x)                                      RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)
+    q, k, v = W_q n, W_k n, W_v n                       Qwen3-VL: q, k RMS-normed per head
+    q, k = rope(q), rope(k)                             rope(x) = x cos + rotate_half(x) sin   (M-RoPE's cos, sin)
+    h = x + W_o attention(q, k, v)
+    y = h + W_down (silu(W_gate m) * W_up m),           m = RMSNorm(h)
+
+`use_plain_layers(model)` gives every decoder layer of a loaded model `PlainLayer.forward`: the same modules,
+parameters and names (a checkpoint saves and loads unchanged, FSDP2 wraps the layers as before, gradient
+checkpointing is the layer base class's, which replays this forward with the same keywords). The attention:
+    rollout_cache=GroupKV   the engine's paged cascade attention: the new keys / values into the cache's pool
+                            (kvcache.GroupKV.write), then the queries over [prompt ; own suffix] (GroupKV.attend)
+    tdam=TdamSpec           TDAM's block-sparse attention (ops.tdam_attention; SFT with --tdam)
+    neither                 SDPA with the mask the text model built (training, evaluation, plain forwards)
+The text model around the layers (embedding, M-RoPE's cos / sin, deepstack, the final norm) stays transformers'.
+
+Why our own forward: the same numbers in fewer launched ops, which is what a GPU decode step is bound by (the host
+launches ~5-10 us an op; bench/rollout_bench.py's gpu_shape counts them). RMSNorm is one fused `rms_norm` call
+(transformers' writes it as 8 ops: to, pow, mean, add, rsqrt, mul, to, mul); q, k and v stay in (n, l, heads, d), the layout
+the projections give and the cache stores, so no transposes go back and forth; rotate_half is one `roll`
+(cat(-x2, x1) = roll(x, d/2) with the sign of the first half moved onto sin, once per forward). In fp32 and bf16
+the outputs equal transformers' layer bit for bit on the CPU (tests/test_layers.py); bf16 differs only by
+RMSNorm's rounding (`rms_norm`), and a CUDA build's fused `rms_norm` may round differently in the last place.
+Shapes: hidden (n, l, D); q (n, l, H, d), k / v (n, l, H_kv, d); cos / sin (n, l, d).
+"""
+import functools
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ops import tdam_attention
+
+
+def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """Qwen's RMSNorm (`norm`: transformers' module, its weight and variance_epsilon): w * x / sqrt(mean(x^2) + eps),
+    in fp32. One fused call where x and the weight share a dtype: in fp32 bit for bit transformers' result; in bf16
+    rounded once where transformers rounds twice (x / rms to bf16, then the product) (the departure: the rollout
+    and the training forward both run this, so they agree). Mixed (autocast's bf16 activations on fp32 weights):
+    transformers' form exactly, the product promoted to fp32 as there."""
+    if x.dtype == norm.weight.dtype:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text model's M-RoPE (cos, sin) (n, l, d) -> (n, l, 1, d) for (n, l, heads, d) tensors, the sign of
+    rotate_half folded into sin: rotate_half(x) sin = roll(x, d/2) * (sin with its first half negated)."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), -1).unsqueeze(2)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin, rotate_half(x) = cat(-x2, x1), written x cos + roll(x, d/2) signed_sin
+    (`rope_tables`): the same products and sum, bit for bit."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def attention(attn, x: torch.Tensor, tables, mask, cache=None, tdam=None) -> torch.Tensor:
+    """The attention block of `attn` (transformers' attention module: its projections, norms, layer_idx, scaling)
+    on the normed hidden x (n, l, D) -> (n, l, H d), before W_o. `tables`: rope_tables' (cos, signed sin)."""
+    n, l, _ = x.shape
+    d = attn.head_dim
+    q, k, v = attn.q_proj(x).view(n, l, -1, d), attn.k_proj(x).view(n, l, -1, d), attn.v_proj(x).view(n, l, -1, d)
+    if hasattr(attn, "q_norm"):                                       # Qwen3-VL: RMSNorm over each head's d
+        q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
+    q, k = rope(q, *tables), rope(k, *tables)
+    if cache is not None:                                             # the engine: pool, then cascade attention
+        cache.write(attn.layer_idx, k, v)
+        return cache.attend(attn.layer_idx, q.transpose(1, 2), k, v, attn.scaling, attn)
+    if tdam is not None:
+        out = tdam_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), tdam, attn.scaling)
+    else:
+        out = sdpa_attention_forward(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                     dropout=attn.attention_dropout if attn.training else 0.0,
+                                     scaling=attn.scaling)[0]
+    return out.reshape(n, l, -1)
+
+
+class PlainNorm:
+    """The forward `use_plain_layers` gives the text model's final RMSNorm (a mixin before its own class)."""
+
+    def forward(self, hidden_states):
+        return rms_norm(hidden_states, self)
+
+
+class PlainLayer:
+    """The forward `use_plain_layers` gives a decoder layer (a mixin before the layer's own class)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, rollout_cache=None, tdam=None,
+                **_):
+        x = hidden_states
+        tables = rollout_cache.rope(*position_embeddings) if rollout_cache is not None else \
+            rope_tables(*position_embeddings)                        # the engine makes them once per forward
+        x = x + self.self_attn.o_proj(attention(self.self_attn, rms_norm(x, self.input_layernorm), tables,
+                                                attention_mask, rollout_cache, tdam))
+        m = rms_norm(x, self.post_attention_layernorm)
+        return x + self.mlp.down_proj(self.mlp.act_fn(self.mlp.gate_proj(m)) * self.mlp.up_proj(m))
+
+
+@functools.cache
+def plain_class(mixin: type, cls: type) -> type:
+    """`cls` (transformers' decoder layer or RMSNorm class) with the forward of `mixin`."""
+    return type(f"Plain{cls.__name__}", (mixin, cls), {})
+
+
+def use_plain_layers(model):
+    """Every decoder layer of `model` (a Qwen3-VL / Qwen2.5-VL ForConditionalGeneration) runs PlainLayer.forward
+    from now on, and its final norm PlainNorm.forward: each module's class becomes a subclass of its own with our
+    forward (nothing else changes: modules, parameters, hooks); returns the model. Done at load (model.load_model
+    and the builders), before any FSDP2 wrapping."""
+    text = model.model.language_model
+    for module, mixin in [(layer, PlainLayer) for layer in text.layers] + [(text.norm, PlainNorm)]:
+        if not isinstance(module, mixin):
+            module.__class__ = plain_class(mixin, type(module))
+    return model
