@@ -241,6 +241,7 @@ class _Forward:
     qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
     rope: tuple | None = None            # layers.rope_tables of the forward's positions (first layer)
     autocast: bool = False               # autocast is on around the forward (turned off inside the attention)
+    shape: tuple = ()                    # (n, l): rows, tokens per row (right-padded)
     cuts: list = field(default_factory=list)    # the slabs of rows (first layer): (a, b, span, the rows' key slots
                                                 # ((b - a) * span,), their mask (b - a, 1, 1, span) or None); one,
                                                 # unless GATHER_BUDGET splits them (`_pack`)
@@ -428,7 +429,7 @@ class GroupKV:
         """One forward through the model, its decoder layers attending through this cache (`rollout_cache`); (n, V)
         float logits after token `last[i]` of each row (default: the last column)."""
         self.fwd = fwd
-        fwd.autocast = autocast_dtype(ids.device.type) is not None
+        fwd.autocast, fwd.shape = autocast_dtype(ids.device.type) is not None, tuple(ids.shape)
         try:
             out = model.model(input_ids=ids, position_ids=pos, mm_token_type_ids=types, use_cache=False,
                               rollout_cache=self, **(vision or {}))
@@ -456,18 +457,17 @@ class GroupKV:
         return self.fwd.rope
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (n, l, kv_heads, head_dim) of this forward's tokens -> their slots in the pool."""
-        n, l, Hkv, d = k.shape
-        kk, vv = k.reshape(n * l, Hkv, d), v.reshape(n * l, Hkv, d)
+        """k, v (n l, kv_heads, head_dim) of this forward's tokens (row-major) -> their slots in the pool."""
+        kk, vv = k, v
         if self.fwd.take is not None:                      # right-padding: pads are never stored
             kk, vv = kk[self.fwd.take], vv[self.fwd.take]
         self.pool.write(layer, self.fwd.slots, kk, vv)
 
     def attend(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                module) -> torch.Tensor:
-        """q (n, heads, l, d) of this forward's rows -> (n, l, heads * d), in the compute dtype (autocast's where it
-        is on, else q's). key / value (n, l, kv_heads, d): this forward's own, read only by a prompt forward (the
-        rest reads the pool). The attention runs with autocast off, in fp32: under the RL step's autocast
+        """q (n l, heads, d) of this forward's n rows of l tokens (row-major) -> (n, l, heads * d), in the compute
+        dtype (autocast's where it is on, else q's). key / value (n l, kv_heads, d): this forward's own, read only by
+        a prompt forward (the rest reads the pool). The attention runs with autocast off, in fp32: under the RL step's autocast
         (--precision bf16) its matmuls would otherwise round the scores and the LSE to bf16
         (tests/test_engine_precision.py)."""
         if not self.fwd.autocast:
@@ -483,15 +483,15 @@ class GroupKV:
         prompt ;] own suffix, gathered through the block tables into one slab padded to the longest row; and the
         large prompts, one slab with each prompt's rows as its queries. Their softmaxes are merged by the LSE."""
         fwd = self.fwd
+        (n, l), (_, H, d) = fwd.shape, q.shape
         if fwd.prompt_mode:                                # whole prompts from position 0: plain causal SDPA, fp32
-            return sdpa_attention_forward(module, q.float(), key.transpose(1, 2).float(),
-                                          value.transpose(1, 2).float(), None, scaling=scale, is_causal=True)[0].flatten(2)
-        n, H, l, d = q.shape
+            q, key, value = (t.view(n, l, -1, d).transpose(1, 2).float() for t in (q, key, value))
+            return sdpa_attention_forward(module, q, key, value, None, scaling=scale, is_causal=True)[0].flatten(2)
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         Hkv = pool_k.shape[1]
         g = H // Hkv                                       # query heads per KV head (GQA)
         gl = g * l
-        qg = q.reshape(n, Hkv, gl, d)
+        qg = q.view(n, Hkv, g, d) if l == 1 else q.view(n, l, H, d).transpose(1, 2).reshape(n, Hkv, gl, d)
         fused = l == 1 and not fwd.slabs                   # decode, nothing to merge: one SDPA call, no LSE
         if not fwd.cuts:                                   # made at the first layer, for every layer
             if l > 1:                                      # each query's position: a chunk's causal limit
@@ -535,7 +535,8 @@ class GroupKV:
             o_p, l_p = o_p.index_select(0, fwd.place), l_p.index_select(0, fwd.place)
         if fwd.alone is not None:                          # no large prompt: weight 0 in the merge
             l_p = l_p.masked_fill(fwd.alone, float("-inf"))
-        return _merge(o_p, l_p, o_s, l_s).reshape(n, H, l, d).transpose(1, 2).reshape(n, l, H * d)
+        out = _merge(o_p, l_p, o_s, l_s)                   # (n, Hkv, g l, d)
+        return out.view(n, 1, H * d) if l == 1 else out.reshape(n, H, l, d).transpose(1, 2).reshape(n, l, H * d)
 
 
 def _pack(lengths: list[int], limit: int) -> list[tuple[int, int, int]]:

@@ -25,7 +25,7 @@ the projections give and the cache stores, so no transposes go back and forth; r
 (cat(-x2, x1) = roll(x, d/2) with the sign of the first half moved onto sin, once per forward). In fp32 and bf16
 the outputs equal transformers' layer bit for bit on the CPU (tests/test_layers.py); bf16 differs only by
 RMSNorm's rounding (`rms_norm`), and a CUDA build's fused `rms_norm` may round differently in the last place.
-Shapes: hidden (n, l, D); q (n, l, H, d), k / v (n, l, H_kv, d); cos / sin (n, l, d).
+Shapes: hidden (n, l, D); q (n l, H, d), k / v (n l, H_kv, d) (rows of tokens); cos / sin (n, l, d).
 """
 import functools
 
@@ -48,10 +48,10 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The text model's M-RoPE (cos, sin) (n, l, d) -> (n, l, 1, d) for (n, l, heads, d) tensors, the sign of
+    """The text model's M-RoPE (cos, sin) (n, l, d) -> (n l, 1, d) for (n l, heads, d) tensors, the sign of
     rotate_half folded into sin: rotate_half(x) sin = roll(x, d/2) * (sin with its first half negated)."""
     half = sin.shape[-1] // 2
-    return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), -1).unsqueeze(2)
+    return cos.reshape(-1, 1, cos.shape[-1]), torch.cat((-sin[..., :half], sin[..., half:]), -1).view(-1, 1, cos.shape[-1])
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -62,21 +62,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
 
 def attention(attn, x: torch.Tensor, tables, mask, cache=None, tdam=None) -> torch.Tensor:
     """The attention block of `attn` (transformers' attention module: its projections, norms, layer_idx, scaling)
-    on the normed hidden x (n, l, D) -> (n, l, H d), before W_o. `tables`: rope_tables' (cos, signed sin)."""
+    on the normed hidden x (n, l, D) -> (n, l, H d), before W_o. `tables`: rope_tables' (cos, signed sin).
+    q, k, v are rows of tokens, (n l, heads, d): the layout the projections give and the engine's pool stores."""
     n, l, _ = x.shape
     d = attn.head_dim
-    q, k, v = attn.q_proj(x).view(n, l, -1, d), attn.k_proj(x).view(n, l, -1, d), attn.v_proj(x).view(n, l, -1, d)
+    q, k, v = attn.q_proj(x).view(n * l, -1, d), attn.k_proj(x).view(n * l, -1, d), attn.v_proj(x).view(n * l, -1, d)
     if hasattr(attn, "q_norm"):                                       # Qwen3-VL: RMSNorm over each head's d
         q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
     q, k = rope(q, *tables), rope(k, *tables)
     if cache is not None:                                             # the engine: pool, then cascade attention
         cache.write(attn.layer_idx, k, v)
-        return cache.attend(attn.layer_idx, q.transpose(1, 2), k, v, attn.scaling, attn)
+        return cache.attend(attn.layer_idx, q, k, v, attn.scaling, attn)
+    q, k, v = (t.view(n, l, -1, d).transpose(1, 2) for t in (q, k, v))      # (n, heads, l, d)
     if tdam is not None:
-        out = tdam_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), tdam, attn.scaling)
+        out = tdam_attention(q, k, v, tdam, attn.scaling)
     else:
-        out = sdpa_attention_forward(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
-                                     dropout=attn.attention_dropout if attn.training else 0.0,
+        out = sdpa_attention_forward(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
                                      scaling=attn.scaling)[0]
     return out.reshape(n, l, -1)
 

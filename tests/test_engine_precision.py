@@ -112,7 +112,7 @@ def test_engine_attention_fp32_under_autocast(sharp, monkeypatch, setting, fused
         if fwd.prompt_mode:
             seen.add("prompt")
         else:
-            seen.add("chunk" if q.shape[2] > 1 else "decode_sdpa" if not fwd.slabs else "decode")
+            seen.add("chunk" if fwd.shape[1] > 1 else "decode_sdpa" if not fwd.slabs else "decode")
             seen.update({"in_place"} if any(sb.first is not None for sb in fwd.slabs) else set())
             seen.update({"fragmented"} if any(sb.p == 1 and sb.first is None for sb in fwd.slabs) else set())
             seen.update({"slabs"} if any(sb.p > 1 for sb in fwd.slabs) else set())

@@ -83,9 +83,9 @@ def test_rope_by_roll_is_rotate_half_bit_for_bit():
     from transformers.models.qwen3_vl.modeling_qwen3_vl import rotate_half
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(3, 5, 4, 16).to(dtype)
+        x = torch.randn(3 * 5, 4, 16).to(dtype)                      # (n l, heads, d)
         cos, sin = torch.randn(3, 5, 16).to(dtype), torch.randn(3, 5, 16).to(dtype)
-        want = x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
+        want = x * cos.reshape(15, 1, 16) + rotate_half(x) * sin.reshape(15, 1, 16)
         assert torch.equal(layers.rope(x, *layers.rope_tables(cos, sin)), want)
 
 
