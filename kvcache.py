@@ -453,7 +453,7 @@ class GroupKV:
     def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """layers.rope_tables of this forward's (cos, sin), made at the first layer for all of them."""
         if self.fwd.rope is None:
-            self.fwd.rope = rope_tables(cos, sin)
+            self.fwd.rope = rope_tables(cos, sin, rows_of_tokens=True)
         return self.fwd.rope
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

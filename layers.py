@@ -25,7 +25,8 @@ the projections give and the cache stores, so no transposes go back and forth; r
 (cat(-x2, x1) = roll(x, d/2) with the sign of the first half moved onto sin, once per forward). In fp32 and bf16
 the outputs equal transformers' layer bit for bit on the CPU (tests/test_layers.py); bf16 differs only by
 RMSNorm's rounding (`rms_norm`), and a CUDA build's fused `rms_norm` may round differently in the last place.
-Shapes: hidden (n, l, D); q (n l, H, d), k / v (n l, H_kv, d) (rows of tokens); cos / sin (n, l, d).
+Shapes: hidden (n, l, D); the engine's q (n l, H, d), k / v (n l, H_kv, d) (rows of tokens); training's
+(n, H, l, d) and (n, H_kv, l, d); cos / sin (n, l, d).
 """
 import functools
 
@@ -47,11 +48,15 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
-def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The text model's M-RoPE (cos, sin) (n, l, d) -> (n l, 1, d) for (n l, heads, d) tensors, the sign of
-    rotate_half folded into sin: rotate_half(x) sin = roll(x, d/2) * (sin with its first half negated)."""
-    half = sin.shape[-1] // 2
-    return cos.reshape(-1, 1, cos.shape[-1]), torch.cat((-sin[..., :half], sin[..., half:]), -1).view(-1, 1, cos.shape[-1])
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, rows_of_tokens: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text model's M-RoPE (cos, sin) (n, l, d) -> their shapes for q / k (`rows_of_tokens`: (n l, 1, d) for
+    (n l, heads, d), the engine's; else (n, 1, l, d) for (n, heads, l, d), training's), the sign of rotate_half
+    folded into sin: rotate_half(x) sin = roll(x, d/2) * (sin with its first half negated)."""
+    half, d = sin.shape[-1] // 2, sin.shape[-1]
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+    if rows_of_tokens:
+        return cos.reshape(-1, 1, d), signed.view(-1, 1, d)
+    return cos.unsqueeze(1), signed.unsqueeze(1)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -62,18 +67,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
 
 def attention(attn, x: torch.Tensor, tables, mask, cache=None, tdam=None) -> torch.Tensor:
     """The attention block of `attn` (transformers' attention module: its projections, norms, layer_idx, scaling)
-    on the normed hidden x (n, l, D) -> (n, l, H d), before W_o. `tables`: rope_tables' (cos, signed sin).
-    q, k, v are rows of tokens, (n l, heads, d): the layout the projections give and the engine's pool stores."""
+    on the normed hidden x (n, l, D) -> (n, l, H d), before W_o. `tables`: rope_tables' (cos, signed sin) in the
+    layout of the path (rows of tokens for the engine, heads first for training)."""
     n, l, _ = x.shape
     d = attn.head_dim
-    q, k, v = attn.q_proj(x).view(n * l, -1, d), attn.k_proj(x).view(n * l, -1, d), attn.v_proj(x).view(n * l, -1, d)
+    # the engine: rows of tokens (n l, heads, d), the pool's layout; training and plain forwards: transformers'
+    # (n, l, heads, d), transposed before the rotary as there, so that every gradient sums in its order too
+    shape = (n * l, -1, d) if cache is not None else (n, l, -1, d)
+    q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
     if hasattr(attn, "q_norm"):                                       # Qwen3-VL: RMSNorm over each head's d
         q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
-    q, k = rope(q, *tables), rope(k, *tables)
-    if cache is not None:                                             # the engine: pool, then cascade attention
+    if cache is not None:                                             # the pool, then cascade attention
+        q, k = rope(q, *tables), rope(k, *tables)
         cache.write(attn.layer_idx, k, v)
         return cache.attend(attn.layer_idx, q, k, v, attn.scaling, attn)
-    q, k, v = (t.view(n, l, -1, d).transpose(1, 2) for t in (q, k, v))      # (n, heads, l, d)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (n, heads, l, d)
+    q, k = rope(q, *tables), rope(k, *tables)
     if tdam is not None:
         out = tdam_attention(q, k, v, tdam, attn.scaling)
     else:
@@ -96,7 +105,7 @@ class PlainLayer:
                 **_):
         x = hidden_states
         tables = rollout_cache.rope(*position_embeddings) if rollout_cache is not None else \
-            rope_tables(*position_embeddings)                        # the engine makes them once per forward
+            rope_tables(*position_embeddings, rows_of_tokens=False)  # the engine makes them once per forward
         x = x + self.self_attn.o_proj(attention(self.self_attn, rms_norm(x, self.input_layernorm), tables,
                                                 attention_mask, rollout_cache, tdam))
         m = rms_norm(x, self.post_attention_layernorm)

@@ -18,6 +18,9 @@
 6. gpu_shape   8 groups x 8 rows cropping a 1280x720 H.264 file: the torch ops and attention kernels per decoder layer of
                a decode step of all 64 rows after their first turn, and the tools beside the decoding (overlap =
                (decode_s + tool_s - wall_s) / min of the two). Targets <= 2 calls, <= 60 ops, overlap >= 0.7, exact.
+               Beside it, `deep`: the same step's figures on the tiny widths at Qwen3-VL-8B's 36 layers (the work of a
+               forward outside the layers spread as on the real model), the prompts read once each (two calls and the
+               merge, as Qwen-width video prompts are) and read with their rows (one call).
 Two sides run interleaved after one warm-up; medians; ratios are baseline / ours (> 1: ours is better). The last
 line is one JSON object.
 """
@@ -38,7 +41,7 @@ import kvcache
 import rollout
 import runtime
 import video
-from model import load_model, special_token_ids
+from model import ModelConfig, load_model, special_token_ids
 
 QUESTION = "What colour is the shape shown in the video?"
 OPTIONS = ["red", "green", "blue", "yellow"]
@@ -264,7 +267,7 @@ def bench_decode(model, processor, root: str, rec: dict, args, batch_size: int) 
 def scale_model(args):
     """A Qwen3-VL at the real per-token K/V ratios on a CPU budget: text hidden 1024, 8 KV heads x 128,
     vocab 151,936 (the embeddings resized past the tiny tokenizer), --scale-layers layers; tiny vision."""
-    from model import ModelConfig, build_tiny
+    from model import build_tiny
     cfg = ModelConfig(hidden=1024, layers=args.scale_layers, heads=8, kv_heads=8, head_dim=128, intermediate=3072,
                       mrope_section=(24, 20, 20))
     torch.manual_seed(0)
@@ -394,7 +397,7 @@ def bench_budget(args) -> dict:
     that peak (`engine_memory`) by continuous batching and by fixed waves (a turn waits for the wave's longest row).
     kvcache's working sizes and block shrink with the budget (--budget-scores / -prefill / -join / -block /
     -gather), so they stay the share of it they are of a real one. `decode_steps`: the decode forwards of each schedule."""
-    from model import ModelConfig, build_tiny
+    from model import build_tiny
     torch.manual_seed(0)
     model, processor = build_tiny(ModelConfig(layers=args.budget_layers), corpus=rollout.prompt_corpus())
     model.eval()
@@ -498,7 +501,27 @@ def bench_gpu_shape(model, processor, args) -> dict:
     d["overlap"] = (d["decode_s"] + d["tool_s"] - d["wall_s"]) / min(d["decode_s"], d["tool_s"])
     return dict(measured, tool_overlap=d, exact=all(a.token_ids == b.token_ids and a.windows == b.windows
                                                      for a, b in zip(waves, overlapped)),
-                tool_turns=sum(t.n_tool_turns for t in overlapped))
+                tool_turns=sum(t.n_tool_turns for t in overlapped), deep=deep_step_ops())
+
+
+def deep_step_ops(layers: int = 36, groups: int = 8, group: int = 8) -> dict:
+    """runtime.step_ops of a decode step of groups x group rows after a first turn (prompts and suffixes of different
+    lengths) on the tiny widths at `layers` layers: {"two_calls": prompts read once each, "one_call": read with
+    their rows}, each {attention_calls_per_layer_step, ops_per_layer_step, attention_ops_per_layer_step}."""
+    model, _ = load_model("tiny", device="cpu", tiny_config=ModelConfig(layers=layers))
+    gen, out, join = torch.Generator().manual_seed(0), {}, kvcache.JOIN_PROMPT
+    text = lambda n: kvcache.Chunk(torch.randint(300, 1000, (n,), generator=gen), torch.zeros(n, dtype=torch.int32))
+    for name, limit in (("two_calls", 0), ("one_call", join)):
+        kvcache.JOIN_PROMPT = limit
+        try:
+            kv = kvcache.GroupKV(model, "cpu", kvcache.blocks_for(40000))
+            prompts, _ = kv.add_prompts(model, [text(40 + 9 * i) for i in range(groups)], 0)
+            rows = [r for p in prompts for r in kv.fork(p, group)]
+            kv.extend(model, rows, [text(3 + (7 * i) % 20) for i in range(len(rows))], 0)
+            out[name] = runtime.step_ops(model, kv, rows, torch.arange(len(rows)) + 400)[0]
+        finally:
+            kvcache.JOIN_PROMPT = join
+    return dict(out, layers=layers)
 
 
 # ----------------------------------------------------------------------------- main
