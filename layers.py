@@ -20,11 +20,12 @@ The text model around the layers (embedding, M-RoPE's cos / sin, deepstack, the 
 
 Why our own forward: the same numbers in fewer launched ops, which is what a GPU decode step is bound by (the host
 launches ~5-10 us an op; bench/rollout_bench.py's gpu_shape counts them). RMSNorm is one fused `rms_norm` call
-(transformers' writes it as 8 ops: to, pow, mean, add, rsqrt, mul, to, mul); q, k and v stay in (n, l, heads, d), the layout
-the projections give and the cache stores, so no transposes go back and forth; rotate_half is one `roll`
-(cat(-x2, x1) = roll(x, d/2) with the sign of the first half moved onto sin, once per forward). In fp32 and bf16
-the outputs equal transformers' layer bit for bit on the CPU (tests/test_layers.py); bf16 differs only by
-RMSNorm's rounding (`rms_norm`), and a CUDA build's fused `rms_norm` may round differently in the last place.
+(transformers' writes it as 8 ops: to, pow, mean, add, rsqrt, mul, to, mul); in the engine q, k and v stay rows of
+tokens (n l, heads, d), the layout the projections give and the pool stores, so nothing is transposed back and
+forth; rotate_half is one `roll` (cat(-x2, x1) = roll(x, d/2) with the sign of the first half moved onto sin, once
+per forward). In fp32 and bf16 the outputs equal transformers' layer bit for bit on the CPU, and in fp32 the
+gradients too (tests/test_layers.py: a training run is the same run); a CUDA build's fused `rms_norm` may round
+bf16 once where transformers rounds twice.
 Shapes: hidden (n, l, D); the engine's q (n l, H, d), k / v (n l, H_kv, d) (rows of tokens); training's
 (n, H, l, d) and (n, H_kv, l, d); cos / sin (n, l, d).
 """
