@@ -1,7 +1,7 @@
 """
 Rollout and training side by side: the asynchronous mode of the papers' releases (ParaVT trains with AReaL's, rollout
 on 1 GPU beside FSDP2 on 7; Video-o3 with verl's asynchronous multi-turn rollout), with a staleness bound and
-AReaL's decoupled PPO objective (train.grpo_token_terms; docs/method.md §5.1).
+AReaL's decoupled PPO objective (grpo.grpo_token_terms; docs/method.md §5.1).
 
     python train.py --gpus 8 --async-staleness 1 --rollout-ranks 1 --model CKPT ...   # 1 rollout rank, 7 trainers
     python train.py --gpus 3 --device cpu --async-staleness 1 --rollout-ranks 1      # the same on CPU (gloo)
@@ -38,7 +38,7 @@ broadcasts each over `sync` (`broadcast_weights`); no files.
 
 Events. A crash loses the groups in flight (checkpoints are the trainers', atomic, every --save-every updates). On
 --resume the trainers load the last checkpoint and send it as version `start`; steps start+1.. are drawn again
-(train.draw_prompts is seeded by the step). A rollout rank that raises ends the run with its rank named (the
+(grpo.draw_prompts is seeded by the step). A rollout rank that raises ends the run with its rank named (the
 launcher stops the others); a trainer whose rollout rank died raises naming the rank it waited on.
 """
 import copy
@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 import rollout
 import runtime
-import train
+import grpo
 
 BUCKET_BYTES = 256 * 2 ** 20       # one weight broadcast's size at most (a larger parameter goes alone)
 
@@ -140,7 +140,7 @@ def full_state(model, n_trainers: int) -> dict | None:
 
 def weight_dtype(s) -> torch.dtype:
     """The weight broadcast's dtype: the compute dtype (bf16 on GPU, fp32 in a CPU fp32 run)."""
-    return train.PRECISION[s.precision]
+    return grpo.PRECISION[s.precision]
 
 
 # -----------------------------------------------------------------------------
@@ -165,8 +165,8 @@ def receive_groups(src: int, step: int) -> dict:
 
 
 def merge_rollout_figures(messages: list[dict]) -> dict:
-    """The rollout ranks' figures of one step as train.reduce_metrics would give them: per-sample means weighted by
-    each rank's trajectory count, the per-need sums summed and turned into ratios (train.split_accuracy)."""
+    """The rollout ranks' figures of one step as grpo.reduce_metrics would give them: per-sample means weighted by
+    each rank's trajectory count, the per-need sums summed and turned into ratios (grpo.split_accuracy)."""
     n = sum(m["n"] for m in messages)
     keys = sorted(set().union(*(m["figures"] for m in messages)))
     out = {}
@@ -174,7 +174,7 @@ def merge_rollout_figures(messages: list[dict]) -> dict:
         values = [(m["n"], m["figures"][k]) for m in messages if k in m["figures"]]
         out[k] = sum(v for _, v in values) if k.endswith(("_hits", "_calls", "_n")) else \
             sum(w * v for w, v in values) / max(1, sum(w for w, _ in values))
-    return train.split_accuracy({**out, "trajectories": n})
+    return grpo.split_accuracy({**out, "trajectories": n})
 
 
 # -----------------------------------------------------------------------------
@@ -183,7 +183,7 @@ def merge_rollout_figures(messages: list[dict]) -> dict:
 def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list, video_root: str, cfg,
                  s, steps: int, start: int, pad_id: int, pool=None, eval_every: int = 0, evaluate=None) -> None:
     """A rollout rank: for each step u, receive weights until the version is max(start, u - 1 - eta), sample the
-    step's groups of this rank's share (train.collect_groups, the R rollout ranks splitting the prompts as ranks
+    step's groups of this rank's share (grpo.collect_groups, the R rollout ranks splitting the prompts as ranks
     do), stamp each turn with the version and send them to rank 0; then receive the last versions (the final
     evaluation reads them). A held-out evaluation runs after each version v with v % eval_every == 0, on every rank.
     Raises naming this rank on any failure (the launcher then stops the others)."""
@@ -206,7 +206,7 @@ def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list
                 next_version()
             t0, last_idle = time.time(), idle_from
             model.eval()
-            g = train.collect_groups(share, model, ref_model, processor, records, video_root, cfg, s, u, pad_id, pool)
+            g = grpo.collect_groups(share, model, ref_model, processor, records, video_root, cfg, s, u, pad_id, pool)
             for t in g.trajs:
                 for x in [t] + t.subagents:
                     x.versions = [version] * max(1, len(x.turns))
@@ -215,7 +215,7 @@ def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list
                 run.warn_sample(t, u)
             if failed > run.max_bad_fraction * (u - start) * max(1, len(g.trajs)) and u - start > 5:
                 raise RuntimeError(f"more than {run.max_bad_fraction:.0%} of samples failed by step {u}")
-            figures = train.rollout_metrics(g.trajs, g.comps, by_id)
+            figures = grpo.rollout_metrics(g.trajs, g.comps, by_id)
             figures.update(reward=float(g.rewards.mean()) if g.trajs else 0.0, zero_var_frac=g.zero_var_frac,
                            reward_kl=float(g.seq_kl.mean()) if g.trajs else 0.0)
             rollout_s, idle_from = time.time() - t0, time.time()       # idle from here: the send waits on rank 0
@@ -224,7 +224,7 @@ def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list
                          "tokens": sum(len(t.token_ids) for t in g.trajs), "rollout_s": rollout_s,
                          "rollout_wait_s": t0 - last_idle})
             if pool is not None and u < steps:     # the next step's overviews decode while this rank waits
-                upcoming, ks = train.draw_prompts(records, s, run.seed, index, layout.rollout_ranks, u + 1)
+                upcoming, ks = grpo.draw_prompts(records, s, run.seed, index, layout.rollout_ranks, u + 1)
                 rollout.prefetch(pool, upcoming, video_root, cfg, rollout.video_factor(processor), ks)
         while version < steps:
             next_version()
@@ -237,7 +237,7 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
                  evaluate=None) -> None:
     """A trainer rank (`run`: the trainers' Run, its group and world): send version `start`; then for each step u:
     take its groups (rank 0 receives them from every rollout rank and deals the items over the trainers), the
-    decoupled PPO update (train.policy_update over the trainers' group), the step's row and checkpoint, receive the
+    decoupled PPO update (grpo.policy_update over the trainers' group), the step's row and checkpoint, receive the
     groups of the steps up to u + eta, send version u, and evaluate every `eval_every` steps on every rank."""
     T, trainer0, inbox = layout.n_trainers, run.rank == 0, {}
     spare, t_row, waited = None, time.time(), 0.0
@@ -265,14 +265,14 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
         items = [it for m in messages for it in m["items"]]
         mine = items[run.rank * len(items) // T:(run.rank + 1) * len(items) // T]
         wait_s, waited = waited, 0.0       # rank 0's time waiting on the rollout since the last step (here and below)
-        step_lr = train.set_lr(optimizer, train.get_lr(u - 1, steps, lr, warmup_steps))
+        step_lr = grpo.set_lr(optimizer, grpo.get_lr(u - 1, steps, lr, warmup_steps))
         model.train()
         filler = items[0][0] if items else None
         if filler is None and T > 1:
-            spare = spare or train.filler_trajectory(processor, records, video_root, cfg)
+            spare = spare or grpo.filler_trajectory(processor, records, video_root, cfg)
             filler = spare
         t1 = time.time()
-        gn, stats = train.policy_update(model, ref_model, optimizer, mine, s, pad_id, processor.tokenizer, T, filler,
+        gn, stats = grpo.policy_update(model, ref_model, optimizer, mine, s, pad_id, processor.tokenizer, T, filler,
                                         lambda loss: run.optimizer_step(model, optimizer, loss, "rl", u,
                                                                         [t.record_id for t, _, _ in mine]), layout.trainers)
         update_s = time.time() - t1
@@ -318,7 +318,7 @@ def run_rl(run, layout: Layout, processor, model_source: str, source: str | None
     its weights the trainers' first broadcast), the reference when the recipe has a KL (`reference()` builds it),
     then its loop. `state`: the checkpoint's trainer state when resuming. Returns the model (the final evaluation's)."""
     rollout_rank = layout.is_rollout(run.rank)
-    model, _ = train.policy_model(model_source, device, precision, 1, seed, grad_checkpointing and not rollout_rank)
+    model, _ = grpo.policy_model(model_source, device, precision, 1, seed, grad_checkpointing and not rollout_rank)
     ref_model = reference() if s.kl_coef > 0 else None
     if rollout_rank:
         rollout_loop(run, layout, model, ref_model, processor, records, video_root, cfg, s, steps, start, pad_id,
@@ -328,10 +328,10 @@ def run_rl(run, layout: Layout, processor, model_source: str, source: str | None
     trun.world, trun.group = layout.n_trainers, layout.trainers
     if layout.n_trainers > 1:
         from torch.distributed.device_mesh import DeviceMesh
-        runtime.shard_model(model, train.PRECISION[precision], DeviceMesh.from_group(layout.trainers, device.type))
+        runtime.shard_model(model, grpo.PRECISION[precision], DeviceMesh.from_group(layout.trainers, device.type))
     if source is not None:
         runtime.load_train_state(source, model, None, layout.trainers)
-    optimizer = train.make_optimizer(model, lr, vision_lr_scale)
+    optimizer = grpo.make_optimizer(model, lr, vision_lr_scale)
     trun.load_optimizer(source, model, optimizer, state, "rl")             # AdamW's moments when resuming RL
     trainer_loop(trun, layout, model, ref_model, processor, optimizer, records, video_root, cfg, s, steps, lr,
                  warmup_steps, pad_id, start, eval_every, evaluate)

@@ -235,7 +235,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     The price is one extra GEMM (the logits recomputed in backward): 4 GEMMs of N x D x V where a loss that forms
     its gradient inside the forward needs 3 (measured: docs/experiments.md, "the fused loss"; 1.22x naive's time
     on this CPU against 0.92x, at 0.14x of its working memory). We take it: the loss stays plain calls on log-probs
-    (train.grpo_loss, train.sft_token_loss) instead of a kernel that calls the loss back chunk by chunk.
+    (grpo.grpo_loss, train.sft_token_loss) instead of a kernel that calls the loss back chunk by chunk.
     chunk_size None (the losses' default): the plain path (log_softmax over all logits, ordinary autograd) when
     the (N, V) logits are no bigger than _MIN_CHUNK_LOGITS, else `_auto_chunk`'s rule.
     bf16/fp16 inputs: the GEMMs run in the input dtype (fp32 accumulation inside the GEMM), the

@@ -13,7 +13,7 @@ The recipes and the presets: the one place every setting of a run gets its defau
 
 A setting without a flag of its own (a study's knob, a chunk size) is still reachable: `--set KEY=VALUE`, with
 KEY any key below (`python train.py --help` lists them with each preset's value). The settings dataclasses
-(rollout.RolloutConfig, train.GRPOSettings, train.SFTSettings) take their defaults from the resolved tiny preset,
+(rollout.RolloutConfig, grpo.GRPOSettings, train.SFTSettings) take their defaults from the resolved tiny preset,
 so a bare dataclass is what `python train.py` runs.
 """
 import argparse
@@ -35,7 +35,7 @@ class Recipe:
     gating: bool                # nFrames gating: the overview of a prompt's group has K frames, K drawn per prompt
     gating_choices: tuple       # the K it draws from
     kl_coef: float              # beta; 0 = no KL
-    kl_estimator: str           # k1 | k3 (train.kl_penalty)
+    kl_estimator: str           # k1 | k3 (grpo.kl_penalty)
     kl_in_reward: bool          # True: R -= beta sum_t k1 before the advantages (ParaVT); False: a loss term
     shaping: bool               # ParaVT's clip(10 (R - 0.2), +-20)
 

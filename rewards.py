@@ -665,7 +665,7 @@ def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor
 
 def shape_reward(rewards: torch.Tensor) -> torch.Tensor:
     """ParaVT's reward shaping, elementwise: R <- clip(10 (R - 0.2), -20, 20) (docs/method.md §5). Applied to the
-    task reward only; a KL folded into the reward is subtracted after it (train.collect_groups)."""
+    task reward only; a KL folded into the reward is subtracted after it (grpo.collect_groups)."""
     r = rewards.float() if not rewards.is_floating_point() else rewards
     return (10 * (r - 0.2)).clamp(-20.0, 20.0)
 

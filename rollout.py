@@ -886,7 +886,7 @@ def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = Fa
 def behaviour_logprobs(trajs: list[Trajectory], batch: dict) -> torch.Tensor:
     """(B, L-1) the log-probs the rollout recorded for each row's policy tokens (Trajectory.logprobs, at the
     sampling temperature) at the positions that predict them in `collate`'s batch; 0 elsewhere. The behaviour
-    policy's log-probs of the decoupled loss (train.grpo_token_terms, async_rl.py)."""
+    policy's log-probs of the decoupled loss (grpo.grpo_token_terms, async_rl.py)."""
     mask = batch["roles"][:, 1:] == POLICY
     out = torch.zeros(mask.shape)
     for i, t in enumerate(trajs):

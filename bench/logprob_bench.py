@@ -3,7 +3,7 @@ Benchmark: the GRPO loss from hidden states x lm_head, forward + backward, four 
 
     naive        log_softmax(h @ W^T).gather(t), then grpo_loss: the full (N, V) logits
     rowwise      full logits, log_softmax one sequence at a time (as TRL's selective_log_softmax for bf16)
-    fused        train.grpo_loss, what trains: ops.token_logprobs (chunks, logits recomputed in backward: 4 GEMMs)
+    fused        grpo.grpo_loss, what trains: ops.token_logprobs (chunks, logits recomputed in backward: 4 GEMMs)
                  at its default chunk (ops._auto_chunk), then the GRPO terms on the log-probs
     fused_liger  the same with Liger's chunk rule (ops._liger_chunk)
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from common import median  # bench/common.py (puts the repo on sys.path)
 
 import ops
-import train
+import grpo
 
 METHODS = ("naive", "rowwise", "fused", "fused_liger")
 TEMPERATURE = 0.7
@@ -38,15 +38,15 @@ GRPO = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.01, kl_estimator="k3")
 GB = 1024 ** 3
 
 
-def grpo(logp, problem):
+def grpo_loss(logp, problem):
     """The GRPO loss on (N,) log-probs, the batch as (rows, N / rows)."""
     old, adv, ref, mask = problem
-    return train.grpo_loss_on_logprobs(logp.view(mask.shape), old, adv, mask, ref_logprobs=ref, **GRPO)[0]
+    return grpo.grpo_loss_on_logprobs(logp.view(mask.shape), old, adv, mask, ref_logprobs=ref, **GRPO)[0]
 
 
 def naive(hidden, weight, targets, problem, chunk_size, use_compile):
     logits = (hidden @ weight.T).float() / TEMPERATURE
-    return grpo(F.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1), problem)
+    return grpo_loss(F.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1), problem)
 
 
 def rowwise(hidden, weight, targets, problem, chunk_size, use_compile):
@@ -54,12 +54,12 @@ def rowwise(hidden, weight, targets, problem, chunk_size, use_compile):
     logits = (hidden @ weight.T).view(rows, -1, weight.shape[0])   # (rows, N / rows, V), all of it
     per_row = [F.log_softmax(row.float() / TEMPERATURE, dim=-1).gather(1, t[:, None]).squeeze(1)
                for row, t in zip(logits, targets.view(rows, -1))]
-    return grpo(torch.cat(per_row), problem)
+    return grpo_loss(torch.cat(per_row), problem)
 
 
 def fused(hidden, weight, targets, problem, chunk_size, use_compile):
     old, adv, ref, mask = problem
-    return train.grpo_loss(hidden.view(*mask.shape, -1), weight, targets.view(mask.shape), old, adv, mask,
+    return grpo.grpo_loss(hidden.view(*mask.shape, -1), weight, targets.view(mask.shape), old, adv, mask,
                                  ref_logprobs=ref, temperature=TEMPERATURE, chunk_size=chunk_size,
                                  compile=use_compile, **GRPO)[0]
 

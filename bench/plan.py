@@ -9,7 +9,7 @@ measurements): the fp32 master weights sharded by FSDP, the rollout's all-gather
 reference, AdamW's two fp32 moments, fp32 gradient shards; the K/V in pool blocks of kvcache.BLOCK tokens (144 KiB
 a token on 8B; with the shared prompt cache a group stores its prompt once, each row its suffix; a ParaVT sub-agent
 is a sequence pair of its own); what a training forward keeps for backward under gradient checkpointing, for the
-micro-batch train.micro_batches forms at the recipe's lengths (`update_rows`: one unpadded row by default); the
+micro-batch grpo.micro_batches forms at the recipe's lengths (`update_rows`: one unpadded row by default); the
 backward's peak (the gradient shards and the largest of a recomputed decoder layer, a recomputed vision block and
 FSDP2's root reduce-scatter, or the lm_head's backward if larger: the fused gather's grad W in fp32 beside a chunk's
 buffers, then the gradient FSDP2 reduce-scatters); the loss's forward (one (V, C) logits buffer, ops' chunk rule).
@@ -44,6 +44,7 @@ from common import table  # bench/common.py (puts the repo on sys.path: kvcache'
 import kvcache
 import ops
 import recipes
+import grpo
 import train
 
 QWEN3VL_8B = dict(layers=36, d_model=4096, q_dim=32 * 128, kv_dim=8 * 128, mlp=12288, vocab=151936,
@@ -130,9 +131,9 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
 
 
 def update_rows(lengths: list[int], micro_batch: int, micro_batch_tokens: int) -> int:
-    """Rows in flight in the RL update: the largest micro-batch train.micro_batches forms from rows of these
+    """Rows in flight in the RL update: the largest micro-batch grpo.micro_batches forms from rows of these
     lengths (in order) under --micro-batch and --micro-batch-tokens."""
-    return max([sl.stop - sl.start for sl in train.micro_batches(lengths, micro_batch, micro_batch_tokens)] + [0])
+    return max([sl.stop - sl.start for sl in grpo.micro_batches(lengths, micro_batch, micro_batch_tokens)] + [0])
 
 
 def waves(groups_gpu: float, group_kv: float, budget: float) -> tuple[int, int]:
@@ -177,7 +178,7 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     # memory per GPU, part by part (memory_parts): the rollout holds the resident state, the full bf16 weights and
     # the K/V of the groups in flight (a rollout GPU of a layout: the bf16 weights and K/V alone, no fp32 shards,
     # AdamW, gradients or reference); the update the resident state and one micro-batch in flight: the rows
-    # train.micro_batches forms from this GPU's rows (all of length seq: no padding), a prompt's rows sharing its
+    # grpo.micro_batches forms from this GPU's rows (all of length seq: no padding), a prompt's rows sharing its
     # overview's vision pass (collate share_videos)
     prompt_copies = concurrency if shared else concurrency * G
     sub = r["subagent_calls"] * concurrency * G if r["subagent_tokens"] else 0   # one turn's sub-agents, every row
@@ -242,9 +243,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=flags.micro_batch, help="train.py's flag: rows per training forward")
     p.add_argument("--micro-batch-tokens", type=int, default=flags.micro_batch_tokens,
                    help="train.py's flag: padded tokens per training forward")
-    p.add_argument("--ops-per-layer-step", type=float, default=161.5, help="torch ops a decode step launches per layer "
-                   "(measured 12-06 by runtime.forward_ops at Qwen widths, 64 rows of 8 groups; rollout_bench.py's "
-                   "gpu_shape on the tiny model: 106.5); 0: host time not counted")
+    p.add_argument("--ops-per-layer-step", type=float, default=60.5, help="torch ops a decode step launches per layer "
+                   "(measured 12-06 by rollout_bench.py's gpu_shape, `deep`: 64 rows of 8 groups at 36 layers, video "
+                   "prompts read once each, two attention calls and the merge; one call: 39.0; before layers.py: "
+                   "161.5); 0: host time not counted")
     p.add_argument("--tool-s", type=float, default=0.97, help="seconds of one crop call of a 720p file, decode + "
                    "processor (measured on the 2-core CPU: 5 parallel crops 4.85 s); 0: tools not counted")
     p.add_argument("--tool-workers", type=int, default=8, help="threads per GPU that run the crops")

@@ -9,9 +9,9 @@ checkpointing, FSDP2 on 2 gloo ranks; each part's peak memory measured beside be
     python bench/rehearsal.py --steps videoo3    # only the Video-o3 update (8 rows of ~28k tokens)
     python bench/rehearsal.py --ranks 1 --device cuda --hidden 4096 --mlp 12288 --heads 32 --text-layers 4
 
-RL step: train.collect_groups in each tool mode, G = 2 rows a rank, a scripted policy (the real sampler runs, its
-draws replaced by two rounds of two parallel crops, then A or B), then train.policy_update. SFT step:
-train.sft_backward with TDAM, then AdamW. Video-o3: train.policy_update on 8 recorded episodes (the 12,288-token
+RL step: grpo.collect_groups in each tool mode, G = 2 rows a rank, a scripted policy (the real sampler runs, its
+draws replaced by two rounds of two parallel crops, then A or B), then grpo.policy_update. SFT step:
+train.sft_backward with TDAM, then AdamW. Video-o3: grpo.policy_update on 8 recorded episodes (the 12,288-token
 overview, two rounds of two fine crops), one row a micro-batch: no dense SDPA mask (counted). Measured per rank
 (CPU: live tensor bytes, common.LiveTensors; CUDA: the allocator): weights, reference, AdamW's moments, gradients;
 kv, the most pool blocks in use at once; activations, backward and loss of the largest micro-batch. Last line: one
@@ -37,6 +37,7 @@ import recipes
 import rollout
 import runtime
 import sft
+import grpo
 import train
 import video
 
@@ -76,7 +77,7 @@ def write_video(root: str, size: tuple[int, int], duration: float) -> None:
 
 
 def build_checkpoint(path: str, args) -> None:
-    """The cut Qwen3-VL-8B (random weights, fp32) and its processor, saved where train.policy_model loads it."""
+    """The cut Qwen3-VL-8B (random weights, fp32) and its processor, saved where grpo.policy_model loads it."""
     text = dict(hidden_size=args.hidden, intermediate_size=args.mlp, num_attention_heads=args.heads)
     vision = dict(hidden_size=args.vision_width, intermediate_size=args.vision_mlp) if args.vision_width else None
     config = model_lib.qwen3vl_config("8b", text_layers=args.text_layers, vision_depth=args.vision_depth,
@@ -159,9 +160,9 @@ def pool_bytes(pool) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def phases(meter: Meter, out: dict):
-    """Per training micro-batch, the largest: activations (kept by train.hidden_and_targets), loss (the fused loss's
+    """Per training micro-batch, the largest: activations (kept by grpo.hidden_and_targets), loss (the fused loss's
     peak) and backward (its peak); the most rows in a forward, and the SDPA calls handed a dense mask."""
-    saved = train.hidden_and_targets, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward
+    saved = grpo.hidden_and_targets, grpo.grpo_loss, train.sft_token_loss, torch.Tensor.backward
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out.setdefault("dense_masks", 0)
 
@@ -193,14 +194,14 @@ def phases(meter: Meter, out: dict):
         saved[3](tensor, *a, **k)
         out["backward"] = max(out.get("backward", 0), meter.peak_since(start))
 
-    train.hidden_and_targets, torch.Tensor.backward = hidden_and_targets, backward
-    train.grpo_loss, train.sft_token_loss = measured(saved[1], 5), measured(saved[2], 3)   # the args' masks
+    grpo.hidden_and_targets, torch.Tensor.backward = hidden_and_targets, backward
+    grpo.grpo_loss, train.sft_token_loss = measured(saved[1], 5), measured(saved[2], 3)   # the args' masks
     torch.nn.functional.scaled_dot_product_attention = attention
     try:
         with meter.counting():
             yield
     finally:
-        train.hidden_and_targets, train.grpo_loss, train.sft_token_loss, torch.Tensor.backward = saved
+        grpo.hidden_and_targets, grpo.grpo_loss, train.sft_token_loss, torch.Tensor.backward = saved
         torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
@@ -227,7 +228,7 @@ def train_args(args, ckpt: str, device: torch.device, run_dir: str, *flags: str)
 
 
 def measured_update(model, ref, optimizer, items: list, s, tok, world: int, run, meter: Meter, out: dict) -> tuple:
-    """train.policy_update and AdamW's step under `phases` (each micro-batch's parts into `out`), and the bytes of
+    """grpo.policy_update and AdamW's step under `phases` (each micro-batch's parts into `out`), and the bytes of
     the gradient shards and of AdamW's moments into `out`; returns (the gradient norm, seconds)."""
     def step(loss):
         out["grads"] = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
@@ -236,7 +237,7 @@ def measured_update(model, ref, optimizer, items: list, s, tok, world: int, run,
     model.train()
     t0 = time.time()
     with phases(meter, out):
-        norm, _ = train.policy_update(model, ref, optimizer, items, s, tok.pad_token_id, tok, world, items[0][0], step)
+        norm, _ = grpo.policy_update(model, ref, optimizer, items, s, tok.pad_token_id, tok, world, items[0][0], step)
     seconds = time.time() - t0
     out["optimizer"] = tensor_bytes(v for st in optimizer.state.values() for v in st.values()
                                     if torch.is_tensor(v) and v.dim())
@@ -252,7 +253,7 @@ def videoo3_update(rank: int, world: int, args, ckpt: str, root: str, out_dir: s
     s, cfg = train.grpo_settings(vargs), train.rollout_config_of_args(vargs)
     rec, tok = dict(RECORD, duration=args.duration), processor.tokenizer
     trajs = []
-    for i in range(train.rank_share(VIDEOO3_ROWS, rank, world)):
+    for i in range(grpo.rank_share(VIDEOO3_ROWS, rank, world)):
         row = rank + world * i                                         # rows 0, 2, 4, 6 on rank 0 of 2
         t = sft.encode_messages(processor, rec, sft_messages(args.duration, rec["video"], turns(
             args.duration, "AB"[row % 2], "fine", row)), root, cfg)
@@ -271,7 +272,7 @@ def videoo3_update(rank: int, world: int, args, ckpt: str, root: str, out_dir: s
                  planned_rows=plan.update_rows(lengths, s.micro_batch, s.micro_batch_tokens))
     run = runtime.Run(vargs.run_dir, rank, world, SAMPLE_SEED, 10 ** 6, 0, False, 1.0)
     run.processor = processor
-    optimizer = train.make_optimizer(model, vargs.lr, vargs.vision_lr_scale)
+    optimizer = grpo.make_optimizer(model, vargs.lr, vargs.vision_lr_scale)
     measured, timing = {"weights_shard": tensor_bytes(model.parameters())}, {"encode_s": time.time() - t0}
     sizes["grad_norm"], timing["update_s"] = measured_update(model, None, optimizer, items, s, tok, world, run, meter,
                                                              measured)
@@ -323,14 +324,14 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     targs = train_args(args, ckpt, device, os.path.join(out_dir, "run"), "--preset", "paravt", "--group-size", str(GROUP),
                        "--prompts-per-step", str(world), "--gating", "0", "--micro-batch", str(GROUP))
     m, t0 = {}, time.time()
-    model, processor = train.policy_model(ckpt, device, targs.precision, world, 0, targs.grad_checkpointing)
+    model, processor = grpo.policy_model(ckpt, device, targs.precision, world, 0, targs.grad_checkpointing)
     meter = Meter(device, model)
     tok, pad_id = processor.tokenizer, processor.tokenizer.pad_token_id
     m["weights_shard"] = tensor_bytes(model.parameters())
     if args.steps == "videoo3":
         vo3 = videoo3_update(rank, world, args, ckpt, root, out_dir, model, processor, meter, device)
         return save_rank(out_dir, rank, world, model, dict(rank=rank, videoo3=vo3, timing={"build_s": time.time() - t0}))
-    ref = runtime.reference_model(targs.run_dir, ckpt, False, device, 0, train.PRECISION[targs.precision])
+    ref = runtime.reference_model(targs.run_dir, ckpt, False, device, 0, grpo.PRECISION[targs.precision])
     m["reference"] = tensor_bytes(ref.parameters())
     run = runtime.Run(targs.run_dir, rank, world, SAMPLE_SEED, 10 ** 6, 0, False, 1.0)
     run.processor = processor
@@ -342,7 +343,7 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
                 for g in range(s.group_size)}
     sub = [enc("A plain coloured frame.")]                      # what each sub-agent writes
     script = Script(lambda row: scripted.get(row, sub), rollout.sample_tokens)   # the real sampler runs, then the script
-    optimizer = train.make_optimizer(model, targs.lr, targs.vision_lr_scale)
+    optimizer = grpo.make_optimizer(model, targs.lr, targs.vision_lr_scale)
     items, sizes, timing = [], {}, {"build_s": time.time() - t0}
     think = len(tok(rollout.THINK_PREFIX, add_special_tokens=False)["input_ids"])   # in the prompt's chunk
     m["kv"], m["kv_pool"] = 0, 0
@@ -353,7 +354,7 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
             t0 = time.time()
             with pools() as made, runtime.full_weights(model):
                 m["weights_rollout"] = tensor_bytes(model.parameters()) if world > 1 else 0   # 1: the master
-                g = train.collect_groups(run, model, ref, processor, [rec], root,
+                g = grpo.collect_groups(run, model, ref, processor, [rec], root,
                                          dataclasses.replace(cfg, tool_mode=mode), s, 1, pad_id)
                 used, allocated = (max(x) for x in zip(*(pool_bytes(p) for p in made)))
             m["kv"], m["kv_pool"] = max(m["kv"], used), max(m["kv_pool"], allocated)
@@ -381,7 +382,7 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     sft_items = [sft.encode_messages(processor, rec, sft_messages(args.duration, rec["video"]), root,
                                          dataclasses.replace(cfg, tool_mode="interleaved"))]
     del optimizer
-    sft_opt = train.make_optimizer(model, targs.sft_lr, targs.vision_lr_scale)
+    sft_opt = grpo.make_optimizer(model, targs.sft_lr, targs.vision_lr_scale)
     sft_parts = {}
     t0 = time.time()
     with phases(meter, sft_parts):
@@ -429,7 +430,7 @@ def project(r: dict, args, world: int) -> dict:
 
 def project_videoo3(r: dict, args, world: int) -> dict:
     """plan.memory_parts for the Video-o3 update at this run's sizes: the micro-batch in flight as measured (one row
-    at the real lengths: train.micro_batches, as plan.update_rows counts it), no reference model."""
+    at the real lengths: grpo.micro_batches, as plan.update_rows counts it), no reference model."""
     z = r["videoo3"]["sizes"]
     parts = plan.memory_parts(shape(r, args), world, prompts=1, rows=1, overview_tokens=z["overview_tokens"],
                               suffix_tokens=0, flight_tokens=z["flight_tokens"], flight_patches=z["flight_patches"],

@@ -19,6 +19,7 @@ import async_rl
 import data
 import rollout
 import runtime
+import grpo
 import train
 from conftest import TEST_ROLLOUT, metrics, run, smoke_argv
 
@@ -37,7 +38,7 @@ def test_decoupled_loss_equals_a_hand_computed_example():
     behav = torch.tensor([[-1.6, -4.3, 0.2]])
     adv = torch.tensor([[1.0, -1.0, 1.0]])
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, stats = train.grpo_loss_on_logprobs(logp, prox, adv, mask, 0.2, 0.2, behav_logprobs=behav, behav_cap=5.0)
+    loss, stats = grpo.grpo_loss_on_logprobs(logp, prox, adv, mask, 0.2, 0.2, behav_logprobs=behav, behav_cap=5.0)
     r0, r2 = math.exp(0.1), math.exp(0.3)
     by_hand = (-math.exp(0.5) * r0 * 1.0 + 0.0 - math.exp(-1.0) * 1.2 * 1.0) / 3
     assert loss.item() == pytest.approx(by_hand, rel=1e-6)
@@ -63,14 +64,14 @@ def test_decoupled_loss_is_ppo_clip_when_behaviour_is_proximal():
     out = []
     for behav in (None, prox):
         h = hidden.clone().requires_grad_(True)
-        loss, _ = train.grpo_loss(h, weight, targets, prox, adv, mask, clip_low=0.2, clip_high=0.3, temperature=0.7,
+        loss, _ = grpo.grpo_loss(h, weight, targets, prox, adv, mask, clip_low=0.2, clip_high=0.3, temperature=0.7,
                                   compile=False, behav_logprobs=behav)
         loss.backward()
         out.append((loss.detach(), h.grad))
     torch.testing.assert_close(out[0][0], out[1][0], rtol=0, atol=0)
     torch.testing.assert_close(out[0][1], out[1][1], rtol=0, atol=0)
     behav = prox - 0.2            # a staler behaviour policy: w = e^0.2 on every token scales the loss by it
-    loss, _ = train.grpo_loss(hidden, weight, targets, prox, adv, mask, clip_low=0.2, clip_high=0.3, temperature=0.7,
+    loss, _ = grpo.grpo_loss(hidden, weight, targets, prox, adv, mask, clip_low=0.2, clip_high=0.3, temperature=0.7,
                               compile=False, behav_logprobs=behav)
     assert loss.item() == pytest.approx(math.exp(0.2) * out[0][0].item(), rel=1e-5)
 
@@ -88,8 +89,8 @@ def test_behaviour_logprobs_are_the_training_forwards_at_the_sampling_temperatur
     batch = rollout.collate(trajs, model, pad, share_videos=True)
     behav = rollout.behaviour_logprobs(trajs, batch)
     with torch.no_grad():
-        prox = train.forward_logprobs(model, batch, 1024, temperature=0.7, compile=False)
-    mask = train.policy_mask(batch["roles"])
+        prox = grpo.forward_logprobs(model, batch, 1024, temperature=0.7, compile=False)
+    mask = grpo.policy_mask(batch["roles"])
     assert mask.sum() > 20 and torch.all(behav[~mask] == 0)
     torch.testing.assert_close(behav[mask], prox[mask], atol=1e-4, rtol=0)
     trajs[0].logprobs.pop()
@@ -111,7 +112,7 @@ def _broadcast_rank(rank: int, port: int, out: str, dtype_name: str) -> None:
     rank, world, device = runtime.setup_distributed(rank, 3, "cpu", threads=1)
     layout = async_rl.make_layout(world, 1)
     dtype = getattr(torch, dtype_name)
-    model, _ = train.policy_model("tiny", device, "fp32", 1, seed=0 if rank < 2 else 1)   # the rollout's differ
+    model, _ = grpo.policy_model("tiny", device, "fp32", 1, seed=0 if rank < 2 else 1)   # the rollout's differ
     if not layout.is_rollout(rank):
         from torch.distributed.device_mesh import DeviceMesh
         runtime.shard_model(model, None, DeviceMesh.from_group(layout.trainers, "cpu"))

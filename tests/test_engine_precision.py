@@ -1,4 +1,4 @@
-"""The rollout engine's attention is fp32 under the RL step's autocast (--precision bf16: train.collect_groups runs
+"""The rollout engine's attention is fp32 under the RL step's autocast (--precision bf16: grpo.collect_groups runs
 rollout.run_agent inside torch.autocast(bf16) on fp32 weights). kvcache.py documents its scores, softmax, log-sum-exp
 and merge as fp32; under autocast the hand-written cascade (CUDA's every path) ran them in bf16 (its matmuls are
 autocast ops), so the sampler drew from another policy than the one the loss trains. Checked two ways: the kernels

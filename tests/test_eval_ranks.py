@@ -19,6 +19,7 @@ import eval as ev
 import model as model_lib
 import rollout
 import runtime
+import grpo
 import train
 from conftest import TEST_ROLLOUT
 
@@ -211,16 +212,16 @@ def _best_rank(rank: int, world: int, port: int, run_dir: str) -> None:
     model, processor = _tiny_sharded(world)
     run = runtime.Run(run_dir, rank, world, 0, 100, 0, False, 1.0)
     run.processor = processor
-    fake = train.Groups(trajs=[], comps=[], rewards=torch.zeros(1), seq_kl=torch.zeros(1), items=[], n_groups=0,
+    fake = grpo.Groups(trajs=[], comps=[], rewards=torch.zeros(1), seq_kl=torch.zeros(1), items=[], n_groups=0,
                         draws=1, zero_var_frac=0.0)
-    train.collect_groups = lambda *a, **k: fake
-    train.filler_trajectory = lambda *a, **k: None          # the update is stubbed: no zero-weight pass to feed
-    train.policy_update = lambda *a, **k: (None, {"clip_frac": 0.0, "kl": 0.0})
-    train.rollout_metrics = lambda *a, **k: {"accuracy": 0.0, "format_compliance": 0.0, "tool_call_ratio": 0.0,
+    grpo.collect_groups = lambda *a, **k: fake
+    grpo.filler_trajectory = lambda *a, **k: None          # the update is stubbed: no zero-weight pass to feed
+    grpo.policy_update = lambda *a, **k: (None, {"clip_frac": 0.0, "kl": 0.0})
+    grpo.rollout_metrics = lambda *a, **k: {"accuracy": 0.0, "format_compliance": 0.0, "tool_call_ratio": 0.0,
                                              "turns": 0.0, "mean_k": 8.0}
     scores = {0: [0.5, 0.7, 0.6], 1: [0.5, 0.1, 0.1]}[rank]
     evaluate = lambda m, name: {"r_acc": scores[int(name.split("-")[1]) - 1]}
-    optimizer = train.make_optimizer(model, 1e-4, 0.0)
+    optimizer = grpo.make_optimizer(model, 1e-4, 0.0)
     settings = type("S", (), dict(group_size=2))
     train.run_rl(run, model, None, processor, optimizer, [], "", rollout.RolloutConfig(), settings, steps=3, lr=1e-4,
                  warmup_steps=0, pad_id=0, eval_every=1, evaluate=evaluate)

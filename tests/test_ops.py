@@ -1,7 +1,7 @@
 """
 Tests for ops.py: the fused log-prob gather (ops.token_logprobs: chunked logits, a hand-written backward) alone
-and inside the two losses that read it, train.grpo_loss and train.sft_token_loss, against the naive path
-log_softmax(h W^T / T).gather then the loss (train.grpo_loss_on_logprobs), in value and gradient; TDAM's dense mask (ops.tdam_mask, to_additive_mask) and its
+and inside the two losses that read it, grpo.grpo_loss and train.sft_token_loss, against the naive path
+log_softmax(h W^T / T).gather then the loss (grpo.grpo_loss_on_logprobs), in value and gradient; TDAM's dense mask (ops.tdam_mask, to_additive_mask) and its
 block-sparse attention (ops.tdam_tiles, the blocked and flex kernels of ops.tdam_attention) against that mask.
 
     python -m pytest tests/test_ops.py -q          # CPU, about a minute (the flex kernel compiles once)

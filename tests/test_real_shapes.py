@@ -4,7 +4,7 @@ Real shapes, real tokenizer, real video: a Qwen3-VL built from the published Qwe
 a real mp4 from ../shared/real_videos at ParaVT's 64-frame overview, through the code paths a real run
 takes: prompt + overview prefill, one scripted turn with a parallel crop_video call in each tool mode
 (interleaved: clips in context; subagent: a sub-agent summary per call), the answer turn, one GRPO
-loss forward/backward (train.forward_logprobs + grpo_loss) and one SFT step under a TDAM mask.
+loss forward/backward (grpo.forward_logprobs + grpo_loss) and one SFT step under a TDAM mask.
 
     python -m pytest tests/test_real_shapes.py -q
 
@@ -32,6 +32,7 @@ import rollout
 import recipes
 import runtime
 import sft
+import grpo
 import train
 import video
 
@@ -189,7 +190,7 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     batch = rollout.collate(trajs, model, tok.pad_token_id)
     B, L = batch["input_ids"].shape
     model.train()
-    lp = train.forward_logprobs(model, batch, chunk_size=64, compile=False)          # (B, L-1) fp32
+    lp = grpo.forward_logprobs(model, batch, chunk_size=64, compile=False)          # (B, L-1) fp32
     mask = batch["roles"][:, 1:] == rollout.POLICY
     assert lp.dtype == torch.float32 and lp.shape == (B, L - 1)
     for b, t in enumerate(trajs):                   # the sampling-time log-probs (KV cache, bf16) agree
@@ -198,7 +199,7 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
 
     # one GRPO step: on-policy ratio 1, advantages +1 / -1 on the two rows' policy tokens
     adv = torch.tensor([[1.0], [-1.0]]).expand_as(lp)
-    loss, _ = train.grpo_loss_on_logprobs(lp, lp.detach(), adv, mask.float(), clip_low=0.2, clip_high=0.28)
+    loss, _ = grpo.grpo_loss_on_logprobs(lp, lp.detach(), adv, mask.float(), clip_low=0.2, clip_high=0.28)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert torch.isfinite(loss) and all(torch.isfinite(g.float()).all() for g in grads.values())

@@ -19,6 +19,7 @@ from conftest import metrics, run, smoke_argv  # shared with the other training 
 from safetensors.torch import load_file
 
 import data
+import grpo
 import runtime
 import train
 
@@ -45,16 +46,18 @@ def nan_on_first_call(fn):
     return wrapped
 
 
-STAGES = [  # (stage flags, the loss function made to return NaN once)
-    (["--stage", "sft", "--sft-batch", "2", "--n-train", "4"], "sft_loss"),
-    (["--stage", "rl", "--mask-truncated", "0", "--prompts-per-step", "1"], "grpo_loss"),
+STAGES = [  # (stage flags, the module and its loss function made to return NaN once)
+    (["--stage", "sft", "--sft-batch", "2", "--n-train", "4"], "train.sft_loss"),
+    (["--stage", "rl", "--mask-truncated", "0", "--prompts-per-step", "1"], "grpo.grpo_loss"),
 ]
 
 
 @pytest.mark.parametrize("flags, loss_fn", STAGES)
 def test_non_finite_loss_is_skipped_counted_and_logged(flags, loss_fn, tmp_path, capsys, monkeypatch, tiny):
     stage = flags[1]
-    monkeypatch.setattr(train, loss_fn, nan_on_first_call(getattr(train, loss_fn)))
+    module, name = loss_fn.split(".")
+    module = {"train": train, "grpo": grpo}[module]
+    monkeypatch.setattr(module, name, nan_on_first_call(getattr(module, name)))
     run(smoke_argv(tmp_path, *flags, "--save-every", "1"))
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]

@@ -20,6 +20,7 @@ import rollout
 import recipes
 import runtime
 import sft
+import grpo
 import train
 
 
@@ -89,13 +90,13 @@ def test_logprobs_in_the_loss_use_the_sampling_temperature(tiny, encoded):
     model, _ = tiny
     trajs, batch = encoded
     with torch.no_grad():
-        got = train.forward_logprobs(model, batch, 64, temperature=0.7, compile=False)
+        got = grpo.forward_logprobs(model, batch, 64, temperature=0.7, compile=False)
         logits = model(**{k: v for k, v in batch.items() if k != "roles"}).logits[:, :-1].float()
         want = F.log_softmax(logits / 0.7, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-    mask = train.policy_mask(batch["roles"])
+    mask = grpo.policy_mask(batch["roles"])
     assert mask.any()
     torch.testing.assert_close(got[mask], want[mask], atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(got[mask], train.forward_logprobs(model, batch, 64, compile=False)[mask])
+    assert not torch.allclose(got[mask], grpo.forward_logprobs(model, batch, 64, compile=False)[mask])
 
 
 def test_kl_in_the_reward_is_subtracted_after_shaping(monkeypatch):
@@ -112,11 +113,11 @@ def test_kl_in_the_reward_is_subtracted_after_shaping(monkeypatch):
 
     monkeypatch.setattr(rollout, "run_agent", fake_agent)
     monkeypatch.setattr(rewards, "score_trajectory", lambda t, *a: (float(t.sample == 0), {"acc": 0.0, "anchor": 0.0}))
-    monkeypatch.setattr(train, "sequence_kl", lambda model, ref, trajs, s, pad: [100.0 * (t.sample == 1) for t in trajs])
+    monkeypatch.setattr(grpo, "sequence_kl", lambda model, ref, trajs, s, pad: [100.0 * (t.sample == 1) for t in trajs])
     model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
-    s = train.GRPOSettings(group_size=G, prompts_per_step=1, shaping=True, kl_coef=0.01, kl_in_reward=True,
+    s = grpo.GRPOSettings(group_size=G, prompts_per_step=1, shaping=True, kl_coef=0.01, kl_in_reward=True,
                            mask_truncated=False)
-    g = train.collect_groups(SimpleNamespace(seed=0, rank=0, world=1), model, object(), None, [{"id": "r0"}], "",
+    g = grpo.collect_groups(SimpleNamespace(seed=0, rank=0, world=1), model, object(), None, [{"id": "r0"}], "",
                              rollout.RolloutConfig(), s, 1, 0)
     adv = [a for _, a, _ in g.items]
     assert adv == pytest.approx([7 / 37 ** 0.5, -4 / 37 ** 0.5, -3 / 37 ** 0.5], abs=1e-5)
@@ -127,12 +128,12 @@ def test_sequence_kl_is_the_sum_of_k1_over_policy_tokens(tiny, encoded):
     model, _ = tiny
     trajs, batch = encoded
     ref, _ = model_lib.load_model("tiny", device="cpu", seed=1, tiny_corpus=rollout.prompt_corpus())
-    s = train.GRPOSettings(temperature=0.7, micro_batch=1)
-    got = train.sequence_kl(model, ref, trajs, s, model.config.text_config.pad_token_id or 0)
+    s = grpo.GRPOSettings(temperature=0.7, micro_batch=1)
+    got = grpo.sequence_kl(model, ref, trajs, s, model.config.text_config.pad_token_id or 0)
     with torch.no_grad():
-        lp = train.forward_logprobs(model, batch, 64, 0.7, compile=False)
-        rp = train.forward_logprobs(ref, batch, 64, 0.7, compile=False)
-    want = ((lp - rp) * train.policy_mask(batch["roles"])).sum(1)
+        lp = grpo.forward_logprobs(model, batch, 64, 0.7, compile=False)
+        rp = grpo.forward_logprobs(ref, batch, 64, 0.7, compile=False)
+    want = ((lp - rp) * grpo.policy_mask(batch["roles"])).sum(1)
     assert got == pytest.approx(want.tolist(), rel=1e-4, abs=1e-4) and abs(want).sum() > 0
 
 
@@ -157,14 +158,14 @@ def test_update_micro_batches_by_tokens_keep_the_flash_path_and_the_batch_gradie
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
 
     def update(tokens: int) -> tuple[dict, dict, list]:
-        model, processor = train.policy_model("tiny", torch.device("cpu"), "fp32", 1)
+        model, processor = grpo.policy_model("tiny", torch.device("cpu"), "fp32", 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         grads = {}
         step = lambda loss: (grads.update({n: p.grad.clone() for n, p in model.named_parameters()
                                            if p.grad is not None}), optimizer.step(), optimizer.zero_grad())
-        s = train.GRPOSettings(micro_batch=8, micro_batch_tokens=tokens, temperature=0.7)
+        s = grpo.GRPOSettings(micro_batch=8, micro_batch_tokens=tokens, temperature=0.7)
         masks.clear()
-        train.policy_update(model, None, optimizer, items, s, processor.tokenizer.pad_token_id, processor.tokenizer,
+        grpo.policy_update(model, None, optimizer, items, s, processor.tokenizer.pad_token_id, processor.tokenizer,
                             1, step_fn=step)
         return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, list(masks)
 
@@ -176,7 +177,7 @@ def test_update_micro_batches_by_tokens_keep_the_flash_path_and_the_batch_gradie
     assert small_grads.keys() == big_grads.keys() and len(small_grads) > 0
     for n in big_grads:
         torch.testing.assert_close(small_grads[n], big_grads[n], atol=1e-6, rtol=1e-5, msg=n)
-    start = dict(train.policy_model("tiny", torch.device("cpu"), "fp32", 1)[0].named_parameters())
+    start = dict(grpo.policy_model("tiny", torch.device("cpu"), "fp32", 1)[0].named_parameters())
     assert any(not torch.equal(big_params[n], start[n]) for n in big_params)     # the step moved the weights
     for n in big_params:
         torch.testing.assert_close(small_params[n], big_params[n], atol=1e-6, rtol=1e-5, msg=n)
@@ -202,14 +203,14 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
     model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
     records = [{"id": f"r{i}"} for i in range(10)]
     run = SimpleNamespace(seed=0, rank=0, world=1)
-    s = train.GRPOSettings(group_size=G, prompts_per_step=3, dynamic_sampling=True, max_draws=4, mask_truncated=False)
-    g = train.collect_groups(run, model, None, None, records, "", rollout.RolloutConfig(), s, 1, 0)
+    s = grpo.GRPOSettings(group_size=G, prompts_per_step=3, dynamic_sampling=True, max_draws=4, mask_truncated=False)
+    g = grpo.collect_groups(run, model, None, None, records, "", rollout.RolloutConfig(), s, 1, 0)
     assert g.draws == 2 and calls == [3, 3]
     assert len(g.items) == 3 * G and {t.text for t, _, _ in g.items} == {"draw2"}
     assert g.zero_var_frac == pytest.approx(0.5)
     s.max_draws = 1                                   # the cap: one draw, nothing with signal, nothing kept
     calls.clear()
-    g = train.collect_groups(run, model, None, None, records, "", rollout.RolloutConfig(), s, 1, 0)
+    g = grpo.collect_groups(run, model, None, None, records, "", rollout.RolloutConfig(), s, 1, 0)
     assert g.draws == 1 and g.items == []
 
 
@@ -232,8 +233,8 @@ def test_placebo_deals_each_groups_advantages_to_its_samples_at_random(monkeypat
     run, records = SimpleNamespace(seed=0, rank=0, world=1), [{"id": "r0"}]
 
     def advantages(placebo, step=1):
-        s = train.GRPOSettings(group_size=G, prompts_per_step=3, mask_truncated=False, placebo=placebo)
-        g = train.collect_groups(run, model, None, None, records, "", rollout.RolloutConfig(), s, step, 0)
+        s = grpo.GRPOSettings(group_size=G, prompts_per_step=3, mask_truncated=False, placebo=placebo)
+        g = grpo.collect_groups(run, model, None, None, records, "", rollout.RolloutConfig(), s, step, 0)
         return torch.tensor([a for _, a, _ in g.items]).view(3, G), g.rewards
 
     real, r_real = advantages(False)
@@ -243,8 +244,8 @@ def test_placebo_deals_each_groups_advantages_to_its_samples_at_random(monkeypat
     assert fake[1].abs().sum() == 0 and real[0, 3] > 0 > real[0, 0]
     assert not torch.equal(real, fake)
     assert torch.equal(advantages(True)[0], fake) and not torch.equal(advantages(True, step=2)[0], fake)
-    assert "PLACEBO" in train.recipe_line(train.GRPOSettings(placebo=True))
-    assert "PLACEBO" not in train.recipe_line(train.GRPOSettings())
+    assert "PLACEBO" in grpo.recipe_line(grpo.GRPOSettings(placebo=True))
+    assert "PLACEBO" not in grpo.recipe_line(grpo.GRPOSettings())
 
 
 # ----------------------------------------------------------------------------- the global batch split over ranks
@@ -255,8 +256,8 @@ def test_draw_prompts_splits_the_global_batch_over_ranks(world, prompts):
     """--prompts-per-step is the papers' global batch (ParaVT 7, Video-o3 32): the ranks' draws add up to it, the
     remainder on the first ranks (before, every rank drew all of it: --gpus 8 trained on 8x the batch)."""
     records = [{"id": f"r{i}"} for i in range(50)]
-    s = train.GRPOSettings(prompts_per_step=prompts)
-    counts = [len(train.draw_prompts(records, s, 0, rank, world, step=1)[0]) for rank in range(world)]
+    s = grpo.GRPOSettings(prompts_per_step=prompts)
+    counts = [len(grpo.draw_prompts(records, s, 0, rank, world, step=1)[0]) for rank in range(world)]
     assert sum(counts) == prompts
     assert counts == [prompts // world + (rank < prompts % world) for rank in range(world)]
 
@@ -274,9 +275,9 @@ def test_dynamic_sampling_fills_the_ranks_share(world, rank, prompts, share, mon
     monkeypatch.setattr(rollout, "run_agent", fake_agent)
     monkeypatch.setattr(rewards, "score_trajectory", lambda t, *a: (float(t.sample), {"acc": 0.0, "anchor": 0.0}))
     model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
-    s = train.GRPOSettings(group_size=G, prompts_per_step=prompts, dynamic_sampling=True, max_draws=4,
+    s = grpo.GRPOSettings(group_size=G, prompts_per_step=prompts, dynamic_sampling=True, max_draws=4,
                            mask_truncated=False)
-    g = train.collect_groups(SimpleNamespace(seed=0, rank=rank, world=world), model, None, None,
+    g = grpo.collect_groups(SimpleNamespace(seed=0, rank=rank, world=world), model, None, None,
                              [{"id": f"r{i}"} for i in range(10)], "", rollout.RolloutConfig(), s, 1, 0)
     assert calls == ([share] if share else []) and len(g.items) == share * G and g.n_groups == share
 
@@ -289,7 +290,7 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
       loss_chunk  0 (default): token_logprobs' own rule (the tiny model's logits are small: its plain path); > 0: the
                   fused chunks of that size
       precision   --precision (bf16: fp32 master weights, bf16 compute, fp32 gradient reduction)
-      adamw_lr    AdamW (train.make_optimizer) at that rate instead of SGD at lr 1
+      adamw_lr    AdamW (grpo.make_optimizer) at that rate instead of SGD at lr 1
       tied        lm_head shares the embedding's parameter (tie_word_embeddings, as Qwen3-VL-2B/4B), tied before
                   sharding as a checkpoint loads
       thresholds  module constants to set first (conftest.SMALL_THRESHOLDS: a spawned rank does not inherit the
@@ -307,9 +308,9 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
         model.tie_weights()
         assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
         if world > 1:
-            runtime.shard_model(model, train.PRECISION[precision])
+            runtime.shard_model(model, grpo.PRECISION[precision])
     else:
-        model, processor = train.policy_model("tiny", torch.device("cpu"), precision, world)
+        model, processor = grpo.policy_model("tiny", torch.device("cpu"), precision, world)
     seen = {"mlp": set(), "all_gather": set(), "reduce_scatter": set()}
     hook = model.model.language_model.layers[0].mlp.down_proj.register_forward_hook(
         lambda m, i, o: seen["mlp"].add((str(i[0].dtype), str(m.weight.dtype))))
@@ -323,8 +324,8 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
     trajs = torch.load(items_of_rank["trajs"], weights_only=False)
     mine = [(trajs[i], adv, {"anchor": 0.0}) for i, adv in items_of_rank[rank]]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0) if adamw_lr is None else \
-        train.make_optimizer(model, adamw_lr, vision_lr_scale=1.0)
-    s = train.GRPOSettings(micro_batch=1, temperature=0.7, loss_chunk=loss_chunk, precision=precision,
+        grpo.make_optimizer(model, adamw_lr, vision_lr_scale=1.0)
+    s = grpo.GRPOSettings(micro_batch=1, temperature=0.7, loss_chunk=loss_chunk, precision=precision,
                            kl_coef=kl_coef, kl_estimator="k3", kl_in_reward=False)
     ref_model = None                   # a KL loss term: a frozen reference other than the initial policy
     if kl_coef:
@@ -334,7 +335,7 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
     grads = {}
     step = lambda loss: (grads.update({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}),
                          optimizer.step(), optimizer.zero_grad())
-    gn, _ = train.policy_update(model, ref_model, optimizer, mine, s, processor.tokenizer.pad_token_id, processor.tokenizer, world,
+    gn, _ = grpo.policy_update(model, ref_model, optimizer, mine, s, processor.tokenizer.pad_token_id, processor.tokenizer, world,
                                 filler=trajs[0], step_fn=step)
     hook.remove()
     for name, real in collectives.items():
@@ -478,7 +479,7 @@ def test_token_anchoring_credits_every_closing_tag_on_both_tokenizers(tokenizers
     tok = tokenizers[name]
     text = "<think>\nthe clip shows red\n</think>\n<answer>B</answer><|im_end|>"
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
-    credit = train.anchor_credit(ids, tok, [0.7])                        # (1, L-1): position j predicts token j+1
+    credit = grpo.anchor_credit(ids, tok, [0.7])                        # (1, L-1): position j predicts token j+1
     marked = [j + 1 for j in range(ids.shape[1] - 1) if credit[0, j] != 0]
     covered = tok.decode(ids[0, marked].tolist())
     assert "</think>" in covered and "</answer>" in covered and "red" not in covered

@@ -32,6 +32,7 @@ import rollout
 import recipes
 import runtime
 import sft
+import grpo
 import train
 import video
 from train import get_lr, grpo_loss_on_logprobs, kl_penalty
@@ -98,7 +99,7 @@ def test_the_default_run_is_para_grpo():
     assert (s.recipe, s.anchoring, s.gating, args.sft_gated_overviews) == ("para_grpo", "sequence", True, 1)
     assert tuple(s.gating_choices) == recipes.PRESETS["tiny"]["gating_choices"] == (4, 8, 16, 32)
     assert args.n_eval >= 96
-    assert train.recipe_line(s).startswith("recipe: para_grpo (PARA-GRPO: ")
+    assert grpo.recipe_line(s).startswith("recipe: para_grpo (PARA-GRPO: ")
     with pytest.raises(SystemExit):
         recipes.parse_train_args(["--set", "sft_gated_overviews=0"])
     assert not recipes.parse_train_args(["--set", "sft_gated_overviews=0", "--gating", "0"]).gating
@@ -240,7 +241,7 @@ def test_sft_items_keep_at_most_their_budget_of_pixels_and_train_the_same(tmp_pa
         m = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
         run_ = runtime.Run(str(tmp_path / name), 0, 1, 0, 100, 0, False, 1.0)
         run_.processor = processor
-        train.run_sft(run_, m, items, train.make_optimizer(m, s.lr, 0.0), s, processor.tokenizer.pad_token_id,
+        train.run_sft(run_, m, items, grpo.make_optimizer(m, s.lr, 0.0), s, processor.tokenizer.pad_token_id,
                       processor.tokenizer)
         out[name] = {n: p.detach().clone() for n, p in m.named_parameters()}
         assert items.held <= (budget if name == "held" else float("inf")) and not items.pending
@@ -656,7 +657,7 @@ def _rank_metrics(rank: int, world: int, port: int, out: str) -> None:
     mine = RANK_TRAJS[rank] if world > 1 else RANK_TRAJS[0] + RANK_TRAJS[1]
     trajs = [_traj(rid, calls, err) for rid, calls, _, err in mine]
     comps = [{"acc": acc, "format": 1.0} for _, _, acc, _ in mine]
-    m = train.reduce_metrics(train.rollout_metrics(trajs, comps, _need_records()), len(trajs), world, {"kept": 1})
+    m = grpo.reduce_metrics(grpo.rollout_metrics(trajs, comps, _need_records()), len(trajs), world, {"kept": 1})
     if rank == 0:
         json.dump(m, open(out, "w"))
     if world > 1:
@@ -665,7 +666,7 @@ def _rank_metrics(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_tool_use_split_by_need_reduced_over_two_ranks_as_sums_and_counts(tmp_path):
-    """The metrics row on 2 gloo ranks, reduced as the RL loop reduces it (train.reduce_metrics): accuracy and
+    """The metrics row on 2 gloo ranks, reduced as the RL loop reduces it (grpo.reduce_metrics): accuracy and
     tool-call ratio on the questions that need the tool and on those that do not are all-rank hits / n and calls /
     n (rank 0: 1 of 1 needed question called, rank 1: 0 of 3, one of them an error, which counts as no call: 1 / 4,
     where a mean of the ranks' ratios would say 1 / 2), the same as one process on all the trajectories. (The
@@ -682,7 +683,7 @@ def test_tool_use_split_by_need_reduced_over_two_ranks_as_sums_and_counts(tmp_pa
 
 def test_tool_use_split_left_out_where_no_question_was():
     trajs, comps = [_traj("easy", 1)], [{"acc": 1.0}]
-    m = train.split_accuracy(train.rollout_metrics(trajs, comps, _need_records()))
+    m = grpo.split_accuracy(grpo.rollout_metrics(trajs, comps, _need_records()))
     assert m["tool_call_ratio_not_needed"] == 1.0 and m["acc_tool_not_needed"] == 1.0
     assert "tool_call_ratio_needed" not in m and "acc_tool_needed" not in m
 
@@ -796,7 +797,7 @@ def test_a_bare_run_is_the_tiny_literal_and_the_settings_defaults_are_what_runs(
         got = getattr(args, key)
         want = {"sft_gated_overviews": True}.get(key, value)
         assert got == want, key
-    assert train.grpo_settings(args) == train.GRPOSettings()
+    assert train.grpo_settings(args) == grpo.GRPOSettings()
     assert train.sft_settings(args) == train.SFTSettings()
     assert train.rollout_config_of_args(args) == rollout.RolloutConfig.of(recipes.TINY)
     assert rollout.RolloutConfig() == rollout.RolloutConfig.of(recipes.TINY_PROTOCOL)
@@ -878,8 +879,8 @@ def test_vision_lr_scale(scale):
     the tower (no gradient, no optimizer state) and one step moves every other parameter."""
     import train
     model = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
-    opt = train.make_optimizer(model, 1e-3, scale)
-    train.set_lr(opt, 2e-3)
+    opt = grpo.make_optimizer(model, 1e-3, scale)
+    grpo.set_lr(opt, 2e-3)
     vision = {id(p) for n, p in model.named_parameters() if n.startswith("model.visual.")}
     assert vision and any("merger" in n for n, _ in model.named_parameters() if n.startswith("model.visual."))
     lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
@@ -921,10 +922,10 @@ def test_bf16_step_moves_the_fp32_master_weights(tdam_batch):
     have a gradient. The control: pure-bf16 parameters under a bf16 AdamW (the model loaded bf16, as CUDA runs
     trained before) move a few percent, since an update of 1e-6 is below half a bf16 ulp of almost every weight."""
     trajs, _ = tdam_batch
-    model, processor = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    model, processor = grpo.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
     pad_id = processor.tokenizer.pad_token_id
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    optimizer = train.make_optimizer(model, 1e-6, vision_lr_scale=1.0)
+    optimizer = grpo.make_optimizer(model, 1e-6, vision_lr_scale=1.0)
     moved, dtypes = one_step(model, optimizer, trajs, pad_id, "bf16")
     assert dtypes == {torch.bfloat16} and moved > 0.99, (dtypes, moved)
     assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {torch.float32}
@@ -932,7 +933,7 @@ def test_bf16_step_moves_the_fp32_master_weights(tdam_batch):
     moved_pure, _ = one_step(pure, torch.optim.AdamW(pure.parameters(), lr=1e-6, weight_decay=0.0), trajs, pad_id, "bf16")
     assert moved_pure < 0.1, moved_pure
     with pytest.raises(ValueError, match="fp32"):            # never an AdamW step on bf16 parameters
-        train.make_optimizer(pure, 1e-6)
+        grpo.make_optimizer(pure, 1e-6)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -942,17 +943,17 @@ def test_training_forward_hands_the_model_pixels_in_the_compute_dtype(tdam_batch
     dtype, a bf16 run's (patches, 1536) pixels went to the device in fp32, twice their size. The hidden states
     are the same as with fp32 pixels, bit for bit: the tower's first matmul rounds them to bf16 under autocast."""
     _, batch = tdam_batch
-    model, _ = train.policy_model("tiny", torch.device("cpu"), precision, world=1, seed=0)
+    model, _ = grpo.policy_model("tiny", torch.device("cpu"), precision, world=1, seed=0)
     seen = []
     hook = model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["pixel_values_videos"].dtype),
                                                  with_kwargs=True)
-    with torch.no_grad(), train.autocast(precision, model):
-        hidden = train.hidden_and_targets(model, batch)[0]
+    with torch.no_grad(), grpo.autocast(precision, model):
+        hidden = grpo.hidden_and_targets(model, batch)[0]
     hook.remove()
     assert seen == [{"fp32": torch.float32, "bf16": torch.bfloat16}[precision]]
-    with torch.no_grad(), train.autocast(precision, model), \
+    with torch.no_grad(), grpo.autocast(precision, model), \
             mock.patch.object(model_lib, "compute_dtype", lambda m: torch.float32):
-        assert torch.equal(train.hidden_and_targets(model, batch)[0], hidden)
+        assert torch.equal(grpo.hidden_and_targets(model, batch)[0], hidden)
 
 
 def test_bf16_tdam_sft_step_on_one_process(tdam_batch):
@@ -961,7 +962,7 @@ def test_bf16_tdam_sft_step_on_one_process(tdam_batch):
     the TDAM kernel takes in autocast's dtype as SDPA does; the loss is finite, every decoder weight gets a gradient,
     and it equals the dense-mask SDPA run's (the same TDAM mask as a 4-D tensor) to bf16 rounding."""
     trajs, batch = tdam_batch
-    model, processor = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    model, processor = grpo.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
     pad_id, tok = processor.tokenizer.pad_token_id, processor.tokenizer
     model.train()
     loss, n = train.sft_backward(model, trajs, 2, pad_id, tdam_tokenizer=tok, compile=False, precision="bf16")
@@ -969,7 +970,7 @@ def test_bf16_tdam_sft_step_on_one_process(tdam_batch):
     layer = model.model.language_model.layers[0]
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
     mask = sft.tdam_batch_mask(batch, tok, model.config.video_token_id)
-    fresh, _ = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    fresh, _ = grpo.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
     with torch.no_grad():
         dense, _ = train.sft_loss(fresh, batch, None, mask, False, None, "bf16")
     assert float(loss) == pytest.approx(float(dense), rel=2e-2)
@@ -980,8 +981,8 @@ def test_bf16_checkpoint_exports_bf16_and_resumes_the_fp32_master_weights(tmp_pa
     serving stack loads; its train_state keeps the fp32 master weights and fp32 AdamW moments, and a resumed run
     takes its weights from there (exactly), not from the bf16 export."""
     trajs, _ = tdam_batch
-    model, processor = train.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
-    optimizer = train.make_optimizer(model, 1e-3, vision_lr_scale=1.0)
+    model, processor = grpo.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    optimizer = grpo.make_optimizer(model, 1e-3, vision_lr_scale=1.0)
     one_step(model, optimizer, trajs, processor.tokenizer.pad_token_id, "bf16")
     run_ = runtime.Run(str(tmp_path), 0, 1, 0, 50, 3, False, 0.2, export_dtype=torch.bfloat16)
     run_.processor = processor
@@ -991,11 +992,11 @@ def test_bf16_checkpoint_exports_bf16_and_resumes_the_fp32_master_weights(tmp_pa
     assert json.load(open(os.path.join(ckpt, "config.json")))["dtype"] == "bfloat16"
     master = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert any(not torch.equal(master[n], export[n].float()) for n in master)   # the export is rounded
-    fresh, _ = train.policy_model(ckpt, torch.device("cpu"), "bf16", world=1, seed=0)
+    fresh, _ = grpo.policy_model(ckpt, torch.device("cpu"), "bf16", world=1, seed=0)
     assert {p.dtype for p in fresh.parameters()} == {torch.float32}
     runtime.Run(str(tmp_path), 0, 1, 0, 50, 3, False, 0.2).resume(ckpt, fresh)
     assert all(torch.equal(p.detach(), master[n]) for n, p in fresh.named_parameters())
-    opt2 = train.make_optimizer(fresh, 1e-3, vision_lr_scale=1.0)
+    opt2 = grpo.make_optimizer(fresh, 1e-3, vision_lr_scale=1.0)
     runtime.load_train_state(ckpt, fresh, opt2)
     assert {s["exp_avg"].dtype for s in opt2.state.values()} == {torch.float32}
 
@@ -1118,9 +1119,9 @@ def test_grpo_loss_micro_batches_add_up_with_global_normaliser():
     ([], 8, 100, []),
 ])
 def test_micro_batches_are_consecutive_within_rows_and_padded_tokens(lengths, rows, tokens, expected):
-    """train.micro_batches: consecutive items in their order, at most `rows` a micro-batch and items x its longest
+    """grpo.micro_batches: consecutive items in their order, at most `rows` a micro-batch and items x its longest
     <= `tokens`; an item longer than `tokens` alone (the update's micro-batches and sequence_kl's)."""
-    got = train.micro_batches(lengths, rows, tokens)
+    got = grpo.micro_batches(lengths, rows, tokens)
     assert [(s.start, s.stop) for s in got] == expected
     assert [i for s in got for i in range(len(lengths))[s]] == list(range(len(lengths)))
 
@@ -1131,15 +1132,15 @@ def test_micro_batch_tokens_flag_is_the_settings_default_and_one_row_at_video_o3
     default's (a few hundred tokens, eight rows of its longest oracle rows in 6k) the fixed chunks of
     --micro-batch are unchanged (the embedded default computes what it did)."""
     args = recipes.parse_train_args([])
-    assert args.micro_batch_tokens == train.GRPOSettings().micro_batch_tokens == 16384
+    assert args.micro_batch_tokens == grpo.GRPOSettings().micro_batch_tokens == 16384
     assert train.grpo_settings(recipes.parse_train_args(["--micro-batch-tokens", "4096"])).micro_batch_tokens == 4096
     with pytest.raises(SystemExit):
         recipes.parse_train_args(["--micro-batch-tokens", "0"])
     s = train.grpo_settings(recipes.parse_train_args(["--preset", "videoo3"]))
-    assert [sl.stop - sl.start for sl in train.micro_batches([27000, 31000, 26500, 32000], s.micro_batch,
+    assert [sl.stop - sl.start for sl in grpo.micro_batches([27000, 31000, 26500, 32000], s.micro_batch,
                                                              s.micro_batch_tokens)] == [1, 1, 1, 1]
     tiny = [400, 560, 812, 386] * 16                      # a step of the default: 4 prompts x 16 rows
-    assert train.micro_batches(tiny, 8, args.micro_batch_tokens) == [slice(i, i + 8) for i in range(0, 64, 8)]
+    assert grpo.micro_batches(tiny, 8, args.micro_batch_tokens) == [slice(i, i + 8) for i in range(0, 64, 8)]
 
 
 @pytest.mark.parametrize("kwargs, message", [
