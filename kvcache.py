@@ -237,7 +237,7 @@ class _Forward:
     ptables: torch.Tensor | None = None  # (n, nbp) the blocks of each row's small prompt (0-padded)
     slabs: list = field(default_factory=list)   # _PromptSlab: the large prompts (one, unless GATHER_BUDGET splits)
     place: torch.Tensor | None = None    # (n,) each row's place among the slabs' p * r places (None: its own index)
-    alone: torch.Tensor | None = None    # (n, 1, 1, 1) bool: rows with no large prompt (None: every row has one)
+    alone: torch.Tensor | None = None    # (n, 1, 1) bool: rows with no large prompt (None: every row has one)
     qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
     rope: tuple | None = None            # layers.rope_tables of the forward's positions (first layer)
     autocast: bool = False               # autocast is on around the forward (turned off inside the attention)
@@ -398,7 +398,7 @@ class GroupKV:
         if place != list(range(n)) or sum(sb.p * sb.r for sb in fwd.slabs) != n:
             fwd.place = _on(self.device, place)
         if sum(map(len, members.values())) < n:            # some rows read their (small) prompt with their suffix
-            fwd.alone = _on(self.device, torch.tensor([o > 0 for o in off]).view(n, 1, 1, 1))
+            fwd.alone = _on(self.device, torch.tensor([o > 0 for o in off]).view(n, 1, 1))
         return fwd, more
 
     def _prompt_keys(self, prompt: _Seq) -> torch.Tensor:
@@ -527,7 +527,7 @@ class GroupKV:
             else:
                 K, V = (_gather(pool, sb.keys, p, sb.L).transpose(1, 2) for pool in (pool_k, pool_v))
             o, lse = _attend(qs, K, V, scale, bias=sb.bias)
-            back = lambda t: t.view(p, Hkv, r, gl, -1).transpose(1, 2).reshape(p * r, Hkv, gl, -1)
+            back = lambda t: t.unflatten(2, (r, gl)).transpose(1, 2).flatten(0, 1)    # (p r, Hkv, gl[, d])
             o_p.append(back(o))
             l_p.append(back(lse))
         o_p, l_p = (o_p[0], l_p[0]) if len(o_p) == 1 else (torch.cat(o_p), torch.cat(l_p))
@@ -579,7 +579,7 @@ def _hidden(hide: torch.Tensor) -> torch.Tensor:
 
 def _attend(q, k, v, scale, qpos=None, bias=None):
     """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d), computed in fp32 whatever the inputs' dtype;
-    returns (out (n, h, m, d) fp32, lse (n, h, m, 1)): the log-sum-exp lets two partial attentions be merged
+    returns (out (n, h, m, d) fp32, lse (n, h, m)): the log-sum-exp lets two partial attentions be merged
     exactly. bias (n, 1, 1, c) fp32 is added to every query's scores (`_hidden`: -inf on a key past a row's end or
     a prompt's length; None: nothing hidden), and key j is hidden from query i of row b where j > qpos[b, i]
     (causal; None: no causal limit).
@@ -603,7 +603,7 @@ def _attend_fp32(q, k, v, scale, qpos, bias):
     if FUSED_CPU and qpos is None and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _f32(q), _f32(k), _f32(v), attn_mask=bias, scale=scale)
-        return out, lse.unsqueeze(-1)
+        return out, lse
     block = max(1, SCORES_BUDGET // max(1, n * h * c))
     q3 = q.float().reshape(n * h, m, d)                                                  # (n h) batches for bmm
     kt, vf = k.float().transpose(-1, -2).reshape(n * h, d, c), v.float().reshape(n * h, c, d)
@@ -621,13 +621,14 @@ def _attend_fp32(q, k, v, scale, qpos, bias):
         outs.append(torch.bmm(p, vf).div_(total))
         lses.append(total.log_().add_(top))
     out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 1), torch.cat(lses, 1))
-    return out.view(n, h, m, d), lse.view(n, h, m, 1)
+    return out.view(n, h, m, d), lse.view(n, h, m)
 
 
 def _merge(o1, lse1, o2, lse2):
     """Cascade merge in fp32: softmax over [A; B] = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)
-    = o_B + w (o_A - o_B), w = e^lse_A / (e^lse_A + e^lse_B) = sigmoid(lse_A - lse_B) (A empty: lse_A = -inf, w = 0)."""
-    return torch.lerp(o2, o1, torch.sigmoid(lse1 - lse2))
+    = o_B + w (o_A - o_B), w = e^lse_A / (e^lse_A + e^lse_B) = sigmoid(lse_A - lse_B) (A empty: lse_A = -inf, w = 0).
+    o (..., d), lse (...): the weight is taken per query and spread over its d."""
+    return torch.lerp(o2, o1, torch.sigmoid(lse1 - lse2).unsqueeze(-1))
 
 
 # -----------------------------------------------------------------------------

@@ -243,10 +243,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=flags.micro_batch, help="train.py's flag: rows per training forward")
     p.add_argument("--micro-batch-tokens", type=int, default=flags.micro_batch_tokens,
                    help="train.py's flag: padded tokens per training forward")
-    p.add_argument("--ops-per-layer-step", type=float, default=60.5, help="torch ops a decode step launches per layer "
+    p.add_argument("--ops-per-layer-step", type=float, default=59.5, help="torch ops a decode step launches per layer "
                    "(measured 12-06 by rollout_bench.py's gpu_shape, `deep`: 64 rows of 8 groups at 36 layers, video "
                    "prompts read once each, two attention calls and the merge; one call: 39.0; before layers.py: "
-                   "161.5); 0: host time not counted")
+                   "161.5 at 2 layers); 0: host time not counted")
     p.add_argument("--tool-s", type=float, default=0.97, help="seconds of one crop call of a 720p file, decode + "
                    "processor (measured on the 2-core CPU: 5 parallel crops 4.85 s); 0: tools not counted")
     p.add_argument("--tool-workers", type=int, default=8, help="threads per GPU that run the crops")
