@@ -17,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 import ops
 from ops import tdam_mask, to_additive_mask, token_logprobs
-from train import grpo_loss, grpo_loss_on_logprobs, sft_token_loss
+from grpo import grpo_loss, grpo_loss_on_logprobs
+from train import sft_token_loss
 
 
 def make_batch(B=3, L=7, dim=16, vocab=500, seed=0, scale=0.4, per_token_adv=False):

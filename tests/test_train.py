@@ -35,7 +35,7 @@ import sft
 import grpo
 import train
 import video
-from train import get_lr, grpo_loss_on_logprobs, kl_penalty
+from grpo import get_lr, grpo_loss_on_logprobs, kl_penalty
 
 REPO = Path(__file__).resolve().parent.parent
 
