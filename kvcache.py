@@ -467,8 +467,8 @@ class GroupKV:
                module) -> torch.Tensor:
         """q (n l, heads, d) of this forward's n rows of l tokens (row-major) -> (n, l, heads * d), in the compute
         dtype (autocast's where it is on, else q's). key / value (n l, kv_heads, d): this forward's own, read only by
-        a prompt forward (the rest reads the pool). The attention runs with autocast off, in fp32: under the RL step's autocast
-        (--precision bf16) its matmuls would otherwise round the scores and the LSE to bf16
+        a prompt forward (the rest reads the pool). The attention runs with autocast off, in fp32: under the RL
+        step's autocast (--precision bf16) its matmuls would otherwise round the scores and the LSE to bf16
         (tests/test_engine_precision.py)."""
         if not self.fwd.autocast:
             out = self._attend_rows(layer, q, scale, key, value, module)
@@ -511,8 +511,8 @@ class GroupKV:
                 own.append(F.scaled_dot_product_attention(_f32(qa), _f32(K), _f32(V), attn_mask=mask, scale=scale))
             else:                                          # a decode query sees every key before its row's end
                 own.append(_attend(qa, K, V, scale, fwd.qpos[a:b] if l > 1 else None, mask))
-        if fused:                                          # (n, Hkv, g, d) is (n, 1, H d) in memory
-            return (own[0] if len(own) == 1 else torch.cat(own)).view(n, 1, H * d)
+        if fused:                     # (n, Hkv, g, d) -> (n, 1, H d): a view where the kernel's output is contiguous
+            return (own[0] if len(own) == 1 else torch.cat(own)).reshape(n, 1, H * d)
         o_s, l_s = own[0] if len(own) == 1 else [torch.cat(t) for t in zip(*own)]
         if not fwd.slabs:                                  # a chunk, every prompt read with its rows
             return o_s.reshape(n, H, l, d).transpose(1, 2).reshape(n, l, H * d)
@@ -536,7 +536,7 @@ class GroupKV:
         if fwd.alone is not None:                          # no large prompt: weight 0 in the merge
             l_p = l_p.masked_fill(fwd.alone, float("-inf"))
         out = _merge(o_p, l_p, o_s, l_s)                   # (n, Hkv, g l, d)
-        return out.view(n, 1, H * d) if l == 1 else out.reshape(n, H, l, d).transpose(1, 2).reshape(n, l, H * d)
+        return out.reshape(n, 1, H * d) if l == 1 else out.reshape(n, H, l, d).transpose(1, 2).reshape(n, l, H * d)
 
 
 def _pack(lengths: list[int], limit: int) -> list[tuple[int, int, int]]:
