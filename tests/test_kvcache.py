@@ -641,3 +641,21 @@ def test_several_prompts_in_one_step_equal_plain_forwards(tiny, monkeypatch, gat
             seqs[r].append(kvcache.Chunk(toks[j:j + 1], torch.zeros(1, dtype=torch.int32)))
             torch.testing.assert_close(out[j], _alone(model, seqs[r]), atol=1e-4, rtol=0)
     assert set(slabs) == {(1, 0, bool(join))} if gather else {(3, 1, False)}, slabs
+
+
+def test_decode_step_takes_a_strided_kernel_output(monkeypatch):
+    """CUDA's SDPA kernels may return their output as a transposed view ((B, L, H, d) in memory): a decode step
+    reads it as well as the CPU's contiguous one (the same logits; a `view` of it would raise). Grouped heads
+    (2 KV heads of 2 queries each), so that the layouts differ."""
+    from model import ModelConfig, load_model
+    model, processor = load_model("tiny", device="cpu", tiny_config=ModelConfig(layers=1, heads=4, kv_heads=2))
+    pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    logits = []
+    for strided in (False, True):
+        if strided:
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                                lambda *a, **k: sdpa(*a, **k).transpose(1, 2).contiguous().transpose(1, 2))
+        kv, rows, _ = _decode_shape(model, pad, [3, 1])
+        logits.append(kv.step(model, rows, torch.arange(len(rows)) + 400))
+    assert torch.equal(logits[0], logits[1])
