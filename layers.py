@@ -113,6 +113,9 @@ class PlainLayer:
         return x + self.mlp.down_proj(self.mlp.act_fn(self.mlp.gate_proj(m)) * self.mlp.up_proj(m))
 
 
+SUPPORTED = ("Qwen3VLTextDecoderLayer", "Qwen2_5_VLDecoderLayer")   # the layers PlainLayer.forward is written for
+
+
 @functools.cache
 def plain_class(mixin: type, cls: type) -> type:
     """`cls` (transformers' decoder layer or RMSNorm class) with the forward of `mixin`."""
@@ -125,6 +128,10 @@ def use_plain_layers(model):
     forward (nothing else changes: modules, parameters, hooks); returns the model. Done at load (model.load_model
     and the builders), before any FSDP2 wrapping."""
     text = model.model.language_model
+    for layer in text.layers:
+        if not isinstance(layer, PlainLayer) and (name := type(layer).__name__) not in SUPPORTED:
+            raise ValueError(f"use_plain_layers: decoder layer {name} is not one of {SUPPORTED} (layers.py writes "
+                             f"the forward of Qwen3-VL's and Qwen2.5-VL's; another architecture needs its own)")
     for module, mixin in [(layer, PlainLayer) for layer in text.layers] + [(text.norm, PlainNorm)]:
         if not isinstance(module, mixin):
             module.__class__ = plain_class(mixin, type(module))

@@ -104,3 +104,17 @@ def test_checkpoint_names_and_reload_unchanged(tiny, tmp_path):
     ids = torch.randint(300, 1000, (1, 12))
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_an_unknown_decoder_layer_is_refused():
+    """A model whose decoder layers are not Qwen3-VL's or Qwen2.5-VL's gets a clear error, not a wrong forward."""
+    class Other(torch.nn.Module):
+        pass
+
+    text = torch.nn.Module()
+    text.layers, text.norm = torch.nn.ModuleList([Other()]), torch.nn.Module()
+    fake = torch.nn.Module()
+    fake.model = torch.nn.Module()
+    fake.model.language_model = text
+    with pytest.raises(ValueError, match="decoder layer Other is not one of"):
+        layers.use_plain_layers(fake)
