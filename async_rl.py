@@ -210,11 +210,7 @@ def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list
             for t in g.trajs:
                 for x in [t] + t.subagents:
                     x.versions = [version] * max(1, len(x.turns))
-            failed += sum(t.error is not None for t in g.trajs)
-            for t in g.trajs[::s.group_size]:
-                run.warn_sample(t, u)
-            if failed > run.max_bad_fraction * (u - start) * max(1, len(g.trajs)) and u - start > 5:
-                raise RuntimeError(f"more than {run.max_bad_fraction:.0%} of samples failed by step {u}")
+            failed = run.failed_samples(g.trajs, u, start, failed, s.group_size)
             figures = grpo.rollout_metrics(g.trajs, g.comps, by_id)
             figures.update(reward=float(g.rewards.mean()) if g.trajs else 0.0, zero_var_frac=g.zero_var_frac,
                            reward_kl=float(g.seq_kl.mean()) if g.trajs else 0.0)
@@ -301,11 +297,7 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
         send_version()
         if eval_every and evaluate is not None and u % eval_every == 0:
             result = evaluate(model, f"rl-{u:06d}")              # every rank: the rollout ranks hold version u too
-            run.log("eval", u, result)
-            if run.is_best(result):
-                if not saved:
-                    run.save("rl", u, model, optimizer)
-                run.mark_best("rl", u, result)
+            run.evaluated("rl", u, result, model, optimizer, saved)
     model.eval()
 
 

@@ -96,6 +96,18 @@ class Run:
             self.warned.add(traj.record_id)
             tqdm.write(f"skipped sample {traj.record_id} (rl step {step}, rank {self.rank}): {traj.error}")
 
+    def failed_samples(self, trajs: list, step: int, start: int, failed: int, group_size: int) -> int:
+        """The RL samples failed since `start` after this step's `trajs` (`failed` before them): each group's first
+        failure warned once; past max_bad_fraction of the samples (after 5 steps) a RuntimeError, so a run never
+        dies on one bad sample nor goes on when most fail. Both RL loops (train.run_rl, async_rl.rollout_loop)."""
+        failed += sum(t.error is not None for t in trajs)
+        for t in trajs[::group_size]:
+            self.warn_sample(t, step)
+        if failed > self.max_bad_fraction * (step - start) * max(1, len(trajs)) and step - start > 5:
+            raise RuntimeError(f"more than {self.max_bad_fraction:.0%} of samples failed by step {step}: "
+                               f"see the skipped-sample messages above")
+        return failed
+
     def save(self, stage: str, step: int, model, optimizer) -> str:
         path = save_checkpoint(self.run_dir, step, model, self.processor, optimizer,
                                {"stage": stage, "counters": self.counters}, rank=self.rank, world=self.world,
@@ -131,6 +143,15 @@ class Run:
         self.best = (f"ckpt-{stage}-{step:06d}", eval_score(result))
         if self.rank == 0:
             atomic_write_json(os.path.join(self.run_dir, "best.json"), {"checkpoint": self.best[0], "eval": result})
+
+    def evaluated(self, stage: str, step: int, result: dict, model, optimizer, saved: bool) -> None:
+        """A held-out evaluation at `step`: logged; a new best is checkpointed (unless this step's checkpoint is
+        `saved` already) and marked in best.json. `result` must be the same on every rank (one decision, one save)."""
+        self.log("eval", step, result)
+        if self.is_best(result):
+            if not saved:
+                self.save(stage, step, model, optimizer)
+            self.mark_best(stage, step, result)
 
 
 def eval_score(result: dict) -> float | None:

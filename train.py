@@ -70,13 +70,8 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
         if pool is not None and step < steps:           # the next step's overviews decode while this one trains
             upcoming, ks = grpo.draw_prompts(records, s, run.seed, run.rank, run.world, step + 1)
             rollout.prefetch(pool, upcoming, video_root, cfg, rollout.video_factor(processor), ks)
-        failed += sum(t.error is not None for t in g.trajs)
         run.counters["bad_samples"] += sum(t.error is not None for t in g.trajs)
-        for t in g.trajs[::s.group_size]:
-            run.warn_sample(t, step)
-        if failed > run.max_bad_fraction * (step - start) * len(g.trajs) and step - start > 5:
-            raise RuntimeError(f"more than {run.max_bad_fraction:.0%} of samples failed by step {step}: "
-                               f"see the skipped-sample messages above")
+        failed = run.failed_samples(g.trajs, step, start, failed, s.group_size)
         model.train()
         filler = next((t for t in g.trajs if t.error is None and t.token_ids and grpo.trainable(t, model.config.video_token_id)),
                       None)
@@ -109,12 +104,8 @@ def run_rl(run: Run, model, ref_model, processor, optimizer, records: list, vide
         if saved:
             run.save("rl", step, model, optimizer)
         if eval_every and step % eval_every == 0 and evaluate is not None:
-            result = runtime.broadcast_object(evaluate(model, f"rl-{step:06d}"), run.world)   # rank 0's, on every
-            run.log("eval", step, result)                # rank: the decision below is one, and so is the save
-            if run.is_best(result):
-                if not saved:
-                    run.save("rl", step, model, optimizer)
-                run.mark_best("rl", step, result)
+            result = runtime.broadcast_object(evaluate(model, f"rl-{step:06d}"), run.world)   # rank 0's, everywhere
+            run.evaluated("rl", step, result, model, optimizer, saved)
     model.eval()
 
 
