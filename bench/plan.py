@@ -45,7 +45,6 @@ import kvcache
 import ops
 import recipes
 import grpo
-import train
 
 QWEN3VL_8B = dict(layers=36, d_model=4096, q_dim=32 * 128, kv_dim=8 * 128, mlp=12288, vocab=151936,
                   params=8.2e9, text_params=7.6e9, params_head=151936 * 4096, params_root=151936 * 4096 + 0.6e9,
