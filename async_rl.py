@@ -50,9 +50,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import grpo
 import rollout
 import runtime
-import grpo
 
 BUCKET_BYTES = 256 * 2 ** 20       # one weight broadcast's size at most (a larger parameter goes alone)
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from common import median  # bench/common.py (puts the repo on sys.path)
 
-import ops
 import grpo
+import ops
 
 METHODS = ("naive", "rowwise", "fused", "fused_liger")
 TEMPERATURE = 0.7

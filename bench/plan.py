@@ -41,10 +41,10 @@ import math
 
 from common import table  # bench/common.py (puts the repo on sys.path: kvcache's block, ops' chunk rule)
 
+import grpo
 import kvcache
 import ops
 import recipes
-import grpo
 
 QWEN3VL_8B = dict(layers=36, d_model=4096, q_dim=32 * 128, kv_dim=8 * 128, mlp=12288, vocab=151936,
                   params=8.2e9, text_params=7.6e9, params_head=151936 * 4096, params_root=151936 * 4096 + 0.6e9,

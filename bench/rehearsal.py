@@ -29,6 +29,7 @@ import time
 import torch
 from common import LiveTensors, Script, print_json, rss_mb, table  # bench/common.py (puts the repo on sys.path)
 
+import grpo
 import kvcache
 import model as model_lib
 import ops
@@ -37,7 +38,6 @@ import recipes
 import rollout
 import runtime
 import sft
-import grpo
 import train
 import video
 

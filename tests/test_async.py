@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 import async_rl
 import data
+import grpo
 import rollout
 import runtime
-import grpo
 import train
 from conftest import TEST_ROLLOUT, metrics, run, smoke_argv
 

@@ -16,10 +16,10 @@ import torch
 
 import data
 import eval as ev
+import grpo
 import model as model_lib
 import rollout
 import runtime
-import grpo
 import train
 from conftest import TEST_ROLLOUT
 
