@@ -125,7 +125,8 @@ def test_async_speedup_follows_the_rollout_waves():
         assert max(a["rollout_busy"], a["trainer_busy"]) == pytest.approx(1.0, abs=0.01), name
     p, v = out["ParaVT"]["async"], out["Video-o3"]["async"]
     assert (out["ParaVT"]["concurrency"], out["ParaVT"]["waves"], p["concurrency"], p["waves"]) == (1, 1, 7, 1)
-    assert p["speedup"] > 1 and p["rollout_busy"] > 0.99 and p["trainer_busy"] < 0.1
+    assert p["speedup"] > 1 and p["rollout_busy"] > 0.99 and p["trainer_busy"] < 0.5     # the update hides beside
+    assert p["trainer_busy"] == pytest.approx(p["update_s"] / p["rollout_s"], abs=0.01)
     assert (out["Video-o3"]["waves"], v["concurrency"], v["waves"]) == (2, 2, 4) and v["speedup"] < 1
 
 
