@@ -217,7 +217,7 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--n-eval", type=int, default=192, help="synthetic task: held-out prompts")
     g = p.add_argument_group("SFT")
     opt(g, "--sft-steps", int, "SFT optimizer steps")
-    opt(g, "--sft-batch", int, "trajectories per SFT step (per rank)")
+    opt(g, "--sft-batch", int, "trajectories per SFT step, over all ranks")
     opt(g, "--sft-lr", float, "SFT peak learning rate")
     opt(g, "--tdam-ratio", float, "fraction of SFT batches trained with TDAM masks")
     opt(g, "--vision-lr-scale", float, "learning rate of the vision tower as a multiple of --sft-lr / --lr (0 freezes it)")

@@ -159,45 +159,58 @@ def sft_micro_batches(items: list, rows: int, model, pad_id: int):
 
 
 def sft_backward(model, items: list, rows: int, pad_id: int, loss_chunk: int | None = None, tdam_tokenizer=None,
-                 compile: bool = True, counts: dict | None = None, precision: str = "fp32") -> tuple[torch.Tensor, int]:
-    """Backward of the batch's SFT loss (token mean over all its policy tokens) through micro-batches of
-    `rows`: each micro-batch's token mean weighted by its share n_i / N of the tokens, so the gradients add
-    up to those of one forward over the whole batch. loss_chunk: token_logprobs' chunk (None: its own rule).
-    tdam_tokenizer: TDAM masks on (spans found from the text; rows without an answer counted in `counts`).
-    precision: the compute dtype (`autocast`). Returns (the batch loss, detached; N)."""
+                 compile: bool = True, counts: dict | None = None, precision: str = "fp32", world: int = 1,
+                 filler=None) -> tuple[torch.Tensor, int]:
+    """Backward of the batch's SFT loss (token mean over all its policy tokens, on every rank) through micro-batches
+    of `rows`: each micro-batch's token mean weighted by n_i / (N / world), N the tokens of all ranks (FSDP averages
+    the ranks' gradients), so the gradients add up to those of one forward over the whole global batch. A rank with
+    fewer micro-batches than another (or none) runs zero-weight passes (on its last micro-batch, or on `filler`), so
+    every rank joins the same collectives. loss_chunk: token_logprobs' chunk (None: its own rule). tdam_tokenizer:
+    TDAM masks on (spans found from the text; rows without an answer counted in `counts`). precision: the compute
+    dtype (`autocast`). Returns (this rank's part of the batch loss, detached, scaled as the gradients are: the
+    ranks' mean is the batch loss; N)."""
     batches = list(sft_micro_batches(items, rows, model, pad_id))
-    n_tok = max(1, sum(int(grpo.policy_mask(b["roles"]).sum()) for b in batches))   # sft_loss's own token count
+    n_local = sum(int(grpo.policy_mask(b["roles"]).sum()) for b in batches)   # sft_loss's own token count
+    n_tok = max(1, all_sum(n_local) if world > 1 else n_local)
+    norm = n_tok / world
+    n_pad = (runtime.all_max(len(batches)) if world > 1 else len(batches)) - len(batches)   # before any forward
     parts = []
     for batch in batches:
         spec = sft.tdam_spec(batch, tdam_tokenizer, model.config.video_token_id, counts) if tdam_tokenizer else None
         micro, n = sft_loss(model, batch, loss_chunk, None, compile, spec, precision)
-        (micro * (n / n_tok)).backward()
-        parts.append(micro.detach() * (n / n_tok))
-    return torch.stack(parts).sum(), n_tok
+        (micro * (n / norm)).backward()
+        parts.append(micro.detach() * (n / norm))
+    for _ in range(n_pad):                            # zero-weight passes: no gradient, matching collectives
+        batch = batches[-1] if batches else rollout.collate([filler], model, pad_id)
+        (sft_loss(model, batch, loss_chunk, None, compile, None, precision)[0] * 0.0).backward()
+    return (torch.stack(parts).sum() if parts else torch.zeros(())), n_tok
 
 
-def sft_draw(seed: int, step: int, rank: int, n: int, s: SFTSettings) -> tuple[list[int], bool]:
-    """A step's SFT batch on a rank (indices into the items) and whether it runs TDAM: seeded by (seed, step,
-    rank) alone (string seeds: draws independent across steps), so the next step's can be prefetched."""
-    rng = random.Random(f"sft:{seed}:{step}:{rank}")
+def sft_draw(seed: int, step: int, rank: int, world: int, n: int, s: SFTSettings) -> tuple[list[int], bool]:
+    """A step's SFT batch on a rank (indices into the items) and whether the step runs TDAM. s.batch is the global
+    batch, as --prompts-per-step is RL's: one draw seeded by (seed, step) alone, dealt out round-robin (rank r
+    takes draws r, r + world, ...), so W ranks train on the trajectories one rank would (before, each rank drew
+    s.batch of its own: --gpus 8 trained on 8x the batch). String seeds: draws independent across steps, and the
+    next step's can be prefetched; the seed keeps the ':0' of the one-rank draws from before."""
+    rng = random.Random(f"sft:{seed}:{step}:0")
     idx = [rng.randrange(n) for _ in range(s.batch)]
-    return idx, rng.random() < s.tdam_ratio
+    return idx[rank::world], rng.random() < s.tdam_ratio
 
 
 def run_sft(run: Run, model, items: list, optimizer, s: SFTSettings, pad_id: int, tokenizer,
             start: int = 0) -> None:
-    """SFT steps start+1 .. s.steps: a batch drawn per step (per rank), TDAM on a fraction of batches, AdamW
+    """SFT steps start+1 .. s.steps: a global batch drawn per step (`sft_draw`, its share on each rank), TDAM on a fraction of batches, AdamW
     with warmup + cosine, a checkpoint every run.save_every steps and at the end."""
     model.train()
     for step in tqdm(range(start + 1, s.steps + 1), desc="sft", disable=run.rank != 0, initial=start, total=s.steps):
         t0 = time.time()
         lr = grpo.set_lr(optimizer, grpo.get_lr(step - 1, s.steps, s.lr, warmup_steps=min(10, s.steps // 10)))
-        idx, tdam = sft_draw(run.seed, step, run.rank, len(items), s)
+        idx, tdam = sft_draw(run.seed, step, run.rank, run.world, len(items), s)
         if step < s.steps and hasattr(items, "prefetch"):   # the next step's trajectories, encoded meanwhile
-            items.prefetch(sft_draw(run.seed, step + 1, run.rank, len(items), s)[0])
+            items.prefetch(sft_draw(run.seed, step + 1, run.rank, run.world, len(items), s)[0])
         batch = [items[i] for i in idx]
         loss, n_tok = sft_backward(model, batch, s.micro_batch, pad_id, s.loss_chunk or None, tokenizer if tdam else None,
-                                   s.compile, run.counters, s.precision)
+                                   s.compile, run.counters, s.precision, run.world, None if idx else items[0])
         if tdam and run.counters.get("tdam_no_answer") and "tdam" not in run.warned:
             run.warned.add("tdam")
             print0(run.rank, "TDAM: a trajectory has no <answer> after its prompt, so it keeps the causal mask "

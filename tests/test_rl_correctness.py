@@ -4,6 +4,7 @@ ParaVT's k1 KL folded into the reward, DAPO's refilling dynamic sampling, refuse
 several ranks: a rank with nothing to learn still joins the step, and the 2-rank update equals one process's.
 The distributed checkpoint round trip on 2 gloo ranks is in test_train.py."""
 import os
+import random
 import sys
 from types import SimpleNamespace
 
@@ -294,7 +295,8 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
       tied        lm_head shares the embedding's parameter (tie_word_embeddings, as Qwen3-VL-2B/4B), tied before
                   sharding as a checkpoint loads
       thresholds  module constants to set first (conftest.SMALL_THRESHOLDS: a spawned rank does not inherit the
-                  test's monkeypatches)"""
+                  test's monkeypatches)
+      sft         train.sft_backward (micro-batches of one row) instead of policy_update: the SFT step"""
     loss_chunk, precision, adamw_lr = opts.get("loss_chunk", 0), opts.get("precision", "fp32"), opts.get("adamw_lr")
     tied, kl_coef = opts.get("tied", False), opts.get("kl_coef", 0.0)
     set_thresholds(opts.get("thresholds", {}))
@@ -335,8 +337,13 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
     grads = {}
     step = lambda loss: (grads.update({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}),
                          optimizer.step(), optimizer.zero_grad())
-    gn, _ = grpo.policy_update(model, ref_model, optimizer, mine, s, processor.tokenizer.pad_token_id, processor.tokenizer, world,
-                                filler=trajs[0], step_fn=step)
+    if opts.get("sft"):
+        loss, _ = train.sft_backward(model, [t for t, _, _ in mine], 1, processor.tokenizer.pad_token_id, compile=False,
+                                     world=world, filler=trajs[0])
+        step(loss)
+    else:
+        grpo.policy_update(model, ref_model, optimizer, mine, s, processor.tokenizer.pad_token_id, processor.tokenizer,
+                           world, filler=trajs[0], step_fn=step)
     hook.remove()
     for name, real in collectives.items():
         if real is not None:
@@ -396,6 +403,38 @@ def test_two_rank_update_equals_one_process(split, encoded, tmp_path, small_thre
     assert moved, "the update changed nothing"
     for n in one:
         torch.testing.assert_close(two[n], one[n], atol=2e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("split", [([0, 1], [1]), ([0, 1], [])])
+def test_two_rank_sft_step_equals_one_process(split, encoded, tmp_path):
+    """--sft-batch is the global batch: an SFT step on 2 gloo ranks, their shares of the batch unequal (2 micro-batches
+    and 1, or 2 and none: rank 1 joins with zero-weight passes, on a filler when it holds nothing), equals one
+    process's on the whole batch (the token mean over all ranks' tokens). Before, each rank's loss was its own
+    token mean, and a rank with fewer micro-batches left the others waiting in FSDP's all-gather."""
+    trajs, _ = encoded
+    torch.save(trajs, tmp_path / "trajs.pt")
+    items = {"trajs": str(tmp_path / "trajs.pt"), 0: [(i, 0.0) for i in split[0]], 1: [(i, 0.0) for i in split[1]]}
+    assert len({len(t.token_ids) for t in trajs}) > 1, "rows of one length would hide the token weighting"
+    two = _run_ranks(2, items, str(tmp_path / "two.pt"), sft=True)
+    one = _run_ranks(1, {"trajs": items["trajs"], 0: items[0] + items[1]}, str(tmp_path / "one.pt"), sft=True)
+    init = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
+    assert [n for n, p in init.named_parameters() if not torch.equal(p.detach(), one[n])], "the step changed nothing"
+    for n in one:
+        torch.testing.assert_close(two[n], one[n], atol=2e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sft_draw_deals_one_global_batch_over_ranks(world):
+    """The ranks' SFT draws are one rank's draw dealt out round-robin, with one TDAM choice for the step; the
+    one-rank draw is the one runs made before the batch was global (so `python train.py` is unchanged)."""
+    s = train.SFTSettings(batch=10, tdam_ratio=0.5)
+    one = train.sft_draw(0, 7, 0, 1, 100, s)
+    ranks = [train.sft_draw(0, 7, r, world, 100, s) for r in range(world)]
+    assert sorted(i for idx, _ in ranks for i in idx) == sorted(one[0])
+    assert [len(idx) for idx, _ in ranks] == [grpo.rank_share(10, r, world) for r in range(world)]
+    assert {tdam for _, tdam in ranks} == {one[1]}
+    rng = random.Random("sft:0:7:0")
+    assert one[0] == [rng.randrange(100) for _ in range(10)]
 
 
 def test_two_rank_update_through_the_fused_chunks_equals_the_plain_loss(encoded, tmp_path, monkeypatch):
