@@ -199,8 +199,8 @@ def sft_draw(seed: int, step: int, rank: int, world: int, n: int, s: SFTSettings
 
 def run_sft(run: Run, model, items: list, optimizer, s: SFTSettings, pad_id: int, tokenizer,
             start: int = 0) -> None:
-    """SFT steps start+1 .. s.steps: a global batch drawn per step (`sft_draw`, its share on each rank), TDAM on a fraction of batches, AdamW
-    with warmup + cosine, a checkpoint every run.save_every steps and at the end."""
+    """SFT steps start+1 .. s.steps: a global batch drawn per step (`sft_draw`, its share on each rank), TDAM on a
+    fraction of batches, AdamW with warmup + cosine, a checkpoint every run.save_every steps and at the end."""
     model.train()
     for step in tqdm(range(start + 1, s.steps + 1), desc="sft", disable=run.rank != 0, initial=start, total=s.steps):
         t0 = time.time()

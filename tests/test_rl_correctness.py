@@ -5,13 +5,12 @@ several ranks: a rank with nothing to learn still joins the step, and the 2-rank
 The distributed checkpoint round trip on 2 gloo ranks is in test_train.py."""
 import os
 import random
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import set_thresholds, smoke_argv
+from conftest import set_thresholds
 
 import data
 import model as model_lib
