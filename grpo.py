@@ -393,6 +393,15 @@ def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> 
     return out
 
 
+def rank_totals(n_tokens: int, n_batches: int, world: int, group=None) -> tuple[int, int]:
+    """The policy tokens of all ranks (a step's loss is their token mean) and the zero-weight passes this rank owes:
+    the most micro-batches any rank runs, less its own, so every rank joins the same FSDP collectives. Both are
+    collectives themselves: every rank calls this at the same point, before its forwards."""
+    if world == 1:
+        return n_tokens, 0
+    return all_sum(n_tokens, group), all_max(n_batches, group) - n_batches
+
+
 def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad_id: int, tokenizer,
                   world: int, filler=None, step_fn=None, group=None) -> tuple[float | None, dict]:
     """GRPO update on the kept trajectories: s.ppo_epochs passes of micro-batches (`micro_batches`: at most
@@ -414,7 +423,7 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
             a += anchor_credit(b["input_ids"], tokenizer, [cm["anchor"] for _, _, cm in c])
         advs.append(a)
     n_local = sum(int(policy_mask(b["roles"]).sum()) for b in batches)
-    n_global = all_sum(n_local, group) if world > 1 else n_local
+    n_global, n_pad = rank_totals(n_local, len(batches), world, group)
     if n_global == 0:                                   # no rank has a token to learn from: skip, all together
         return None, {"clip_frac": 0.0, "kl": 0.0, "loss": 0.0}
     use_ref = ref_model is not None and s.kl_coef > 0 and not s.kl_in_reward
@@ -426,7 +435,6 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     behav = [rollout.behaviour_logprobs([t for t, _, _ in c], b) if s.async_staleness else None
              for c, b in zip(chunks, batches)]
     norm = n_global / world                             # FSDP averages over ranks: sum_all / N_global overall
-    n_pad = (all_max(len(batches), group) if world > 1 else len(batches)) - len(batches)
     if n_pad and not batches:                           # nothing kept here: zero-weight passes on a filler row
         fb = rollout.collate([filler], model, pad_id)
         with torch.no_grad():                           # a KL loss term needs the filler's reference log-probs

@@ -171,18 +171,18 @@ def sft_backward(model, items: list, rows: int, pad_id: int, loss_chunk: int | N
     ranks' mean is the batch loss; N)."""
     batches = list(sft_micro_batches(items, rows, model, pad_id))
     n_local = sum(int(grpo.policy_mask(b["roles"]).sum()) for b in batches)   # sft_loss's own token count
-    n_tok = max(1, all_sum(n_local) if world > 1 else n_local)
+    n_tok, n_pad = grpo.rank_totals(n_local, len(batches), world)
+    n_tok = max(1, n_tok)
     norm = n_tok / world
-    n_pad = (runtime.all_max(len(batches)) if world > 1 else len(batches)) - len(batches)   # before any forward
     parts = []
     for batch in batches:
         spec = sft.tdam_spec(batch, tdam_tokenizer, model.config.video_token_id, counts) if tdam_tokenizer else None
         micro, n = sft_loss(model, batch, loss_chunk, None, compile, spec, precision)
         (micro * (n / norm)).backward()
         parts.append(micro.detach() * (n / norm))
+    fill = (batches[-1] if batches else rollout.collate([filler], model, pad_id)) if n_pad else None
     for _ in range(n_pad):                            # zero-weight passes: no gradient, matching collectives
-        batch = batches[-1] if batches else rollout.collate([filler], model, pad_id)
-        (sft_loss(model, batch, loss_chunk, None, compile, None, precision)[0] * 0.0).backward()
+        (sft_loss(model, fill, loss_chunk, None, compile, None, precision)[0] * 0.0).backward()
     return (torch.stack(parts).sum() if parts else torch.zeros(())), n_tok
 
 
