@@ -164,19 +164,6 @@ def receive_groups(src: int, step: int) -> dict:
     return box[0]
 
 
-def merge_rollout_figures(messages: list[dict]) -> dict:
-    """The rollout ranks' figures of one step as grpo.reduce_metrics would give them: per-sample means weighted by
-    each rank's trajectory count, the per-need sums summed and turned into ratios (grpo.split_accuracy)."""
-    n = sum(m["n"] for m in messages)
-    keys = sorted(set().union(*(m["figures"] for m in messages)))
-    out = {}
-    for k in keys:
-        values = [(m["n"], m["figures"][k]) for m in messages if k in m["figures"]]
-        out[k] = sum(v for _, v in values) if k.endswith(("_hits", "_calls", "_n")) else \
-            sum(w * v for w, v in values) / max(1, sum(w for w, _ in values))
-    return grpo.split_accuracy({**out, "trajectories": n})
-
-
 # -----------------------------------------------------------------------------
 # the two loops
 
@@ -276,7 +263,7 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
         if trainer0:
             versions = sorted({v for m in messages for t, _, _ in m["items"] for v in t.versions})
             run.counters["bad_samples"] += sum(m["bad"] for m in messages)
-            row = {**merge_rollout_figures(messages), **stats, "wait_s": wait_s, "kept": len(items), "lr": step_lr,
+            row = {**grpo.merge_figures([(m["n"], m["figures"]) for m in messages]), "trajectories": sum(m["n"] for m in messages), **stats, "wait_s": wait_s, "kept": len(items), "lr": step_lr,
                    "grad_norm": float("nan") if gn is None else gn, "groups": sum(m["groups"] for m in messages),
                    "draws": max(m["draws"] for m in messages), "policy_version": min(m["version"] for m in messages),
                    "trained_versions": versions, "staleness": u - 1 - min(m["version"] for m in messages),

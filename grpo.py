@@ -44,7 +44,7 @@ import runtime
 import sft
 import video
 from ops import TdamSpec, policy_rows, token_logprobs
-from runtime import Run, all_max, all_mean, all_sum, all_sum_float, all_weighted_mean, full_weights
+from runtime import Run, all_gather_objects, all_max, all_mean, all_sum, all_sum_float, full_weights
 
 T = recipes.TINY      # the settings dataclasses' defaults: what `python train.py` runs
 
@@ -498,11 +498,24 @@ def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None)
 
 
 def reduce_metrics(per_sample: dict, n: int, world: int, step: dict) -> dict:
-    """A step's row over all ranks: rollout_metrics' means weighted by each rank's n trajectories; its per-need
-    sums (the keys ending _hits, _calls, _n) reduced over ranks into split_accuracy's ratios; `step`'s figures
-    (times, losses, counts) the mean of the ranks'."""
-    sums = {k: per_sample.pop(k) for k in list(per_sample) if k.endswith(("_hits", "_calls", "_n"))}
-    return {**all_weighted_mean(per_sample, n, world), **split_accuracy(all_mean({**step, **sums}, world))}
+    """A step's row over all ranks: this rank's rollout_metrics (of n trajectories) merged with the others' by
+    merge_figures; `step`'s figures (times, losses, counts) the mean of the ranks'."""
+    return {**merge_figures(all_gather_objects((n, per_sample), world)), **all_mean(step, world)}
+
+
+SUMMED = ("_hits", "_calls", "_n")          # rollout_metrics' per-need sums and counts (the other keys are means)
+
+
+def merge_figures(parts: list[tuple[int, dict]]) -> dict:
+    """rollout_metrics' figures of several shares of a step, (n trajectories, figures) each, as one: the means
+    weighted by n (a key a share lacks weighs 0 there; one share's as they are), the per-need sums summed and turned into split_accuracy's
+    ratios, so a share weighs by its count, not as a rank mean."""
+    out = {}
+    for k in sorted(set().union(*(f for _, f in parts))):
+        have = [(n, f[k]) for n, f in parts if k in f]
+        out[k] = (float(sum(v for _, v in have)) if k.endswith(SUMMED) else float(have[0][1]) if len(have) == 1 else
+                  sum(n * v for n, v in have) / max(1, sum(n for n, _ in have)))
+    return split_accuracy(out)
 
 
 def split_accuracy(m: dict) -> dict:

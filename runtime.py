@@ -8,7 +8,7 @@ The run and its processes: everything a training run needs around the method, no
                             export), checkpoints / latest_checkpoint / prune_checkpoints, truncate_metrics
     curves                  plot_run: RUN_DIR/curves.png from metrics.jsonl
     processes               setup_distributed (gloo on CPU, nccl on CUDA), shard_model (FSDP2), full_weights,
-                            all_sum / all_sums / all_max / all_mean / all_weighted_mean / barrier,
+                            all_sum / all_sums / all_max / all_mean / all_gather_objects / barrier,
                             gather_objects / broadcast_object, die_with_parent, launch(main, args)
     the run directory lock  RunLock, stale_run
 
@@ -619,6 +619,15 @@ def gather_objects(obj, world: int) -> list | None:
     return out
 
 
+def all_gather_objects(obj, world: int, group=None) -> list:
+    """Every rank's picklable `obj`, in rank order, on every rank of `group` (None: all ranks)."""
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def broadcast_object(obj, world: int):
     """Rank 0's picklable `obj` on every rank (what the others pass is ignored)."""
     if world == 1:
@@ -635,20 +644,6 @@ def all_mean(values: dict, world: int, group=None) -> dict:
     keys = sorted(values)
     return {k: v / world for k, v in zip(keys, _all_reduce([float(values[k]) for k in keys], dist.ReduceOp.SUM,
                                                            group))}
-
-
-def all_weighted_mean(values: dict, weight: float, world: int) -> dict:
-    """Per-sample means across ranks that hold different numbers of samples: sum_k w_k v_k / sum_k w_k per key,
-    w_k = rank k's `weight` (its sample count; a rank with none adds nothing). The keys are the union over ranks
-    (a key a rank lacks counts with weight 0 there; a key no rank weighs is 0)."""
-    if world == 1:
-        return {k: float(v) for k, v in values.items()}
-    names = [None] * world
-    dist.all_gather_object(names, sorted(values))
-    keys = sorted(set().union(*names))
-    sums = _all_reduce([weight * float(values[k]) if k in values else 0.0 for k in keys] +
-                       [float(weight) if k in values else 0.0 for k in keys], dist.ReduceOp.SUM)
-    return {k: sums[i] / sums[len(keys) + i] if sums[len(keys) + i] else 0.0 for i, k in enumerate(keys)}
 
 
 def find_free_port() -> int:

@@ -59,7 +59,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
            "all_sum_float": runtime.all_sum_float(0.5 * (rank + 1)),
            "all_sums": runtime.all_sums([rank, 2.0], world),
            "all_mean": runtime.all_mean({"a": float(rank), "b": 4.0}, world),
-           "all_weighted_mean": runtime.all_weighted_mean({"x": float(rank)}, rank + 1, world),
+           "all_gather_objects": runtime.all_gather_objects({"rank": rank}, world),
            "broadcast": runtime.broadcast_object({"from": rank}, world),
            "gather": runtime.gather_objects(rank, world)}
     records = [{"id": f"q{i}", "answer": "A"} for i in range(5)]
@@ -77,7 +77,7 @@ def test_every_collective_on_two_ranks_of_a_one_device_type_group(tmp_path):
         assert g["served"] == "cpu:gloo" and g["device"] == "cpu"          # one device type, as NCCL's group
         assert (g["all_sum"], g["all_max"], g["all_sum_float"]) == (3, 10, 1.5)
         assert g["all_sums"] == [1.0, 4.0] and g["all_mean"] == {"a": 0.5, "b": 4.0}
-        assert g["all_weighted_mean"]["x"] == pytest.approx(2 / 3)          # (0 * 1 + 1 * 2) / 3
+        assert g["all_gather_objects"] == [{"rank": 0}, {"rank": 1}]           # on every rank, in rank order
         assert g["broadcast"] == {"from": 0}
     assert got[0]["gather"] == [0, 1] and got[1]["gather"] is None
     assert [r["id"] for r in got[0]["rows"]] == [f"q{i}" for i in range(5)] and got[1]["rows"] is None
