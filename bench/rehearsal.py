@@ -387,10 +387,10 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     t0 = time.time()
     with phases(meter, sft_parts):
         loss, n_tok = train.sft_backward(model, sft_items, 1, pad_id, None, tok, False,
-                                         run.counters, targs.precision)
+                                         run.counters, targs.precision, world=world)     # as run_sft: all ranks' tokens
     run.optimizer_step(model, sft_opt, loss, "sft", 1, [])
     timing["sft_step_s"] = time.time() - t0
-    sizes.update(sft_tokens=len(sft_items[0].token_ids), sft_policy_tokens=n_tok, sft_patches=sft_parts["flight_patches"],
+    sizes.update(sft_tokens=len(sft_items[0].token_ids), sft_policy_tokens=n_tok // world, sft_patches=sft_parts["flight_patches"],
                  tdam_no_answer=run.counters.get("tdam_no_answer", 0))
     sft_parts = {k: sft_parts[k] for k in ("activations", "backward", "loss") if k in sft_parts}
     vo3 = None
