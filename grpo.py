@@ -508,13 +508,16 @@ SUMMED = ("_hits", "_calls", "_n")          # rollout_metrics' per-need sums and
 
 def merge_figures(parts: list[tuple[int, dict]]) -> dict:
     """rollout_metrics' figures of several shares of a step, (n trajectories, figures) each, as one: the means
-    weighted by n (a key a share lacks weighs 0 there; one share's as they are), the per-need sums summed and turned into split_accuracy's
-    ratios, so a share weighs by its count, not as a rank mean."""
+    weighted by n (a key a share lacks weighs 0 there; a key of one share as it is), the per-need sums summed and
+    turned into split_accuracy's ratios, so a share weighs by its count, not as a rank mean."""
     out = {}
     for k in sorted(set().union(*(f for _, f in parts))):
         have = [(n, f[k]) for n, f in parts if k in f]
-        out[k] = (float(sum(v for _, v in have)) if k.endswith(SUMMED) else float(have[0][1]) if len(have) == 1 else
-                  sum(n * v for n, v in have) / max(1, sum(n for n, _ in have)))
+        if k.endswith(SUMMED):
+            out[k] = float(sum(v for _, v in have))
+        else:
+            weight = sum(n for n, _ in have)
+            out[k] = float(have[0][1]) if len(have) == 1 else sum(n * v for n, v in have) / max(1, weight)
     return split_accuracy(out)
 
 

@@ -390,7 +390,8 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
                                          run.counters, targs.precision, world=world)     # as run_sft: all ranks' tokens
     run.optimizer_step(model, sft_opt, loss, "sft", 1, [])
     timing["sft_step_s"] = time.time() - t0
-    sizes.update(sft_tokens=len(sft_items[0].token_ids), sft_policy_tokens=n_tok // world, sft_patches=sft_parts["flight_patches"],
+    sizes.update(sft_tokens=len(sft_items[0].token_ids), sft_policy_tokens=n_tok // world,     # one rank's episode
+                 sft_patches=sft_parts["flight_patches"],
                  tdam_no_answer=run.counters.get("tdam_no_answer", 0))
     sft_parts = {k: sft_parts[k] for k in ("activations", "backward", "loss") if k in sft_parts}
     vo3 = None
