@@ -265,7 +265,8 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
             run.counters["bad_samples"] += sum(m["bad"] for m in messages)
             row = {**grpo.merge_figures([(m["n"], m["figures"]) for m in messages]),
                    "trajectories": sum(m["n"] for m in messages), **stats, "wait_s": wait_s, "kept": len(items),
-                   "lr": step_lr, "grad_norm": float("nan") if gn is None else gn, "groups": sum(m["groups"] for m in messages),
+                   "lr": step_lr, "grad_norm": float("nan") if gn is None else gn,
+                   "groups": sum(m["groups"] for m in messages),
                    "draws": max(m["draws"] for m in messages), "policy_version": min(m["version"] for m in messages),
                    "trained_versions": versions, "staleness": u - 1 - min(m["version"] for m in messages),
                    "rollout_s": max(m["rollout_s"] for m in messages),
