@@ -39,15 +39,15 @@ Shapes: pool per layer (n_blocks * BLOCK, kv_heads, head_dim); a forward's queri
 n rows of l tokens (right-padded), positions (3, n, l) for (t, h, w); logits (n, V).
 Sizes that choose a path (shrunk in tests: tests/conftest.py `SMALL_THRESHOLDS`; docs/method.md §8): BLOCK (tokens
 per block), SCORES_BUDGET (elements of a block of fp32 scores and its mask in the hand-written attention: its
-queries go in blocks; the fused CPU kernel holds its scores in tiles), GATHER_BUDGET (K elements, keys x kv_heads
-x head_dim, of one slab gathered for the attention, rows x longest row or prompts x longest prompt: past it the
-slab splits into several, one call each, a loop over slabs; one row's or one prompt's keys are the least a slab
-holds; 2^28, 256 M elements, 1 GiB in fp32 a gathered K, is not reached at 64 rows of 4,096 keys of Qwen3-VL-8B's
-8 x 128 K/V, nor by the tiny and bench sizes), JOIN_PROMPT (K elements, rows x tokens x kv_heads x head_dim, of a
-prompt's copies read with its rows rather than the prompt once in place: about where a copy and an attention call
-cost the same on this project's CPU; 128 tokens of Qwen3-VL-8B, one row), PREFILL_TOKENS (tokens of one prefill
-forward, padding included: the chunks of an admission go in several forwards, so that their activations stay
-bounded beside the budget).
+queries go in blocks; the fused CPU kernel holds its scores in tiles, and takes a causal chunk whose mask is within
+it), GATHER_BUDGET (K elements, keys x kv_heads x head_dim, of one slab gathered for the attention, rows x longest
+row or prompts x longest prompt: past it the slab splits into several, one call each, a loop over slabs; one row's
+or one prompt's keys are the least a slab holds; 2^28, 256 M elements, 1 GiB in fp32 a gathered K, is not reached at
+64 rows of 4,096 keys of Qwen3-VL-8B's 8 x 128 K/V, nor by the tiny and bench sizes), JOIN_PROMPT (K elements, rows
+x tokens x kv_heads x head_dim, of a prompt's copies read with its rows rather than the prompt once in place: about
+where a copy and an attention call cost the same on this project's CPU; 128 tokens of Qwen3-VL-8B, one row),
+PREFILL_TOKENS (tokens of one prefill forward, padding included: the chunks of an admission go in several forwards,
+so that their activations stay bounded beside the budget).
 Precision: scores, softmax, the LSE and the merge run in fp32 whatever the model's dtype and the ambient autocast
 (autocast is off inside the attention: the RL step's --precision bf16); the output is rounded to the compute dtype.
 Departures: plain PyTorch. The rows' keys and the prompts' are gathered (copied) from their blocks into slabs
@@ -74,7 +74,7 @@ SCORES_BUDGET = 2 ** 24              # elements of one working tensor of the att
 JOIN_PROMPT = 2 ** 17                # K elements of a prompt's copies (rows x tokens x heads x dim) read with its rows
 PREFILL_TOKENS = 2 ** 15             # tokens (padding included) of one prefill forward, at most (a longer chunk: alone)
 GATHER_BUDGET = 2 ** 28              # K elements (keys x kv_heads x head_dim) of one slab gathered for the attention
-FUSED_CPU = True                     # on the CPU, attention without a causal limit in one fused kernel (`_attend`)
+FUSED_CPU = True                     # on the CPU, attention in one fused kernel (`_attend`)
 
 
 @dataclass
@@ -583,16 +583,18 @@ def _attend(q, k, v, scale, qpos=None, bias=None):
     exactly. bias (n, 1, 1, c) fp32 is added to every query's scores (`_hidden`: -inf on a key past a row's end or
     a prompt's length; None: nothing hidden), and key j is hidden from query i of row b where j > qpos[b, i]
     (causal; None: no causal limit).
-    Without a causal limit on the CPU (a decode step's every call, a prompt read for a chunk), one fused kernel:
-    PyTorch's flash attention for the CPU, which returns the LSE beside the output and holds the scores in tiles
-    (`aten._scaled_dot_product_flash_attention_for_cpu`; the public `scaled_dot_product_attention` does not return
-    the LSE). On this project's CPU it costs half the hand-written form's time at a decode step's sizes, where a
-    call's cost is its operations, not its FLOPs. Elsewhere (a chunk's causal limit; CUDA, where the fused kernels
-    that return the LSE take other arguments: not run here; the tests run it on the CPU with FUSED_CPU off) the
-    hand-written form: queries in blocks, each block's causal mask built from the positions, so no scores or mask
-    tensor exceeds SCORES_BUDGET elements whatever the chunk and span (one query row of scores at least); one
-    exponential pass over the scores (m = max, p = exp(s - m), out = p v / sum p, lse = m + log sum p), the scale
-    on the queries, the smaller tensor. Autocast is off inside (its matmuls would round the scores to bf16)."""
+    On the CPU, one fused kernel: PyTorch's flash attention for the CPU, which returns the LSE beside the output and
+    holds the scores in tiles (`aten._scaled_dot_product_flash_attention_for_cpu`; the public
+    `scaled_dot_product_attention` does not return the LSE): without a causal limit (a decode step's every call, a
+    prompt read for a chunk), and with one where its mask, (n, 1, m, c) fp32, is within SCORES_BUDGET elements (a
+    next-turn chunk's own part; bench/rollout_bench.py --parts 1). On this project's CPU it costs half the
+    hand-written form's time at a decode step's sizes, where a call's cost is its operations, not its FLOPs.
+    Elsewhere (a causal chunk whose mask would pass the budget; CUDA, where the fused kernels that return the LSE
+    take other arguments: not run here; the tests run it on the CPU with FUSED_CPU off) the hand-written form:
+    queries in blocks, each block's causal mask built from the positions, so no scores or mask tensor exceeds
+    SCORES_BUDGET elements whatever the chunk and span (one query row of scores at least); one exponential pass over
+    the scores (m = max, p = exp(s - m), out = p v / sum p, lse = m + log sum p), the scale on the queries, the
+    smaller tensor. Autocast is off inside (its matmuls would round the scores to bf16)."""
     with torch.autocast(q.device.type, enabled=False):
         return _attend_fp32(q, k, v, scale, qpos, bias)
 
@@ -600,9 +602,13 @@ def _attend(q, k, v, scale, qpos=None, bias=None):
 def _attend_fp32(q, k, v, scale, qpos, bias):
     n, h, m, d = q.shape
     c = k.shape[2]
-    if FUSED_CPU and qpos is None and q.device.type == "cpu":
+    if FUSED_CPU and q.device.type == "cpu" and (qpos is None or n * m * c <= SCORES_BUDGET):
+        mask = bias
+        if qpos is not None:                              # the causal limit as a mask (n, 1, m, c), bias added
+            mask = _hidden(torch.arange(c, device=q.device) > qpos[:, None, :, None])
+            mask = mask if bias is None else mask.add_(bias)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _f32(q), _f32(k), _f32(v), attn_mask=bias, scale=scale)
+            _f32(q), _f32(k), _f32(v), attn_mask=mask, scale=scale)
         return out, lse
     block = max(1, SCORES_BUDGET // max(1, n * h * c))
     q3 = q.float().reshape(n * h, m, d)                                                  # (n h) batches for bmm

@@ -65,7 +65,7 @@ def sharp():
 
 # the sizes that pick the engine's attention paths, and the paths each setting must reach
 SETTINGS = {
-    "shipped": ({}, {"prompt", "chunk", "decode_sdpa", "hand_written"}),
+    "shipped": ({}, {"prompt", "chunk", "decode_sdpa", "causal"}),     # causal: fused_causal, or hand_written (off)
     "each_prompt_in_place": ({"BLOCK": 4, "JOIN_PROMPT": 0, "SCORES_BUDGET": 0, "GATHER_BUDGET": 0},
                              {"prompt", "chunk", "in_place", "fragmented", "merge", "query_blocks", "row_slabs"}),
     "prompts_together": ({"BLOCK": 4, "JOIN_PROMPT": 0}, {"prompt", "chunk", "slabs", "merge"}),
@@ -97,8 +97,8 @@ def test_engine_attention_fp32_under_autocast(sharp, monkeypatch, setting, fused
 
     def recorded_attend(q, k, v, scale, qpos=None, bias=None):
         n, h, m, _ = q.shape
-        fused_kernel = kvcache.FUSED_CPU and qpos is None
-        seen.add("fused_kernel" if fused_kernel else "hand_written")
+        fused_kernel = kvcache.FUSED_CPU and (qpos is None or n * m * k.shape[2] <= kvcache.SCORES_BUDGET)
+        seen.add(("fused_causal" if qpos is not None else "fused_kernel") if fused_kernel else "hand_written")
         if not fused_kernel and max(1, kvcache.SCORES_BUDGET // max(1, n * h * k.shape[2])) < m:
             seen.add("query_blocks")
         return inner(q, k, v, scale, qpos, bias)
@@ -134,6 +134,8 @@ def test_engine_attention_fp32_under_autocast(sharp, monkeypatch, setting, fused
         kv.extend(model, rows, [text(n) for n in (3, 24, 2, 7, 4, 5)], pad)
         for t in range(3):
             kv.step(model, rows, torch.tensor([500 + t + i for i in range(len(rows))]))
+    if "causal" in paths:                  # a chunk's causal part: the fused kernel's mask within SCORES_BUDGET
+        paths = paths - {"causal"} | {"fused_causal" if fused else "hand_written"}
     assert paths <= seen, paths - seen
     assert {dt for _, dt in diffs} == {torch.bfloat16}                  # the compute dtype, as SDPA returns it
     assert max(x for x, _ in diffs) <= 1e-3, max(diffs)

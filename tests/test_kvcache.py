@@ -385,6 +385,33 @@ def test_attend_fused_kernel_equals_hand_written(monkeypatch, scores):
         torch.testing.assert_close(out[True][2], v.float()[2, :, :1].expand(2, 5, 16), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("scores", [2 ** 24, 512], ids=["fused_mask_within_budget", "past_budget_hand_written"])
+def test_attend_causal_fused_equals_hand_written(monkeypatch, scores):
+    """`_attend` with a causal limit (a next-turn chunk's own part): the fused CPU kernel with the limit as a mask
+    (taken while the (n, 1, m, c) mask is within SCORES_BUDGET) and the hand-written form give the same output and
+    log-sum-exp as float64 softmax attention, the -inf bias past each row's end included; past the budget the
+    hand-written form runs (the kernel is never called)."""
+    monkeypatch.setattr(kvcache, "SCORES_BUDGET", scores)
+    gen = torch.Generator().manual_seed(1)
+    n, h, m, d, c = 3, 2, 8, 16, 40
+    q, k, v = (torch.randn(n, h, x, d, generator=gen).to(torch.bfloat16) for x in (m, c, c))
+    qpos = torch.tensor([20, 3, 31])[:, None] + torch.arange(m)                    # query i of row b sees j <= qpos
+    bias = kvcache._hidden(torch.arange(c) >= torch.tensor([40, 11, 39])[:, None])[:, None, None]
+    kernel, calls = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, []
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw), raising=False)
+    out, lse = {}, {}
+    for fused in (True, False):
+        monkeypatch.setattr(kvcache, "FUSED_CPU", fused)
+        out[fused], lse[fused] = kvcache._attend(q, k, v, 0.25, qpos, bias)
+    assert len(calls) == (1 if scores >= n * m * c else 0)
+    s = (q.double() @ k.double().transpose(-1, -2)) * 0.25 + bias.double()
+    s = s.masked_fill(torch.arange(c) > qpos[:, None, :, None], float("-inf"))
+    for fused in (True, False):
+        torch.testing.assert_close(out[fused], (torch.softmax(s, -1) @ v.double()).float(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(lse[fused], s.logsumexp(-1).float(), atol=1e-5, rtol=0)
+
+
 def test_block_pool_runs_free_list_and_growth():
     pool = kvcache.BlockPool(8, "cpu")
     assert pool.alloc(3, run=True) == [0, 1, 2] and pool.alloc(1) == [7] and pool.alloc(2) == [5, 6]  # prompts low, rows high
