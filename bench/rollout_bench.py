@@ -130,16 +130,20 @@ def turn_spans(roles: list[int]) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def reencode_rollout(model, processor, traj: rollout.Trajectory, path: str, cfg: rollout.RolloutConfig) -> dict:
+def reencode_rollout(model, processor, traj: rollout.Trajectory, record: dict, path: str,
+                     cfg: rollout.RolloutConfig) -> dict:
     """The released loop on a known trajectory: per turn, a full forward over everything before it (every video
-    through the vision tower), then the turn's tokens one by one on that cache; the videos decoded once as ours, the
-    processor not re-run (the ids and pixels of `traj`), which favours this side."""
+    through the vision tower), then the turn's tokens one by one on that cache. The videos are decoded and the
+    processor runs over each once, as ours does (the released loop re-runs it over the whole conversation every
+    turn, which this side is spared); the forwards read the ids and pixels of `traj`."""
     factor, merge = rollout.video_factor(processor), processor.video_processor.merge_size
     pad_id = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     duration = video.probe(path).duration
-    rollout.load_overview(path, duration, cfg, factor, cfg.overview_nframes)
+    overview = rollout.load_overview(path, duration, cfg, factor, cfg.overview_nframes)
+    rollout.encode_chunk(processor, rollout.prompt_text(processor, record, cfg.tools_block), [overview])
     for calls in traj.calls:
-        rollout.run_calls(calls, path, duration, cfg, factor)
+        parts, clips = rollout.tool_response_parts(rollout.run_calls(calls, path, duration, cfg, factor))
+        rollout.encode_chunk(processor, rollout.response_chunk_text(parts, False), clips)
     video_id = model.config.video_token_id
     prefill = patches = decoded = 0
     for a, b in turn_spans(traj.roles):
@@ -198,7 +202,7 @@ def bench_multiturn(model, processor, root: str, rec: dict, args) -> dict:
         restore()
     assert traj.n_tool_turns == args.turns - 1 and traj.answer == "A", "the scripted trajectory did not run"
     path = os.path.join(root, rec["video"])
-    reencode = lambda: reencode_rollout(model, processor, traj, path, cfg)
+    reencode = lambda: reencode_rollout(model, processor, traj, rec, path, cfg)
     base = reencode()
     wall, cpu = ab_times({"ours": ours, "reencode": reencode}, args.repeats)
     return dict(turns=args.turns, sequence_tokens=len(traj.token_ids), policy_tokens=sum(traj.roles),
