@@ -28,8 +28,8 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   read with each row's suffix instead, as one causal sequence [prompt ; suffix]: the copies cost less than an
   attention call for the prompt alone (a single row's prompt, e.g. a sub-agent's clip). A decode step with no
   large prompt is one fused SDPA call (nothing to merge, no LSE). No decode step touches the K/V of a row that is
-  not in it. The prefill of next-turn chunks (`extend`) takes the same two parts (the chunk's own part causal,
-  in query blocks of SCORES_BUDGET scores). `runtime.OpCounter` / `runtime.step_ops` measure the calls and ops
+  not in it. The prefill of next-turn chunks (`extend`) takes the same two parts (the chunk's own part causal:
+  its limit a mask of the fused CPU kernel, or in query blocks of SCORES_BUDGET scores). `runtime.OpCounter` / `runtime.step_ops` measure the calls and ops
   per layer of a step (tests/test_kvcache.py: equal at 4 and 32 rows).
 
 - The memory side (at the end of the file): `memory_budget` (the K/V a rollout may hold) and the scheduler's worst
