@@ -29,8 +29,8 @@ the same way; rollout.py holds the scheduler that feeds it: admit, step, retire.
   attention call for the prompt alone (a single row's prompt, e.g. a sub-agent's clip). A decode step with no
   large prompt is one fused SDPA call (nothing to merge, no LSE). No decode step touches the K/V of a row that is
   not in it. The prefill of next-turn chunks (`extend`) takes the same two parts (the chunk's own part causal:
-  its limit a mask of the fused CPU kernel, or in query blocks of SCORES_BUDGET scores). `runtime.OpCounter` / `runtime.step_ops` measure the calls and ops
-  per layer of a step (tests/test_kvcache.py: equal at 4 and 32 rows).
+  its limit a mask of the fused CPU kernel, or in query blocks of SCORES_BUDGET scores). `runtime.OpCounter` /
+  `runtime.step_ops` measure the calls and ops per layer of a step (tests/test_kvcache.py: equal at 4 and 32 rows).
 
 - The memory side (at the end of the file): `memory_budget` (the K/V a rollout may hold) and the scheduler's worst
   cases over a rollout.RolloutConfig: `row_blocks` (the blocks a row may come to hold), `safe` (the banker's rule
