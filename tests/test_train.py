@@ -681,6 +681,20 @@ def test_tool_use_split_by_need_reduced_over_two_ranks_as_sums_and_counts(tmp_pa
     assert not any(k.endswith(("_hits", "_calls", "_n")) for k in two)      # the sums never reach the log
 
 
+def test_merge_figures_weighs_shares_by_their_counts():
+    """grpo.merge_figures, the one weighting of the sync ranks' rows and the async rollout ranks' messages: a mean
+    weighs each share by its trajectory count (1 and 3: (1 * 1.0 + 3 * 0.0) / 4), a key one share lacks weighs 0
+    there, the per-need sums are summed before split_accuracy divides, and a lone share's figures come back as
+    they are (no n * v / n rounding)."""
+    a = {"accuracy": 1.0, "only_a": 0.7, "tool_needed_hits": 1.0, "tool_needed_calls": 1, "tool_needed_n": 1}
+    b = {"accuracy": 0.0, "tool_needed_hits": 0.0, "tool_needed_calls": 0, "tool_needed_n": 3}
+    m = grpo.merge_figures([(1, a), (3, b)])
+    assert m["accuracy"] == 0.25 and m["only_a"] == 0.7
+    assert m["acc_tool_needed"] == 0.25 and m["tool_call_ratio_needed"] == 0.25
+    assert not any(k.endswith(grpo.SUMMED) for k in m)
+    assert grpo.merge_figures([(3, {"accuracy": 0.1})])["accuracy"] == 0.1
+
+
 def test_tool_use_split_left_out_where_no_question_was():
     trajs, comps = [_traj("easy", 1)], [{"acc": 1.0}]
     m = grpo.split_accuracy(grpo.rollout_metrics(trajs, comps, _need_records()))
