@@ -159,7 +159,7 @@ def reencode_rollout(model, processor, traj: rollout.Trajectory, record: dict, p
         batch.pop("roles")
         cache = DynamicCache(config=model.config)
         out = model.model(**batch, cache=cache, use_cache=True)
-        logits = model.lm_head(out.last_hidden_state[:, -1]).float()                  # (1, V)
+        model.lm_head(out.last_hidden_state[:, -1]).float()     # the next token's (1, V) logits, as ours computes
         mask, next_pos = batch["attention_mask"], int(batch["position_ids"].max()) + 1
         prefill += a
         patches += sum(len(p) for p, _ in videos)
@@ -171,7 +171,7 @@ def reencode_rollout(model, processor, traj: rollout.Trajectory, record: dict, p
             next_pos += 1
             out = model.model(input_ids=torch.tensor([[tok]]), attention_mask=mask, position_ids=pos,
                               cache=cache, use_cache=True)
-            logits = model.lm_head(out.last_hidden_state[:, -1]).float()
+            model.lm_head(out.last_hidden_state[:, -1]).float()  # (the token fed next is traj's, not a draw)
             decoded += 1
     return dict(prefill_tokens=prefill, decode_tokens=decoded, patches=patches)
 
