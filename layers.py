@@ -15,7 +15,10 @@ checkpointing is the layer base class's, which replays this forward with the sam
     rollout_cache=GroupKV   the engine's paged cascade attention: the new keys / values into the cache's pool
                             (kvcache.GroupKV.write), then the queries over [prompt ; own suffix] (GroupKV.attend)
     tdam=TdamSpec           TDAM's block-sparse attention (ops.tdam_attention; SFT with --tdam)
-    neither                 SDPA with the mask the text model built (training, evaluation, plain forwards)
+    neither                 SDPA with the mask the text model built (training, evaluation, plain forwards), over
+                            the keys / values of transformers' `cache` where the text model passes one
+                            (`model.generate`, a forward with use_cache=True: cache.update appends this forward's
+                            and returns all, as transformers' attention does)
 The text model around the layers (embedding, M-RoPE's cos / sin, deepstack, the final norm) stays transformers'.
 
 Why our own forward: the same numbers in fewer launched ops, which is what a GPU decode step is bound by (the host
@@ -66,24 +69,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-def attention(attn, x: torch.Tensor, tables, mask, cache=None, tdam=None) -> torch.Tensor:
+def attention(attn, x: torch.Tensor, tables, mask, rollout_cache=None, tdam=None, cache=None) -> torch.Tensor:
     """The attention block of `attn` (transformers' attention module: its projections, norms, layer_idx, scaling)
     on the normed hidden x (n, l, D) -> (n, l, H d), before W_o. `tables`: rope_tables' (cos, signed sin) in the
-    layout of the path (rows of tokens for the engine, heads first for training)."""
+    layout of the path (rows of tokens for the engine, heads first for training). `rollout_cache`: the engine's
+    GroupKV; `cache`: transformers' Cache (generate's), the keys / values of earlier forwards."""
     n, l, _ = x.shape
     d = attn.head_dim
     # the engine: rows of tokens (n l, heads, d), the pool's layout; training and plain forwards: transformers'
     # (n, l, heads, d), transposed before the rotary as there, so that every gradient sums in its order too
-    shape = (n * l, -1, d) if cache is not None else (n, l, -1, d)
+    shape = (n * l, -1, d) if rollout_cache is not None else (n, l, -1, d)
     q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
     if hasattr(attn, "q_norm"):                                       # Qwen3-VL: RMSNorm over each head's d
         q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
-    if cache is not None:                                             # the pool, then cascade attention
+    if rollout_cache is not None:                                     # the pool, then cascade attention
         q, k = rope(q, *tables), rope(k, *tables)
-        cache.write(attn.layer_idx, k, v)
-        return cache.attend(attn.layer_idx, q, k, v, attn.scaling, attn)
+        rollout_cache.write(attn.layer_idx, k, v)
+        return rollout_cache.attend(attn.layer_idx, q, k, v, attn.scaling, attn)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (n, heads, l, d)
     q, k = rope(q, *tables), rope(k, *tables)
+    if cache is not None:                                             # transformers' Cache: earlier keys + these
+        k, v = cache.update(k, v, attn.layer_idx)
     if tdam is not None:
         out = tdam_attention(q, k, v, tdam, attn.scaling)
     else:
@@ -103,12 +109,12 @@ class PlainLayer:
     """The forward `use_plain_layers` gives a decoder layer (a mixin before the layer's own class)."""
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, rollout_cache=None, tdam=None,
-                **_):
+                cache=None, **_):
         x = hidden_states
         tables = rollout_cache.rope(*position_embeddings) if rollout_cache is not None else \
             rope_tables(*position_embeddings, rows_of_tokens=False)  # the engine makes them once per forward
         x = x + self.self_attn.o_proj(attention(self.self_attn, rms_norm(x, self.input_layernorm), tables,
-                                                attention_mask, rollout_cache, tdam))
+                                                attention_mask, rollout_cache, tdam, cache))
         m = rms_norm(x, self.post_attention_layernorm)
         return x + self.mlp.down_proj(self.mlp.act_fn(self.mlp.gate_proj(m)) * self.mlp.up_proj(m))
 

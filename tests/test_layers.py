@@ -56,6 +56,29 @@ def test_plain_layers_equal_transformers_on_qwen3vl(tiny, dtype):
         assert all(float((g1[n] - g2[n]).abs().max()) <= 2e-2 * float(g2[n].abs().max()) for n in g1)
 
 
+def test_plain_layers_read_transformers_cache(tiny):
+    """With transformers' cache (what model.generate decodes on): a prefill and then one token at a time give the
+    hidden states of transformers' layers bit for bit, and each step's equal the full forward's at that position
+    (fp32): the layer appends its keys / values to the cache and attends over all of them."""
+    from transformers import DynamicCache
+    model, processor = tiny
+    theirs = _theirs(model)
+    torch.manual_seed(0)
+    ids = torch.randint(20, model.config.text_config.vocab_size, (1, 12))
+    with torch.no_grad():
+        full = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        steps = []
+        for m in (model, theirs):
+            cache = DynamicCache(config=m.config)
+            h = [m.model(input_ids=ids[:, :8], cache=cache, use_cache=True).last_hidden_state]
+            for j in range(8, 12):
+                h.append(m.model(input_ids=ids[:, j:j + 1], cache=cache, use_cache=True).last_hidden_state)
+            assert cache.get_seq_length() == 12
+            steps.append(torch.cat(h, 1))
+    assert torch.equal(steps[0], steps[1])
+    torch.testing.assert_close(steps[0], full, rtol=1e-5, atol=1e-5)
+
+
 def test_plain_layers_equal_transformers_on_qwen25vl():
     """Qwen2.5-VL's decoder (biases on q / k / v, no q / k norms, its own M-RoPE layout): the same logits."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration

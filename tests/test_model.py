@@ -198,10 +198,17 @@ def test_forward_and_generate_with_video(tiny, clip):
     other = video.Clip(255 - clip.frames, clip.times, clip.path, clip.decoded)
     assert not torch.allclose(out, logits(model, inputs(processor, other)))
     with torch.no_grad():
-        gen = model.generate(**kw, max_new_tokens=4, do_sample=False)
-    assert gen.shape[0] == 1 and n < gen.shape[1] <= n + 4
+        gen = model.generate(**kw, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert gen.shape == (1, n + 6)
     assert torch.equal(gen[0, :n], kw["input_ids"][0])
-    assert gen[0, n].item() == out[0, -1].argmax().item()   # greedy first token = argmax of the forward
+    # every greedy token is the argmax of one full forward over the prompt and the tokens before it (generate
+    # decodes on transformers' cache, which our decoder layers must read: a layer that dropped it would have each
+    # new token attend to itself alone, and only the first token would agree)
+    full = {**kw, "input_ids": gen, "attention_mask": torch.ones_like(gen),
+            "mm_token_type_ids": torch.cat([kw["mm_token_type_ids"], torch.zeros(1, 6, dtype=torch.long)], 1)}
+    stop = model.generation_config.eos_token_id
+    want = logits(model, full)[0, n - 1:-1].index_fill(1, torch.tensor([stop]).view(-1), float("-inf")).argmax(-1)
+    assert gen[0, n:].tolist() == want.tolist()
 
 
 # ----------------------------------------------------------------------------- processor timestamps
