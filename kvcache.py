@@ -243,8 +243,9 @@ class _Forward:
     autocast: bool = False               # autocast is on around the forward (turned off inside the attention)
     shape: tuple = ()                    # (n, l): rows, tokens per row (right-padded)
     cuts: list = field(default_factory=list)    # the slabs of rows (first layer): (a, b, span, the rows' key slots
-                                                # ((b - a) * span,), their mask (b - a, 1, 1, span) or None); one,
-                                                # unless GATHER_BUDGET splits them (`_pack`)
+                                                # ((b - a) * span,), their mask (b - a, 1, 1, span) or None, a
+                                                # chunk's causal mask for the fused kernel (`_fused_causal`) or
+                                                # None); one, unless GATHER_BUDGET splits them (`_pack`)
 
 
 class GroupKV:
@@ -499,16 +500,19 @@ class GroupKV:
             span = max(fwd.end_host)
             keys = self._key_slots(fwd, span)
             bias = _hidden(torch.arange(span, device=q.device) >= fwd.end[:, None])      # (n, span): past a row's end
-            fwd.cuts = [(a, b, w, (keys if b - a == n else keys[a:b])[:, :w].reshape(-1),
-                         None if min(fwd.end_host[a:b]) == w else bias[a:b, None, None, :w])
-                        for a, b, w in _pack(fwd.end_host, GATHER_BUDGET // (Hkv * d))]
+            for a, b, w in _pack(fwd.end_host, GATHER_BUDGET // (Hkv * d)):
+                mask = None if min(fwd.end_host[a:b]) == w else bias[a:b, None, None, :w]
+                causal = _fused_causal(fwd.qpos[a:b], w, mask) if l > 1 else None     # once, for every layer
+                fwd.cuts.append((a, b, w, (keys if b - a == n else keys[a:b])[:, :w].reshape(-1), mask, causal))
         # [small prompt ;] own suffix, causal, read through the block tables: (rows, Hkv, span, d)
         own = []
-        for a, b, span, keys, mask in fwd.cuts:           # one slab, unless GATHER_BUDGET splits the rows
+        for a, b, span, keys, mask, causal in fwd.cuts:   # one slab, unless GATHER_BUDGET splits the rows
             K, V = (_gather(pool, keys, b - a, span).transpose(1, 2) for pool in (pool_k, pool_v))
             qa = qg if b - a == n else qg[a:b]
             if fused:                                      # mask: -inf on the keys past a row's end
                 own.append(F.scaled_dot_product_attention(_f32(qa), _f32(K), _f32(V), attn_mask=mask, scale=scale))
+            elif causal is not None:                       # a chunk: its causal limit as the fused kernel's mask
+                own.append(_attend(qa, K, V, scale, bias=causal))
             else:                                          # a decode query sees every key before its row's end
                 own.append(_attend(qa, K, V, scale, fwd.qpos[a:b] if l > 1 else None, mask))
         if fused:                     # (n, Hkv, g, d) -> (n, 1, H d): a view where the kernel's output is contiguous
@@ -581,8 +585,8 @@ def _attend(q, k, v, scale, qpos=None, bias=None):
     """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d), computed in fp32 whatever the inputs' dtype;
     returns (out (n, h, m, d) fp32, lse (n, h, m)): the log-sum-exp lets two partial attentions be merged
     exactly. bias (n, 1, 1, c) fp32 is added to every query's scores (`_hidden`: -inf on a key past a row's end or
-    a prompt's length; None: nothing hidden), and key j is hidden from query i of row b where j > qpos[b, i]
-    (causal; None: no causal limit).
+    a prompt's length; None: nothing hidden; (n, 1, m, c): `_fused_causal`'s mask, for the fused kernel only), and
+    key j is hidden from query i of row b where j > qpos[b, i] (causal; None: no causal limit).
     On the CPU, one fused kernel: PyTorch's flash attention for the CPU, which returns the LSE beside the output and
     holds the scores in tiles (`aten._scaled_dot_product_flash_attention_for_cpu`; the public
     `scaled_dot_product_attention` does not return the LSE): without a causal limit (a decode step's every call, a
@@ -599,14 +603,23 @@ def _attend(q, k, v, scale, qpos=None, bias=None):
         return _attend_fp32(q, k, v, scale, qpos, bias)
 
 
+def _fused_causal(qpos: torch.Tensor, c: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The causal limit of queries at positions qpos (n, m) over c keys (key j hidden where j > qpos) as the fused CPU
+    kernel's additive mask (n, 1, m, c) fp32, bias (n, 1, 1, c) added; None where that kernel does not take it (off
+    the CPU, FUSED_CPU off, or past SCORES_BUDGET elements): the hand-written form applies qpos itself. A forward
+    builds it once for all its layers (`GroupKV._attend_rows`' cuts)."""
+    n, m = qpos.shape
+    if not (FUSED_CPU and qpos.device.type == "cpu" and n * m * c <= SCORES_BUDGET):
+        return None
+    mask = _hidden(torch.arange(c, device=qpos.device) > qpos[:, None, :, None])
+    return mask if bias is None else mask.add_(bias)
+
+
 def _attend_fp32(q, k, v, scale, qpos, bias):
     n, h, m, d = q.shape
     c = k.shape[2]
-    if FUSED_CPU and q.device.type == "cpu" and (qpos is None or n * m * c <= SCORES_BUDGET):
-        mask = bias
-        if qpos is not None:                              # the causal limit as a mask (n, 1, m, c), bias added
-            mask = _hidden(torch.arange(c, device=q.device) > qpos[:, None, :, None])
-            mask = mask if bias is None else mask.add_(bias)
+    mask = bias if qpos is None else _fused_causal(qpos, c, bias)
+    if FUSED_CPU and q.device.type == "cpu" and (qpos is None or mask is not None):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _f32(q), _f32(k), _f32(v), attn_mask=mask, scale=scale)
         return out, lse

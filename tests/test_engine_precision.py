@@ -98,7 +98,8 @@ def test_engine_attention_fp32_under_autocast(sharp, monkeypatch, setting, fused
     def recorded_attend(q, k, v, scale, qpos=None, bias=None):
         n, h, m, _ = q.shape
         fused_kernel = kvcache.FUSED_CPU and (qpos is None or n * m * k.shape[2] <= kvcache.SCORES_BUDGET)
-        seen.add(("fused_causal" if qpos is not None else "fused_kernel") if fused_kernel else "hand_written")
+        causal = qpos is not None or (bias is not None and bias.shape[2] > 1)   # the limit, or its mask (_fused_causal)
+        seen.add(("fused_causal" if causal else "fused_kernel") if fused_kernel else "hand_written")
         if not fused_kernel and max(1, kvcache.SCORES_BUDGET // max(1, n * h * k.shape[2])) < m:
             seen.add("query_blocks")
         return inner(q, k, v, scale, qpos, bias)

@@ -655,11 +655,16 @@ def test_several_prompts_in_one_step_equal_plain_forwards(tiny, monkeypatch, gat
         return fwd, more
 
     monkeypatch.setattr(kvcache.GroupKV, "_rows_forward", recorded)
+    causal, built = kvcache._fused_causal, []
+    monkeypatch.setattr(kvcache, "_fused_causal", lambda *a: built.append(causal(*a)) or built[-1])
     chunks = [text(n) for n in (3, 6, 2, 7, 4, 5)]
     seqs = {r: [prompts[o], c] for r, o, c in zip(rows, owner, chunks)}
     out = kv.extend(model, rows, chunks, pad)
     for j, r in enumerate(rows):
         torch.testing.assert_close(out[j], _alone(model, seqs[r]), atol=1e-4, rtol=0)
+    # the chunk's causal mask for the fused kernel: built once per slab of rows in the forward, not once per layer
+    assert model.config.text_config.num_hidden_layers > 1
+    assert sum(m is not None for m in built) == ((1 if gather else 6) if fused else 0), len(built)
     for t in range(3):                                     # decode, the rows in a shuffled order
         order = [rows[i] for i in (3, 0, 5, 1, 4, 2)]
         toks = torch.tensor([500 + t + i for i in range(len(order))])
