@@ -448,13 +448,18 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+_SPAWNED = False                 # this process is a rank that `launch` spawned (set by setup_distributed)
+
+
 def setup_distributed(rank: int, gpus: int | None, device: str, threads: int) -> tuple[int, int, torch.device]:
     """(rank, world_size, device). One process: no process group. Several: nccl on CUDA, gloo on CPU."""
+    global _SPAWNED
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", gpus or 1))
     if world > 1:
         if "RANK" not in os.environ:                     # spawned by this launcher (not torchrun)
             die_with_parent()
+            _SPAWNED = True
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world))
         if use_cuda:
@@ -574,10 +579,18 @@ def _forget_forward_order(units: list) -> None:
 
 
 def finish(world: int) -> None:
-    """The end of a rank: no rank tears the process group down while another still talks to it."""
+    """The end of a rank: no rank tears the process group down while another still talks to it. A rank `launch`
+    spawned then leaves at once (os._exit(0), its output flushed; its files are closed, its return value unread):
+    a gloo rank at times aborted in the interpreter's teardown after its work was done ("terminate called without
+    an active exception", SIGABRT: a C++ destructor or thread met during finalization), which the launcher reports
+    as a failed run. A full test run met it about once in five (tests/test_eval_ranks.py, test_rl_correctness.py)."""
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+        if _SPAWNED:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 def barrier(world: int, group=None) -> None:
