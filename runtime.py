@@ -583,7 +583,7 @@ def finish(world: int) -> None:
     spawned then leaves at once (os._exit(0), its output flushed; its files are closed, its return value unread):
     a gloo rank at times aborted in the interpreter's teardown after its work was done ("terminate called without
     an active exception", SIGABRT: a C++ destructor or thread met during finalization), which the launcher reports
-    as a failed run. A full test run met it about once in five (tests/test_eval_ranks.py, test_rl_correctness.py)."""
+    as a failed run; met now and then in full test runs (tests/test_eval_ranks.py, tests/test_rl_correctness.py)."""
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
