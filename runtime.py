@@ -21,6 +21,7 @@ import datetime
 import fcntl
 import functools
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -448,18 +449,13 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-_SPAWNED = False                 # this process is a rank that `launch` spawned (set by setup_distributed)
-
-
 def setup_distributed(rank: int, gpus: int | None, device: str, threads: int) -> tuple[int, int, torch.device]:
     """(rank, world_size, device). One process: no process group. Several: nccl on CUDA, gloo on CPU."""
-    global _SPAWNED
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", gpus or 1))
     if world > 1:
         if "RANK" not in os.environ:                     # spawned by this launcher (not torchrun)
             die_with_parent()
-            _SPAWNED = True
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world))
         if use_cuda:
@@ -579,15 +575,17 @@ def _forget_forward_order(units: list) -> None:
 
 
 def finish(world: int) -> None:
-    """The end of a rank: no rank tears the process group down while another still talks to it. A rank `launch`
-    spawned then leaves at once (os._exit(0), its output flushed; its files are closed, its return value unread):
-    a gloo rank at times aborted in the interpreter's teardown after its work was done ("terminate called without
-    an active exception", SIGABRT: a C++ destructor or thread met during finalization), which the launcher reports
-    as a failed run; met now and then in full test runs (tests/test_eval_ranks.py, tests/test_rl_correctness.py)."""
+    """The end of a rank: no rank tears the process group down while another still talks to it. A rank that
+    torch.multiprocessing.spawn started (`launch`'s, or a test's) then leaves at once (os._exit(0), its output
+    flushed; its files are closed, and spawn never reads its return value): a gloo rank at times aborted in the
+    interpreter's teardown after its work was done ("terminate called without an active exception", SIGABRT: a C++
+    destructor or thread met during finalization), which the launcher reports as a failed run; met now and then in
+    full test runs (tests/test_eval_ranks.py, tests/test_rl_correctness.py). Ranks torchrun starts are its own
+    processes and end as usual."""
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-        if _SPAWNED:
+        if multiprocessing.parent_process() is not None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)

@@ -125,9 +125,10 @@ if __name__ == "__main__":
 
 
 def test_a_launched_rank_leaves_at_finish(tmp_path):
-    """A rank that `launch` spawned leaves in runtime.finish, after the barrier and the group's teardown, by
-    os._exit(0): the interpreter's teardown, where a gloo rank at times aborted (SIGABRT) after its work was done,
-    never runs. Its unflushed output still arrives, the launcher exits 0, and nothing after finish runs."""
+    """A rank that `launch` spawned (torch.multiprocessing.spawn) leaves in runtime.finish, after the barrier and
+    the group's teardown, by os._exit(0): the interpreter's teardown, where a gloo rank at times aborted (SIGABRT)
+    after its work was done, never runs. Its unflushed output still arrives, the launcher exits 0, and nothing
+    after finish runs."""
     import subprocess
     import sys
     script = tmp_path / "launched.py"
