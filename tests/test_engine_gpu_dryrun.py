@@ -26,6 +26,7 @@ def test_gpu_script_dry_run(tmp_path):
         assert ro["trajectories"] == 4 and ro["tool_turns"] == 12 and ro["errors"] == 0
         assert ro["sampled_tokens"] > 0 and ro["host_syncs_per_step"] == 1.0
     loss = out["loss"]                           # bench/logprob_bench.py, naive vs fused: the same loss and gradients
+    assert "results" in loss, loss                 # else the script's exit code and the tail of its errors
     assert set(loss["results"]) == {"naive", "fused"} and loss["checksum_rel_diff"] < 1e-3
     parts = out["rehearsal"].get("parts")        # bench/rehearsal.py --ci --ranks 1: every part, beside the plan
     assert parts, out["rehearsal"]
