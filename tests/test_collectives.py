@@ -8,6 +8,8 @@ use and a whole eval.predict.
 """
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,8 +131,6 @@ def test_a_launched_rank_leaves_at_finish(tmp_path):
     the group's teardown, by os._exit(0): the interpreter's teardown, where a gloo rank at times aborted (SIGABRT)
     after its work was done, never runs. Its unflushed output still arrives, the launcher exits 0, and nothing
     after finish runs."""
-    import subprocess
-    import sys
     script = tmp_path / "launched.py"
     script.write_text(LAUNCHED.format(repo=str(Path(__file__).resolve().parents[1]), out=str(tmp_path)))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
