@@ -43,7 +43,7 @@ import rollout
 import runtime
 import sft
 import video
-from ops import TdamSpec, policy_rows, token_logprobs
+from ops import CAUSAL, FULL, TdamSpec, policy_rows, token_logprobs
 from runtime import Run, all_gather_objects, all_max, all_mean, all_sum, all_sum_float, full_weights
 
 T = recipes.TINY      # the settings dataclasses' defaults: what `python train.py` runs
@@ -257,6 +257,7 @@ class GRPOSettings:
     precision: str = "fp32"                          # fp32 | bf16 (resolve: bf16 on CUDA): the compute dtype
     async_staleness: int = T["async_staleness"]      # >= 1: rollout beside training (async_rl.py), the decoupled loss
     behav_weight_cap: float = T["behav_weight_cap"]  # the decoupled loss's cap on pi_prox / pi_behav
+    pack_prompts: bool = T["pack_prompts"]            # the update runs each shared prompt once (`pack_prompts`)
 
 
 @dataclasses.dataclass
@@ -355,7 +356,7 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
     return Groups(trajs, comps, cat(R), cat(KL), items, n_groups, draws, n_zero / max(1, len(trajs) // G))
 
 
-def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[slice]:
+def micro_batches(lengths: list[int], rows: int, tokens: int, prompts: list | None = None) -> list[slice]:
     """Consecutive micro-batches of items of these lengths, in their order: a micro-batch takes the next item
     while it holds fewer than `rows` and (items + 1) x its longest length stays <= `tokens` (the padded tensor's
     size); an item longer than `tokens` goes alone. Why by tokens: rows of unequal length are padded, and a padded
@@ -363,13 +364,18 @@ def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[slice]:
     32k tokens: 8.6 G mask elements a layer call); one row (or rows of one length) has no padding, no mask and
     the causal flash kernel. So Video-o3's and ParaVT's rows (17k-32k tokens) go one at a time under the default
     budget, and the tiny model's (a few hundred tokens) eight at a time, as `rows` alone groups them
-    (docs/method.md §5)."""
-    out, start, longest = [], 0, 0
+    (docs/method.md §5). `prompts` (`shared_prompts`, --set pack_prompts): a micro-batch is one packed row
+    (`pack_prompts`), so its size is each distinct prompt once plus every item's suffix, <= `tokens`."""
+    out, start, longest, size, seen = [], 0, 0, 0, set()
     for i, n in enumerate(lengths):
-        if i > start and (i - start >= rows or (i - start + 1) * max(longest, n) > tokens):
+        key, p = (prompts[i][0], prompts[i][1]) if prompts and prompts[i] else (None, 0)
+        grown = size + n - (p if key in seen else 0)
+        cost = grown if prompts else (i - start + 1) * max(longest, n)
+        if i > start and (i - start >= rows or cost > tokens):
             out.append(slice(start, i))
-            start, longest = i, 0
-        longest = max(longest, n)
+            start, longest, seen, grown = i, 0, set(), n
+        longest, size = max(longest, n), grown
+        seen.add(key)
     return out + [slice(start, len(lengths))] if lengths else out
 
 
@@ -413,9 +419,15 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     to learn still runs zero-weight passes on `filler` (any trajectory it sampled), so every rank joins the same
     collectives; the step is skipped only when no rank has a token.
     `step_fn(loss)` clips, checks and applies the gradients (Run.optimizer_step). Returns (grad norm, stats)."""
-    chunks = [items[sl] for sl in micro_batches([len(t.token_ids) for t, _, _ in items], s.micro_batch,
-                                                 s.micro_batch_tokens)]
+    video_id = model.config.video_token_id
+    prompts = shared_prompts([t for t, _, _ in items], video_id, model.config.vision_config.spatial_merge_size) \
+        if s.pack_prompts else None
+    slices = micro_batches([len(t.token_ids) for t, _, _ in items], s.micro_batch, s.micro_batch_tokens, prompts)
+    chunks = [items[sl] for sl in slices]
     batches = [rollout.collate([t for t, _, _ in c], model, pad_id, share_videos=True) for c in chunks]
+    if prompts:                         # each shared prompt once per micro-batch (hidden_and_targets reads it)
+        for c, b, sl in zip(chunks, batches, slices):
+            b["packed"] = pack_prompts(b, [t for t, _, _ in c], prompts[sl], video_id)
     advs = []
     for c, b in zip(chunks, batches):
         a = torch.tensor([x for _, x, _ in c])[:, None].expand(-1, b["input_ids"].shape[1] - 1).clone()
@@ -557,19 +569,107 @@ def hidden_and_targets(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | N
     FSDP: the lm_head unit is gathered here, since the kernels read lm_head.weight directly (its gradient is
     reduce-scattered with the final norm's, in backward)."""
     device = next(model.parameters()).device
+    packed = batch.get("packed")          # --set pack_prompts: each shared prompt once (`pack_prompts`)
+    if packed is not None and (tdam is not None or attn_mask_4d is not None):
+        raise ValueError("hidden_and_targets: a packed batch carries its own attention spec (no tdam / mask)")
     # the pixels go in the compute dtype (bf16 under --precision bf16, where the parameters, FSDP2's shards
     # included, are fp32 master weights); the tower's first matmul rounds them so under autocast anyway
     cast = {"pixel_values_videos": model_lib.compute_dtype(model)}
-    kw = {k: v.to(device, cast.get(k, v.dtype)) for k, v in batch.items() if k not in ("roles",)}
+    kw = {k: v.to(device, cast.get(k, v.dtype)) for k, v in (packed or batch).items()
+          if k not in ("roles", "packed", "gather", "tdam")}
     if attn_mask_4d is not None:
         kw["attention_mask"] = attn_mask_4d.to(device)
+    tdam = packed["tdam"] if packed is not None else tdam
     if tdam is not None:                  # the spec is the mask (padding included); positions come from collate
         kw.pop("attention_mask", None)
         kw["tdam"] = tdam
-    hidden = rollout.shared_video_hidden_states(model, kw)[:, :-1]          # (B, L-1, D); vision once per distinct video
+    hidden = rollout.shared_video_hidden_states(model, kw)                  # vision once per distinct video
+    # (B, L-1, D): the states that predict each row's next token (packed: gathered from the packed rows)
+    hidden = hidden[:, :-1] if packed is None else hidden.flatten(0, 1)[packed["gather"].to(device)]
     if hasattr(model.lm_head, "unshard"):
         model.lm_head.unshard()
     return hidden, batch["input_ids"][:, 1:].to(device), policy_mask(batch["roles"]).to(device)
+
+
+def shared_prompts(trajs: list, video_id: int, merge: int) -> list[tuple | None]:
+    """Per trajectory, (key, P, prompt videos) for `pack_prompts`, or None when it cannot be packed: key names
+    its prompt (its first P = prompt_len tokens and the identity of the video tensors they show: a group's G
+    samples share both, as the rollout shares them), `prompt videos` the grid rows (videos) of its `videos`
+    that lie inside the prompt. merge: the vision config's spatial_merge_size (a grid row of t x h x w patches
+    is t h w / merge^2 tokens)."""
+    out = []
+    for t in trajs:
+        p = t.prompt_len
+        in_prompt = sum(1 for x in t.token_ids[:p] if x == video_id)
+        grids = [(pix, g) for pix, grid in t.videos for g in grid]
+        n, seen = 0, 0
+        while seen < in_prompt and n < len(grids):
+            seen += int(grids[n][1].prod()) // merge ** 2
+            n += 1
+        if not 0 < p < len(t.token_ids) or seen != in_prompt:    # nothing after the prompt, or a video cut by it
+            out.append(None)
+            continue
+        shown = tuple((pix.data_ptr(), tuple(pix.shape), tuple(g.tolist())) for pix, g in grids[:n])
+        out.append(((tuple(t.token_ids[:p]), shown), p, n))
+    return out
+
+
+def pack_prompts(batch: dict, trajs: list, prompts: list, video_id: int) -> dict:
+    """
+    The inputs of ONE packed row that runs each shared prompt once for the rows of a `collate(...,
+    share_videos=True)` batch (--set pack_prompts; ParaVT's G = 8 samples repeat a 16k-token overview, Video-o3's
+    G = 16 a 12k one). Its segments, in the rows' order, a prompt the first time its key (`shared_prompts`) comes:
+
+        prompt_A (P_A tokens) | suffix_1 | suffix_2 | ... | prompt_B | suffix_k | ...     suffix = a row after P
+
+    A prompt attends to itself causally; a suffix to its prompt (all of it) and to itself causally, never to
+    another segment. A row with no key is one segment of its own. Each token keeps its row's M-RoPE position
+    (position_ids sliced from the collated rows) and its videos their features (each prompt's once, then each
+    suffix's, in order: video_index), so each hidden state equals its row's in the unpacked forward (float sums
+    may round in another order). `gather` (B, L-1) maps each row position to the packed position whose hidden
+    state predicts its next token: the prompt's for t < P (the prompt's last token predicts every suffix's
+    first), the suffix's after; gradients of a prompt sum over its rows, as over G copies. No padding, no mask:
+    the attention is ops.tdam_attention with the segments as exact runs (TdamSpec.plan, the CPU kernel) and as
+    rectangles (the keys a segment may not see; flex_attention's block mask on CUDA).
+    Shapes: input_ids, mm_token_type_ids (1, Lp), position_ids (3, 1, Lp), gather (B, L-1); pixel_values_videos
+    and video_grid_thw are the batch's (each distinct video once).
+    """
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    B, L = ids.shape
+    index = batch["video_index"].tolist() if "video_index" in batch else []
+    n_grids = [sum(len(g) for _, g in t.videos) for t in trajs]
+    lens = [len(t.token_ids) for t in trajs]
+    pieces, order, rects, plan, seen = [], [], [], [], {}     # seen: prompt key -> its segment (start, end)
+    gather, t, at = torch.zeros(B, L - 1, dtype=torch.long), torch.arange(L - 1), 0
+    for i, pr in enumerate(prompts):
+        p, n_pre = (pr[1], pr[2]) if pr else (0, 0)
+        first = sum(n_grids[:i])
+        if pr and pr[0] not in seen:                          # the prompt's segment, the first time
+            seen[pr[0]] = (at, at + p)
+            pieces.append((i, 0, p))
+            order += index[first:first + n_pre]
+            rects.append((at, at + p, 0, at))
+            plan.append((0, at, at + p, [(at, at + p, CAUSAL)]))
+            at += p
+        a, b = seen[pr[0]] if pr else (at, at)
+        n = lens[i] - p
+        pieces.append((i, p, lens[i]))
+        order += index[first + n_pre:first + n_grids[i]]
+        rects += [(at, at + n, 0, a), (at, at + n, b, at)]
+        plan.append((0, at, at + n, ([(a, b, FULL)] if b > a else []) + [(at, at + n, CAUSAL)]))
+        gather[i] = torch.where(t < p, a + t, at + t - p).clamp(max=at + n - 1)
+        at += n
+    out_ids = torch.cat([ids[i, s:e] for i, s, e in pieces])[None]
+    out = dict(input_ids=out_ids, position_ids=torch.cat([pos[:, i, s:e] for i, s, e in pieces], 1)[:, None],
+               mm_token_type_ids=(out_ids == video_id).int() * 2, gather=gather,
+               tdam=TdamSpec(torch.tensor([at]), torch.tensor([[r for r in rects if r[1] > r[0] and r[3] > r[2]]
+                                                               or [(0, 0, 0, 0)]]), plan=plan))
+    for k in ("pixel_values_videos", "video_grid_thw"):
+        if k in batch:
+            out[k] = batch[k]
+    if index:
+        out["video_index"] = torch.tensor(order, dtype=torch.long)
+    return out
 
 
 def policy_head(model, batch: dict, precision: str, attn_mask_4d=None, tdam: TdamSpec | None = None):

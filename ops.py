@@ -378,11 +378,14 @@ class TdamSpec:
     """TDAM for a batch without an L x L mask: each row's length (B,) and its masked rectangles (B, M, 4) =
     (q0, q1, k0, k1), empty ones (0, 0, 0, 0) padding M. Passed to the model as the `tdam` keyword, read by
     `tdam_attention`. `block`: the side of the square tiles the kernels skip or attend (query rows = key columns;
-    memory O(block x L) per head at most, never O(L x L)); `kernel`: "auto" (`tdam_kernel`), "flex" or "blocked"."""
+    memory O(block x L) per head at most, never O(L x L)); `kernel`: "auto" (`tdam_kernel`), "flex" or "blocked".
+    `plan`: for the blocked kernel, runs that need no mask at all, [(row, q0, q1, [(k0, k1, FULL or CAUSAL)])]
+    covering every (row, query) once, where the spec's maker knows its segments; None: the tile plan."""
     lengths: torch.Tensor
     rects: torch.Tensor
     block: int = 256
     kernel: str = "auto"
+    plan: list | None = None      # the blocked kernel's exact runs, when the maker knows them (grpo.pack_prompts)
 
     def allowed(self, q0: int, q1: int, kv_len: int, device, k0: int = 0) -> torch.Tensor:
         """(B, 1, q1 - q0, kv_len - k0) bool, queries [q0, q1) x keys [k0, kv_len): causal, padding (a pad row sees
@@ -483,22 +486,22 @@ class _TdamBlocked(torch.autograd.Function):
     def forward(ctx, q, k, v, spec, plan, scale):
         out = torch.empty_like(q)                                                    # (B, H, L, d)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)         # (B, H, L)
-        for q0, q1, runs in plan:
+        for b, q0, q1, runs in plan:                                                 # b: a row or all rows
             outs, lses = [], []
             for k0, k1, kind in runs:
                 mask = _run_mask(spec, q0, q1, k0, k1, kind, q.dtype, q.device)
-                o, s = _flash(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], 0.0, kind == CAUSAL,
+                o, s = _flash(q[b, :, q0:q1], k[b, :, k0:k1], v[b, :, k0:k1], 0.0, kind == CAUSAL,
                               attn_mask=mask, scale=scale)
                 outs.append(o)
                 lses.append(s)
             if len(runs) == 1:
-                out[:, :, q0:q1], lse[:, :, q0:q1] = outs[0], lses[0]
+                out[b, :, q0:q1], lse[b, :, q0:q1] = outs[0], lses[0]
                 continue
             s = torch.stack(lses)                                                    # (R, B, H, b)
             total = torch.logsumexp(s, dim=0)                                        # (B, H, b)
             w = torch.exp(s - total)[..., None]                                      # (R, B, H, b, 1)
-            out[:, :, q0:q1] = sum(w[r] * o.float() for r, o in enumerate(outs))
-            lse[:, :, q0:q1] = total
+            out[b, :, q0:q1] = sum(w[r] * o.float() for r, o in enumerate(outs))
+            lse[b, :, q0:q1] = total
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec, ctx.plan, ctx.scale = spec, plan, scale
         return out
@@ -509,16 +512,16 @@ class _TdamBlocked(torch.autograd.Function):
         spec, scale = ctx.spec, ctx.scale
         grad_out = grad_out.contiguous()
         dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v))
-        for q0, q1, runs in ctx.plan:
-            rows = (grad_out[:, :, q0:q1], q[:, :, q0:q1])
-            saved = (out[:, :, q0:q1], lse[:, :, q0:q1].contiguous())
+        for b, q0, q1, runs in ctx.plan:
+            rows = (grad_out[b, :, q0:q1], q[b, :, q0:q1])
+            saved = (out[b, :, q0:q1], lse[b, :, q0:q1].contiguous())
             for k0, k1, kind in runs:
                 mask = _run_mask(spec, q0, q1, k0, k1, kind, q.dtype, q.device)
-                gq, gk, gv = _flash_backward(*rows, k[:, :, k0:k1], v[:, :, k0:k1], *saved, 0.0, kind == CAUSAL,
+                gq, gk, gv = _flash_backward(*rows, k[b, :, k0:k1], v[b, :, k0:k1], *saved, 0.0, kind == CAUSAL,
                                              attn_mask=mask, scale=scale)
-                dq[:, :, q0:q1] += gq
-                dk[:, :, k0:k1] += gk
-                dv[:, :, k0:k1] += gv
+                dq[b, :, q0:q1] += gq
+                dk[b, :, k0:k1] += gk
+                dv[b, :, k0:k1] += gv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -526,10 +529,13 @@ def _tdam_blocked(query, key, value, spec: TdamSpec, scaling: float) -> torch.Te
     if query.device.type != "cpu":
         raise ValueError(f"TDAM's blocked kernel runs on the CPU (ATen's CPU flash attention); on "
                          f"{query.device.type} use TdamSpec.kernel='flex'")
+    if spec.plan is not None:           # exact runs (rows one at a time: slices keep the batch dimension)
+        plan = [(slice(b, b + 1), q0, q1, runs) for b, q0, q1, runs in spec.plan]
+        return _TdamBlocked.apply(query, key, value, spec, plan, scaling)
     L, block = query.shape[2], spec.block
     tiles = tdam_tiles(spec, L)                                           # (B, T, T)
     kinds = torch.where((tiles == tiles[:1]).all(0), tiles[0], MASKED)    # one kind for the batch, else MASKED
-    plan = [(q0, min(q0 + block, L), _runs(row[:i + 1], block, L))
+    plan = [(slice(None), q0, min(q0 + block, L), _runs(row[:i + 1], block, L))
             for i, (q0, row) in enumerate(zip(range(0, L, block), kinds.tolist()))]
     return _TdamBlocked.apply(query, key, value, spec, plan, scaling)
 

@@ -70,7 +70,8 @@ COMMON = dict(
     subagent_max_new_tokens=512, tools_block=True, continuous=True, max_calls_per_turn=5,
     record_logprobs=False,
     # the RL step
-    rl_steps=20, warmup_steps=0, ppo_epochs=1, micro_batch=8, micro_batch_tokens=16384, max_draws=4, placebo=False,
+    rl_steps=20, warmup_steps=0, ppo_epochs=1, micro_batch=8, micro_batch_tokens=16384, pack_prompts=True,
+    max_draws=4, placebo=False,
     train_subagents=False, released_scoring=False, logprob_chunk=1024, loss_chunk=0, eval_every=0, final_eval=False,
     eval_before=False,
     # the SFT step
@@ -316,7 +317,7 @@ def resolve(args) -> None:
         args.compile = int(on_cuda)
     if args.precision is None:
         args.precision = "bf16" if on_cuda else "fp32"
-    for flag in ("kl_in_reward", "shaping", "dynamic_sampling", "mask_truncated", "gating"):
+    for flag in ("kl_in_reward", "shaping", "dynamic_sampling", "mask_truncated", "gating", "pack_prompts"):
         setattr(args, flag, bool(getattr(args, flag)))
     if not 0.0 <= args.sft_tool_free <= 1.0:
         raise ValueError(f"sft_tool_free is a probability (0: the oracle alone, 1: a twin beside every recording "

@@ -1195,3 +1195,151 @@ def test_get_lr_decreases_after_warmup():
 def test_get_lr_rejects_bad_schedule(total, warmup):
     with pytest.raises(ValueError, match="get_lr"):
         get_lr(0, total, 1.0, warmup_steps=warmup)
+
+
+# -----------------------------------------------------------------------------
+# packed prompts (--pack-prompts): each shared prompt once in the update's forward
+
+@pytest.fixture(scope="module")
+def packed_rows(tiny, tmp_path_factory):
+    """Six encoded trajectories: record A three times (the oracle calling, not calling, two tool turns), record B
+    twice, record C once, interleaved A A B A B C; the rows of a record share its overview tensor, as a rollout
+    group's samples do. Returns (trajs, the collated batch, shared_prompts' keys)."""
+    model, processor = tiny
+    root = str(tmp_path_factory.mktemp("packed"))
+    a, b, c = [r for r in data.make_split(root, 8, seed=5) if r["data_type"] == "single_clue"][:3]
+    cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
+    enc = lambda rec, msgs: sft.encode_messages(processor, rec, msgs, root, cfg)
+    oracle = lambda rec, seed, call: data.oracle_turns(rec, np.random.default_rng(seed), always_call=call)
+    trajs = [enc(a, oracle(a, 0, True)), enc(a, oracle(a, 1, False)), enc(b, oracle(b, 0, True)),
+             enc(a, two_tool_turns(a)), enc(b, two_tool_turns(b)), enc(c, oracle(c, 0, True))]
+    for t in trajs:                              # train every token after the prompt, crops included
+        t.roles = [rollout.POLICY if i >= t.prompt_len else rollout.ENV for i in range(len(t.token_ids))]
+    for i, j in [(1, 0), (3, 0), (4, 2)]:        # one overview tensor per record
+        trajs[i].videos[0] = trajs[j].videos[0]
+    prompts = grpo.shared_prompts(trajs, model.config.video_token_id, model.config.vision_config.spatial_merge_size)
+    assert [p is not None for p in prompts] == [True] * 6
+    assert prompts[0][0] == prompts[1][0] == prompts[3][0] != prompts[2][0] == prompts[4][0] != prompts[5][0]
+    assert len({len(t.token_ids) for t in trajs}) >= 3 and any(len(t.videos) > 2 for t in trajs)   # ragged
+    return trajs, rollout.collate(trajs, model, processor.tokenizer.pad_token_id, share_videos=True), prompts
+
+
+def test_packed_prompts_equal_one_row_per_sample(tiny, packed_rows, monkeypatch):
+    """hidden_and_targets on pack_prompts' one row equals the plain rows at every policy position (hidden states
+    to 1e-5), and the GRPO loss and every parameter's gradient match: three prompts in one row, each once (the
+    vision tower sees each overview once, the row holds 3 prompts + 6 suffixes), suffixes with crops of their
+    own, keys interleaved (A A B A B C)."""
+    model, _ = tiny
+    trajs, batch, prompts = packed_rows
+    packed = grpo.pack_prompts(batch, trajs, prompts, model.config.video_token_id)
+    size = sum(len(t.token_ids) - t.prompt_len for t in trajs) + sum(trajs[i].prompt_len for i in (0, 2, 5))
+    assert packed["input_ids"].shape == (1, size) and packed["tdam"].lengths.tolist() == [size]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_and_grads(b):
+        hidden, weight, targets, mask = grpo.policy_head(model, b, "fp32")
+        adv = torch.linspace(-1, 1, len(trajs))
+        loss, _ = grpo.grpo_loss(hidden, weight, targets, None, adv, mask, clip_low=0.2, clip_high=0.3,
+                                 compile=False)
+        return hidden[mask].detach(), loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
+
+    h_plain, l_plain, g_plain = loss_and_grads(batch)
+    h_pack, l_pack, g_pack = loss_and_grads({**batch, "packed": packed})
+    torch.testing.assert_close(h_pack, h_plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(l_pack, l_plain, atol=1e-6, rtol=1e-5)
+    for (name, _), gp, gq in zip([x for x in model.named_parameters() if x[1].requires_grad], g_plain, g_pack):
+        assert (gp is None) == (gq is None), name
+        if gp is not None:
+            torch.testing.assert_close(gq, gp, atol=1e-5 * float(gp.abs().max()) + 1e-9, rtol=1e-4, msg=name)
+
+
+def test_packed_prompts_in_bf16_add_no_error_of_their_own(tiny, packed_rows):
+    """Under --precision bf16 (autocast on the fp32 weights, as on a GPU) the packed row's hidden states are as
+    close to the fp32 ones as the plain rows' are (each within bf16's rounding, neither further than twice the
+    other's error)."""
+    model, _ = tiny
+    trajs, batch, prompts = packed_rows
+    packed = {**batch, "packed": grpo.pack_prompts(batch, trajs, prompts, model.config.video_token_id)}
+    with torch.no_grad():
+        ref, _, _, mask = grpo.policy_head(model, batch, "fp32")
+        plain = grpo.policy_head(model, batch, "bf16")[0]
+        pack = grpo.policy_head(model, packed, "bf16")[0]
+    assert pack.dtype == plain.dtype == torch.bfloat16
+    err = lambda h: float((h[mask].float() - ref[mask]).abs().max())
+    scale = float(ref[mask].abs().max())
+    assert 0 < err(plain) < 0.05 * scale and err(pack) <= 2 * err(plain), (err(plain), err(pack), scale)
+
+
+def test_packed_spec_plan_and_rectangles_are_one_mask(tiny, packed_rows):
+    """The packed row's attention three ways on random q, k, v: TdamSpec.plan's exact runs (the CPU kernel), the
+    rectangles through the tile plan (what flex_attention's block mask is built from on CUDA), and dense SDPA
+    under TdamSpec.allowed: equal values and gradients. And the mask is the segments': a suffix sees its prompt
+    and itself, causally, nothing else."""
+    model, _ = tiny
+    trajs, batch, prompts = packed_rows
+    spec = grpo.pack_prompts(batch, trajs, prompts, model.config.video_token_id)["tdam"]
+    L = int(spec.lengths[0])
+    allowed = spec.allowed(0, L, L, "cpu")[0, 0]
+    from_plan = torch.zeros(L, L, dtype=torch.bool)
+    for _, q0, q1, runs in spec.plan:
+        for k0, k1, kind in runs:
+            block = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+            from_plan[q0:q1, k0:k1] = block.tril() if kind == ops.CAUSAL else block
+    assert torch.equal(allowed, from_plan)
+    assert int(allowed.sum()) < L * (L + 1) // 2 // 2        # most of the causal triangle is cut away
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, L, 16, generator=g, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, L, 2, 16, generator=g)
+
+    def run(attend):
+        out = attend(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    dense = run(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, scale=0.25).transpose(1, 2))
+    plan = run(lambda q, k, v: ops.tdam_attention(q, k, v, spec, 0.25))
+    tiles = run(lambda q, k, v: ops.tdam_attention(q, k, v, ops.TdamSpec(spec.lengths, spec.rects, block=64), 0.25))
+    for a, b, c in zip(dense, plan, tiles):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths, prompts, rows, tokens, expected", [
+    ([100, 120, 110], "AAA", 8, 150, [(0, 3)]),              # 90 + 10 + 30 + 20 = 150: one prompt, three suffixes
+    ([100, 120, 110], "AAA", 8, 149, [(0, 2), (2, 3)]),      # 150 > 149
+    ([100, 120, 110], "AAA", 2, 10 ** 6, [(0, 2), (2, 3)]),  # rows still count items
+    ([100, 120, 100, 110], "ABAB", 8, 250, [(0, 4)]),        # 90 + 10 + 90 + 30 + 10 + 20 = 250: each prompt once
+    ([100, 120, 100, 110], "ABAB", 8, 249, [(0, 3), (3, 4)]),
+    ([100, 300, 100], "A-A", 8, 250, [(0, 1), (1, 2), (2, 3)]),   # an unpacked row counts whole; 300 alone
+    ([], "", 8, 100, []),
+])
+def test_micro_batches_count_each_packed_prompt_once(lengths, prompts, rows, tokens, expected):
+    """grpo.micro_batches with shared_prompts' keys: a micro-batch is one packed row, its size each distinct
+    prompt (90 tokens here) once plus every item's suffix, at most `tokens`; at most `rows` items."""
+    keys = [((k, ()), 90, 1) if k != "-" else None for k in prompts]
+    got = grpo.micro_batches(lengths, rows, tokens, keys)
+    assert [(s.start, s.stop) for s in got] == expected
+
+
+def test_policy_update_packed_equals_unpacked(tiny, packed_rows):
+    """policy_update with --pack-prompts 1 and 0 on the same items: the same loss and the same gradient on every
+    parameter (micro-batches of 4 rows: the packed ones hold 2 prompts, then 2)."""
+    model, processor = tiny
+    trajs, _, _ = packed_rows
+    items = [(t, a, {"anchor": 0.0}) for t, a in zip(trajs, [1.0, -0.5, 0.3, -1.0, 0.7, 0.2])]
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = {}
+    for pack in (True, False):
+        s = grpo.GRPOSettings(pack_prompts=pack, micro_batch=4)
+        model.zero_grad()
+        grads = []
+        step = lambda loss: grads.append([None if p.grad is None else p.grad.clone() for p in params]) or 1.0
+        _, stats = grpo.policy_update(model, None, None, items, s, processor.tokenizer.pad_token_id,
+                                      processor.tokenizer, world=1, step_fn=step)
+        out[pack] = stats["loss"], grads[0]
+    model.zero_grad()
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-5, abs=1e-7)
+    for gp, gq in zip(out[False][1], out[True][1]):
+        assert (gp is None) == (gq is None)
+        if gp is not None:
+            torch.testing.assert_close(gq, gp, atol=1e-5 * float(gp.abs().max()) + 1e-9, rtol=1e-4)
