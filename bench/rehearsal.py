@@ -220,11 +220,13 @@ def sft_messages(duration: float, video_name: str, texts: list[str] | None = Non
 
 def train_args(args, ckpt: str, device: torch.device, run_dir: str, *flags: str):
     """train.py's flags for a rehearsed step: `flags` on --precision bf16, gradient checkpointing, torch.compile on
-    CUDA, and this run's --micro-batch-tokens (none: train.py's default)."""
+    CUDA, this run's --micro-batch-tokens (none: train.py's default), and a row per sample in the update
+    (--set pack_prompts=0): plan.memory_parts counts one row per sample, which is what packing makes of the real
+    lengths under the shipped budget (a 17k-32k-token sample is a micro-batch alone, its prompt and suffix one row)."""
     budget = ["--micro-batch-tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
     return recipes.parse_train_args(["--model", ckpt, *flags, "--precision", "bf16", "--device", device.type,
                                "--grad-checkpointing", "--compile", str(int(device.type == "cuda")), *budget,
-                               "--run-dir", run_dir])
+                               "--run-dir", run_dir, "--set", "pack_prompts=0"])
 
 
 def measured_update(model, ref, optimizer, items: list, s, tok, world: int, run, meter: Meter, out: dict) -> tuple:

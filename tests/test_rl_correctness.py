@@ -145,7 +145,8 @@ def test_update_micro_batches_by_tokens_keep_the_flash_path_and_the_batch_gradie
     mask (off the flash path: at Video-o3's 32k tokens, 8 rows make 8.6 G mask elements a layer call). With
     --micro-batch-tokens below 2 x 560 each row goes alone: no SDPA call gets a mask (is_causal, the flash
     kernel). The token-mean normaliser is the whole batch's, so the gradients and the SGD step are the one
-    padded batch's to fp32 rounding. Before: micro-batches of --micro-batch rows whatever their lengths."""
+    padded batch's to fp32 rounding. Before: micro-batches of --micro-batch rows whatever their lengths. (Rows one per
+    sample: --set pack_prompts=0.)"""
     trajs, _ = encoded
     lengths = [len(t.token_ids) for t in trajs]
     assert lengths[0] != lengths[1]
@@ -163,7 +164,8 @@ def test_update_micro_batches_by_tokens_keep_the_flash_path_and_the_batch_gradie
         grads = {}
         step = lambda loss: (grads.update({n: p.grad.clone() for n, p in model.named_parameters()
                                            if p.grad is not None}), optimizer.step(), optimizer.zero_grad())
-        s = grpo.GRPOSettings(micro_batch=8, micro_batch_tokens=tokens, temperature=0.7)
+        s = grpo.GRPOSettings(micro_batch=8, micro_batch_tokens=tokens, temperature=0.7,
+                              pack_prompts=False)   # a padded row per sample (packed rows never pad)
         masks.clear()
         grpo.policy_update(model, None, optimizer, items, s, processor.tokenizer.pad_token_id, processor.tokenizer,
                             1, step_fn=step)
