@@ -12,7 +12,8 @@ rollout ranks beside trainer ranks. Reads top to bottom (docs/method.md has ever
                        advantages, dynamic sampling; placebo_advantages, the control run), policy_update (the
                        PPO-clip step over micro_batches), the step's metrics (rollout_metrics, reduce_metrics)
     3. forward passes  hidden_and_targets, policy_head, forward_logprobs: whole trajectories -> hidden states /
-                       log-probs (the SFT loss in train.py takes them too)
+                       log-probs (the SFT loss in train.py takes them too); shared_prompts / pack_prompts: the
+                       update's micro-batch as one row that holds each shared prompt once
     4. the policy      policy_model (fp32 master weights, FSDP2), autocast / head_inputs (the compute dtype),
                        make_optimizer / set_lr (AdamW, the vision tower's rate)
 
@@ -566,6 +567,7 @@ def hidden_and_targets(model, batch: dict, attn_mask_4d=None, tdam: TdamSpec | N
     distinct video (the G samples of a prompt share its overview), as the rollout did. `tdam`: each decoder
     layer attends by `ops.tdam_attention` (no L x L mask), picked by the `tdam` keyword (layers.attention;
     gradient checkpointing's recompute in backward gets the same keyword); `attn_mask_4d`: a dense 4-D mask.
+    A batch with "packed" (`pack_prompts`) runs its one packed row instead and gathers each row's states from it.
     FSDP: the lm_head unit is gathered here, since the kernels read lm_head.weight directly (its gradient is
     reduce-scattered with the final norm's, in backward)."""
     device = next(model.parameters()).device

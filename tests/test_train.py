@@ -1271,10 +1271,10 @@ def test_packed_prompts_in_bf16_add_no_error_of_their_own(tiny, packed_rows):
 
 
 def test_packed_spec_plan_and_rectangles_are_one_mask(tiny, packed_rows):
-    """The packed row's attention three ways on random q, k, v: TdamSpec.plan's exact runs (the CPU kernel), the
-    rectangles through the tile plan (what flex_attention's block mask is built from on CUDA), and dense SDPA
-    under TdamSpec.allowed: equal values and gradients. And the mask is the segments': a suffix sees its prompt
-    and itself, causally, nothing else."""
+    """The packed row's attention four ways on random q, k, v: TdamSpec.plan's exact runs (the CPU kernel), the
+    rectangles through the tile plan, and dense SDPA under TdamSpec.allowed: equal values and gradients; and the
+    flex kernel CUDA runs, on the same rectangles, equal in value (forward: no CPU backward). And the mask is the
+    segments': a suffix sees its prompt and itself, causally, nothing else."""
     model, _ = tiny
     trajs, batch, prompts = packed_rows
     spec = grpo.pack_prompts(batch, trajs, prompts, model.config.video_token_id)["tdam"]
@@ -1302,6 +1302,10 @@ def test_packed_spec_plan_and_rectangles_are_one_mask(tiny, packed_rows):
     for a, b, c in zip(dense, plan, tiles):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():        # the CUDA kernel's block mask from the same rectangles (forward: CPU flex has no backward)
+        flex = ops.tdam_attention(q.detach(), k.detach(), v.detach(), ops.TdamSpec(spec.lengths, spec.rects,
+                                                                                kernel="flex"), 0.25)
+    torch.testing.assert_close(flex, dense[0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("lengths, prompts, rows, tokens, expected", [
