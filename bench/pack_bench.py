@@ -10,8 +10,9 @@ Both sides run grpo.policy_update on the same items (gradients formed, no optimi
 the same weights), interleaved A, B, A, B after one untimed call each (common.ab_times), one thread. Figures:
 the update's seconds each side (median wall and CPU), speedup (unpacked / packed, CPU time), the tokens each
 forward runs (the samples' lengths summed vs the packed rows'), the peak of live tensor bytes during one update
-each (common.LiveTensors), and that both give the same update: loss and the largest gradient difference
-relative to the gradient's scale. Target: speedup >= 1.5 with the same loss (rel 1e-5) and gradients (1e-4).
+each (common.LiveTensors), and that both give the same update: the largest gradient difference relative to
+the gradient's scale (the on-policy loss is -mean A whatever the forward, so it is printed, not compared).
+Target: speedup >= 1.5 with the same gradients (1e-4).
 The last line is one JSON object.
 """
 import argparse
@@ -85,7 +86,7 @@ def main() -> None:
         p for p in {pr[0]: pr[1] for pr in prompts if pr}.values())
     med = {k: (median(wall[k]), median(cpu[k])) for k in wall}
     speedup = med["unpacked"][1] / med["packed"][1]
-    exact = abs(loss_p - loss_u) <= 1e-5 * abs(loss_u) + 1e-7 and grad_diff <= 1e-4
+    exact = grad_diff <= 1e-4
     print(table([[name, f"{med[name][0]:.2f}", f"{med[name][1]:.2f}", n, f"{live[name][0]:.0f}"]
                  for name, n in (("packed", packed_tokens), ("unpacked", tokens))],
                 ["side", "update wall s", "update CPU s", "tokens", "peak live MB"]))

@@ -1226,7 +1226,7 @@ def packed_rows(tiny, tmp_path_factory):
 
 def test_packed_prompts_equal_one_row_per_sample(tiny, packed_rows, monkeypatch):
     """hidden_and_targets on pack_prompts' one row equals the plain rows at every policy position (hidden states
-    to 1e-5), and the GRPO loss and every parameter's gradient match: three prompts in one row, each once (the
+    to 1e-5), and every parameter's gradient of the GRPO loss matches: three prompts in one row, each once (the
     vision tower sees each overview once, the row holds 3 prompts + 6 suffixes), suffixes with crops of their
     own, keys interleaved (A A B A B C)."""
     model, _ = tiny
@@ -1243,10 +1243,9 @@ def test_packed_prompts_equal_one_row_per_sample(tiny, packed_rows, monkeypatch)
                                  compile=False)
         return hidden[mask].detach(), loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
 
-    h_plain, l_plain, g_plain = loss_and_grads(batch)
-    h_pack, l_pack, g_pack = loss_and_grads({**batch, "packed": packed})
+    h_plain, _, g_plain = loss_and_grads(batch)       # (the on-policy loss is -mean A whatever the forward: not
+    h_pack, _, g_pack = loss_and_grads({**batch, "packed": packed})   # compared; its gradient is)
     torch.testing.assert_close(h_pack, h_plain, atol=1e-5, rtol=0)
-    torch.testing.assert_close(l_pack, l_plain, atol=1e-6, rtol=1e-5)
     for (name, _), gp, gq in zip([x for x in model.named_parameters() if x[1].requires_grad], g_plain, g_pack):
         assert (gp is None) == (gq is None), name
         if gp is not None:
@@ -1326,8 +1325,8 @@ def test_micro_batches_count_each_packed_prompt_once(lengths, prompts, rows, tok
 
 
 def test_policy_update_packed_equals_unpacked(tiny, packed_rows):
-    """policy_update with --pack-prompts 1 and 0 on the same items: the same loss and the same gradient on every
-    parameter (micro-batches of 4 rows: the packed ones hold 2 prompts, then 2)."""
+    """policy_update with pack_prompts on and off on the same items: the same gradient on every parameter
+    (micro-batches of 4 rows: the packed ones hold 2 prompts, then 2)."""
     model, processor = tiny
     trajs, _, _ = packed_rows
     items = [(t, a, {"anchor": 0.0}) for t, a in zip(trajs, [1.0, -0.5, 0.3, -1.0, 0.7, 0.2])]
@@ -1342,7 +1341,6 @@ def test_policy_update_packed_equals_unpacked(tiny, packed_rows):
                                       processor.tokenizer, world=1, step_fn=step)
         out[pack] = stats["loss"], grads[0]
     model.zero_grad()
-    assert out[True][0] == pytest.approx(out[False][0], rel=1e-5, abs=1e-7)
     for gp, gq in zip(out[False][1], out[True][1]):
         assert (gp is None) == (gq is None)
         if gp is not None:
