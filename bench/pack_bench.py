@@ -81,9 +81,12 @@ def main() -> None:
     video_id, merge = model.config.video_token_id, model.config.vision_config.spatial_merge_size
     trajs = [t for t, _, _ in items]
     prompts = grpo.shared_prompts(trajs, video_id, merge)
-    tokens = sum(len(t.token_ids) for t in trajs)
-    packed_tokens = sum(len(t.token_ids) - (pr[1] if pr else 0) for t, pr in zip(trajs, prompts)) + sum(
-        p for p in {pr[0]: pr[1] for pr in prompts if pr}.values())
+    lengths = [len(t.token_ids) for t in trajs]
+    tokens = sum(lengths)
+    # what the packed forwards run: per micro-batch (as policy_update forms them) each distinct prompt once
+    slices = grpo.micro_batches(lengths, s.micro_batch, s.micro_batch_tokens, prompts)
+    packed_tokens = sum(n - (pr[1] if pr else 0) for n, pr in zip(lengths, prompts)) + sum(
+        sum({pr[0]: pr[1] for pr in prompts[sl] if pr}.values()) for sl in slices)
     med = {k: (median(wall[k]), median(cpu[k])) for k in wall}
     speedup = med["unpacked"][1] / med["packed"][1]
     exact = grad_diff <= 1e-4
