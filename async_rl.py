@@ -9,32 +9,40 @@ AReaL's decoupled PPO objective (grpo.grpo_token_terms; docs/method.md §5.1).
 --async-staleness 0 (the default) never enters this file: train.run_rl, the synchronous loop.
 
 The layout (`Layout`). Of W ranks the last R roll out and the first W - R train: FSDP2 over their own mesh, rank 0
-(a trainer) logs and saves. Beside the world, two process groups: `trainers` (FSDP2, the update's sums, the
-checkpoints) and `sync` (rank 0 and the rollout ranks: the weight broadcast). The SFT warm start and every
+(a trainer) logs and saves. Beside the world, three process groups: `trainers` (FSDP2, the update's sums, the
+checkpoints), and two gloo groups of rank 0 and the rollout ranks: `sync` (the weight broadcast) and `mail` (the
+steps' groups). The SFT warm start and every
 held-out evaluation run on all W ranks, as in a synchronous run; the RL stage builds its two models from the SFT's
 last checkpoint (or --resume's, or --model).
 
 The schedule. Version v = the weights after v updates (the RL step that made them). Step u's groups may be sampled
 by a version v >= u - 1 - eta (the staleness bound; AReaL's max_head_offpolicyness eta; eta = 0 is the synchronous
 loop). The rollout takes v = max(start, u - 1 - eta), the oldest version the bound allows: it waits for no update
-it does not need, and a step's samples come from the same version on every run, whatever the timings. With eta = 1,
-in steady state:
+it does not need, and a step's samples come from the same version on every run, whatever the timings. Every send
+is asynchronous and every receive waits only for what its rank needs next:
 
-    trainers:  update u (its groups sampled by v = u - 1)  | recv(u + 1) | send v = u | update u + 1 ...
-    rollout:   sample u + 1 with v = u - 1                 | send(u + 1) | recv v = u | sample u + 2 with v = u ...
+    trainers:  recv groups u | update u | send v = u (in flight) | recv groups u + 1 | update u + 1 ...
+    rollout:   take v = w - 1 - eta | sample w | send groups w (in flight) | take v = w - eta | sample w + 1 ...
 
-Every message is received in the order it is sent, on both sides (trainers: after update u, receive the groups of
-steps up to u + eta, then send v = u; the rollout: before sampling step w, receive the versions up to w - 1 - eta),
-so no rank waits on one that waits on it. A group is held, not split: one version samples it from its first token
+so the rollout runs up to eta steps ahead of the update and waits only on a version the bound needs, and the
+trainers wait only on the groups of the step they train. With eta = 1 the two sides meet at every step (step u + 1
+is sampled during update u with v = u - 1, and step u + 2 needs v = u); with eta = 2 (ParaVT's release) a step's
+jitter on either side is absorbed by the other's queue. No rank waits on one that waits on it: a version is sent
+after the update that needs only earlier groups, a step's groups after the version that the bound needs. A group
+is held, not split: one version samples it from its first token
 to its last (a weight update never lands inside a trajectory: its earlier turns' K/V stay the policy's that extends
 them, and each behaviour log-prob is one policy's); Trajectory.versions records the version of each turn.
 
 Messages. Rollout rank -> rank 0: a step's kept items (trajectories with their behaviour log-probs, advantages,
 reward components) and its rollout figures, one pickled object (`send_groups`); rank 0 deals the items to the
 trainers (one broadcast over `trainers`). Weights: the trainers gather the full weights onto rank 0's host (FSDP2's
-full state dict), which packs them into buckets of BUCKET_BYTES in the compute dtype (bf16 on GPU: half the bytes of
-the fp32 masters; fp32 in a CPU fp32 run, so the rollout samples from the trainers' weights bit for bit) and
-broadcasts each over `sync` (`broadcast_weights`); no files.
+full state dict), which copies them into host buckets of BUCKET_BYTES in the compute dtype (bf16 on GPU: half the
+bytes of the fp32 masters; fp32 in a CPU fp32 run, so the rollout samples from the trainers' weights bit for bit)
+and broadcasts each over `sync` without waiting (`broadcast_weights`); a rollout rank keeps the next version's
+receive posted into its host buckets and copies them into its model when it takes the version (`load_weights`); no
+files. Both go over gloo, on the host, even on GPU runs: asynchronous at both ends with no NCCL collective pending
+on a GPU stream beside the rollout's kernels. Rank 0 holds at most eta + 1 versions in flight, each the model's
+size in the compute dtype on its host (16 GB for an 8B model in bf16); gloo sends them while the trainers update.
 
 Events. A crash loses the groups in flight (checkpoints are the trainers', atomic, every --save-every updates). On
 --resume the trainers load the last checkpoint and send it as version `start`; steps start+1.. are drawn again
@@ -43,6 +51,7 @@ launcher stops the others); a trainer whose rollout rank died raises naming the 
 """
 import copy
 import dataclasses
+import pickle
 import time
 import types
 
@@ -63,7 +72,8 @@ class Layout:
     world: int
     rollout_ranks: int
     trainers: object = None        # process group of the trainers
-    sync: object = None            # process group of rank 0 and the rollout ranks (the weight broadcast)
+    sync: object = None            # gloo group of rank 0 and the rollout ranks: the weight broadcast
+    mail: object = None            # gloo group of rank 0 and the rollout ranks: the steps' groups
 
     @property
     def n_trainers(self) -> int:
@@ -83,7 +93,8 @@ def make_layout(world: int, rollout_ranks: int) -> Layout:
         raise ValueError(f"async_rl: {rollout_ranks} rollout ranks of {world}: need at least one of each kind")
     layout = Layout(world, rollout_ranks)
     layout.trainers = dist.new_group(list(range(layout.n_trainers)))
-    layout.sync = dist.new_group([0] + layout.rollout)
+    layout.sync = dist.new_group([0] + layout.rollout, backend="gloo")   # host tensors, beside NCCL on GPU runs
+    layout.mail = dist.new_group([0] + layout.rollout, backend="gloo")
     return layout
 
 
@@ -104,28 +115,59 @@ def buckets(shapes: list[tuple[str, torch.Size]], element_bytes: int, limit: int
     return out
 
 
-def broadcast_weights(model, full: dict | None, group, dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES) -> int:
-    """Rank 0's weights onto every rank of `group`: `full` (name -> full tensor, rank 0: the trainers' weights) is
-    packed bucket by bucket into one flat `dtype` tensor on the device the process group serves and broadcast; the
-    other ranks (full None) unpack each into `model`'s parameters of the same names. The parameter list is
-    model.named_parameters() on both sides (tied weights once). Returns the bytes sent per rank."""
+@dataclasses.dataclass
+class Transfer:
+    """One version's weight broadcast in flight: its works, its bucket tensors (alive until the works are done), the
+    (name, shape) runs each bucket holds, the bytes per rank."""
+    works: list
+    flats: list
+    cut: list
+    bytes: int
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def broadcast_weights(model, full: dict | None, group, dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES,
+                      into: list | None = None) -> Transfer:
+    """Rank 0's weights onto every rank of `group` (gloo), without waiting on either side: `full` (name -> full
+    tensor, rank 0: the trainers' weights) is copied bucket by bucket into flat host tensors of `dtype` and each is
+    broadcast asynchronously, so the trainers go on to the next update while gloo's thread sends it; the other
+    ranks (full None) post the receives into host buckets (`into`: the last version's, reused) and take the
+    version with `load_weights` when they need it. The parameter list is model.named_parameters() on both sides
+    (tied weights once). Host tensors over gloo, not NCCL: both ends stay asynchronous without a collective
+    pending on a GPU stream beside the rollout's kernels and graphs, and rank 0's weights are on its host already
+    (FSDP2's full state dict, cpu_offload)."""
     shapes = [(n, p.shape) for n, p in model.named_parameters()]
-    params = dict(model.named_parameters()) if full is None else None
-    device, sent = runtime.collective_device(), 0
-    for bucket in buckets(shapes, torch.empty(0, dtype=dtype).element_size(), bucket_bytes):
-        if full is not None:
-            flat = torch.cat([full[n].detach().reshape(-1).to(dtype) for n, _ in bucket]).to(device)
+    cut = buckets(shapes, torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
+    pin = full is None and next(model.parameters()).is_cuda        # the receiver's host-to-device copy from pinned
+    works, flats = [], []
+    for k, bucket in enumerate(cut):
+        if full is not None:          # a copy (cat), so the next update may change the weights while this sends
+            flat = torch.cat([full[n].detach().reshape(-1).to("cpu", dtype) for n, _ in bucket])
+        elif into is not None:
+            flat = into[k]
         else:
-            flat = torch.empty(sum(s.numel() for _, s in bucket), dtype=dtype, device=device)
-        dist.broadcast(flat, src=0, group=group)
-        sent += flat.numel() * flat.element_size()
-        if params is not None:
-            with torch.no_grad():
-                offset = 0
-                for n, s in bucket:
-                    params[n].copy_(flat[offset:offset + s.numel()].view(s))
-                    offset += s.numel()
-    return sent
+            flat = torch.empty(sum(s.numel() for _, s in bucket), dtype=dtype, pin_memory=pin)
+        works.append(dist.broadcast(flat, src=0, group=group, async_op=True))
+        flats.append(flat)
+    return Transfer(works, flats, cut, sum(f.numel() * f.element_size() for f in flats))
+
+
+def load_weights(model, transfer: Transfer) -> None:
+    """A receiver takes the version `transfer` brings: waits for each bucket, copies it into the parameters."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for work, flat, bucket in zip(transfer.works, transfer.flats, transfer.cut):
+            work.wait()
+            offset = 0
+            for n, s in bucket:
+                params[n].copy_(flat[offset:offset + s.numel()].view(s))
+                offset += s.numel()
 
 
 def full_state(model, n_trainers: int) -> dict | None:
@@ -146,22 +188,28 @@ def weight_dtype(s) -> torch.dtype:
 # -----------------------------------------------------------------------------
 # groups: rollout ranks -> rank 0 -> the trainers
 
-def send_groups(message: dict) -> None:
-    """A rollout rank's step (its kept items and figures) to rank 0, one pickled object."""
-    dist.send_object_list([message], dst=0)
+def send_groups(message: dict, group) -> list:
+    """A rollout rank's step (its kept items and figures) to rank 0 over `group`, one pickled object, without
+    waiting: returns the pending sends with their tensors (keep them until done), so the rank samples on."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    return [(dist.isend(size, dst=0, group=group), size), (dist.isend(payload, dst=0, group=group), payload)]
 
 
-def receive_groups(src: int, step: int) -> dict:
-    """Rank 0 receives rollout rank `src`'s step; a rank that died is named, not waited on forever."""
-    box = [None]
+def receive_groups(src: int, step: int, group=None) -> dict:
+    """Rank 0 receives rollout rank `src`'s step over `group`; a rank that died is named, not waited on forever."""
+    size = torch.zeros(1, dtype=torch.int64)
     try:
-        dist.recv_object_list(box, src=src)
+        dist.recv(size, src=src, group=group)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(payload, src=src, group=group)
     except RuntimeError as e:
         raise RuntimeError(f"rank 0 lost rollout rank {src} while waiting for RL step {step}'s groups (it died or "
                            f"failed: see its error): {e}") from e
-    if box[0]["step"] != step:
-        raise RuntimeError(f"rank 0 expected RL step {step}'s groups from rollout rank {src}, got step {box[0]['step']}")
-    return box[0]
+    message = pickle.loads(payload.numpy().tobytes())
+    if message["step"] != step:
+        raise RuntimeError(f"rank 0 expected RL step {step}'s groups from rollout rank {src}, got step {message['step']}")
+    return message
 
 
 # -----------------------------------------------------------------------------
@@ -169,24 +217,28 @@ def receive_groups(src: int, step: int) -> dict:
 
 def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list, video_root: str, cfg,
                  s, steps: int, start: int, pad_id: int, pool=None, eval_every: int = 0, evaluate=None) -> None:
-    """A rollout rank: for each step u, receive weights until the version is max(start, u - 1 - eta), sample the
-    step's groups of this rank's share (grpo.collect_groups, the R rollout ranks splitting the prompts as ranks
-    do), stamp each turn with the version and send them to rank 0; then receive the last versions (the final
+    """A rollout rank: for each step u, take versions until it holds max(start, u - 1 - eta), sample the step's
+    groups of this rank's share (grpo.collect_groups, the R rollout ranks splitting the prompts as ranks do), stamp
+    each turn with the version and send them to rank 0 without waiting; then take the last versions (the final
     evaluation reads them). A held-out evaluation runs after each version v with v % eval_every == 0, on every rank.
     Raises naming this rank on any failure (the launcher then stops the others)."""
     index, version = layout.rollout.index(run.rank), start - 1
     cfg = dataclasses.replace(cfg, record_logprobs=True)        # the behaviour log-probs of the decoupled loss
     share = types.SimpleNamespace(seed=run.seed, rank=index, world=layout.rollout_ranks)   # collect_groups' view
     by_id, failed, idle_from = {str(r["id"]): r for r in records}, 0, time.time()
+    posted, outbox = None, []        # the next version's receive, posted; sends to rank 0 in flight, with their tensors
 
     def next_version():
-        nonlocal version
-        broadcast_weights(model, None, layout.sync, weight_dtype(s))
+        nonlocal version, posted
+        load_weights(model, posted)                 # waits only if the trainers have not sent this version yet
         version += 1
         if eval_every and evaluate is not None and version > start and version % eval_every == 0:
             evaluate(model, f"rl-{version:06d}")
+        if version < steps:                         # the next version lands in the same host buckets meanwhile
+            posted = broadcast_weights(model, None, layout.sync, weight_dtype(s), into=posted.flats)
 
     try:
+        posted = broadcast_weights(model, None, layout.sync, weight_dtype(s))
         next_version()                                           # version `start`: the trainers' weights now
         for u in range(start + 1, steps + 1):
             while version < max(start, u - 1 - s.async_staleness):
@@ -201,16 +253,19 @@ def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list
             figures = grpo.rollout_metrics(g.trajs, g.comps, by_id)
             figures.update(reward=float(g.rewards.mean()) if g.trajs else 0.0, zero_var_frac=g.zero_var_frac,
                            reward_kl=float(g.seq_kl.mean()) if g.trajs else 0.0)
-            rollout_s, idle_from = time.time() - t0, time.time()       # idle from here: the send waits on rank 0
-            send_groups({"step": u, "version": version, "items": g.items, "n": len(g.trajs), "groups": g.n_groups,
-                         "draws": g.draws, "bad": sum(t.error is not None for t in g.trajs), "figures": figures,
-                         "tokens": sum(len(t.token_ids) for t in g.trajs), "rollout_s": rollout_s,
-                         "rollout_wait_s": t0 - last_idle})
+            rollout_s, idle_from = time.time() - t0, time.time()       # idle from here to the next sampling
+            outbox = [(w, x) for w, x in outbox if not w.is_completed()] + send_groups(
+                {"step": u, "version": version, "items": g.items, "n": len(g.trajs), "groups": g.n_groups,
+                 "draws": g.draws, "bad": sum(t.error is not None for t in g.trajs), "figures": figures,
+                 "tokens": sum(len(t.token_ids) for t in g.trajs), "rollout_s": rollout_s,
+                 "rollout_wait_s": t0 - last_idle}, layout.mail)
             if pool is not None and u < steps:     # the next step's overviews decode while this rank waits
                 upcoming, ks = grpo.draw_prompts(records, s, run.seed, index, layout.rollout_ranks, u + 1)
                 rollout.prefetch(pool, upcoming, video_root, cfg, rollout.video_factor(processor), ks)
         while version < steps:
             next_version()
+        for w, _ in outbox:
+            w.wait()
     except Exception as e:
         raise RuntimeError(f"rollout rank {run.rank} failed at policy version {version}: {e}") from e
 
@@ -220,34 +275,28 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
                  evaluate=None) -> None:
     """A trainer rank (`run`: the trainers' Run, its group and world): send version `start`; then for each step u:
     take its groups (rank 0 receives them from every rollout rank and deals the items over the trainers), the
-    decoupled PPO update (grpo.policy_update over the trainers' group), the step's row and checkpoint, receive the
-    groups of the steps up to u + eta, send version u, and evaluate every `eval_every` steps on every rank."""
-    T, trainer0, inbox = layout.n_trainers, run.rank == 0, {}
-    spare, t_row, waited = None, time.time(), 0.0
-
-    def receive(w: int) -> None:                             # rank 0: step w's groups from every rollout rank
-        nonlocal waited
-        t = time.time()
-        if w not in inbox:
-            inbox[w] = [receive_groups(src, w) for src in layout.rollout]
-        waited += time.time() - t
+    decoupled PPO update (grpo.policy_update over the trainers' group), the step's row and checkpoint, send version
+    u without waiting, and evaluate every `eval_every` steps on every rank."""
+    T, trainer0 = layout.n_trainers, run.rank == 0
+    spare, t_row, in_flight = None, time.time(), []         # in_flight: rank 0's version broadcasts not yet done
 
     def send_version():
+        nonlocal in_flight
         full = full_state(model, T)                            # every trainer joins the gather
         if trainer0:
-            broadcast_weights(model, full, layout.sync, weight_dtype(s))
+            in_flight = [x for x in in_flight if not x.done()] + [broadcast_weights(model, full, layout.sync,
+                                                                                     weight_dtype(s))]
 
     send_version()
     for u in tqdm(range(start + 1, steps + 1), desc="rl async", disable=not trainer0, initial=start, total=steps):
-        if trainer0:
-            receive(u)
-        box = [inbox.pop(u) if trainer0 else None]
+        t = time.time()                                        # rank 0: step u's groups from every rollout rank
+        box = [[receive_groups(src, u, layout.mail) for src in layout.rollout] if trainer0 else None]
+        wait_s = time.time() - t                               # rank 0's time waiting on the rollout
         if T > 1:
             dist.broadcast_object_list(box, src=0, group=layout.trainers)
         messages = box[0]
         items = [it for m in messages for it in m["items"]]
         mine = items[run.rank * len(items) // T:(run.rank + 1) * len(items) // T]
-        wait_s, waited = waited, 0.0       # rank 0's time waiting on the rollout since the last step (here and below)
         step_lr = grpo.set_lr(optimizer, grpo.get_lr(u - 1, steps, lr, warmup_steps))
         model.train()
         filler = items[0][0] if items else None
@@ -280,13 +329,12 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
         saved = u % run.save_every == 0 or u == steps
         if saved:
             run.save("rl", u, model, optimizer)
-        if trainer0:
-            for w in range(u + 1, min(steps, u + s.async_staleness) + 1):
-                receive(w)
         send_version()
         if eval_every and evaluate is not None and u % eval_every == 0:
             result = evaluate(model, f"rl-{u:06d}")              # every rank: the rollout ranks hold version u too
             run.evaluated("rl", u, result, model, optimizer, saved)
+    for x in in_flight:                                        # the rollout ranks take the last versions
+        x.wait()
     model.eval()
 
 

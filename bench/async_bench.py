@@ -3,18 +3,21 @@ Rollout beside training (async_rl.py) against the synchronous loop, on the embed
 the same samples per step, each side on this machine's cores.
 
     python bench/async_bench.py                         # 2 cores: sync = 1 rank x 2 threads; async = 2 ranks x 1
-    python bench/async_bench.py --steps 8 --warm 2 --sft-steps 150
+    python bench/async_bench.py --steps 12 --warm 3 --sft-steps 150 --staleness 2
 
 1. A warm start: `train.py --stage sft` (--sft-steps), so the RL steps sample the tool-calling trajectories of a
    trained policy, not an untrained model's noise. Both sides start RL from its checkpoint.
 2. sync:  `train.py --stage rl --threads 2` (one process: rollout, then update, then rollout).
-   async: `train.py --stage rl --gpus 2 --device cpu --rollout-ranks 1 --async-staleness 1 --threads 1` (one rollout
-   rank and one trainer, each with one core).
+   async: `train.py --stage rl --gpus 2 --device cpu --rollout-ranks 1 --async-staleness eta --threads 1` (one
+   rollout rank and one trainer, each with one core), at eta = 1 and at --staleness (2, ParaVT's release: with eta
+   = 1 the two sides meet at every step, so either waits when the other's step runs long; with 2 the rollout may
+   run a step further ahead and a long step is absorbed).
 3. exact_at_0: two short runs, with `--async-staleness 0` and without: the same checkpoint bytes.
 
 Figures over the steps after --warm (metrics.jsonl): sync_step_s and async_step_s (mean step time), speedup (their
 ratio), rollout_busy (the rollout rank's sampling time / its sampling + waiting time), trainer_busy (update time /
-step time), max_staleness. On 2 cores the speed-up is bounded by thread scaling: the async side runs each phase on 1
+step time), max_staleness; the top-level figures and `targets` are eta = --staleness's, `by_staleness` holds each
+eta's. On 2 cores the speed-up is bounded by thread scaling: the async side runs each phase on 1
 thread where the sync side had 2 for both, so thread_scaling = (async rollout_s + update_s) / sync_step_s says how
 much slower one thread does the same work (1: threads did not help, the overlap is all gain; 2: perfect scaling,
 nothing to gain), and ideal_speedup = sync_step_s / max(rollout_s, update_s) is what a perfect overlap would give.
@@ -58,9 +61,11 @@ def checkpoint_bytes(ckpt: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8, help="RL steps per side")
-    p.add_argument("--warm", type=int, default=2, help="first steps left out of the figures (compile, caches, the "
+    p.add_argument("--steps", type=int, default=12, help="RL steps per side")
+    p.add_argument("--warm", type=int, default=3, help="first steps left out of the figures (compile, caches, the "
                                                        "async pipeline filling)")
+    p.add_argument("--staleness", type=int, default=2, help="eta of the headline figures (2: ParaVT's release, "
+                                                            "AReaL's max_head_offpolicyness); eta 1 runs beside it")
     p.add_argument("--sft-steps", type=int, default=150, help="the warm start's SFT steps")
     p.add_argument("--prompts", type=int, default=4, help="--prompts-per-step of both sides")
     p.add_argument("--group", type=int, default=16, help="--group-size of both sides")
@@ -76,16 +81,22 @@ def main() -> None:
     start = runtime.latest_checkpoint(str(work / "sft"))
     rl = ["--stage", "rl", "--model", start, "--rl-steps", a.steps, "--save-every", 10 ** 6, *common]
     wall["sync"] = train([*rl, "--run-dir", work / "sync", "--threads", 2], env)
-    wall["async"] = train([*rl, "--run-dir", work / "async", "--threads", 1, "--gpus", 2, "--rollout-ranks", 1,
-                           "--async-staleness", 1], env)
-    sync, asyn = rl_rows(str(work / "sync"))[a.warm:], rl_rows(str(work / "async"))
-    staleness = max(r["staleness"] for r in asyn)
-    asyn = asyn[a.warm:]
+    sync = rl_rows(str(work / "sync"))[a.warm:]
     mean = lambda rows, k: statistics.mean(r[k] for r in rows)
-    sync_step, async_step = mean(sync, "step_time"), mean(asyn, "step_time")
-    rollout_s, update_s = mean(asyn, "rollout_s"), mean(asyn, "update_s")
-    busy_r = sum(r["rollout_s"] for r in asyn) / sum(r["rollout_s"] + r["rollout_wait_s"] for r in asyn)
-    busy_t = sum(r["update_s"] for r in asyn) / sum(r["step_time"] for r in asyn)
+    sync_step, by_eta = mean(sync, "step_time"), {}
+    for eta in sorted({1, a.staleness}):
+        wall[f"async_eta{eta}"] = train([*rl, "--run-dir", work / f"async_eta{eta}", "--threads", 1, "--gpus", 2,
+                                         "--rollout-ranks", 1, "--async-staleness", eta], env)
+        rows = rl_rows(str(work / f"async_eta{eta}"))
+        m = {"max_staleness": max(r["staleness"] for r in rows)}
+        rows = rows[a.warm:]
+        m.update(async_step_s=mean(rows, "step_time"), rollout_s=mean(rows, "rollout_s"), update_s=mean(rows, "update_s"),
+                 rollout_busy=sum(r["rollout_s"] for r in rows) / sum(r["rollout_s"] + r["rollout_wait_s"] for r in rows),
+                 trainer_busy=sum(r["update_s"] for r in rows) / sum(r["step_time"] for r in rows))
+        m.update(speedup=sync_step / m["async_step_s"], thread_scaling=(m["rollout_s"] + m["update_s"]) / sync_step,
+                 ideal_speedup=sync_step / max(m["rollout_s"], m["update_s"]))
+        by_eta[eta] = {k: v if isinstance(v, int) else round(v, 3) for k, v in m.items()}
+    head = by_eta[a.staleness]
 
     tiny = ["--stage", "rl", "--rl-steps", 2, "--n-train", 8, "--set", "n_rl=4", "--group-size", 2,
             "--prompts-per-step", 2, "--max-new-tokens", 12, "--gating-choices", "4,8", "--threads", 2]
@@ -93,17 +104,19 @@ def main() -> None:
     train([*tiny, "--run-dir", work / "eta0", "--async-staleness", 0], env)
     exact = checkpoint_bytes(work / "plain" / "ckpt-rl-000002") == checkpoint_bytes(work / "eta0" / "ckpt-rl-000002")
 
-    print(table([["sync (1 rank x 2 threads)", f"{sync_step:.2f}", "-", "-", "-"],
-                 ["async (1 rollout + 1 trainer, 1 thread each)", f"{async_step:.2f}", f"{rollout_s:.2f}",
-                  f"{update_s:.2f}", f"{busy_r:.2f} / {busy_t:.2f}"]],
-                ["side", "step s", "rollout s", "update s", "busy rollout / trainer"]))
+    print(table([["sync (1 rank x 2 threads)", f"{sync_step:.2f}", "-", "-", "-", "-"]] +
+                [[f"async, eta {eta} (1 rollout + 1 trainer, 1 thread each)", f"{m['async_step_s']:.2f}",
+                  f"{m['rollout_s']:.2f}", f"{m['update_s']:.2f}", f"{m['rollout_busy']:.2f} / {m['trainer_busy']:.2f}",
+                  f"{m['speedup']:.2f}x"] for eta, m in by_eta.items()],
+                ["side", "step s", "rollout s", "update s", "busy rollout / trainer", "speed-up"]))
     print(f"runs in {work}; wall s: {json.dumps({k: round(v, 1) for k, v in wall.items()})}")
-    print_json({"sync_step_s": round(sync_step, 3), "async_step_s": round(async_step, 3),
-                "speedup": round(sync_step / async_step, 3), "rollout_busy": round(busy_r, 3),
-                "trainer_busy": round(busy_t, 3), "max_staleness": staleness, "exact_at_0": exact,
-                "rollout_s": round(rollout_s, 3), "update_s": round(update_s, 3),
-                "thread_scaling": round((rollout_s + update_s) / sync_step, 3),
-                "ideal_speedup": round(sync_step / max(rollout_s, update_s), 3),
+    print_json({"sync_step_s": round(sync_step, 3), "async_step_s": head["async_step_s"], "speedup": head["speedup"],
+                "rollout_busy": head["rollout_busy"], "trainer_busy": head["trainer_busy"],
+                "max_staleness": head["max_staleness"], "exact_at_0": exact, "staleness": a.staleness,
+                "rollout_s": head["rollout_s"], "update_s": head["update_s"], "thread_scaling": head["thread_scaling"],
+                "ideal_speedup": head["ideal_speedup"], "by_staleness": by_eta,
+                "targets": {"rollout_busy_ge_0.85": head["rollout_busy"] >= 0.85,
+                            "trainer_busy_ge_0.85": head["trainer_busy"] >= 0.85, "exact_at_0": exact},
                 "steps": a.steps, "warm": a.warm, "prompts": a.prompts, "group": a.group, "cpus": os.cpu_count()})
 
 

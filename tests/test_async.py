@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,6 @@ import data
 import grpo
 import rollout
 import runtime
-import train
 from conftest import TEST_ROLLOUT, metrics, run, smoke_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,40 +107,96 @@ def test_buckets_cut_the_parameter_list_the_same_way_within_the_limit():
     assert async_rl.buckets(shapes, 2, limit=10 ** 6) == [shapes]
 
 
+def _wait_for(path: Path, seconds: float = 60.0) -> bool:
+    """Polls for a file another rank writes (a signal outside the process groups); False if it never came."""
+    t0 = time.time()
+    while not path.exists():
+        if time.time() - t0 > seconds:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _broadcast_rank(rank: int, port: int, out: str, dtype_name: str) -> None:
+    """Rank 0 sends two versions (the trainers' weights, then those weights + 1) back to back and marks that both
+    sends returned; the rollout rank posts its receives only after that mark, then takes the versions in order,
+    the second into the first's host buckets."""
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3")
     rank, world, device = runtime.setup_distributed(rank, 3, "cpu", threads=1)
     layout = async_rl.make_layout(world, 1)
-    dtype = getattr(torch, dtype_name)
+    dtype, sent_mark = getattr(torch, dtype_name), Path(out) / "sent"
     model, _ = grpo.policy_model("tiny", device, "fp32", 1, seed=0 if rank < 2 else 1)   # the rollout's differ
     if not layout.is_rollout(rank):
         from torch.distributed.device_mesh import DeviceMesh
         runtime.shard_model(model, None, DeviceMesh.from_group(layout.trainers, "cpu"))
-        with torch.no_grad():                                  # the trainers move away from the init
-            for p in model.parameters():
-                p.mul_(1.25).add_(0.01)
-        full = async_rl.full_state(model, layout.n_trainers)
+        fulls, sends = [], []
+        for step in (0, 1):
+            with torch.no_grad():                              # the trainers move away from the init, then update
+                for p in model.parameters():
+                    p.mul_(1.25).add_(0.01) if step == 0 else p.add_(1.0)
+            full = async_rl.full_state(model, layout.n_trainers)
+            if rank == 0:
+                fulls.append({n: full[n].clone() for n, _ in model.named_parameters()})
+                sends.append(async_rl.broadcast_weights(model, full, layout.sync, dtype, bucket_bytes=2 ** 16))
         if rank == 0:
-            sent = async_rl.broadcast_weights(model, full, layout.sync, dtype, bucket_bytes=2 ** 16)
-            torch.save({"full": {n: full[n] for n, _ in model.named_parameters()}, "sent": sent}, f"{out}/trainer.pt")
+            sent_mark.write_text("both sends returned before any receive was posted")
+            for t in sends:
+                t.wait()
+            torch.save({"full": fulls, "sent": [t.bytes for t in sends]}, f"{out}/trainer.pt")
     else:
-        async_rl.broadcast_weights(model, None, layout.sync, dtype, bucket_bytes=2 ** 16)
-        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/rollout.pt")
+        waited = _wait_for(sent_mark)
+        got, posted = [], None
+        for _ in range(2):
+            posted = async_rl.broadcast_weights(model, None, layout.sync, dtype, bucket_bytes=2 ** 16,
+                                                into=posted and posted.flats)
+            async_rl.load_weights(model, posted)
+            got.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        torch.save({"got": got, "sender_returned_first": waited}, f"{out}/rollout.pt")
     runtime.finish(world)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_after_the_broadcast_the_rollout_ranks_weights_are_the_trainers(tmp_path, dtype):
     """fp32 buckets: bit for bit; bf16 buckets (the GPU default): the trainers' weights rounded to bf16, and half the
-    bytes. Many buckets (64 KiB each), so the cut is exercised."""
+    bytes. Many buckets (64 KiB each), so the cut is exercised. The sends do not wait for the receiver (rank 0
+    sends two versions before the rollout rank posts a receive), and the versions arrive in order."""
     torch.multiprocessing.spawn(_broadcast_rank, args=(runtime.find_free_port(), str(tmp_path), dtype), nprocs=3)
-    trainer, got = torch.load(tmp_path / "trainer.pt"), torch.load(tmp_path / "rollout.pt")
-    want = {n: t.to(getattr(torch, dtype)).float() for n, t in trainer["full"].items()}
-    assert set(want) == set(got) and len(got) > 10
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
-    params = sum(t.numel() for t in want.values())
-    assert trainer["sent"] == params * (4 if dtype == "float32" else 2)
+    trainer, rolled = torch.load(tmp_path / "trainer.pt"), torch.load(tmp_path / "rollout.pt")
+    assert rolled["sender_returned_first"]
+    params = sum(t.numel() for t in trainer["full"][0].values())
+    for full, got in zip(trainer["full"], rolled["got"], strict=True):
+        want = {n: t.to(getattr(torch, dtype)).float() for n, t in full.items()}
+        assert set(want) == set(got) and len(got) > 10
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
+    assert trainer["sent"] == [params * (4 if dtype == "float32" else 2)] * 2
+
+
+def _mail_rank(rank: int, port: int, out: str) -> None:
+    """The rollout rank sends three steps' messages without waiting, then marks it; rank 0 receives only after."""
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    runtime.init_process_group(rank, 2, False, timeout_s=120)
+    layout = async_rl.make_layout(2, 1)
+    mark = Path(out) / "sent"
+    if rank == 1:
+        big = torch.arange(3 * 10 ** 6)                       # 24 MB: larger than any socket buffer
+        pending = [x for u in (1, 2, 3) for x in async_rl.send_groups({"step": u, "items": [big * u]}, layout.mail)]
+        mark.write_text("sent")
+        for w, _ in pending:
+            w.wait()
+    else:
+        returned = _wait_for(mark)
+        got = [async_rl.receive_groups(1, u, layout.mail) for u in (1, 2, 3)]
+        ok = all(torch.equal(m["items"][0], torch.arange(3 * 10 ** 6) * m["step"]) for m in got)
+        Path(out, "result.txt").write_text(f"{returned} {ok}")
+    dist.destroy_process_group()
+
+
+def test_a_rollout_rank_sends_its_steps_without_waiting_for_rank_0(tmp_path):
+    """A rollout rank's step goes out while the rank samples on: three sends return before rank 0 receives any,
+    and rank 0 receives them whole and in order."""
+    torch.multiprocessing.spawn(_mail_rank, args=(runtime.find_free_port(), str(tmp_path)), nprocs=2)
+    assert (tmp_path / "result.txt").read_text() == "True True"
 
 
 # -----------------------------------------------------------------------------
