@@ -21,7 +21,8 @@ eta's. On 2 cores the speed-up is bounded by thread scaling: the async side runs
 thread where the sync side had 2 for both, so thread_scaling = (async rollout_s + update_s) / sync_step_s says how
 much slower one thread does the same work (1: threads did not help, the overlap is all gain; 2: perfect scaling,
 nothing to gain), and ideal_speedup = sync_step_s / max(rollout_s, update_s) is what a perfect overlap would give.
-The last line is one JSON object.
+gloo_weights: a 1 GB fp32 model sent from one process to another by async_rl.broadcast_weights / load_weights (gloo,
+256 MiB host buckets), the rate bench/plan.py's --gloo-gbps takes. The last line is one JSON object.
 """
 import argparse
 import json
@@ -46,6 +47,44 @@ def train(argv: list, env: dict) -> float:
     if done.returncode:
         raise SystemExit(f"async_bench: train.py {' '.join(map(str, argv))} failed:\n{done.stderr[-4000:]}")
     return time.time() - t0
+
+
+def _gloo_rank(rank: int, port: int, out: str, mb: int, bucket_mb: int) -> None:
+    """Rank 0 sends a `mb` MB fp32 model to rank 1 with async_rl's functions (gloo, host buckets), twice; rank 1
+    times the second from both ranks' barrier to its loaded weights."""
+    import torch
+    import torch.distributed as dist
+
+    import async_rl
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    runtime.init_process_group(rank, 2, False)
+    torch.set_num_threads(1)
+    group = dist.new_group([0, 1], backend="gloo")
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.full((16 * 2 ** 20,), float(rank)))   # 64 MB each
+                                    for _ in range(mb // 64)])
+    full = {n: p for n, p in model.named_parameters()} if rank == 0 else None
+    for _ in range(2):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        t = async_rl.broadcast_weights(model, full, group, torch.float32, bucket_bytes=bucket_mb * 2 ** 20)
+        if rank == 0:
+            t.wait()
+        else:
+            async_rl.load_weights(model, t)
+            seconds = time.perf_counter() - t0
+    if rank == 1:
+        assert all(bool((p == 0).all()) for p in model.parameters())
+        Path(out).write_text(json.dumps({"gb": t.bytes / 1e9, "seconds": seconds}))
+    dist.destroy_process_group()
+
+
+def gloo_rate(work: Path, mb: int = 1024, bucket_mb: int = 256) -> dict:
+    """The weights' transfer rate between two processes over gloo (bench/plan.py's --gloo-gbps), GB/s."""
+    import torch
+    out = work / "gloo.json"
+    torch.multiprocessing.spawn(_gloo_rank, args=(runtime.find_free_port(), str(out), mb, bucket_mb), nprocs=2)
+    r = json.loads(out.read_text())
+    return {"gb": round(r["gb"], 3), "seconds": round(r["seconds"], 3), "gbps": round(r["gb"] / r["seconds"], 2)}
 
 
 def rl_rows(run_dir: str) -> list[dict]:
@@ -103,18 +142,20 @@ def main() -> None:
     train([*tiny, "--run-dir", work / "plain"], env)
     train([*tiny, "--run-dir", work / "eta0", "--async-staleness", 0], env)
     exact = checkpoint_bytes(work / "plain" / "ckpt-rl-000002") == checkpoint_bytes(work / "eta0" / "ckpt-rl-000002")
+    gloo = gloo_rate(work)
 
     print(table([["sync (1 rank x 2 threads)", f"{sync_step:.2f}", "-", "-", "-", "-"]] +
                 [[f"async, eta {eta} (1 rollout + 1 trainer, 1 thread each)", f"{m['async_step_s']:.2f}",
                   f"{m['rollout_s']:.2f}", f"{m['update_s']:.2f}", f"{m['rollout_busy']:.2f} / {m['trainer_busy']:.2f}",
                   f"{m['speedup']:.2f}x"] for eta, m in by_eta.items()],
                 ["side", "step s", "rollout s", "update s", "busy rollout / trainer", "speed-up"]))
-    print(f"runs in {work}; wall s: {json.dumps({k: round(v, 1) for k, v in wall.items()})}")
+    print(f"runs in {work}; wall s: {json.dumps({k: round(v, 1) for k, v in wall.items()})}; weights over gloo: "
+          f"{gloo['gb']} GB in {gloo['seconds']} s, {gloo['gbps']} GB/s")
     print_json({"sync_step_s": round(sync_step, 3), "async_step_s": head["async_step_s"], "speedup": head["speedup"],
                 "rollout_busy": head["rollout_busy"], "trainer_busy": head["trainer_busy"],
                 "max_staleness": head["max_staleness"], "exact_at_0": exact, "staleness": a.staleness,
                 "rollout_s": head["rollout_s"], "update_s": head["update_s"], "thread_scaling": head["thread_scaling"],
-                "ideal_speedup": head["ideal_speedup"], "by_staleness": by_eta,
+                "ideal_speedup": head["ideal_speedup"], "by_staleness": by_eta, "gloo_weights": gloo,
                 "targets": {"rollout_busy_ge_0.85": head["rollout_busy"] >= 0.85,
                             "trainer_busy_ge_0.85": head["trainer_busy"] >= 0.85, "exact_at_0": exact},
                 "steps": a.steps, "warm": a.warm, "prompts": a.prompts, "group": a.group, "cpus": os.cpu_count()})

@@ -131,6 +131,16 @@ def worker(args) -> dict:
             "checksums": checksums}
 
 
+def over_naive(results: dict) -> dict:
+    """Each method over naive: extra peak, working memory, wall time, CPU seconds (steadier on a shared machine).
+    None where naive's figure is not above 0: at tiny sizes (gpu.py's dry run) the resident-memory figures are
+    page-granular noise around 0 (-0.0002 to 0.03 GB over 12 runs of its naive worker), no ratio to take."""
+    nv = results["naive"]
+    return {f"{name}_{m}_over_naive": results[m][key] / nv[key] if nv[key] > 0 else None for m in results
+            if m != "naive"
+            for name, key in (("mem", "peak_extra_gb"), ("working", "working_gb"), ("time", "time_s"), ("cpu", "cpu_s"))}
+
+
 def fit_n(args) -> tuple[int, str]:
     """Largest N (halving from --n) whose naive run fits in --mem-fraction of the free memory."""
     elem = torch.finfo(getattr(torch, args.dtype)).bits // 8
@@ -196,15 +206,14 @@ def main():
     agree = max([abs(a - b) / max(1.0, abs(b)) for m in methods for a, b in zip(results[m]["checksums"], nv["checksums"])])
     if agree > 1e-3:
         raise SystemExit(f"logprob_bench.py: the methods disagree (relative checksum difference {agree:.2e})")
-    # each method over naive: extra peak, working memory, wall time, CPU seconds (steadier on a shared machine)
-    ratios = {f"{name}_{m}_over_naive": results[m][key] / nv[key] for m in methods if m != "naive"
-              for name, key in (("mem", "peak_extra_gb"), ("working", "working_gb"), ("time", "time_s"), ("cpu", "cpu_s"))}
+    ratios = over_naive(results)
+    at_most = lambda k, bound: ratios[k] is not None and ratios[k] <= bound
     targets = {}
     if "fused" in results:
-        targets = {"fused_mem_le_1/8_naive": ratios["mem_fused_over_naive"] <= 1 / 8,
-                   "fused_working_le_1/8_naive": ratios["working_fused_over_naive"] <= 1 / 8,
-                   "fused_time_le_0.9_naive": ratios["time_fused_over_naive"] <= 0.9}
-    print("\n".join(f"{k:28s} {v:.3f}" for k, v in ratios.items()))
+        targets = {"fused_mem_le_1/8_naive": at_most("mem_fused_over_naive", 1 / 8),
+                   "fused_working_le_1/8_naive": at_most("working_fused_over_naive", 1 / 8),
+                   "fused_time_le_0.9_naive": at_most("time_fused_over_naive", 0.9)}
+    print("\n".join(f"{k:28s} {'-' if v is None else f'{v:.3f}'}" for k, v in ratios.items()))
     print(json.dumps({"device": args.device, "dtype": args.dtype, "n_requested": args.n, "n": n, "d": args.d,
                       "vocab": args.vocab, "fused_chunk": fused_chunk,
                       "rows": args.rows, "temperature": TEMPERATURE, "repeats": args.repeats, "note": note,

@@ -28,8 +28,11 @@ a GPU: more waves under the same budget), the same tokens' update over T FSDP2 G
 weights and its K/V only: no fp32 shards, AdamW, gradients or reference (the trainers compute the reference), so its
 memory is the budget's own terms (the default budget, HBM - weights - workspace, is the same on both layouts: the
 colocated one does not subtract the resident state). In steady state with staleness >= 1, step t+1's rollout runs
-beside step t's update: step = max(rollout on R, update on T) + the broadcast of the bf16 weights (2 B a parameter
-at --broadcast-gbps, an assumed 100 GB/s effective); staleness 0 would add them. ParaVT's layout is its release's
+beside step t's update, and the bf16 weights (2 B a parameter) travel as async_rl.py sends them: rank 0 gathers
+them to its host (FSDP2's full state dict) and a rollout GPU loads them from its host, each a copy at
+--host-copy-gbps (an assumed 10 GB/s) on its side's path, while gloo carries them host to host at --gloo-gbps
+beside both sides' work: step = max(rollout on R + copy, update on T + copy, gloo send); staleness 0 would add
+them all. ParaVT's layout is its release's
 (AReaL async: 1 rollout GPU + 7 trainers, max_head_offpolicyness 2); Video-o3's is ASSUMED (verl fully_async's
 usual 4 + 4, one step off; the Video-o3-Qwen3VL repository's RL scripts run verl's hybrid engine colocated on 8
 GPUs with rollout.mode=async, asynchronous within the rollout only: its release's step is the colocated one).
@@ -56,7 +59,10 @@ LAYERS, D_MODEL = QWEN3VL_8B["layers"], QWEN3VL_8B["d_model"]
 PATCHES_PER_TOKEN = 4                               # a visual token merges 2 x 2 patches (each 2 frames x 16 x 16)
 PATCH_VALUES = 3 * 2 * 16 * 16                      # pixel values of one patch
 HBM_BW, BF16_FLOPS, HBM_GB = 4.8e12, 989e12, 141
-BROADCAST_GBPS = 100                                # assumed effective NCCL/NVLink rate of the weights' broadcast, GB/s
+HOST_COPY_GBPS = 10            # assumed effective rate of a GPU's weights to or from its host (gather, load), GB/s
+GLOO_GBPS = 1.08               # the weights over gloo between two processes, GB/s (GLOO_NOTE)
+GLOO_NOTE = ("measured 12-07 by bench/async_bench.py's gloo_weights on this project's 2-core CPU machine, 1 GB in "
+             "256 MiB buckets; a GPU server's host is likely faster")
 
 RECIPES = {
     # prompts per step (global), group, overview tokens, tool rounds, tokens per assistant turn, tokens a
@@ -157,11 +163,12 @@ def engine_time(steps: float, turns: float, calls: int, ops_per_layer_step: floa
 def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode_batch_eff: float,
             workspace_gb: float, budget_gb: float | None, micro_batch: int = 8, micro_batch_tokens: int = 16384,
             tools: dict | None = None, layout: tuple[int, int] | None = None,
-            broadcast_gbps: float = BROADCAST_GBPS) -> dict:
+            host_copy_gbps: float = HOST_COPY_GBPS, gloo_gbps: float = GLOO_GBPS) -> dict:
     """One recipe's step on H200s. tools: the engine's host side (`engine_time`'s keywords; None: none counted).
     layout: None, colocated on r["gpus"] (rollout, then update); (R, T), the asynchronous split: the rollout's
     groups over R GPUs that hold only the bf16 weights and their K/V, the update's rows over T FSDP2 GPUs, the new
-    weights broadcast to the rollout GPUs each step; with r["offpolicy"] >= 1 the two overlap."""
+    weights sent to the rollout GPUs each step (a copy to and from a host on each side's path, the gloo send beside
+    both); with r["offpolicy"] >= 1 the two sides and the send overlap."""
     G, P = r["group"], r["prompts"]
     R, T = layout or (r["gpus"], r["gpus"])
     rows = P * G
@@ -220,10 +227,12 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
                rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s, decode_device_s=device_s,
                decode_host_s=host_s, tool_s=tool_s, tool_stall_s=stall_s,
                parts_gb={k: v / 2 ** 30 for k, v in parts.items()})
-    if layout:        # steady state: step t+1's rollout beside step t's update, then the bf16 weights' broadcast
-        broadcast_s = weights / (broadcast_gbps * 1e9)
-        out.update(rollout_gpus=R, trainer_gpus=T, offpolicy=r["offpolicy"], broadcast_s=broadcast_s,
-                   step_s=(max(rollout_s, update_s) if r["offpolicy"] >= 1 else rollout_s + update_s) + broadcast_s)
+    if layout:        # steady state: step t+1's rollout beside step t's update and the last version's send
+        copy_s, send_s = weights / (host_copy_gbps * 1e9), weights / (gloo_gbps * 1e9)
+        step_s = (max(rollout_s + copy_s, update_s + copy_s, send_s) if r["offpolicy"] >= 1
+                  else rollout_s + update_s + 2 * copy_s + send_s)
+        out.update(rollout_gpus=R, trainer_gpus=T, offpolicy=r["offpolicy"], copy_s=copy_s, send_s=send_s,
+                   step_s=step_s)
     return out
 
 
@@ -250,8 +259,10 @@ def parser() -> argparse.ArgumentParser:
                    "processor (measured on the 2-core CPU: 5 parallel crops 4.85 s); 0: tools not counted")
     p.add_argument("--tool-workers", type=int, default=8, help="threads per GPU that run the crops")
     p.add_argument("--tools-overlap", type=int, default=1, help="1: tools run beside the decoding; 0: in its loop")
-    p.add_argument("--broadcast-gbps", type=float, default=BROADCAST_GBPS, help="assumed effective GB/s of the bf16 "
-                   "weights' broadcast from the trainers to the asynchronous layouts' rollout GPUs (NCCL, NVLink)")
+    p.add_argument("--host-copy-gbps", type=float, default=HOST_COPY_GBPS, help="assumed GB/s of a GPU's bf16 "
+                   "weights to its host (rank 0's gather) or from it (a rollout GPU's load)")
+    p.add_argument("--gloo-gbps", type=float, default=GLOO_GBPS, help="GB/s of the weights over gloo from rank 0 to "
+                   "a rollout rank (" + GLOO_NOTE + ")")
     p.add_argument("--parts", metavar="JSON", help="print memory_parts' bytes for each keyword set of a JSON list (the "
                    "8B shape, its keys overridden by a set's 'model') and exit")
     return p
@@ -262,7 +273,7 @@ def settings(args: argparse.Namespace) -> dict:
     return dict(shared=bool(args.shared_prefix), mfu=args.mfu, hbm_eff=args.hbm_efficiency,
                 decode_batch_eff=args.decode_batch_efficiency, workspace_gb=args.workspace_gb,
                 budget_gb=args.rollout_memory_gb, micro_batch=args.micro_batch,
-                micro_batch_tokens=args.micro_batch_tokens, broadcast_gbps=args.broadcast_gbps,
+                micro_batch_tokens=args.micro_batch_tokens, host_copy_gbps=args.host_copy_gbps, gloo_gbps=args.gloo_gbps,
                 tools=dict(ops_per_layer_step=args.ops_per_layer_step, tool_s=args.tool_s, workers=args.tool_workers,
                            overlap=bool(args.tools_overlap)))
 
@@ -279,7 +290,7 @@ def main() -> None:
         a = split[r["recipe"]]
         r["async"] = dict(rollout_gpus=a["rollout_gpus"], trainer_gpus=a["trainer_gpus"], offpolicy=a["offpolicy"],
                           note=RECIPES[r["recipe"]]["layout_note"], rollout_s=a["rollout_s"], update_s=a["update_s"],
-                          broadcast_s=a["broadcast_s"], step_s=a["step_s"], sync_step_s=r["step_s"],
+                          copy_s=a["copy_s"], send_s=a["send_s"], step_s=a["step_s"], sync_step_s=r["step_s"],
                           speedup=r["step_s"] / a["step_s"], rollout_busy=a["rollout_s"] / a["step_s"],
                           trainer_busy=a["update_s"] / a["step_s"], concurrency=a["concurrency"], waves=a["waves"],
                           mem_rollout_gb=a["mem_rollout_gb"], mem_train_gb=a["mem_train_gb"], fits=a["fits"])
@@ -295,13 +306,15 @@ def main() -> None:
           f"{bool(args.shared_prefix)}. ParaVT reports ~250 s per step on 8 GPUs.")
     print(table(cells, head))
     print(f"Asynchronous layouts (R rollout GPUs + T trainer GPUs), steady state with staleness >= 1: step = "
-          f"max(rollout on R, update on T) + broadcast of the bf16 weights at an assumed {args.broadcast_gbps:g} "
-          "GB/s; a rollout GPU holds the bf16 weights and its K/V only.")
+          f"max(rollout on R + copy, update on T + copy, send): the bf16 weights copied to or from a host at an "
+          f"assumed {args.host_copy_gbps:g} GB/s on each side, sent over gloo at {args.gloo_gbps:g} GB/s beside "
+          "both; a rollout GPU holds the bf16 weights and its K/V only.")
     print(table([[r["recipe"], f"{a['rollout_gpus']}+{a['trainer_gpus']}", a["offpolicy"], f"{a['rollout_s']:.0f}",
-                  f"{a['update_s']:.0f}", f"{a['broadcast_s']:.2f}", f"{a['step_s']:.0f}", f"{a['sync_step_s']:.0f}",
+                  f"{a['update_s']:.0f}", f"{a['copy_s']:.1f}", f"{a['send_s']:.1f}", f"{a['step_s']:.0f}",
+                  f"{a['sync_step_s']:.0f}",
                   f"{a['speedup']:.2f}x", f"{a['rollout_busy']:.0%}", f"{a['trainer_busy']:.0%}", a["note"]]
                  for r in rows for a in [r["async"]]],
-                ["recipe", "R+T", "off-policy", "rollout s", "update s", "broadcast s", "async step s", "sync step s",
+                ["recipe", "R+T", "off-policy", "rollout s", "update s", "copy s", "send s", "async step s", "sync step s",
                  "speed-up", "rollout busy", "trainer busy", "layout"]))
     rnd = lambda v: (round(v, 2) if isinstance(v, float) else {k: rnd(x) for k, x in v.items()}
                      if isinstance(v, dict) else v)

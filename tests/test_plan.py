@@ -74,17 +74,19 @@ def plan_module():
     return mod
 
 
-def test_async_step_is_the_rollout_on_r_beside_the_update_on_t_plus_the_broadcast():
+def test_async_step_is_the_rollout_on_r_beside_the_update_on_t_and_the_weights_send():
     """Each recipe's asynchronous layout (R rollout GPUs, T trainer GPUs) is plan's own projection evaluated twice:
     its rollout (waves, time) is the colocated rollout on R GPUs, its update (rows in flight, time, memory) the
-    colocated update on T; with staleness >= 1 the step is the larger of the two plus the bf16 weights' broadcast
-    (2 bytes a parameter at --broadcast-gbps), on-policy their sum. A rollout GPU holds the bf16 weights, its K/V
-    and the workspace, none of the fp32 shards, AdamW or reference the colocated GPU keeps through its rollout. The
-    printed JSON's "async" section is this projection."""
+    colocated update on T; with staleness >= 1 the step is the largest of the rollout and the update, each plus a
+    copy of the bf16 weights (2 bytes a parameter) to or from a host at --host-copy-gbps, and their gloo send at
+    --gloo-gbps; on-policy it is their sum. A rollout GPU holds the bf16 weights, its K/V and the workspace, none of
+    the fp32 shards, AdamW or reference the colocated GPU keeps through its rollout. The printed JSON's "async"
+    section is this projection."""
     mod = plan_module()
     kw = mod.settings(mod.parser().parse_args([]))
-    out, slow_link = plan()["recipes"], plan("--broadcast-gbps", "1")["recipes"]
-    broadcast = 2 * mod.PARAMS / 100e9
+    out, slow_link = plan()["recipes"], plan("--gloo-gbps", "0.01")["recipes"]
+    weights = 2 * mod.PARAMS
+    copy, send = weights / (mod.HOST_COPY_GBPS * 1e9), weights / (mod.GLOO_GBPS * 1e9)
     for name, r in mod.RECIPES.items():
         R, T = r["layout"]
         a = mod.project(name, r, layout=(R, T), **kw)
@@ -92,20 +94,21 @@ def test_async_step_is_the_rollout_on_r_beside_the_update_on_t_plus_the_broadcas
         assert (a["concurrency"], a["waves"], a["rollout_s"]) == (on_r["concurrency"], on_r["waves"], on_r["rollout_s"])
         assert (a["update_rows"], a["update_s"], a["mem_train_gb"]) == (on_t["update_rows"], on_t["update_s"],
                                                                           on_t["mem_train_gb"])
-        assert a["step_s"] == pytest.approx(max(on_r["rollout_s"], on_t["update_s"]) + broadcast)
+        assert a["step_s"] == pytest.approx(max(on_r["rollout_s"] + copy, on_t["update_s"] + copy, send))
+        assert send < a["step_s"]                      # the defaults: the send hides behind the longer side
         on_policy = mod.project(name, {**r, "offpolicy": 0}, layout=(R, T), **kw)
-        assert on_policy["step_s"] == pytest.approx(on_r["rollout_s"] + on_t["update_s"] + broadcast)
+        assert on_policy["step_s"] == pytest.approx(on_r["rollout_s"] + on_t["update_s"] + 2 * copy + send)
         assert a["mem_rollout_gb"] == pytest.approx(2 * mod.PARAMS / 2 ** 30 + a["kv_gb_per_gpu"] + kw["workspace_gb"])
         assert a["mem_rollout_gb"] < on_r["mem_rollout_gb"] and a["fits"], name
         j = out[name]["async"]
         assert (j["rollout_gpus"], j["trainer_gpus"], j["offpolicy"]) == (R, T, r["offpolicy"]) and j["offpolicy"] >= 1
-        for k in ("rollout_s", "update_s", "broadcast_s", "step_s"):
+        for k in ("rollout_s", "update_s", "copy_s", "send_s", "step_s"):
             assert j[k] == pytest.approx(a[k], abs=0.01), (name, k)
         assert j["sync_step_s"] == out[name]["step_s"]
         assert j["speedup"] == pytest.approx(out[name]["step_s"] / a["step_s"], abs=0.01)
-        assert slow_link[name]["async"]["broadcast_s"] == pytest.approx(2 * mod.PARAMS / 1e9, abs=0.01)
-        assert slow_link[name]["async"]["step_s"] == pytest.approx(a["step_s"] - broadcast + 2 * mod.PARAMS / 1e9,
-                                                                   abs=0.02)
+        slow = slow_link[name]["async"]                # a send longer than either side: the step waits for it
+        assert slow["send_s"] == pytest.approx(weights / 0.01e9, abs=0.01) and slow["step_s"] == pytest.approx(
+            slow["send_s"], abs=0.01)
 
 
 def test_async_speedup_follows_the_rollout_waves():
@@ -122,10 +125,10 @@ def test_async_speedup_follows_the_rollout_waves():
         assert a["update_s"] == pytest.approx(r["update_s"] * 8 / a["trainer_gpus"], abs=0.02), name
         assert a["rollout_s"] >= r["rollout_s"], name
         assert a["speedup"] <= r["step_s"] / max(r["rollout_s"], a["update_s"]) + 0.01 and a["speedup"] < 2, name
-        assert max(a["rollout_busy"], a["trainer_busy"]) == pytest.approx(1.0, abs=0.01), name
+        assert max(a["rollout_busy"], a["trainer_busy"]) == pytest.approx(1.0, abs=0.02), name   # idle: its copy
     p, v = out["ParaVT"]["async"], out["Video-o3"]["async"]
     assert (out["ParaVT"]["concurrency"], out["ParaVT"]["waves"], p["concurrency"], p["waves"]) == (1, 1, 7, 1)
-    assert p["speedup"] > 1 and p["rollout_busy"] > 0.99 and p["trainer_busy"] < 0.5     # the update hides beside
+    assert p["speedup"] > 1 and p["rollout_busy"] >= 0.98 and p["trainer_busy"] < 0.5    # the update hides beside
     assert p["trainer_busy"] == pytest.approx(p["update_s"] / p["rollout_s"], abs=0.01)
     assert (out["Video-o3"]["waves"], v["concurrency"], v["waves"]) == (2, 2, 4) and v["speedup"] < 1
 
