@@ -11,9 +11,8 @@ AReaL's decoupled PPO objective (grpo.grpo_token_terms; docs/method.md §5.1).
 The layout (`Layout`). Of W ranks the last R roll out and the first W - R train: FSDP2 over their own mesh, rank 0
 (a trainer) logs and saves. Beside the world, three process groups: `trainers` (FSDP2, the update's sums, the
 checkpoints), and two gloo groups of rank 0 and the rollout ranks: `sync` (the weight broadcast) and `mail` (the
-steps' groups). The SFT warm start and every
-held-out evaluation run on all W ranks, as in a synchronous run; the RL stage builds its two models from the SFT's
-last checkpoint (or --resume's, or --model).
+steps' groups). The SFT warm start and every held-out evaluation run on all W ranks, as in a synchronous run; the
+RL stage builds its two models from the SFT's last checkpoint (or --resume's, or --model).
 
 The schedule. Version v = the weights after v updates (the RL step that made them). Step u's groups may be sampled
 by a version v >= u - 1 - eta (the staleness bound; AReaL's max_head_offpolicyness eta; eta = 0 is the synchronous
@@ -29,9 +28,9 @@ trainers wait only on the groups of the step they train. With eta = 1 the two si
 is sampled during update u with v = u - 1, and step u + 2 needs v = u); with eta = 2 (ParaVT's release) a step's
 jitter on either side is absorbed by the other's queue. No rank waits on one that waits on it: a version is sent
 after the update that needs only earlier groups, a step's groups after the version that the bound needs. A group
-is held, not split: one version samples it from its first token
-to its last (a weight update never lands inside a trajectory: its earlier turns' K/V stay the policy's that extends
-them, and each behaviour log-prob is one policy's); Trajectory.versions records the version of each turn.
+is held, not split: one version samples it from its first token to its last (a weight update never lands inside a
+trajectory: its earlier turns' K/V stay the policy's that extends them, and each behaviour log-prob is one
+policy's); Trajectory.versions records the version of each turn.
 
 Messages. Rollout rank -> rank 0: a step's kept items (trajectories with their behaviour log-probs, advantages,
 reward components) and its rollout figures, one pickled object (`send_groups`); rank 0 deals the items to the
