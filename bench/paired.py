@@ -37,12 +37,14 @@ def sign_test(fixed: int, broken: int) -> float:
 
 
 def correct(records: list[dict], rows: list[dict], where: str) -> dict[str, bool]:
-    """MCQ id -> answered right (the letter eval.py parsed). A question missing from the file is an error naming it."""
+    """MCQ id -> answered right, as eval.py scores it (benchmarks.judge on the response with the synthetic split's
+    extractor), so `all` is eval.py's accuracy. A question missing from the file is an error naming it."""
     by_id = {str(r["id"]): r for r in rows}
     missing = [r["id"] for r in records if r["task"] == "mcq" and r["id"] not in by_id]
     if missing:
         raise ValueError(f"{where}: no prediction for {len(missing)} question(s), e.g. {missing[0]} (another split?)")
-    return {r["id"]: (by_id[r["id"]].get("answer") or "").strip().upper() == r["answer"]
+    extract = benchmarks.DEFAULT_EXTRACT["synthetic"]
+    return {r["id"]: benchmarks.judge(r, by_id[r["id"]], extract)["score"] == 1.0
             for r in records if r["task"] == "mcq"}
 
 
