@@ -41,13 +41,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def by_kind(records: list[dict], rows: list[dict]) -> dict:
-    """MCQ accuracy (%) overall and per kind, and the mean number of executed tool turns."""
+    """MCQ accuracy (%) overall and per kind, each answer scored as eval.py scores it (benchmarks.judge with the
+    synthetic split's extractor), and the mean number of executed tool turns."""
     rows = {str(r["id"]): r for r in rows}
     hits = collections.defaultdict(list)
+    extract = benchmarks.DEFAULT_EXTRACT["synthetic"]
     for rec in records:
         if rec["task"] != "mcq":
             continue
-        right = (rows[rec["id"]].get("answer") or "").strip().upper() == rec["answer"]
+        right = benchmarks.judge(rec, rows[rec["id"]], extract)["score"] == 1.0
         hits["all"].append(right)
         hits[rec["meta"]["kind"]].append(right)
     out = {k: 100.0 * sum(v) / len(v) for k, v in hits.items()}

@@ -1,9 +1,8 @@
 """The tool-turn budget: the search question kind (evidence found in two rounds), the oracle's budget-limited
 recordings, the rollout's forced answer at every budget (0 included) and `eval.py --max-turns`.
 
-    cd /work/main && .venv/bin/python -m pytest tests/test_turn_budget.py -q
+    python -m pytest tests/test_turn_budget.py -q
 """
-import json
 import os
 
 import numpy as np
@@ -103,7 +102,6 @@ def test_budget_limited_recordings_answer_from_what_was_seen(search, tiny):
 
 
 def test_sft_examples_add_budget_limited_copies(search, tiny):
-    import train
     root, recs = search
     model, processor = tiny
     cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96})
@@ -184,3 +182,27 @@ def test_turn_budget_bench_names_a_path_without_a_checkpoint(tmp_path):
     r = subprocess.run([sys.executable, bench, "--model", str(tmp_path / "empty")], capture_output=True, text=True,
                        env={**os.environ, "PARAVT_CACHE": str(tmp_path)}, timeout=120)
     assert r.returncode == 1 and "turn_budget.py: " in r.stderr and "neither a checkpoint dir" in r.stderr
+
+
+def test_turn_budget_bench_scores_as_eval_py(search):
+    """bench/turn_budget.py's accuracy is eval.py's: a letter inside a wordy answer span ("... I guess I D") is right,
+    as benchmarks.judge reads it; an errored row and a wrong letter are wrong."""
+    import importlib.util
+    import sys
+    import benchmarks
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    spec = importlib.util.spec_from_file_location("bench_turn_budget", os.path.join(bench, "turn_budget.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mcq = [r for r in search[1] if r["task"] == "mcq"]
+    wrong = lambda r: "ABCD"[("ABCD".index(r["answer"]) + 1) % 4]
+    span = lambda r, i: (f"No the shape, not read I guess I {r['answer']}" if i % 3 == 0 else r["answer"] if i % 3 == 1
+                         else wrong(r))
+    rows = [{"id": r["id"], "response": f"<answer>{span(r, i)}</answer>", "answer": span(r, i), "tool_turns": 1,
+             **({"error": "decode failed"} if i == 1 else {})} for i, r in enumerate(mcq)]
+    out = mod.by_kind(search[1], rows)
+    right = sum(benchmarks.judge(r, row, "answer_tag_then_mcq")["score"] for r, row in zip(mcq, rows))
+    assert right == sum(i % 3 in (0, 1) for i in range(len(mcq))) - 1
+    assert out["all"] == pytest.approx(100 * right / len(mcq)) and out["n"]["all"] == len(mcq)
