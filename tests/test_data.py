@@ -1,6 +1,6 @@
 """Tests for data.py: record validation and I/O, question text, the synthetic task and its oracle.
 
-Run: /work/venv/bin/python -m pytest tests/test_data.py -q
+Run: python -m pytest tests/test_data.py -q
 """
 import json
 import os

@@ -1,7 +1,7 @@
 """Faults during training are counted, logged events that lose nothing: a non-finite loss, bad records and
 undecodable videos, a SIGKILL mid-run, half-written checkpoints; and checkpoints hold no pickled code.
 
-Run: /work/venv/bin/python -m pytest tests/test_reliability.py -q      (CPU, about a minute)
+Run: python -m pytest tests/test_reliability.py -q      (CPU, about a minute)
 """
 import json
 import math

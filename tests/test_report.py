@@ -4,7 +4,7 @@ Records come from data.make_split (real mp4s, 32 s); rows are written by hand (`
 branch of the page) or come from the tiny model run through rollout.run_agent with scripted turns.
 The page is parsed with html.parser and checked for structure, not for looks.
 
-    cd /work/main && python -m pytest tests/test_report.py -q
+    python -m pytest tests/test_report.py -q
 """
 import json
 import os

@@ -5,7 +5,7 @@ replaces `rollout.sample_tokens` (the engine calls it once per decode step, for 
 tokens of given turn texts, row by row. The engine still runs every forward pass, so the recorded
 log-probs are real and can be checked against a full recompute.
 
-    cd /work/main && /work/venv/bin/python -m pytest tests/test_rollout.py -q
+    python -m pytest tests/test_rollout.py -q
 """
 import json
 import time

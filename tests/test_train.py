@@ -3,7 +3,7 @@ FSDP2 on two CPU processes (gloo), the launcher's device checks, TDAM on real en
 the reward of each recipe, and the objective's math (the GRPO loss on log-prob tensors, the KL estimators,
 the learning-rate schedule); the fused kernels are tested in test_ops.py.
 
-Run: /work/venv/bin/python -m pytest tests/test_train.py -q      (CPU, a few minutes)
+Run: python -m pytest tests/test_train.py -q      (CPU, a few minutes)
 """
 import contextlib
 import json
