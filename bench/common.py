@@ -1,6 +1,7 @@
-"""Helpers shared by the bench scripts: checkpoints, threads, A/B timing (two sides run interleaved after one untimed
-warm-up each, medians compared: the machine is shared and noisy), a table, the last-line JSON, a scripted sampler,
-memory counters (LiveTensors: the peak of live tensor bytes, the same in every run; PeakRSS: resident memory)."""
+"""Helpers shared by the bench scripts: checkpoints, a synthetic MCQ scored as eval.py scores it, threads, A/B timing
+(two sides run interleaved after one untimed warm-up each, medians compared: the machine is shared and noisy), a
+table, the last-line JSON, a scripted sampler, memory counters (LiveTensors: the peak of live tensor bytes, the same
+in every run; PeakRSS: resident memory)."""
 import json
 import os
 import statistics
@@ -30,6 +31,13 @@ def checkpoint_dir(path: str, script: str) -> str:
 def synthetic_root() -> str:
     """The folder the synthetic task's videos are rendered into ($PARAVT_CACHE/synthetic, as train.py and eval.py)."""
     return os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
+
+
+def synthetic_right(record: dict, row: dict) -> bool:
+    """A synthetic MCQ answered right, as eval.py scores it: benchmarks.judge on the row's response with the synthetic
+    split's extractor (a letter inside a wordy <answer> span counts; an errored row does not)."""
+    import benchmarks
+    return benchmarks.judge(record, row, benchmarks.DEFAULT_EXTRACT["synthetic"])["score"] == 1.0
 
 
 def set_threads(n: int) -> int:

@@ -17,7 +17,7 @@ import argparse
 import json
 import math
 
-from common import synthetic_root, table  # bench/common.py (puts the repo on sys.path)
+from common import synthetic_right, synthetic_root, table  # bench/common.py (puts the repo on sys.path)
 
 import benchmarks
 import data
@@ -37,15 +37,13 @@ def sign_test(fixed: int, broken: int) -> float:
 
 
 def correct(records: list[dict], rows: list[dict], where: str) -> dict[str, bool]:
-    """MCQ id -> answered right, as eval.py scores it (benchmarks.judge on the response with the synthetic split's
-    extractor), so `all` is eval.py's accuracy. A question missing from the file is an error naming it."""
+    """MCQ id -> answered right, as eval.py scores it (common.synthetic_right), so `all` is eval.py's accuracy. A
+    question missing from the file is an error naming it."""
     by_id = {str(r["id"]): r for r in rows}
     missing = [r["id"] for r in records if r["task"] == "mcq" and r["id"] not in by_id]
     if missing:
         raise ValueError(f"{where}: no prediction for {len(missing)} question(s), e.g. {missing[0]} (another split?)")
-    extract = benchmarks.DEFAULT_EXTRACT["synthetic"]
-    return {r["id"]: benchmarks.judge(r, by_id[r["id"]], extract)["score"] == 1.0
-            for r in records if r["task"] == "mcq"}
+    return {r["id"]: synthetic_right(r, by_id[r["id"]]) for r in records if r["task"] == "mcq"}
 
 
 def seen(records: list[dict], rows: list[dict], nframes: int) -> dict[str, bool]:

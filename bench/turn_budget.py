@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from common import checkpoint_dir, synthetic_root  # bench/common.py (puts the repo on sys.path)
+from common import checkpoint_dir, synthetic_right, synthetic_root  # bench/common.py (puts the repo on sys.path)
 
 import benchmarks
 import eval as evaluation
@@ -41,15 +41,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def by_kind(records: list[dict], rows: list[dict]) -> dict:
-    """MCQ accuracy (%) overall and per kind, each answer scored as eval.py scores it (benchmarks.judge with the
-    synthetic split's extractor), and the mean number of executed tool turns."""
+    """MCQ accuracy (%) overall and per kind, each answer scored as eval.py scores it (common.synthetic_right), and the
+    mean number of executed tool turns."""
     rows = {str(r["id"]): r for r in rows}
     hits = collections.defaultdict(list)
-    extract = benchmarks.DEFAULT_EXTRACT["synthetic"]
     for rec in records:
         if rec["task"] != "mcq":
             continue
-        right = benchmarks.judge(rec, rows[rec["id"]], extract)["score"] == 1.0
+        right = synthetic_right(rec, rows[rec["id"]])
         hits["all"].append(right)
         hits[rec["meta"]["kind"]].append(right)
     out = {k: 100.0 * sum(v) / len(v) for k, v in hits.items()}

@@ -1,9 +1,13 @@
 """Shared pieces of the training tests (test_train.py, test_reliability.py, test_rl_correctness.py): the fast
-CPU smoke configuration, in-process runs of train.main, the metrics reader, the size thresholds shrunk, and
-fixtures."""
+CPU smoke configuration, in-process runs of train.main, the metrics reader, the size thresholds shrunk, a bench
+script as a module, and fixtures."""
+import functools
 import importlib
+import importlib.util
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,21 @@ import train
 # turn, overviews gated to 4 or 8 frames.
 SMOKE = ["--sft-steps", "2", "--rl-steps", "2", "--n-train", "8", "--set", "n_rl=4", "--n-eval", "4", "--group-size", "2",
          "--prompts-per-step", "2", "--max-new-tokens", "12", "--sft-batch", "4", "--gating-choices", "4,8"]
+
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@functools.lru_cache(maxsize=None)
+def bench_module(name: str):
+    """bench/NAME.py as a module (its functions called directly), loaded once; bench/ on sys.path for its `common`
+    import."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 # The tiny model's rollout as the engine tests drive it: its 64 x 64 frames, one sample at T = 1, 256 new tokens a

@@ -89,8 +89,8 @@ def test_changed_answers_split_by_what_was_seen(split, tmp_path):
     # q2: neither sees it, B's guess is right (guess); the other MCQs: both right, from the overview alone
     rows_a = {q0["id"]: (wrong(q0), []), q1["id"]: (q1["answer"], tight(q1)), q2["id"]: (wrong(q2), [])}
     rows_b = {q0["id"]: (q0["answer"], tight(q0)), q1["id"]: (wrong(q1), tight(q1)), q2["id"]: (q2["answer"], [])}
-    rows = lambda side: [row(r, side.get(r["id"], (r["answer"], []))[0], windows=side.get(r["id"], (r["answer"], []))[1])
-                         for r in mcq]
+    pick = lambda side, r: side.get(r["id"], (r["answer"], []))
+    rows = lambda side: [row(r, pick(side, r)[0], windows=pick(side, r)[1]) for r in mcq]
     out = paired(split, tmp_path, rows(rows_a), rows(rows_b))
     assert out["fixed_by"] == {"look": 1, "read": 0, "guess": 1} and out["broken_by"] == {"look": 0, "read": 1, "guess": 0}
     shown = sum(not data.tool_needed(r, 8) for r in mcq)         # the overview alone shows their glyphs

@@ -3,18 +3,15 @@ waves and that both recipes fit (the admission rule of the engine, on paper), th
 part in pool blocks, the asynchronous layouts beside the colocated step; and bench/rehearsal.py --ci, which measures
 each part beside the plan's."""
 import functools
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import grpo
 import train
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from conftest import BENCH, bench_module
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,16 +59,9 @@ def test_host_time_and_tools_count_in_the_rollout():
     assert in_loop["rollout_s"] == pytest.approx(base["rollout_s"] + in_loop["tool_stall_s"], rel=1e-3)
 
 
-@functools.lru_cache(maxsize=None)
 def plan_module():
-    """bench/plan.py as a module (its `project` called with other layouts and GPU counts); bench/ on sys.path for
-    its `common` import."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_plan", BENCH / "plan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """bench/plan.py as a module (its `project` called with other layouts and GPU counts)."""
+    return bench_module("plan")
 
 
 def test_async_step_is_the_rollout_on_r_beside_the_update_on_t_and_the_weights_send():

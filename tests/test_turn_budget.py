@@ -16,7 +16,7 @@ import rollout
 import sft
 import video
 from tests.test_rollout import Scripted, call, responses, tiny, turn, user_messages  # noqa: F401 (tiny: a fixture)
-from conftest import TEST_ROLLOUT
+from conftest import TEST_ROLLOUT, bench_module
 
 CROP = dict(level="medium", fps=1.0, max_frames=16, max_pixels=64 * 64)   # the tiny rollout's crops
 
@@ -187,15 +187,8 @@ def test_turn_budget_bench_names_a_path_without_a_checkpoint(tmp_path):
 def test_turn_budget_bench_scores_as_eval_py(search):
     """bench/turn_budget.py's accuracy is eval.py's: a letter inside a wordy answer span ("... I guess I D") is right,
     as benchmarks.judge reads it; an errored row and a wrong letter are wrong."""
-    import importlib.util
-    import sys
     import benchmarks
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
-    spec = importlib.util.spec_from_file_location("bench_turn_budget", os.path.join(bench, "turn_budget.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_module("turn_budget")
     mcq = [r for r in search[1] if r["task"] == "mcq"]
     wrong = lambda r: "ABCD"[("ABCD".index(r["answer"]) + 1) % 4]
     span = lambda r, i: (f"No the shape, not read I guess I {r['answer']}" if i % 3 == 0 else r["answer"] if i % 3 == 1
