@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 import benchmarks as ev
-import data
 
 SAMPLES = Path(__file__).resolve().parents[2] / "shared" / "benchmark_samples"
 VIDEOMME = SAMPLES / "videomme_output_test_template.json.txt"

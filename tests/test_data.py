@@ -416,7 +416,6 @@ def test_grounding_oracle_answers_what_the_overview_shows(nframes, worst_iou):
     """Grounding: no crop; an 8 s window centred on the overview frames inside the mark, so its IoU with
     the truth is >= 1/3 when one frame (K = 8: spacing 8 s) shows it and near 1 for a dense overview;
     a mark the overview misses (K = 4 only) gets the whole video."""
-    patches = data.overview_patch_times(64.0, nframes)
     for s in range(0, 57):
         r = {"id": "g", "video": "v.mp4", "data_type": "grounding", "task": "tvg", "clues": [[s, s + 8.0]],
              "answer": [s, s + 8.0], "duration": 64.0, "meta": {"colours": [], "glyph_windows": []}}

@@ -21,7 +21,6 @@ import eval as ev
 import rewards
 import rollout
 import recipes
-import runtime
 from benchmarks import load, score
 
 SAMPLES = Path(__file__).resolve().parents[2] / "shared" / "benchmark_samples"
@@ -297,7 +296,6 @@ def test_synthetic_end_to_end_on_the_tiny_model(tmp_path, capsys, cache_env, one
 def test_tiny_model_gets_train_py_turn_budget(tmp_path, monkeypatch, cache_env):
     """The tiny model's turns are evaluated with train.py's --max-new-tokens default (a turn with two
     parallel calls needs ~100 tokens: 96 cut them), and --synthetic-n sets the held-out split's size."""
-    import train
     seen, ran = {}, []
     monkeypatch.setattr(ev, "agent_runner", fake_runner_factory(seen, ran))
     metrics = ev.main(["--synthetic-n", "6", "--out", str(tmp_path / "p.jsonl")])

@@ -222,7 +222,7 @@ def test_groupkv_shared_prompt_equals_separate_sequences(tiny, split, small_thre
     torch.testing.assert_close(first[0], _alone(model, [a]), atol=1e-4, rtol=0)
     torch.testing.assert_close(first[1], _alone(model, [b]), atol=1e-4, rtol=0)
     pool_k = kv.pool.k[0]
-    ptr, a_first = pool_k.data_ptr(), kv.prompts[pa].run()
+    a_first = kv.prompts[pa].run()
     a_kv = pool_k[a_first:a_first + len(a.ids)].clone()   # prompt a lies in one run of blocks: read in place
     # ragged suffixes, some rows skipped; then a second extend on a subset, then one decode step
     logits = dict(zip([rows[i] for i in (0, 2, 3)], kv.extend(model, [rows[i] for i in (0, 2, 3)], sfx, pad)))
@@ -356,7 +356,7 @@ def test_op_counter_counts_ops_not_metadata():
     x = torch.randn(2, 3, 4, 8)
     with runtime.OpCounter() as ops:
         x.shape, x.dtype, x.size(0), x.dim(), len(x)
-        y = x.view(-1).add(1)
+        x.view(-1).add(1)
         torch.nn.functional.scaled_dot_product_attention(x, x, x)
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(x, x, x, scale=1.0)
     assert ops.count == 4 and ops.attention == 2 and ops.names["view"] == 1, ops.names

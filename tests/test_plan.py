@@ -10,7 +10,6 @@ import sys
 import pytest
 
 import grpo
-import train
 from conftest import BENCH, bench_module
 
 

@@ -21,7 +21,6 @@ with 3 layers, ~4 minutes and 12 GB on that CPU) was bench/real_shapes.py, remov
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -30,7 +29,6 @@ import model as model_lib
 import ops
 import rollout
 import recipes
-import runtime
 import sft
 import grpo
 import train

@@ -12,7 +12,6 @@ import re
 from html.parser import HTMLParser
 
 import pytest
-import torch
 
 import data
 import report

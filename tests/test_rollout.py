@@ -420,7 +420,6 @@ def test_a_turns_end_tightens_the_rows_promise(tiny, split, script, mode, shrunk
 
 
 def test_rollout_memory_flag_reaches_the_engine(capsys):
-    import runtime
     import train
     assert train.rollout_config_of_args(recipes.parse_train_args(["--rollout-memory-gb", "1.5"])).memory_budget_bytes == 3 * 2 ** 29
     assert train.rollout_config_of_args(recipes.parse_train_args([])).memory_budget_bytes is None      # the default: memory_budget

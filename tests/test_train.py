@@ -5,7 +5,6 @@ the learning-rate schedule); the fused kernels are tested in test_ops.py.
 
 Run: python -m pytest tests/test_train.py -q      (CPU, a few minutes)
 """
-import contextlib
 import json
 import math
 import os
@@ -531,7 +530,6 @@ def test_tdam_mask_reaches_attention(tiny, tdam_batch):
     """The 4-D mask path: a causal 4-D mask reproduces the 2-D loss, the TDAM mask changes it, both finite."""
     model, processor = tiny
     trajs, batch = tdam_batch
-    special = model_lib.special_token_ids(processor)
     L = batch["input_ids"].shape[1]
     with torch.no_grad():
         plain, _ = train.sft_loss(model, batch, 1024, None, compile=False)
@@ -891,7 +889,6 @@ def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam, small
 def test_vision_lr_scale(scale):
     """make_optimizer: the vision tower at scale x lr (the merger included), every other parameter at lr; 0 freezes
     the tower (no gradient, no optimizer state) and one step moves every other parameter."""
-    import train
     model = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
     opt = grpo.make_optimizer(model, 1e-3, scale)
     grpo.set_lr(opt, 2e-3)
