@@ -280,14 +280,23 @@ def rank_share(total: int, rank: int, world: int) -> int:
     return total // world + (rank < total % world)
 
 
+def dealt(total: int, rank: int, world: int) -> range:
+    """The positions of a global draw of `total` a rank takes, dealt round-robin: r, r + world, ... (rank_share of
+    them)."""
+    return range(rank, total, world)
+
+
 def draw_prompts(records: list, s: GRPOSettings, seed: int, rank: int, world: int, step: int,
                  draw: int = 0) -> tuple[list, list]:
-    """The prompts of a step's draw on a rank, its share of the global s.prompts_per_step (`rank_share`), and
-    their overview sizes: K gated per prompt (the same K for its whole group) or None (the rollout's own rule).
-    Seeded by (seed, step, rank, draw) alone, so a resumed run draws the same prompts and the next step's can be
-    prefetched."""
-    rng = random.Random(f"rl:{seed}:{step}:{rank}" + (f":{draw}" if draw else ""))
-    recs = [records[rng.randrange(len(records))] for _ in range(rank_share(s.prompts_per_step, rank, world))]
+    """The prompts of a step's draw on a rank and their overview sizes: K gated per prompt (the same K for its whole
+    group) or None (the rollout's own rule). One draw of the global s.prompts_per_step, seeded by (seed, step, draw)
+    alone and dealt out round-robin (`dealt`), as SFT's batch is (train.sft_draw): W ranks roll out the prompts one
+    rank would, whatever W, a resumed run draws the same prompts, and the next step's can be prefetched. (Before,
+    each rank drew its share from a generator seeded by its rank, so --gpus 3 trained on other prompts than one
+    rank; the seed keeps the ':0' of those one-rank draws, so a one-rank run draws what it drew.)"""
+    rng = random.Random(f"rl:{seed}:{step}:0" + (f":{draw}" if draw else ""))
+    every = [records[rng.randrange(len(records))] for _ in range(s.prompts_per_step)]
+    recs = [every[i] for i in dealt(len(every), rank, world)]
     return recs, [rewards.gate_nframes(r["id"], step, s.gating_choices, seed=seed) if s.gating else None for r in recs]
 
 
@@ -308,7 +317,9 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
                    cfg: rollout.RolloutConfig, s: GRPOSettings, step: int, pad_id: int,
                    pool: video.DecodePool | None = None) -> Groups:
     """Roll out and score this rank's groups for one step: its share of the global s.prompts_per_step
-    (`rank_share`; a rank whose share is 0 rolls out nothing and joins the update with zero-weight passes).
+    (`rank_share`; a rank whose share is 0 rolls out nothing and joins the update with zero-weight passes). A
+    prompt's rows are seeded by the draw and the prompt's place in the global draw (run_agent's seed_index), so W
+    ranks roll out the rows one rank would (the placebo's permutations stay the rank's own).
     Without dynamic sampling: one draw. With it (DAPO, arXiv 2503.14476): groups whose rewards are all equal carry
     no signal and are dropped, and more prompts are drawn until the rank holds its share of groups with signal or
     s.max_draws rounds were rolled out. The caller holds the full weights (one all-gather for every draw)."""
@@ -316,12 +327,12 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
     share = rank_share(s.prompts_per_step, run.rank, run.world)
     trajs, comps, R, KL, items, n_groups, n_zero = [], [], [], [], [], 0, 0
     draws = 0
-    draw_seed = lambda d: run.seed * 1_000_003 + step * 101 + run.rank + d * 7_919   # a draw's rollout seed
+    draw_seed = lambda d: run.seed * 1_000_003 + step * 101 + d * 7_919   # a draw's rollout seed, on every rank
     while share and draws < (s.max_draws if s.dynamic_sampling else 1):
         recs, ks = draw_prompts(records, s, run.seed, run.rank, run.world, step, draws)
         with autocast(s.precision, model):
             out = rollout.run_agent(model, processor, recs, video_root, cfg, nframes=ks, pool=pool,
-                                    seed=draw_seed(draws))
+                                    seed=draw_seed(draws), seed_index=list(dealt(s.prompts_per_step, run.rank, run.world)))
         draws += 1
         scored = [rewards.score_trajectory(t, recs[i // G], s.recipe, s.anchoring, s.released_scoring)
                   for i, t in enumerate(out)]
@@ -335,7 +346,7 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
         total = (rewards.shape_reward(r) if s.shaping else r) - s.kl_coef * kl
         adv = rewards.group_advantages(total, G)
         if s.placebo:
-            adv = placebo_advantages(adv, G, seed=draw_seed(draws))      # draws is counted up by now
+            adv = placebo_advantages(adv, G, seed=draw_seed(draws) + run.rank)      # draws is counted up by now
         keep = torch.tensor([t.error is None and t.token_ids != [] and trainable(t, video_id) for t in out])
         if s.mask_truncated:
             keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in out])

@@ -772,7 +772,7 @@ def run_subagents(model, processor, jobs: list[tuple[int, int, video.Clip]], cfg
 @torch.no_grad()
 def run_agent(model, processor, records: list[dict], video_root: str, cfg: RolloutConfig, seed: int = 0,
               nframes: list[int | None] | None = None, pool: video.DecodePool | None = None,
-              on_turn=None) -> list[Trajectory]:
+              on_turn=None, seed_index: list[int] | None = None) -> list[Trajectory]:
     """Roll out `cfg.group_size` samples of each record; returns len(records) * G trajectories, grouped
     by record (record 0's samples first). `nframes[i]` overrides the overview frame count of record i
     (nFrames gating: the same K for the whole group). A record whose video fails to decode gives G
@@ -781,7 +781,8 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
     (`Engine`) admits the groups as its memory budget allows (cfg.memory_budget_bytes).
     `on_turn(traj, responses)`: called as each assistant turn completes (a listener, e.g. eval.py --video
     printing the turns): `traj.turns[-1]` is the turn, `responses` the tool response texts it got (call
-    order), or None when the turn ended the trajectory."""
+    order), or None when the turn ended the trajectory. `seed_index[i]`: record i's index in row_seed (default
+    i; RL passes each prompt's place in the step's global draw, so a rank rolls out the rows one rank would)."""
     t0 = time.time()
     ids = special_token_ids(processor)
     factor = video_factor(processor)
@@ -809,7 +810,7 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
             reserve = row_blocks(cfg, len(c.ids), factor)
             group = [_Row(Trajectory(str(rec.get("id", i)), s, c.ids.tolist(), [ENV] * len(c.ids),
                                      len(c.ids) - len(prefix.ids), [(c.pixels, c.grid)], nframes=n),
-                          path, row_seed(seed, i, s), index=i, duration=duration, order=len(rows) + s,
+                          path, row_seed(seed, seed_index[i] if seed_index else i, s), index=i, duration=duration, order=len(rows) + s,
                           max_new=cfg.max_new_tokens, reserve=reserve) for s in range(G)]
             engine.add_group(c, group)
             rows += group

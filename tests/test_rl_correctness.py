@@ -3,6 +3,7 @@ environment text never read as the answer, the release's answer body, the sampli
 ParaVT's k1 KL folded into the reward, DAPO's refilling dynamic sampling, refused flag combinations, and
 several ranks: a rank with nothing to learn still joins the step, and the 2-rank update equals one process's.
 The distributed checkpoint round trip on 2 gloo ranks is in test_train.py."""
+import dataclasses
 import os
 import random
 from types import SimpleNamespace
@@ -108,7 +109,7 @@ def test_kl_in_the_reward_is_subtracted_after_shaping(monkeypatch):
     (the old order: R - 0.01 KL = (1, -1, 0) -> shaped (8, -12, -2) -> A = (10, -10, 0) / 10)."""
     G = 3
 
-    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None):
+    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None, seed_index=None):
         return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, []) for r in recs for s in range(G)]
 
     monkeypatch.setattr(rollout, "run_agent", fake_agent)
@@ -192,7 +193,7 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
     number of draws is reported."""
     G, calls = 2, []
 
-    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None):
+    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None, seed_index=None):
         calls.append(len(recs))
         return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, [], text=f"draw{len(calls)}")
                 for r in recs for s in range(G)]
@@ -222,7 +223,7 @@ def test_placebo_deals_each_groups_advantages_to_its_samples_at_random(monkeypat
     seeded by (seed, step, rank, draw), so a rerun deals the same and another step deals otherwise."""
     G = 4
 
-    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None):
+    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None, seed_index=None):
         return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, [], text=str(k))
                 for k, r in enumerate(recs) for s in range(G)]
 
@@ -264,13 +265,56 @@ def test_draw_prompts_splits_the_global_batch_over_ranks(world, prompts):
     assert counts == [prompts // world + (rank < prompts % world) for rank in range(world)]
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("draw", [0, 1])
+def test_ranks_deal_out_the_one_rank_draw(world, draw):
+    """The ranks' prompts and their K are one rank's draw dealt out round-robin, a dynamic-sampling redraw's too, and
+    the one-rank draw is the one runs made before (`python train.py` unchanged). Before, each rank drew from a
+    generator seeded by its rank, so --gpus 3 trained on other prompts than one rank."""
+    records = [{"id": f"r{i}"} for i in range(50)]
+    s = grpo.GRPOSettings(prompts_per_step=7)
+    one, ks_one = grpo.draw_prompts(records, s, 3, 0, 1, step=5, draw=draw)
+    rng = random.Random("rl:3:5:0" + (f":{draw}" if draw else ""))
+    assert one == [records[rng.randrange(50)] for _ in range(7)]
+    merged, ks = [None] * 7, [None] * 7
+    for rank in range(world):
+        recs, k = grpo.draw_prompts(records, s, 3, rank, world, step=5, draw=draw)
+        for p, r, kk in zip(grpo.dealt(7, rank, world), recs, k, strict=True):
+            merged[p], ks[p] = r, kk
+    assert merged == one and ks == ks_one and len(set(ks_one)) > 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_roll_out_the_rows_one_rank_does(world, tiny, cache):
+    """collect_groups on each of W ranks (the same weights, run one after another here) rolls out the groups one
+    rank does: the same prompts, K and sampled tokens, as each row's seed is its prompt's place in the global draw
+    (before, the draw and the rollout seed both took the rank: --gpus 3 sampled other rows than one rank)."""
+    model, processor = tiny
+    root = os.path.join(cache, "synthetic")
+    records = data.make_split(root, 6, seed=78, duration=64.0)
+    cfg = dataclasses.replace(train.rollout_config_of_args(recipes.parse_train_args([])), group_size=2,
+                              max_new_tokens=12)
+    s = grpo.GRPOSettings(group_size=2, prompts_per_step=3, mask_truncated=False)
+    rows = lambda g: [(t.record_id, t.sample, t.nframes, t.token_ids) for t in g.trajs]
+    one = rows(grpo.collect_groups(SimpleNamespace(seed=4, rank=0, world=1), model, None, processor, records, root,
+                                   cfg, s, 2, processor.tokenizer.pad_token_id))
+    ranks = [rows(grpo.collect_groups(SimpleNamespace(seed=4, rank=r, world=world), model, None, processor, records,
+                                      root, cfg, s, 2, processor.tokenizer.pad_token_id)) for r in range(world)]
+    merged = [None] * 3
+    for r, got in enumerate(ranks):
+        for p, k in zip(grpo.dealt(3, r, world), range(0, len(got), 2), strict=True):
+            merged[p] = got[k:k + 2]
+    assert sum(merged, []) == one
+    assert len({tuple(t[3]) for t in one}) > 1, "rows that all sample the same tokens would hide their seeds"
+
+
 @pytest.mark.parametrize("world, rank, prompts, share", [(2, 0, 3, 2), (2, 1, 3, 1), (3, 2, 2, 0)])
 def test_dynamic_sampling_fills_the_ranks_share(world, rank, prompts, share, monkeypatch):
     """Dynamic sampling draws until the rank holds its share of the global batch with signal; a rank whose share is
     0 rolls out nothing (and still joins the update through policy_update's zero-weight passes)."""
     G, calls = 2, []
 
-    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None):
+    def fake_agent(model, processor, recs, root, cfg, seed, nframes, pool=None, seed_index=None):
         calls.append(len(recs))
         return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, []) for r in recs for s in range(G)]
 
