@@ -286,6 +286,11 @@ def dealt(total: int, rank: int, world: int) -> range:
     return range(rank, total, world)
 
 
+def draw_seed(seed: int, step: int, draw: int) -> int:
+    """A draw's rollout seed, the same on every rank (rollout.row_seed takes it with each prompt's place in the draw)."""
+    return seed * 1_000_003 + step * 101 + draw * 7_919
+
+
 def draw_prompts(records: list, s: GRPOSettings, seed: int, rank: int, world: int, step: int,
                  draw: int = 0) -> tuple[list, list]:
     """The prompts of a step's draw on a rank and their overview sizes: K gated per prompt (the same K for its whole
@@ -327,12 +332,12 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
     share = rank_share(s.prompts_per_step, run.rank, run.world)
     trajs, comps, R, KL, items, n_groups, n_zero = [], [], [], [], [], 0, 0
     draws = 0
-    draw_seed = lambda d: run.seed * 1_000_003 + step * 101 + d * 7_919   # a draw's rollout seed, on every rank
+    places = list(dealt(s.prompts_per_step, run.rank, run.world))     # this rank's prompts' places in each draw
     while share and draws < (s.max_draws if s.dynamic_sampling else 1):
         recs, ks = draw_prompts(records, s, run.seed, run.rank, run.world, step, draws)
         with autocast(s.precision, model):
             out = rollout.run_agent(model, processor, recs, video_root, cfg, nframes=ks, pool=pool,
-                                    seed=draw_seed(draws), seed_index=list(dealt(s.prompts_per_step, run.rank, run.world)))
+                                    seed=draw_seed(run.seed, step, draws), seed_index=places)
         draws += 1
         scored = [rewards.score_trajectory(t, recs[i // G], s.recipe, s.anchoring, s.released_scoring)
                   for i, t in enumerate(out)]
@@ -346,7 +351,7 @@ def collect_groups(run: Run, model, ref_model, processor, records: list, video_r
         total = (rewards.shape_reward(r) if s.shaping else r) - s.kl_coef * kl
         adv = rewards.group_advantages(total, G)
         if s.placebo:
-            adv = placebo_advantages(adv, G, seed=draw_seed(draws) + run.rank)      # draws is counted up by now
+            adv = placebo_advantages(adv, G, seed=draw_seed(run.seed, step, draws) + run.rank)   # draws counted up
         keep = torch.tensor([t.error is None and t.token_ids != [] and trainable(t, video_id) for t in out])
         if s.mask_truncated:
             keep &= torch.tensor([not (t.truncated or t.hit_turn_limit) for t in out])

@@ -339,9 +339,9 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     run.processor = processor
     s, cfg = train.grpo_settings(targs), train.rollout_config_of_args(targs)
     rec = dict(RECORD, duration=args.duration)
-    seed = SAMPLE_SEED * 1_000_003 + 1 * 101 + rank                    # collect_groups' seed at step 1, draw 0
+    seed, place = grpo.draw_seed(SAMPLE_SEED, 1, 0), grpo.dealt(s.prompts_per_step, rank, world)[0]   # step 1, draw 0
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
-    scripted = {rollout.row_seed(seed, 0, g): [enc(t) for t in turns(args.duration, "AB"[g % 2])]
+    scripted = {rollout.row_seed(seed, place, g): [enc(t) for t in turns(args.duration, "AB"[g % 2])]
                 for g in range(s.group_size)}
     sub = [enc("A plain coloured frame.")]                      # what each sub-agent writes
     script = Script(lambda row: scripted.get(row, sub), rollout.sample_tokens)   # the real sampler runs, then the script
