@@ -274,16 +274,15 @@ class Groups:
     zero_var_frac: float                 # of the groups drawn
 
 
-def rank_share(total: int, rank: int, world: int) -> int:
-    """A rank's part of a global count: total // world, plus one on the first total % world ranks (ParaVT's 7
-    prompts on 8 GPUs: one each on ranks 0-6, none on rank 7)."""
-    return total // world + (rank < total % world)
-
-
 def dealt(total: int, rank: int, world: int) -> range:
-    """The positions of a global draw of `total` a rank takes, dealt round-robin: r, r + world, ... (rank_share of
-    them)."""
+    """The positions of a global draw of `total` a rank takes, dealt round-robin: r, r + world, ..."""
     return range(rank, total, world)
+
+
+def rank_share(total: int, rank: int, world: int) -> int:
+    """A rank's part of a global count, the positions it is dealt: total // world, plus one on the first
+    total % world ranks (ParaVT's 7 prompts on 8 GPUs: one each on ranks 0-6, none on rank 7)."""
+    return len(dealt(total, rank, world))
 
 
 def draw_seed(seed: int, step: int, draw: int) -> int:
