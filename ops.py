@@ -436,7 +436,9 @@ def tdam_tiles(spec: TdamSpec, seq_len: int) -> torch.Tensor:
     return kind
 
 
-FLEX_DEVICES = ("cuda",)   # where flex_attention has a backward (torch 2.14: not on CPU or MPS, forward only)
+# where "auto" runs flex_attention: CUDA. Not the CPU: torch 2.14 has no CPU backward for it, and its compiled CPU
+# template differs from its eager kernel at some shapes on AVX2 and AVX-512 (tests/test_ops.py)
+FLEX_DEVICES = ("cuda",)
 
 
 def tdam_kernel(spec: TdamSpec, device) -> str:

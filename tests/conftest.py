@@ -7,7 +7,9 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -41,6 +43,62 @@ def bench_module(name: str):
 # The tiny model's rollout as the engine tests drive it: its 64 x 64 frames, one sample at T = 1, 256 new tokens a
 # turn (a test sets what it checks; a run's settings come from recipes.PRESETS).
 TEST_ROLLOUT = {**recipes.TINY_FRAMES, "group_size": 1, "temperature": 1.0, "max_new_tokens": 256}
+
+
+# torch's compiled CPU flex_attention (Inductor's C++ template, torch 2.14.1) differs from its own eager kernel at
+# some shapes on some CPUs, on torch's own causal mask too (tests/test_ops.py::test_cpu_flex_template_reproducer;
+# docs/experiments.md). The product never runs it (ops.tdam_kernel: "auto" is flex on CUDA only). The tests check our
+# flex path against the dense mask on the eager kernel, always, and compiled where torch's template agrees with it.
+
+def cpu_isa() -> str:
+    """The ISA torch computes with on this CPU: ATen's dispatch level and the vector ISA Inductor compiles for."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    return f"ATen {torch.backends.cpu.get_cpu_capability()}, Inductor {pick_vec_isa()!s}"
+
+
+def _flex_error(compute, ref) -> str | None:
+    """compute() compiled afresh against ref: None where they agree to 1e-5, else what it gives (or raises: the
+    template also fails to build or trips its own bound checks)."""
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            err = float((compute() - ref).abs().nan_to_num(float("inf")).max())
+    except Exception as e:
+        return f"raises {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    finally:
+        torch._dynamo.reset()
+    return None if err <= 1e-5 else f"max |compiled - eager| = {err:.3g}"
+
+
+def cpu_flex_probe(B: int, H: int, H_kv: int, L: int, D: int, block: int) -> str | None:
+    """torch's compiled CPU flex_attention against its eager kernel on torch's own causal BlockMask
+    (create_block_mask), none of our code: None where they agree, else what the compiled one gives."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, h, L, D, generator=gen) for h in (H, H_kv, H_kv))
+    mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, L, L, device="cpu", BLOCK_SIZE=block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                     # "called without torch.compile": that is the point
+        eager = flex_attention(q, k, v, block_mask=mask, enable_gqa=H != H_kv)
+    return _flex_error(lambda: torch.compile(flex_attention)(q, k, v, block_mask=mask, enable_gqa=H != H_kv), eager)
+
+
+def assert_flex_close(call, ref: torch.Tensor) -> None:
+    """call() runs our flex path (ops.tdam_attention with kernel "flex"). On flex_attention's eager kernel, what the
+    compiled one is defined to compute, it must give ref, the dense mask's output (our BlockMask and call). Compiled
+    afresh it must give the same; where it does not, torch's compiled template is wrong on this CPU at these shapes,
+    and the test skips saying so."""
+    from torch.nn.attention.flex_attention import flex_attention
+    import ops
+    with warnings.catch_warnings(), mock.patch.object(ops, "_compiled_flex", lambda: flex_attention):
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            eager = call()
+    torch.testing.assert_close(eager, ref, rtol=1e-5, atol=1e-5)
+    error = _flex_error(call, eager)
+    if error is not None:
+        pytest.skip(f"torch {torch.__version__}'s compiled CPU flex_attention differs from its eager kernel on this "
+                    f"CPU ({cpu_isa()}) at q {tuple(ref.shape)}: {error}")
 
 
 def smoke_argv(run_dir, *extra) -> list[str]:

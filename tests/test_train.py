@@ -19,7 +19,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import metrics, run, smoke_argv  # shared with the other training tests
+from conftest import assert_flex_close, metrics, run, smoke_argv  # shared with the other training tests
 from safetensors.torch import load_file
 
 import data
@@ -1297,14 +1297,10 @@ def test_packed_spec_plan_and_rectangles_are_one_mask(tiny, packed_rows):
     for a, b, c in zip(dense, plan, tiles):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
-    # the CUDA kernel's block mask from the same rectangles (forward: CPU flex has no backward); compiled afresh, as
-    # torch 2.14's CPU flex template fails to build (C++: cur_qSplitSize5 undeclared) when test_ops' lengths made
-    # the compiled kernel dynamic first
-    torch._dynamo.reset()
-    with torch.no_grad():
-        flex = ops.tdam_attention(q.detach(), k.detach(), v.detach(), ops.TdamSpec(spec.lengths, spec.rects,
-                                                                                kernel="flex"), 0.25)
-    torch.testing.assert_close(flex, dense[0], atol=1e-5, rtol=1e-5)
+    # the CUDA kernel's block mask from the same rectangles (forward: CPU flex has no backward): eager, and compiled
+    # where torch's CPU template agrees with its eager kernel at these shapes
+    flex_spec = ops.TdamSpec(spec.lengths, spec.rects, kernel="flex")
+    assert_flex_close(lambda: ops.tdam_attention(q.detach(), k.detach(), v.detach(), flex_spec, 0.25), dense[0])
 
 
 @pytest.mark.parametrize("lengths, prompts, rows, tokens, expected", [
