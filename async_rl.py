@@ -343,11 +343,15 @@ def run_rl(run, layout: Layout, processor, model_source: str, source: str | None
            eval_every: int, evaluate, pool=None):
     """The RL stage of an asynchronous run on this rank: its model (`model_source`'s architecture; a trainer: FSDP2
     over the trainers' mesh, its weights loaded from `source`, a checkpoint, when given; a rollout rank: unsharded,
-    its weights the trainers' first broadcast), the reference when the recipe has a KL (`reference()` builds it),
+    its weights the trainers' first broadcast, held in the compute dtype), the reference on the side that computes
+    the recipe's KL (`reference()` builds it),
     then its loop. `state`: the checkpoint's trainer state when resuming. Returns the model (the final evaluation's)."""
     rollout_rank = layout.is_rollout(run.rank)
-    model, _ = grpo.policy_model(model_source, device, precision, 1, seed, grad_checkpointing and not rollout_rank)
-    ref_model = reference() if s.kl_coef > 0 else None
+    if rollout_rank:                          # samples only: compute-dtype weights, no gradients (grpo.sampler_model)
+        model, _ = grpo.sampler_model(model_source, device, precision, seed)
+    else:
+        model, _ = grpo.policy_model(model_source, device, precision, 1, seed, grad_checkpointing)
+    ref_model = reference() if grpo.uses_reference(s, rollout_rank) else None     # only where the KL is computed
     if rollout_rank:
         rollout_loop(run, layout, model, ref_model, processor, records, video_root, cfg, s, steps, start, pad_id,
                      pool, eval_every, evaluate)

@@ -755,6 +755,22 @@ def policy_model(source: str, device, precision: str, world: int, seed: int = 0,
     return model, processor
 
 
+def sampler_model(source: str, device, precision: str, seed: int = 0):
+    """(model, processor): an asynchronous run's rollout rank's policy. It only samples (its weights are the trainers'
+    broadcasts), so it holds them in the compute dtype without gradients: 2 bytes a parameter under bf16, with no fp32
+    master for autocast to keep bf16 copies of (kvcache.autocast_copies: 0); fp32 in a CPU fp32 run, as before."""
+    model, processor = model_lib.load_model(source, device=device, dtype=PRECISION[precision], seed=seed,
+                                            tiny_corpus=rollout.prompt_corpus())
+    model.requires_grad_(False)
+    return model, processor
+
+
+def uses_reference(s, rollout_side: bool) -> bool:
+    """Whether a rank needs the reference model: where the KL is computed. ParaVT folds k1 into the reward, on the
+    side that samples (collect_groups: sequence_kl); a KL loss term (kl_in_reward off) is the update's."""
+    return s.kl_coef > 0 and s.kl_in_reward == rollout_side
+
+
 def autocast(precision: str, where):
     """The forward passes' compute dtype (docs/method.md §8): bf16 runs them under torch.autocast (matmuls and
     attention in bf16 on the fp32 parameters; backward outside it, as autocast asks), fp32 as they are.

@@ -666,31 +666,30 @@ def memory_budget(budget_bytes: int | None, device, model=None) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        dist = torch.distributed
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return default_budget(free, autocast_copies(model) if model is not None else 0, autocast_dtype("cuda"), world)
+        return default_budget(free, autocast_copies(model) if model is not None else 0, autocast_dtype("cuda"))
     return int(CPU_BUDGET_GB * 2 ** 30)
 
 
-def default_budget(free: int, cast_params: int, autocast: torch.dtype | None, world: int) -> int:
+def default_budget(free: int, cast_params: int, autocast: torch.dtype | None) -> int:
     """The default K/V budget on a GPU: 80 % of `free` bytes (the other 20 % for activations, logits and attention
-    blocks) after the weight copies autocast will make. One process (world 1) under autocast (`autocast`: its
-    dtype, bf16 on the fp32 master weights of --precision bf16) casts each of `cast_params` weights once at the
-    first forward and keeps the copy until its region ends (autocast's weight cache), i.e. through the rollout:
-    cast_params x 2 bytes that are not allocated yet when the budget is read. With FSDP2 (world > 1) the rollout
-    runs on the bf16 all-gathered weights (runtime.full_weights, allocated before: outside `free`), which autocast
-    does not cast."""
-    copies = cast_params * autocast.itemsize if autocast is not None and world == 1 else 0
+    blocks) after the weight copies autocast will make: under autocast (`autocast`: its dtype, bf16 on the fp32
+    master weights of --precision bf16) each of `cast_params` weights is cast once at the first forward and the copy
+    kept until its region ends (autocast's weight cache), i.e. through the rollout: cast_params x 2 bytes not yet
+    allocated when the budget is read. The count is the model's (`autocast_copies`): none for FSDP2's shards (the
+    rollout runs on their bf16 all-gather) or an asynchronous rollout rank's bf16 weights (grpo.sampler_model)."""
+    copies = cast_params * autocast.itemsize if autocast is not None else 0
     return max(0, int(0.8 * (free - copies)))
 
 
 def autocast_copies(model) -> int:
     """Parameters autocast casts and keeps (its weight cache holds casts of leaf fp32 tensors that require grad):
-    the fp32 weights and biases of the linear and convolution layers that require grad (a frozen vision tower's
-    are cast per call and freed; embeddings and norms are not cast). tests/test_rollout.py measures it."""
+    the fp32 weights and biases of the linear and convolution layers that require grad, unsharded (FSDP2's DTensor
+    shards are all-gathered in bf16 for the forward, which autocast leaves alone; a frozen vision tower's are cast
+    per call and freed; embeddings and norms are not cast). tests/test_rollout.py measures it."""
+    from torch.distributed.tensor import DTensor
     layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
     params = {id(p): p for m in model.modules() if isinstance(m, layers) for p in m.parameters(recurse=False)
-              if p.dtype == torch.float32 and p.requires_grad}
+              if p.dtype == torch.float32 and p.requires_grad and not isinstance(p, DTensor)}
     return sum(p.numel() for p in params.values())
 
 

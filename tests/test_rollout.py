@@ -448,17 +448,16 @@ class _KeptCasts(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_default_budget_counts_autocast_weight_copies(monkeypatch):
-    """On one GPU under autocast (--precision bf16 on fp32 master weights) the default budget leaves room for the
-    weights' bf16 copies autocast keeps through the rollout (2 bytes a cast weight: 16 GB at 8B); with FSDP2 (world
-    > 1: bf16 all-gathered weights, allocated before the budget is read) or without autocast there are none. The
+    """Under autocast (--precision bf16 on fp32 master weights) the default budget leaves room for the weights' bf16
+    copies autocast keeps through the rollout (2 bytes a cast weight: 16 GB at 8B); without autocast there are none
+    (FSDP2's shards and a rollout rank's bf16 weights: tests/test_release_layout.py). The
     count is autocast's: after a bf16 autocast forward of the tiny model (vision tower frozen) the casts still alive
     are exactly `autocast_copies`' elements, the frozen tower's not among them. The default took 80 % of the free
     memory whatever the precision."""
     GB = 2 ** 30
-    assert kvcache.default_budget(10 * GB, GB // 2, torch.bfloat16, 1) == int(0.8 * 9 * GB)
-    assert kvcache.default_budget(10 * GB, GB // 2, None, 1) == int(0.8 * 10 * GB)              # fp32: no autocast
-    assert kvcache.default_budget(10 * GB, GB // 2, torch.bfloat16, 2) == int(0.8 * 10 * GB)    # FSDP2
-    assert kvcache.default_budget(GB, GB, torch.bfloat16, 1) == 0
+    assert kvcache.default_budget(10 * GB, GB // 2, torch.bfloat16) == int(0.8 * 9 * GB)
+    assert kvcache.default_budget(10 * GB, GB // 2, None) == int(0.8 * 10 * GB)              # fp32: no autocast
+    assert kvcache.default_budget(GB, GB, torch.bfloat16) == 0
     model, _ = load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
     whole = kvcache.autocast_copies(model)
     for p in model.model.visual.parameters():

@@ -1,0 +1,117 @@
+"""
+The release layout at real sizes (python train.py --gpus 8 --rollout-ranks 1 --async-staleness 2 --preset paravt):
+each mechanism that a size, a dtype, a role or a torch version decides, checked by the thing that decides it on the
+GPU, on the tiny model. The asynchronous rollout rank's weights (compute dtype, no gradients) and the K/V budget it
+reads; which side loads the reference; the SFT stage's optimizer gone before an asynchronous RL stage; the process
+groups' timeout; torchrun's world for the asynchronous layout; the prompt prefill's SDPA call at Qwen3-VL-8B's heads.
+
+    python -m pytest tests/test_release_layout.py -q
+"""
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import async_rl
+import grpo
+import kvcache
+import recipes
+import rollout
+import runtime
+import train
+from model import load_model
+from test_rollout import _KeptCasts
+
+GB = 2 ** 30
+
+
+# -----------------------------------------------------------------------------
+# the asynchronous rollout rank: compute-dtype weights without gradients, and the K/V budget they leave
+
+def test_rollout_rank_holds_the_compute_dtype_without_gradients():
+    """A rollout rank's policy (grpo.sampler_model) under bf16 is 2 bytes a parameter with no gradients, so autocast
+    keeps no copies through its rollout (before: the trainers' fp32 masters with requires_grad, 4 + 2 B/param, plus
+    the bf16 copies: 8 B/param at 8B where the plan assumed 2); fp32 in a CPU fp32 run, as before."""
+    model, _ = grpo.sampler_model("tiny", "cpu", "bf16")
+    params = list(model.parameters())
+    assert {p.dtype for p in params} == {torch.bfloat16} and not any(p.requires_grad for p in params)
+    assert sum(p.numel() * p.element_size() for p in params) == 2 * sum(p.numel() for p in params)
+    assert kvcache.autocast_copies(model) == 0
+    ids = torch.randint(300, model.get_input_embeddings().weight.shape[0], (1, 16))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), _KeptCasts() as kept:
+        model(input_ids=ids)
+        assert kept.alive == 0
+    fp32, _ = grpo.sampler_model("tiny", "cpu", "fp32")
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32} and kvcache.autocast_copies(fp32) == 0
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("rank, preset, wants_ref", [
+    (1, "paravt", True),       # rollout rank, k1 in the reward: the rollout computes the KL (collect_groups)
+    (0, "paravt", False),      # trainer, k1 in the reward: the update never reads the reference
+    (1, "videoo3", False),     # Video-o3 has no KL
+    (0, "videoo3", False),
+])
+def test_async_ranks_build_their_role(monkeypatch, rank, preset, wants_ref):
+    """async_rl.run_rl builds a rollout rank's model with grpo.sampler_model and a trainer's with policy_model, and
+    loads the reference only on the side that computes the KL (before: every rank of a ParaVT run loaded it, 17.5 GB
+    a trainer at 8B that nothing read)."""
+    s = train.grpo_settings(recipes.parse_train_args(["--preset", preset]))
+    built, refs = [], []
+
+    def build(kind):
+        def make(*args, **kw):
+            built.append(kind)
+            return object(), None
+        return make
+
+    monkeypatch.setattr(grpo, "sampler_model", build("sampler"))
+    monkeypatch.setattr(grpo, "policy_model", build("policy"))
+    monkeypatch.setattr(async_rl, "rollout_loop", lambda *a, **k: (_ for _ in ()).throw(_Stop()))
+    monkeypatch.setattr(async_rl, "trainer_loop", lambda *a, **k: (_ for _ in ()).throw(_Stop()))
+    monkeypatch.setattr(grpo, "make_optimizer", lambda *a, **k: None)
+    layout = async_rl.Layout(world=2, rollout_ranks=1)        # one trainer: no FSDP2 mesh to build
+    run = types.SimpleNamespace(rank=rank, load_optimizer=lambda *a: None)
+    with pytest.raises(_Stop):
+        async_rl.run_rl(run, layout, None, "tiny", None, None, torch.device("cpu"), "bf16", 0, False,
+                        lambda: refs.append(1), [], "", None, s, 2, 1e-6, 1.0, 0, 0, 0, 0, None)
+    assert built == ["sampler" if rank == 1 else "policy"]
+    assert bool(refs) == wants_ref
+
+
+def test_default_budget_counts_what_the_model_will_cast(monkeypatch):
+    """The K/V budget subtracts autocast's copies by the model, not by the world size: an unsharded fp32 policy with
+    gradients under bf16 autocast is cast whatever the run's W (before: W > 1 was read as FSDP2 and nothing was
+    subtracted, which an asynchronous rollout rank, unsharded in a world of 8, is not: 63.94 vs 64.0 GiB); FSDP2's
+    DTensor shards and a rollout rank's bf16 weights are not cast."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GB, 80 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(kvcache, "autocast_dtype", lambda device: torch.bfloat16)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+    master, _ = load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
+    copies = kvcache.autocast_copies(master)
+    assert copies > 0
+    assert kvcache.memory_budget(None, "cuda", master) == int(0.8 * (10 * GB - 2 * copies))
+    sampler, _ = grpo.sampler_model("tiny", "cpu", "bf16")
+    assert kvcache.memory_budget(None, "cuda", sampler) == int(0.8 * 10 * GB)
+
+
+def test_fsdp2_shards_are_not_counted_as_autocast_copies(monkeypatch):
+    """FSDP2's parameters are DTensor shards, all-gathered in bf16 for the forward: autocast casts none of them."""
+    monkeypatch.undo()
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(runtime.find_free_port()))
+    runtime.init_process_group(0, 1, use_cuda=False, timeout_s=60)
+    try:
+        model, _ = load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
+        assert kvcache.autocast_copies(model) > 0
+        runtime.shard_model(model, torch.bfloat16)
+        assert kvcache.autocast_copies(model) == 0
+    finally:
+        dist.destroy_process_group()
