@@ -50,6 +50,7 @@ launcher stops the others); a trainer whose rollout rank died raises naming the 
 """
 import copy
 import dataclasses
+import datetime
 import pickle
 import time
 import types
@@ -86,14 +87,16 @@ class Layout:
         return rank >= self.n_trainers
 
 
-def make_layout(world: int, rollout_ranks: int) -> Layout:
-    """The layout and its two process groups (every rank calls this, in the same order)."""
+def make_layout(world: int, rollout_ranks: int, timeout_s: float | None = None) -> Layout:
+    """The layout and its three process groups (every rank calls this, in the same order), each wait in them limited
+    to `timeout_s` (the run's; None: torch's 30 minutes)."""
     if not 1 <= rollout_ranks < world:
         raise ValueError(f"async_rl: {rollout_ranks} rollout ranks of {world}: need at least one of each kind")
+    kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
     layout = Layout(world, rollout_ranks)
-    layout.trainers = dist.new_group(list(range(layout.n_trainers)))
-    layout.sync = dist.new_group([0] + layout.rollout, backend="gloo")   # host tensors, beside NCCL on GPU runs
-    layout.mail = dist.new_group([0] + layout.rollout, backend="gloo")
+    layout.trainers = dist.new_group(list(range(layout.n_trainers)), **kw)
+    layout.sync = dist.new_group([0] + layout.rollout, backend="gloo", **kw)   # host tensors, beside NCCL on GPU runs
+    layout.mail = dist.new_group([0] + layout.rollout, backend="gloo", **kw)
     return layout
 
 

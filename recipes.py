@@ -85,6 +85,9 @@ COMMON = dict(
     decode_workers=2, decode_timeout=120.0, frame_cache_gb=2.0, frame_cache=None,
     # rollout beside training (async_rl.py; ParaVT's release: AReaL's asynchronous mode, behaviour weight cap 5)
     async_staleness=0, rollout_ranks=1, behav_weight_cap=5.0,
+    # the process groups: the longest any collective or receive may wait (rank 0 on a rollout step, the trainers on
+    # an evaluation the rollout ranks reach eta steps later) before the run ends naming it; torch's is 30 minutes
+    dist_timeout_min=120.0,
 )
 
 PRESETS = {
@@ -327,9 +330,12 @@ def resolve(args) -> None:
     if args.async_staleness < 0 or args.behav_weight_cap <= 1.0:
         raise ValueError(f"--async-staleness must be >= 0 and --behav-weight-cap > 1, got {args.async_staleness} and "
                          f"{args.behav_weight_cap}")
-    if args.async_staleness and not 1 <= args.rollout_ranks < (args.gpus or 1):
-        raise ValueError(f"--async-staleness {args.async_staleness} needs --rollout-ranks R >= 1 and --gpus > R (the "
-                         f"ranks that train), got --rollout-ranks {args.rollout_ranks} of --gpus {args.gpus}")
+    world = int(os.environ.get("WORLD_SIZE", args.gpus or 1))       # torchrun's, else --gpus (runtime.setup_distributed)
+    if args.async_staleness and not 1 <= args.rollout_ranks < world:
+        raise ValueError(f"--async-staleness {args.async_staleness} needs --rollout-ranks R >= 1 and more ranks than R "
+                         f"(the ranks that train), got --rollout-ranks {args.rollout_ranks} of {world} ranks")
+    if args.dist_timeout_min <= 0:
+        raise ValueError(f"dist_timeout_min must be > 0 minutes, got {args.dist_timeout_min}")
     if args.vision_lr_scale < 0:
         raise ValueError(f"--vision-lr-scale must be >= 0 (0 freezes the vision tower), got {args.vision_lr_scale}")
     if args.gating and not args.data and not args.sft_gated_overviews:

@@ -449,8 +449,10 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def setup_distributed(rank: int, gpus: int | None, device: str, threads: int) -> tuple[int, int, torch.device]:
-    """(rank, world_size, device). One process: no process group. Several: nccl on CUDA, gloo on CPU."""
+def setup_distributed(rank: int, gpus: int | None, device: str, threads: int,
+                      timeout_s: float | None = None) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). One process: no process group. Several: nccl on CUDA, gloo on CPU, every
+    collective limited to `timeout_s` (None: torch's default, 30 minutes whatever the backend "cuda:nccl" is)."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", gpus or 1))
     if world > 1:
@@ -460,7 +462,7 @@ def setup_distributed(rank: int, gpus: int | None, device: str, threads: int) ->
         os.environ.setdefault("WORLD_SIZE", str(world))
         if use_cuda:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        init_process_group(int(os.environ["RANK"]), world, use_cuda)
+        init_process_group(int(os.environ["RANK"]), world, use_cuda, timeout_s)
         rank = dist.get_rank()
     if threads or (world > 1 and not use_cuda):          # CPU ranks split the cores
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))

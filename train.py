@@ -28,6 +28,7 @@ Run commands:
     torchrun --nnodes 2 --nproc-per-node 8 ... train.py ...   # multi-node: torchrun's environment is used
 """
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -232,9 +233,10 @@ def run_sft(run: Run, model, items: list, optimizer, s: SFTSettings, pad_id: int
 def main(rank: int, args) -> dict:
     """One rank of a run: model and data, SFT, RL, the held-out evaluation; returns the summary."""
     t_start = time.time()
-    rank, world, device = runtime.setup_distributed(rank, args.gpus, args.device, args.threads)
+    timeout_s = args.dist_timeout_min * 60
+    rank, world, device = runtime.setup_distributed(rank, args.gpus, args.device, args.threads, timeout_s)
     if args.async_staleness:    # rollout ranks beside trainer ranks: async_rl.py
-        layout = async_rl.make_layout(world, args.rollout_ranks)
+        layout = async_rl.make_layout(world, args.rollout_ranks, timeout_s)
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     run = Run(args.run_dir, rank, world, args.seed, args.save_every, args.keep_last, args.strict,
@@ -289,7 +291,9 @@ def main(rank: int, args) -> dict:
     reference = lambda: runtime.reference_model(args.run_dir, args.model, args.stage == "all", device, args.seed,
                                                 grpo.PRECISION[args.precision])
     if args.stage in ("all", "rl") and args.async_staleness:    # its own models, from the newest checkpoint
-        source, model = ckpt if stage0 == "rl" else runtime.latest_checkpoint(args.run_dir), None
+        source = ckpt if stage0 == "rl" else runtime.latest_checkpoint(args.run_dir)
+        model = optimizer = items = None       # the SFT stage's model, AdamW and items go before RL builds its own
+        gc.collect()
         with pool() as p:
             model = async_rl.run_rl(run, layout, processor, args.model, source, state, device, args.precision,
                                     args.seed, args.grad_checkpointing, reference, rl_recs, video_root, cfg,

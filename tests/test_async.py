@@ -212,14 +212,39 @@ def _train(argv: list, cache: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
+# train.py with async_rl.run_rl spied on: each rank writes the optimizers still alive when it enters the RL stage
+# (spawned ranks import this script as their main module, so the spy is theirs too)
+SPIED = """
+import gc, os, sys
+sys.path.insert(0, {root!r})
+import torch, async_rl, train
+real = async_rl.run_rl
+def spy(run, *args, **kw):
+    gc.collect()
+    alive = sum(isinstance(o, torch.optim.Optimizer) for o in gc.get_objects())
+    with open(os.path.join({out!r}, f"optimizers-at-rl-{{run.rank}}"), "w") as f:
+        f.write(str(alive))
+    return real(run, *args, **kw)
+async_rl.run_rl = spy
+if __name__ == "__main__":
+    train.cli(sys.argv[1:])
+"""
+
+
 def test_three_rank_async_run_keeps_the_bound_carries_versions_and_resumes(tmp_path, cache):
     """--gpus 3 --rollout-ranks 1 --async-staleness 1 on gloo: SFT on all ranks, then 2 trainers beside 1 rollout
-    rank. Every step's groups come from version u - 1 - eta or newer (step 1 from 0, then one behind: staleness
+    rank. No rank holds the SFT stage's AdamW when RL starts (before: every rank did, ~13 GB a GPU at 8B on 8).
+    Every step's groups come from version u - 1 - eta or newer (step 1 from 0, then one behind: staleness
     1), every trained trajectory carries the versions of its turns, the held-out evaluation runs at the end; a
     --resume from the step-2 checkpoint continues at step 3, sampled by version 2 (the checkpoint's)."""
     argv = smoke_argv(tmp_path, *ASYNC, "--rl-steps", "3")
-    done = _train(argv, cache)
+    script = tmp_path / "spied_train.py"
+    script.write_text(SPIED.format(root=str(ROOT), out=str(tmp_path)))
+    env = {**os.environ, "PARAVT_CACHE": cache}
+    done = subprocess.run([sys.executable, str(script), *map(str, argv)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert [(tmp_path / f"optimizers-at-rl-{r}").read_text() for r in range(3)] == ["0", "0", "0"]
     rows = [r for r in metrics(tmp_path) if r["stage"] == "rl"]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

@@ -115,3 +115,44 @@ def test_fsdp2_shards_are_not_counted_as_autocast_copies(monkeypatch):
         assert kvcache.autocast_copies(model) == 0
     finally:
         dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# the process groups: the run's timeout, torchrun's world
+
+def test_every_group_gets_the_runs_timeout(monkeypatch):
+    """A CUDA run's group ("cuda:nccl", which torch does not read as Backend.NCCL, so it gave 30 minutes) and the
+    asynchronous layout's three groups get the run's dist_timeout_min; train.main passes it to both."""
+    asked = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: asked.append(("world", backend, kw)))
+    monkeypatch.setattr(dist, "new_group", lambda ranks=None, **kw: asked.append(("group", ranks, kw)))
+    runtime.init_process_group(0, 8, use_cuda=True, timeout_s=7200)
+    async_rl.make_layout(8, 1, 7200)
+    assert [a[0] for a in asked] == ["world", "group", "group", "group"]
+    assert all(a[2]["timeout"].total_seconds() == 7200 for a in asked)
+    args = recipes.parse_train_args([])
+    assert args.dist_timeout_min == 120.0
+
+    seen = {}
+
+    def setup(rank, gpus, device, threads, timeout_s=None):
+        seen["timeout_s"] = timeout_s
+        raise _Stop()
+
+    monkeypatch.setattr(runtime, "setup_distributed", setup)
+    with pytest.raises(_Stop):
+        train.main(0, recipes.parse_train_args(["--set", "dist_timeout_min=5"]))
+    assert seen["timeout_s"] == 300
+    with pytest.raises(SystemExit):
+        recipes.parse_train_args(["--set", "dist_timeout_min=0"])
+
+
+def test_torchrun_world_admits_the_async_layout(monkeypatch):
+    """Under torchrun (WORLD_SIZE set, no --gpus) the asynchronous layout is checked against torchrun's world, as
+    runtime.setup_distributed takes it (before: refused unless --gpus was passed too)."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = recipes.parse_train_args(["--async-staleness", "2", "--rollout-ranks", "1"])
+    assert (args.async_staleness, args.rollout_ranks) == (2, 1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit):
+        recipes.parse_train_args(["--async-staleness", "2", "--rollout-ranks", "1"])
