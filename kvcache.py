@@ -63,7 +63,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import video
 from layers import rope_tables
@@ -487,7 +486,7 @@ class GroupKV:
         (n, l), (_, H, d) = fwd.shape, q.shape
         if fwd.prompt_mode:                                # whole prompts from position 0: plain causal SDPA, fp32
             q, key, value = (t.view(n, l, -1, d).transpose(1, 2).float() for t in (q, key, value))
-            return sdpa_attention_forward(module, q, key, value, None, scaling=scale, is_causal=True)[0].flatten(2)
+            return _prompt_attention(q, key, value, scale).transpose(1, 2).flatten(2)
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         Hkv = pool_k.shape[1]
         g = H // Hkv                                       # query heads per KV head (GQA)
@@ -541,6 +540,16 @@ class GroupKV:
             l_p = l_p.masked_fill(fwd.alone, float("-inf"))
         out = _merge(o_p, l_p, o_s, l_s)                   # (n, Hkv, g l, d)
         return out.reshape(n, 1, H * d) if l == 1 else out.reshape(n, H, l, d).transpose(1, 2).reshape(n, l, H * d)
+
+
+def _prompt_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal fp32 attention of whole prompts, q (n, H, L, d), key / value (n, H_kv, L, d) -> (n, H, L, d). The K/V
+    heads are repeated to H first: on CUDA, flash and cuDNN take no fp32, and before torch 2.14 the memory-efficient
+    kernel takes no grouped K/V, so fp32 GQA would fall to the math kernel and its (n, H, L, L) fp32 scores (32 GiB
+    a 16k-token prompt at Qwen3-VL-8B's 32 heads). The repeat costs (n, H, L, d) twice (256 MiB at 16k tokens)."""
+    if key.shape[1] != q.shape[1]:
+        key, value = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (key, value))
+    return F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale)
 
 
 def _pack(lengths: list[int], limit: int) -> list[tuple[int, int, int]]:

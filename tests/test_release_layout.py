@@ -156,3 +156,49 @@ def test_torchrun_world_admits_the_async_layout(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit):
         recipes.parse_train_args(["--async-staleness", "2", "--rollout-ranks", "1"])
+
+
+# -----------------------------------------------------------------------------
+# the prompt prefill's attention at Qwen3-VL-8B's heads: the SDPA kernel CUDA would pick
+
+def cuda_sdpa_kernel(dtype: torch.dtype, q_heads: int, kv_heads: int, torch_minor: int) -> str:
+    """The kernel torch's CUDA SDPA dispatch takes for an unmasked causal call (sdp_utils.cpp), by the properties it
+    reads: flash and cuDNN take fp16 / bf16 only; the memory-efficient kernel takes fp32 and, from torch 2.14 on,
+    grouped K/V heads; otherwise the math kernel, which builds the (n, H, L, L) scores."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return "flash"
+    if q_heads == kv_heads or torch_minor >= 14:
+        return "efficient"
+    return "math"
+
+
+def test_prompt_prefill_never_hands_cuda_the_math_kernel(monkeypatch):
+    """One prompt prefill of a 1-layer model with Qwen3-VL-8B's attention (32 query heads, 8 K/V heads, head dim
+    128) under the rollout's bf16 autocast: every SDPA call it makes takes a fused kernel on CUDA for each torch from
+    2.9 (requirements.txt's floor) to 2.14 (before: fp32 with 8 K/V heads, the math kernel below 2.14: 32 GiB of
+    scores a 16k-token prompt, twice); and its output is the grouped-query attention's, bit for bit on this CPU."""
+    from transformers import Qwen3VLForConditionalGeneration
+    import model as model_lib
+    cfg = model_lib.qwen3vl_config("8b", text_layers=1, vision_depth=1, text_overrides=dict(
+        hidden_size=256, intermediate_size=256, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=1000), vision_overrides=dict(hidden_size=64, intermediate_size=64, num_heads=2))
+    model = model_lib.use_plain_layers(Qwen3VLForConditionalGeneration._from_config(cfg)).eval()
+    calls, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, enable_gqa=False, **kw):
+        calls.append((q.dtype, q.shape[1], k.shape[1]))
+        out = real(q, k, v, *args, enable_gqa=enable_gqa, **kw)
+        if q.shape[-2] > 1 and kw.get("is_causal"):          # the grouped-query call it stands for
+            grouped = real(q, k[:, ::q.shape[1] // k.shape[1]], v[:, ::q.shape[1] // k.shape[1]], *args,
+                           enable_gqa=True, **kw) if k.shape[1] == q.shape[1] else out
+            assert torch.equal(out, grouped)
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    L = 256
+    kv = kvcache.GroupKV(model, "cpu", 64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        kv.add_prompts(model, [kvcache.Chunk(torch.randint(0, 900, (L,)), torch.zeros(L, dtype=torch.int32))], 0)
+    assert calls and all(c[1] == 32 for c in calls)
+    for minor in range(9, 15):
+        assert {cuda_sdpa_kernel(*c, minor) for c in calls} <= {"flash", "efficient"}, (minor, calls)
