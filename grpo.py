@@ -249,6 +249,7 @@ class GRPOSettings:
     ppo_epochs: int = T["ppo_epochs"]
     micro_batch: int = T["micro_batch"]              # rows per training forward at most
     micro_batch_tokens: int = T["micro_batch_tokens"]    # ... and rows x longest row at most (`micro_batches`)
+    packed_tokens: int = T["packed_tokens"]          # ... or, packed (pack_prompts), its tokens at most
     clip_low: float = T["clip_low"]
     clip_high: float = T["clip_high"]
     temperature: float = T["temperature"]            # the rollout's T; every log-prob in the loss uses it too
@@ -381,7 +382,8 @@ def micro_batches(lengths: list[int], rows: int, tokens: int, prompts: list | No
     the causal flash kernel. So Video-o3's and ParaVT's rows (17k-32k tokens) go one at a time under the default
     budget, and the tiny model's (a few hundred tokens) eight at a time, as `rows` alone groups them
     (docs/method.md §5). `prompts` (`shared_prompts`, --set pack_prompts): a micro-batch is one packed row
-    (`pack_prompts`), so its size is each distinct prompt once plus every item's suffix, <= `tokens`."""
+    (`pack_prompts`), so its size is each distinct prompt once plus every item's suffix, <= `tokens` (the update
+    passes packed_tokens: a row with no padding, sized so that one ParaVT group packs)."""
     out, start, longest, size, seen = [], 0, 0, 0, set()
     for i, n in enumerate(lengths):
         key, p = (prompts[i][0], prompts[i][1]) if prompts and prompts[i] else (None, 0)
@@ -393,6 +395,12 @@ def micro_batches(lengths: list[int], rows: int, tokens: int, prompts: list | No
         longest, size = max(longest, n), grown
         seen.add(key)
     return out + [slice(start, len(lengths))] if lengths else out
+
+
+def update_micro_batches(lengths: list[int], s: GRPOSettings, prompts: list | None) -> list[slice]:
+    """The update's micro-batches: packed rows within s.packed_tokens when `prompts` are shared (pack_prompts),
+    else padded rows within s.micro_batch_tokens; s.micro_batch items at most either way."""
+    return micro_batches(lengths, s.micro_batch, s.packed_tokens if prompts else s.micro_batch_tokens, prompts)
 
 
 def sequence_kl(model, ref_model, trajs: list, s: GRPOSettings, pad_id: int) -> list[float]:
@@ -438,7 +446,7 @@ def policy_update(model, ref_model, optimizer, items: list, s: GRPOSettings, pad
     video_id = model.config.video_token_id
     prompts = shared_prompts([t for t, _, _ in items], video_id, model.config.vision_config.spatial_merge_size) \
         if s.pack_prompts else None
-    slices = micro_batches([len(t.token_ids) for t, _, _ in items], s.micro_batch, s.micro_batch_tokens, prompts)
+    slices = update_micro_batches([len(t.token_ids) for t, _, _ in items], s, prompts)
     chunks = [items[sl] for sl in slices]
     batches = [rollout.collate([t for t, _, _ in c], model, pad_id, share_videos=True) for c in chunks]
     if prompts:                         # each shared prompt once per micro-batch (hidden_and_targets reads it)

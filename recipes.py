@@ -71,6 +71,9 @@ COMMON = dict(
     record_logprobs=False,
     # the RL step
     rl_steps=20, warmup_steps=0, ppo_epochs=1, micro_batch=8, micro_batch_tokens=16384, pack_prompts=True,
+    packed_tokens=32768,   # a packed micro-batch's tokens (no padding): one ParaVT group, 16k + 8 x 1.3k; no more than
+                           # the longest single row the update already forwards (max_context)
+   
     max_draws=4, placebo=False,
     train_subagents=False, released_scoring=False, logprob_chunk=1024, loss_chunk=0, eval_every=0, final_eval=False,
     eval_before=False,
@@ -348,9 +351,10 @@ def resolve(args) -> None:
                          f"{args.overview_tokens}")
     if args.prompts_per_step < 1:
         raise ValueError(f"--prompts-per-step must be >= 1 (prompts per step over all ranks), got {args.prompts_per_step}")
-    if args.micro_batch < 1 or args.micro_batch_tokens < 1:
-        raise ValueError(f"--micro-batch and --micro-batch-tokens must be >= 1 (rows and padded tokens per training "
-                         f"forward), got {args.micro_batch} and {args.micro_batch_tokens}")
+    if args.micro_batch < 1 or args.micro_batch_tokens < 1 or args.packed_tokens < 1:
+        raise ValueError(f"--micro-batch, --micro-batch-tokens and packed_tokens must be >= 1 (rows, padded tokens and "
+                         f"packed tokens per training forward), got {args.micro_batch}, {args.micro_batch_tokens} and "
+                         f"{args.packed_tokens}")
     if args.rollout_memory_gb is not None and args.rollout_memory_gb <= 0:
         raise ValueError(f"--rollout-memory-gb must be > 0 (the rollout's K/V budget in GB), got {args.rollout_memory_gb}")
     if args.recipe == "vtgr" and args.anchoring == "sequence":

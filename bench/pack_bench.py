@@ -84,7 +84,7 @@ def main() -> None:
     lengths = [len(t.token_ids) for t in trajs]
     tokens = sum(lengths)
     # what the packed forwards run: per micro-batch (as policy_update forms them) each distinct prompt once
-    slices = grpo.micro_batches(lengths, s.micro_batch, s.micro_batch_tokens, prompts)
+    slices = grpo.update_micro_batches(lengths, s, prompts)
     packed_tokens = sum(n - (pr[1] if pr else 0) for n, pr in zip(lengths, prompts)) + sum(
         sum({pr[0]: pr[1] for pr in prompts[sl] if pr}.values()) for sl in slices)
     med = {k: (median(wall[k]), median(cpu[k])) for k in wall}

@@ -202,3 +202,31 @@ def test_prompt_prefill_never_hands_cuda_the_math_kernel(monkeypatch):
     assert calls and all(c[1] == 32 for c in calls)
     for minor in range(9, 15):
         assert {cuda_sdpa_kernel(*c, minor) for c in calls} <= {"flash", "efficient"}, (minor, calls)
+
+
+# -----------------------------------------------------------------------------
+# the packed update at the papers' lengths
+
+@pytest.mark.parametrize("preset, prompt, suffix, G, groups", [
+    ("paravt", 16384, 1300, 8, 7),       # a 16k-token overview, sub-agents' summaries: a group packs to ~27k
+    ("videoo3", 12288 + 1500, 6000, 16, 4),
+])
+def test_packed_update_packs_at_the_papers_lengths(preset, prompt, suffix, G, groups):
+    """The micro-batches the update forms (grpo.update_micro_batches, as policy_update calls it) with the preset's
+    settings, at rows of the papers' lengths: a ParaVT group is one packed row, its prompt run once (before: under
+    --micro-batch-tokens 16,384 every row went alone, 5.7x the tokens); Video-o3's rows pack several to a row, within
+    packed_tokens, each prompt at most once a row."""
+    s = train.grpo_settings(recipes.parse_train_args(["--preset", preset]))
+    lengths = [prompt + suffix + 37 * j for g in range(groups) for j in range(G)]
+    prompts = [((("prompt", g), ()), prompt, 1) for g in range(groups) for _ in range(G)]
+    packed = grpo.update_micro_batches(lengths, s, prompts)
+    forwarded = [sum(n - prompt for n in lengths[sl]) + prompt * len({p[0] for p in prompts[sl]}) for sl in packed]
+    assert all(f <= s.packed_tokens for f in forwarded)
+    once = groups * prompt + sum(n - prompt for n in lengths)
+    unpacked = grpo.update_micro_batches(lengths, s, None)
+    assert [sl.stop - sl.start for sl in unpacked] == [1] * len(lengths)       # padded rows: one at a time
+    ratio = sum(forwarded) / once
+    if preset == "paravt":
+        assert [sl.stop - sl.start for sl in packed] == [G] * groups and ratio == 1.0
+    else:                      # 1-3 rows of a group to a packed row (13.8k + 3 x ~6k): 1.72x each prompt once, not 2.81x
+        assert max(sl.stop - sl.start for sl in packed) == 3 and ratio < 1.75 < 2.8 < sum(lengths) / once
