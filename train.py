@@ -136,6 +136,7 @@ class SFTSettings:
     steps: int = T["sft_steps"]
     batch: int = T["sft_batch"]
     micro_batch: int = T["sft_micro_batch"]
+    micro_batch_tokens: int = T["micro_batch_tokens"]    # ... and rows x longest row at most: the RL update's budget
     lr: float = T["sft_lr"]
     tdam_ratio: float = T["tdam_ratio"]
     loss_chunk: int = T["loss_chunk"]                # token_logprobs' chunk in the loss; 0: its own rule
@@ -151,26 +152,28 @@ def sft_loss(model, batch: dict, chunk_size: int | None = None, attn_mask_4d=Non
     return sft_token_loss(hidden, weight, targets, mask, chunk_size=chunk_size, compile=compile)
 
 
-def sft_micro_batches(items: list, rows: int, model, pad_id: int):
-    """Collated micro-batches of `rows` trajectories, shortest first: rows of like length share a pad length,
-    so a batch of mixed lengths costs fewer padded tokens (measured by bench/sft_microbatch.py, since removed: docs/experiments.md)."""
-    items, rows = sorted(items, key=lambda t: len(t.token_ids)), max(1, rows)
-    for i in range(0, len(items), rows):
-        yield rollout.collate(items[i:i + rows], model, pad_id)
+def sft_micro_batches(items: list, rows: int, model, pad_id: int, tokens: int | None = None):
+    """Collated micro-batches, shortest first (rows of like length share a pad length: docs/experiments.md), of at
+    most `rows` trajectories and, as the RL update's (grpo.micro_batches), (rows x longest) <= `tokens` padded
+    tokens, a longer row alone: unequal rows are right-padded, and padding makes the model build a dense (B, 1, L, L)
+    mask (2 rows of 32k tokens: 2 GiB, and 4 GiB in its additive form, each layer call); one row has none."""
+    items = sorted(items, key=lambda t: len(t.token_ids))
+    for sl in grpo.micro_batches([len(t.token_ids) for t in items], max(1, rows), tokens or 2 ** 62):
+        yield rollout.collate(items[sl], model, pad_id)
 
 
 def sft_backward(model, items: list, rows: int, pad_id: int, loss_chunk: int | None = None, tdam_tokenizer=None,
                  compile: bool = True, counts: dict | None = None, precision: str = "fp32", world: int = 1,
-                 filler=None) -> tuple[torch.Tensor, int]:
+                 filler=None, tokens: int | None = None) -> tuple[torch.Tensor, int]:
     """Backward of the batch's SFT loss (token mean over all its policy tokens, on every rank) through micro-batches
-    of `rows`: each micro-batch's token mean weighted by n_i / (N / world), N the tokens of all ranks (FSDP averages
+    of `rows` and `tokens` (`sft_micro_batches`): each micro-batch's token mean weighted by n_i / (N / world), N the tokens of all ranks (FSDP averages
     the ranks' gradients), so the gradients add up to those of one forward over the whole global batch. A rank with
     fewer micro-batches than another (or none) runs zero-weight passes (on its last micro-batch, or on `filler`), so
     every rank joins the same collectives. loss_chunk: token_logprobs' chunk (None: its own rule). tdam_tokenizer:
     TDAM masks on (spans found from the text; rows without an answer counted in `counts`). precision: the compute
     dtype (`autocast`). Returns (this rank's part of the batch loss, detached, scaled as the gradients are: the
     ranks' mean is the batch loss; N)."""
-    batches = list(sft_micro_batches(items, rows, model, pad_id))
+    batches = list(sft_micro_batches(items, rows, model, pad_id, tokens))
     n_local = sum(int(grpo.policy_mask(b["roles"]).sum()) for b in batches)   # sft_loss's own token count
     n_tok, n_pad = grpo.rank_totals(n_local, len(batches), world)
     n_tok = max(1, n_tok)
@@ -211,7 +214,8 @@ def run_sft(run: Run, model, items: list, optimizer, s: SFTSettings, pad_id: int
             items.prefetch(sft_draw(run.seed, step + 1, run.rank, run.world, len(items), s)[0])
         batch = [items[i] for i in idx]
         loss, n_tok = sft_backward(model, batch, s.micro_batch, pad_id, s.loss_chunk or None, tokenizer if tdam else None,
-                                   s.compile, run.counters, s.precision, run.world, None if idx else items[0])
+                                   s.compile, run.counters, s.precision, run.world, None if idx else items[0],
+                                   s.micro_batch_tokens)
         if tdam and run.counters.get("tdam_no_answer") and "tdam" not in run.warned:
             run.warned.add("tdam")
             print0(run.rank, "TDAM: a trajectory has no <answer> after its prompt, so it keeps the causal mask "
@@ -338,7 +342,8 @@ def rollout_config_of_args(args) -> rollout.RolloutConfig:
 
 
 def sft_settings(args) -> SFTSettings:
-    return SFTSettings(steps=args.sft_steps, batch=args.sft_batch, micro_batch=args.sft_micro_batch, lr=args.sft_lr,
+    return SFTSettings(steps=args.sft_steps, batch=args.sft_batch, micro_batch=args.sft_micro_batch,
+                       micro_batch_tokens=args.micro_batch_tokens, lr=args.sft_lr,
                        tdam_ratio=args.tdam_ratio, loss_chunk=args.loss_chunk, compile=bool(args.compile),
                        precision=args.precision)
 

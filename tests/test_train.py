@@ -885,6 +885,36 @@ def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam, small
     assert shapes == [(2, short), (2, long_)]            # like lengths together: the short pair pads to `short`
 
 
+def test_sft_micro_batches_keep_the_token_budget(tiny, tdam_batch, monkeypatch):
+    """SFT micro-batches take the RL update's padded-token budget (--micro-batch-tokens, shrunk here to the rows'
+    lengths): two unequal rows whose padded pair exceeds it go one at a time, and no decoder layer then receives a
+    (B, 1, L, L) mask (before: sft_micro_batch rows whatever their length, 2 rows of 32k tokens a 2 GiB mask a
+    layer call); within the budget they share a micro-batch and its mask, as before."""
+    model, processor = tiny
+    trajs, _ = tdam_batch
+    pad_id = processor.tokenizer.pad_token_id
+    short, long_ = sorted(len(t.token_ids) for t in trajs)
+    masks, cls = [], type(model.model.language_model.layers[0])           # the decoder layer the model runs
+    real = cls.forward
+
+    def spy(self, hidden_states, attention_mask=None, **kw):
+        masks.append(None if attention_mask is None else tuple(attention_mask.shape))
+        return real(self, hidden_states, attention_mask=attention_mask, **kw)
+
+    monkeypatch.setattr(cls, "forward", spy)
+    for tokens, want in ((2 * long_, [(2, 1, long_, long_)]), (2 * long_ - 1, [None, None])):
+        masks.clear()
+        batches = list(train.sft_micro_batches(trajs, 2, model, pad_id, tokens))
+        assert [b["input_ids"].shape[0] for b in batches] == ([2] if want[0] else [1, 1])
+        model.zero_grad(set_to_none=True)
+        train.sft_backward(model, trajs, 2, pad_id, compile=False, tokens=tokens)
+        n_layers = len(model.model.language_model.layers)
+        assert masks == [w for w in want for _ in range(n_layers)]
+    model.zero_grad(set_to_none=True)
+    args = recipes.parse_train_args(["--micro-batch-tokens", "4096"])
+    assert train.sft_settings(args).micro_batch_tokens == 4096
+
+
 @pytest.mark.parametrize("scale", [0.0, 0.5])
 def test_vision_lr_scale(scale):
     """make_optimizer: the vision tower at scale x lr (the merger included), every other parameter at lr; 0 freezes
