@@ -33,15 +33,17 @@ trajectory: its earlier turns' K/V stay the policy's that extends them, and each
 policy's); Trajectory.versions records the version of each turn.
 
 Messages. Rollout rank -> rank 0: a step's kept items (trajectories with their behaviour log-probs, advantages,
-reward components) and its rollout figures, one pickled object (`send_groups`); rank 0 deals the items to the
-trainers (one broadcast over `trainers`). Weights: the trainers gather the full weights onto rank 0's host (FSDP2's
-full state dict), which copies them into host buckets of BUCKET_BYTES in the compute dtype (bf16 on GPU: half the
-bytes of the fp32 masters; fp32 in a CPU fp32 run, so the rollout samples from the trainers' weights bit for bit)
-and broadcasts each over `sync` without waiting (`broadcast_weights`); a rollout rank keeps the next version's
-receive posted into its host buckets and copies them into its model when it takes the version (`load_weights`); no
-files. Both go over gloo, on the host, even on GPU runs: asynchronous at both ends with no NCCL collective pending
-on a GPU stream beside the rollout's kernels. Rank 0 holds at most eta + 1 versions in flight, each the model's
-size in the compute dtype on its host (16 GB for an 8B model in bf16); gloo sends them while the trainers update.
+reward components) and its rollout figures, one pickled object (`send_groups`); rank 0 deals each trainer its share
+of the items, point to point over the trainers' gloo group (`deal_groups`: host memory, only the share reaches a
+trainer, the pixels in the rollout model's dtype: bf16 under --precision bf16). Weights: the trainers gather the
+full weights onto rank 0's host (FSDP2's full state dict), which copies them into host buckets of BUCKET_BYTES in
+the compute dtype (bf16 on GPU: half the bytes of the fp32 masters; fp32 in a CPU fp32 run, so the rollout samples
+from the trainers' weights bit for bit) and broadcasts each over `sync` without waiting (`broadcast_weights`); a
+rollout rank keeps the next version's receive posted into its host buckets and copies them into its model when it
+takes the version (`load_weights`); no files. Both go over gloo, on the host, even on GPU runs: asynchronous at both
+ends with no NCCL collective pending on a GPU stream beside the rollout's kernels. Rank 0 holds at most eta + 1
+versions in flight, each the model's size in the compute dtype on its host (16 GB for an 8B model in bf16); gloo
+sends them while the trainers update.
 
 Events. A crash loses the groups in flight (checkpoints are the trainers', atomic, every --save-every updates). On
 --resume the trainers load the last checkpoint and send it as version `start`; steps start+1.. are drawn again
@@ -72,6 +74,7 @@ class Layout:
     world: int
     rollout_ranks: int
     trainers: object = None        # process group of the trainers
+    deal: object = None            # gloo group of the trainers: rank 0 deals each its share of a step's items
     sync: object = None            # gloo group of rank 0 and the rollout ranks: the weight broadcast
     mail: object = None            # gloo group of rank 0 and the rollout ranks: the steps' groups
 
@@ -88,13 +91,14 @@ class Layout:
 
 
 def make_layout(world: int, rollout_ranks: int, timeout_s: float | None = None) -> Layout:
-    """The layout and its three process groups (every rank calls this, in the same order), each wait in them limited
+    """The layout and its four process groups (every rank calls this, in the same order), each wait in them limited
     to `timeout_s` (the run's; None: torch's 30 minutes)."""
     if not 1 <= rollout_ranks < world:
         raise ValueError(f"async_rl: {rollout_ranks} rollout ranks of {world}: need at least one of each kind")
     kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
     layout = Layout(world, rollout_ranks)
     layout.trainers = dist.new_group(list(range(layout.n_trainers)), **kw)
+    layout.deal = dist.new_group(list(range(layout.n_trainers)), backend="gloo", **kw)   # host memory: no GPU copy
     layout.sync = dist.new_group([0] + layout.rollout, backend="gloo", **kw)   # host tensors, beside NCCL on GPU runs
     layout.mail = dist.new_group([0] + layout.rollout, backend="gloo", **kw)
     return layout
@@ -214,6 +218,31 @@ def receive_groups(src: int, step: int, group=None) -> dict:
     return message
 
 
+def deal_groups(messages: list | None, rank: int, n_trainers: int, group) -> tuple[list, object]:
+    """Rank 0 (holding the step's `messages`) deals the kept items to the trainers point to point over `group` (gloo:
+    host memory; a trainer's GPU sees only the share its update collates): trainer r gets items[r n / T:(r + 1) n / T]
+    of the step's n, in the order one rank would train them, and a filler trajectory (the step's first) only when
+    its share is empty. Returns (this trainer's share, its filler). Before, rank 0 broadcast every item with its
+    pixels to every trainer over the trainers' NCCL group, landing on each GPU (3.4-9.4 GiB a ParaVT step)."""
+    if rank != 0:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src=0, group=group)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(payload, src=0, group=group)
+        return pickle.loads(payload.numpy().tobytes())
+    items = [it for m in messages for it in m["items"]]
+    shares = [items[r * len(items) // n_trainers:(r + 1) * len(items) // n_trainers] for r in range(n_trainers)]
+    dealt = [(share, None if share or not items else items[0][0]) for share in shares]
+    sends = []
+    for r in range(1, n_trainers):
+        payload = torch.frombuffer(bytearray(pickle.dumps(dealt[r])), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sends += [(dist.isend(size, dst=r, group=group), size), (dist.isend(payload, dst=r, group=group), payload)]
+    for work, _ in sends:
+        work.wait()
+    return dealt[0]
+
+
 # -----------------------------------------------------------------------------
 # the two loops
 
@@ -294,15 +323,14 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
         t = time.time()                                        # rank 0: step u's groups from every rollout rank
         box = [[receive_groups(src, u, layout.mail) for src in layout.rollout] if trainer0 else None]
         wait_s = time.time() - t                               # rank 0's time waiting on the rollout
-        if T > 1:
-            dist.broadcast_object_list(box, src=0, group=layout.trainers)
-        messages = box[0]
-        items = [it for m in messages for it in m["items"]]
-        mine = items[run.rank * len(items) // T:(run.rank + 1) * len(items) // T]
+        messages = box[0]                                      # rank 0's; None on the other trainers
+        if T > 1:                                              # each trainer its share, point to point
+            mine, filler = deal_groups(messages, run.rank, T, layout.deal)
+        else:
+            mine, filler = [it for m in messages for it in m["items"]], None
         step_lr = grpo.set_lr(optimizer, grpo.get_lr(u - 1, steps, lr, warmup_steps))
         model.train()
-        filler = items[0][0] if items else None
-        if filler is None and T > 1:
+        if not mine and filler is None and T > 1:
             spare = spare or grpo.filler_trajectory(processor, records, video_root, cfg)
             filler = spare
         t1 = time.time()
@@ -315,7 +343,8 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
             versions = sorted({v for m in messages for t, _, _ in m["items"] for v in t.versions})
             run.counters["bad_samples"] += sum(m["bad"] for m in messages)
             row = {**grpo.merge_figures([(m["n"], m["figures"]) for m in messages]),
-                   "trajectories": sum(m["n"] for m in messages), **stats, "wait_s": wait_s, "kept": len(items),
+                   "trajectories": sum(m["n"] for m in messages), **stats, "wait_s": wait_s,
+                   "kept": sum(len(m["items"]) for m in messages),
                    "lr": step_lr, "grad_norm": float("nan") if gn is None else gn,
                    "groups": sum(m["groups"] for m in messages),
                    "draws": max(m["draws"] for m in messages), "policy_version": min(m["version"] for m in messages),

@@ -7,6 +7,7 @@ groups' timeout; torchrun's world for the asynchronous layout; the prompt prefil
 
     python -m pytest tests/test_release_layout.py -q
 """
+import json
 import types
 
 import pytest
@@ -128,8 +129,9 @@ def test_every_group_gets_the_runs_timeout(monkeypatch):
     monkeypatch.setattr(dist, "new_group", lambda ranks=None, **kw: asked.append(("group", ranks, kw)))
     runtime.init_process_group(0, 8, use_cuda=True, timeout_s=7200)
     async_rl.make_layout(8, 1, 7200)
-    assert [a[0] for a in asked] == ["world", "group", "group", "group"]
+    assert [a[0] for a in asked] == ["world", "group", "group", "group", "group"]
     assert all(a[2]["timeout"].total_seconds() == 7200 for a in asked)
+    assert [a[2].get("backend") for a in asked[1:]] == [None, "gloo", "gloo", "gloo"]   # only FSDP2's is the world's
     args = recipes.parse_train_args([])
     assert args.dist_timeout_min == 120.0
 
@@ -230,3 +232,48 @@ def test_packed_update_packs_at_the_papers_lengths(preset, prompt, suffix, G, gr
         assert [sl.stop - sl.start for sl in packed] == [G] * groups and ratio == 1.0
     else:                      # 1-3 rows of a group to a packed row (13.8k + 3 x ~6k): 1.72x each prompt once, not 2.81x
         assert max(sl.stop - sl.start for sl in packed) == 3 and ratio < 1.75 < 2.8 < sum(lengths) / once
+
+
+
+# -----------------------------------------------------------------------------
+# a step's items: rank 0 deals each trainer its share, point to point on the host
+
+def _deal_rank(rank: int, port: int, out: str) -> None:
+    import os
+    import pickle
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    runtime.init_process_group(rank, 3, use_cuda=False, timeout_s=120)
+    group = dist.new_group([0, 1, 2], backend="gloo")
+    pixels = lambda i: torch.full((64, 48), float(i), dtype=torch.bfloat16)       # a trajectory's overview, bf16
+    item = lambda i: (types.SimpleNamespace(record_id=f"r{i}", pixels=pixels(i)), 0.5, None)
+    steps = {"five": [{"items": [item(i) for i in range(3)]}, {"items": [item(i) for i in range(3, 5)]}],
+             "one": [{"items": [item(7)]}]}
+    got = {}
+    for name, messages in steps.items():
+        received = []
+        real_recv = dist.recv
+        dist.recv = lambda t, *a, **k: received.append(t.numel() * t.element_size()) or real_recv(t, *a, **k)
+        mine, filler = async_rl.deal_groups(messages if rank == 0 else None, rank, 3, group)
+        dist.recv = real_recv
+        whole = len(pickle.dumps([it for m in messages for it in m["items"]]))
+        got[name] = {"ids": [t.record_id for t, _, _ in mine], "dtype": str(mine[0][0].pixels.dtype) if mine else None,
+                     "filler": filler.record_id if filler is not None else None, "received": sum(received),
+                     "whole": whole}
+    with open(f"{out}/deal{rank}.json", "w") as f:
+        json.dump(got, f)
+    dist.destroy_process_group()
+
+
+def test_trainers_receive_only_their_share(tmp_path):
+    """deal_groups on 3 gloo ranks (the trainers' host group): trainer r gets items[r n / 3:(r + 1) n / 3] of the
+    step's n in order, pixels as sent (bf16), and fewer bytes than the whole step (before: every item to every
+    trainer, over the trainers' NCCL group onto each GPU); a trainer whose share is empty gets the step's first
+    trajectory as its filler."""
+    torch.multiprocessing.spawn(_deal_rank, args=(runtime.find_free_port(), str(tmp_path)), nprocs=3)
+    got = [json.loads((tmp_path / f"deal{r}.json").read_text()) for r in range(3)]
+    assert [g["five"]["ids"] for g in got] == [["r0"], ["r1", "r2"], ["r3", "r4"]]
+    assert {g["five"]["dtype"] for g in got} == {"torch.bfloat16"} and all(g["five"]["filler"] is None for g in got)
+    for g in got[1:]:
+        assert 0 < g["five"]["received"] < g["five"]["whole"]
+    assert [g["one"]["ids"] for g in got] == [[], [], ["r7"]]
+    assert [g["one"]["filler"] for g in got] == ["r7", "r7", None]
