@@ -147,7 +147,7 @@ def broadcast_weights(model, full: dict | None, group, dtype: torch.dtype, bucke
     version with `load_weights` when they need it. The parameter list is model.named_parameters() on both sides
     (tied weights once). Host tensors over gloo, not NCCL: both ends stay asynchronous without a collective
     pending on a GPU stream beside the rollout's kernels and graphs, and rank 0's weights are on its host already
-    (FSDP2's full state dict, cpu_offload)."""
+    (`full_state`: cast to `dtype` on the device, then copied)."""
     shapes = [(n, p.shape) for n, p in model.named_parameters()]
     cut = buckets(shapes, torch.empty(0, dtype=dtype).element_size(), bucket_bytes)
     pin = full is None and next(model.parameters()).is_cuda        # the receiver's host-to-device copy from pinned
@@ -176,14 +176,21 @@ def load_weights(model, transfer: Transfer) -> None:
                 offset += s.numel()
 
 
-def full_state(model, n_trainers: int) -> dict | None:
-    """The trainers' full weights on rank 0's host (None on the other trainers): FSDP2's full state dict, all-gathered
-    over the trainers' mesh (every trainer calls it); a single trainer's own parameters as they are."""
-    if n_trainers == 1:
-        return {n: p.detach() for n, p in model.named_parameters()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return full if dist.get_rank() == 0 else None
+def full_state(model, n_trainers: int, dtype: torch.dtype) -> dict | None:
+    """The trainers' full weights in `dtype` on rank 0's host (None on the other trainers), parameter by parameter:
+    each all-gathered on its device (an FSDP2 shard's DTensor.full_tensor(): every trainer joins, in the same order),
+    cast to `dtype` there, then copied to the host. A GPU holds one full parameter at a time beside its shards, and
+    the host copy carries 2 bytes a parameter in bf16 (FSDP2's full state dict would copy the fp32 masters to host
+    memory and leave the cast to the CPU, on the trainers' path). A single trainer's own parameters, cast."""
+    from torch.distributed.tensor import DTensor
+    rank0 = n_trainers == 1 or dist.get_rank() == 0
+    full = {}
+    for n, p in model.named_parameters():
+        t = p.detach()
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        if rank0:
+            full[n] = t.to(dtype).to("cpu")
+    return full if rank0 else None
 
 
 def weight_dtype(s) -> torch.dtype:
@@ -313,7 +320,7 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
 
     def send_version():
         nonlocal in_flight
-        full = full_state(model, T)                            # every trainer joins the gather
+        full = full_state(model, T, weight_dtype(s))           # every trainer joins the gather
         if trainer0:
             in_flight = [x for x in in_flight if not x.done()] + [broadcast_weights(model, full, layout.sync,
                                                                                      weight_dtype(s))]

@@ -134,8 +134,9 @@ def _broadcast_rank(rank: int, port: int, out: str, dtype_name: str) -> None:
             with torch.no_grad():                              # the trainers move away from the init, then update
                 for p in model.parameters():
                     p.mul_(1.25).add_(0.01) if step == 0 else p.add_(1.0)
-            full = async_rl.full_state(model, layout.n_trainers)
+            full = async_rl.full_state(model, layout.n_trainers, dtype)
             if rank == 0:
+                assert {(t.dtype, t.device.type) for t in full.values()} == {(dtype, "cpu")}   # cast before the host
                 fulls.append({n: full[n].clone() for n, _ in model.named_parameters()})
                 sends.append(async_rl.broadcast_weights(model, full, layout.sync, dtype, bucket_bytes=2 ** 16))
         if rank == 0:
