@@ -1,7 +1,9 @@
 """The GPU plan on paper: one RL step of ParaVT's and of Video-o3's recipe on H200s, projected from first
 principles (no GPU needed; pure arithmetic, prints a table and, last, one JSON line).
 
-    python bench/plan.py                       # both recipes, Qwen3-VL-8B shapes
+    python bench/plan.py                       # both recipes, Qwen3-VL-8B shapes, 141 GB GPUs (H200)
+    python bench/plan.py --hbm-gb 80           # the same on 80 GB GPUs (H100)
+    python bench/plan.py --roles roles.json    # with the code's coefficients as bench/roles.py measured them here
     python bench/plan.py --shared-prefix 0     # what the step would cost without the shared prompt cache
 
 Memory per GPU, part by part (`memory_parts`, which bench/rehearsal.py evaluates at its own sizes beside its
@@ -14,7 +16,8 @@ backward's peak (the gradient shards and the largest of a recomputed decoder lay
 FSDP2's root reduce-scatter, or the lm_head's backward if larger: the fused gather's grad W in fp32 beside a chunk's
 buffers, then the gradient FSDP2 reduce-scatters); the loss's forward (one (V, C) logits buffer, ops' chunk rule).
 Time: decode is bound by HBM bandwidth (4.8 TB/s at --hbm-efficiency: a step reads the weights once plus every
-row's visible K/V, the shared prompt once per group); prefill and training by bf16 FLOPs (989 TFLOP/s at --mfu: 2 N
+row's visible K/V, the shared prompt once per group, and the engine's attention writes ROLES' kv_written_per_read
+bytes per K/V byte (its fp32 slabs), each read once more); prefill and training by bf16 FLOPs (989 TFLOP/s at --mfu: 2 N
 a token forward, 8 N with backward under checkpointing, plus attention), the reference and old-policy forwards 2 N
 a token each where the recipe needs them. The rollout runs under the engine's memory budget (--rollout-memory-gb;
 default HBM - the bf16 weights - --workspace-gb): a GPU's groups run in `waves` of as many as fit side by side with
@@ -24,10 +27,11 @@ GPUs (docs/method.md §5); efficiencies are assumptions, printed with the table.
 
 Beside the colocated synchronous step (rollout on all 8 GPUs, then the update on all 8), each recipe's asynchronous
 layout (`project(..., layout=(R, T))`, RECIPES' `layout`): the same prompts' groups over R rollout GPUs (more groups
-a GPU: more waves under the same budget), the same tokens' update over T FSDP2 GPUs. A rollout GPU holds the bf16
-weights and its K/V only: no fp32 shards, AdamW, gradients or reference (the trainers compute the reference), so its
-memory is the budget's own terms (the default budget, HBM - weights - workspace, is the same on both layouts: the
-colocated one does not subtract the resident state). In steady state with staleness >= 1, step t+1's rollout runs
+a GPU: more waves under the same budget), the same tokens' update over T FSDP2 GPUs. A rollout GPU holds the
+sampler's weights (ROLES: 2 bytes a parameter, grpo.sampler_model) and its K/V, and where the KL is in the reward
+(ParaVT) the bf16 reference and its k1 forwards over every row (collect_groups), which the trainers then skip; no
+fp32 shards, AdamW or gradients; its default budget is HBM - what it holds - workspace. Rank 0 deals each trainer
+its share of the step's items over gloo (ROLES' bytes a visual token) before their update. In steady state with staleness >= 1, step t+1's rollout runs
 beside step t's update, and the bf16 weights (2 B a parameter) travel as async_rl.py sends them: rank 0 gathers
 them to its host (FSDP2's full state dict) and a rollout GPU loads them from its host, each a copy at
 --host-copy-gbps (an assumed 10 GB/s) on its side's path, while gloo carries them host to host at --gloo-gbps
@@ -63,6 +67,18 @@ HOST_COPY_GBPS = 10            # assumed effective rate of a GPU's weights to or
 GLOO_GBPS = 1.08               # the weights over gloo between two processes, GB/s (GLOO_NOTE)
 GLOO_NOTE = ("measured 12-07 by bench/async_bench.py's gloo_weights on this project's 2-core CPU machine, 1 GB in "
              "256 MiB buckets; a GPU server's host is likely faster")
+# The code's own coefficients, measured by bench/roles.py (`--roles FILE` reads its JSON); without it these, its
+# figures of 12-07 (2-core CPU, torch 2.14.1, --precision bf16), printed as fallbacks. tests/test_plan.py fails when
+# the code's measurement and these differ by more than 15 %.
+ROLES = dict(
+    rollout_bytes_per_param=2.0,       # a rollout rank's resident weights (grpo.sampler_model: bf16, no autocast copies)
+    trainer_bytes_per_param=16.0,      # a trainer's fp32 weights, gradients, AdamW moments (/ T under FSDP2)
+    send_copy_bytes_per_param=2.0,     # what crosses to rank 0's host a version (async_rl.full_state: cast on device)
+    send_host_bytes_per_param=2.0,     # one version's host buckets in flight (async_rl.broadcast_weights)
+    message_bytes_per_visual_token=12566.0,   # a trainer's share of a step's items (deal_groups), bf16 pixels
+    kv_written_per_read=6.7,           # bytes a decode step's attention writes per bf16 K/V byte it reads (fp32 slabs)
+)
+ROLES_NOTE = "fallbacks: bench/roles.py's figures of 12-07 (2-core CPU, torch 2.14.1, bf16)"
 
 RECIPES = {
     # prompts per step (global), group, overview tokens, tool rounds, tokens per assistant turn, tokens a
@@ -72,10 +88,10 @@ RECIPES = {
     # usual 4 + 4, one step off (the module docstring)
     "ParaVT": dict(gpus=8, prompts=7, group=8, overview_tokens=64 * 256 // 2, rounds=3, turn_tokens=2048,
                    response_tokens=300, subagent_tokens=512, subagent_calls=3, calls=3, ref_forward=True,
-                   layout=(1, 7), offpolicy=2, layout_note="release: AReaL async"),
+                   kl_in_reward=True, layout=(1, 7), offpolicy=2, layout_note="release: AReaL async"),
     "Video-o3": dict(gpus=8, prompts=32, group=16, overview_tokens=16384, rounds=6, turn_tokens=1024,
                      response_tokens=2048, subagent_tokens=0, subagent_calls=0, calls=5, ref_forward=False,
-                     layout=(4, 4), offpolicy=1, layout_note="ASSUMED: verl fully_async's 4 + 4"),
+                     kl_in_reward=False, layout=(4, 4), offpolicy=1, layout_note="ASSUMED: verl fully_async's 4 + 4"),
 }
 
 
@@ -163,12 +179,17 @@ def engine_time(steps: float, turns: float, calls: int, ops_per_layer_step: floa
 def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode_batch_eff: float,
             workspace_gb: float, budget_gb: float | None, micro_batch: int = 8, micro_batch_tokens: int = 16384,
             tools: dict | None = None, layout: tuple[int, int] | None = None,
-            host_copy_gbps: float = HOST_COPY_GBPS, gloo_gbps: float = GLOO_GBPS) -> dict:
-    """One recipe's step on H200s. tools: the engine's host side (`engine_time`'s keywords; None: none counted).
-    layout: None, colocated on r["gpus"] (rollout, then update); (R, T), the asynchronous split: the rollout's
-    groups over R GPUs that hold only the bf16 weights and their K/V, the update's rows over T FSDP2 GPUs, the new
-    weights sent to the rollout GPUs each step (a copy to and from a host on each side's path, the gloo send beside
-    both); with r["offpolicy"] >= 1 the two sides and the send overlap."""
+            host_copy_gbps: float = HOST_COPY_GBPS, gloo_gbps: float = GLOO_GBPS, roles: dict | None = None,
+            hbm_gb: float = HBM_GB) -> dict:
+    """One recipe's step on GPUs of `hbm_gb` (H200: 141; H100: 80). tools: the engine's host side (`engine_time`'s
+    keywords; None: none counted). roles: the code's coefficients (ROLES, bench/roles.py). layout: None, colocated on
+    r["gpus"] (rollout, then update); (R, T), the asynchronous split: the rollout's groups over R GPUs that hold the
+    sampler's weights (roles' bytes a parameter), the reference where the KL is in the reward (ParaVT: the rollout
+    computes k1, with its policy and reference forwards over every row), and their K/V; the update's rows over T
+    FSDP2 GPUs, each trainer's share of the step's items dealt from rank 0 over gloo; the new weights sent to the
+    rollout GPUs each step (a copy to and from a host on each side's path, the gloo send beside both); with
+    r["offpolicy"] >= 1 the two sides and the send overlap."""
+    roles = {**ROLES, **(roles or {})}
     G, P = r["group"], r["prompts"]
     R, T = layout or (r["gpus"], r["gpus"])
     rows = P * G
@@ -177,9 +198,14 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     suffix = r["rounds"] * (r["turn_tokens"] + r["response_tokens"]) + r["turn_tokens"]
     seq = r["overview_tokens"] + suffix                                # tokens of one trajectory
     weights = PARAMS * 2
+    kl_rollout = bool(layout) and r["kl_in_reward"]          # the rollout GPUs compute the KL: the reference is theirs
+    held = (roles["rollout_bytes_per_param"] * PARAMS + (2 * PARAMS if kl_rollout else 0)) if layout else weights
     # the rollout budget and the waves it implies: one group = its prompt (once, or G times unshared) + G suffixes
-    budget = (budget_gb * 2 ** 30) if budget_gb else HBM_GB * 2 ** 30 - weights - workspace_gb * 2 ** 30
-    group_kv = ((1 if shared else G) * r["overview_tokens"] + G * suffix) * KV_BYTES_PER_TOKEN
+    budget = (budget_gb * 2 ** 30) if budget_gb else hbm_gb * 2 ** 30 - held - workspace_gb * 2 ** 30
+    sub_prompt = r["response_tokens"] * 2 if r["subagent_tokens"] else 0        # a clip prompt: ~2 summaries' worth
+    # a group's K/V: its prompt, its rows' suffixes and one turn's sub-agents of every row (the engine's worst case)
+    group_kv = ((1 if shared else G) * r["overview_tokens"] + G * suffix
+                + G * r["subagent_calls"] * (sub_prompt + r["subagent_tokens"])) * KV_BYTES_PER_TOKEN
     concurrency, n_waves = waves(prompts_gpu, group_kv, budget)
     # memory per GPU, part by part (memory_parts): the rollout holds the resident state, the full bf16 weights and
     # the K/V of the groups in flight (a rollout GPU of a layout: the bf16 weights and K/V alone, no fp32 shards,
@@ -188,16 +214,16 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     # overview's vision pass (collate share_videos)
     prompt_copies = concurrency if shared else concurrency * G
     sub = r["subagent_calls"] * concurrency * G if r["subagent_tokens"] else 0   # one turn's sub-agents, every row
-    sub_prompt = r["response_tokens"] * 2 if sub else 0                          # a clip prompt: ~2 summaries' worth
     flight = update_rows([seq] * math.ceil(rows / T), micro_batch, micro_batch_tokens)
     policy = flight * (r["rounds"] + 1) * r["turn_tokens"]
     patches = PATCHES_PER_TOKEN * (math.ceil(flight / G) * r["overview_tokens"]
                                    + flight * (0 if r["subagent_tokens"] else r["rounds"] * r["response_tokens"]))
     parts = memory_parts(QWEN3VL_8B, T, concurrency, concurrency * G, r["overview_tokens"], suffix, flight * seq,
-                         patches, policy, shared, r["ref_forward"], sub, sub_prompt, r["subagent_tokens"])
+                         patches, policy, shared, r["ref_forward"] and not kl_rollout, sub, sub_prompt,
+                         r["subagent_tokens"])
     kv = parts["kv"]
     resident = parts["weights_shard"] + parts["optimizer"] + parts["reference"]
-    mem_rollout = ((weights + kv) if layout else (resident + parts["weights_rollout"] + kv)) / 2 ** 30 + workspace_gb
+    mem_rollout = ((held + kv) if layout else (resident + parts["weights_rollout"] + kv)) / 2 ** 30 + workspace_gb
     mem_train = (resident + parts["grads"] + parts["activations"] + max(parts["loss"], parts["backward"])) / 2 ** 30
     # rollout time: prefill (FLOPs) + decode (bandwidth), per GPU
     attn = lambda n_tokens, ctx: 4 * LAYERS * D_MODEL * n_tokens * ctx
@@ -206,7 +232,9 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     decode_tokens_row = (r["rounds"] + 1) * r["turn_tokens"]
     steps = decode_tokens_row * n_waves                                 # a wave's rows decode together
     kv_read_per_step = ((prompt_copies * r["overview_tokens"]) + concurrency * G * suffix / 2) * KV_BYTES_PER_TOKEN
-    decode_s = steps * (TEXT_PARAMS * 2 + kv_read_per_step) / (HBM_BW * hbm_eff) / decode_batch_eff
+    # the engine's attention writes kv_written_per_read bytes (its fp32 slabs) per bf16 byte it reads, each read again
+    kv_traffic = kv_read_per_step * (1 + 2 * roles["kv_written_per_read"])
+    decode_s = steps * (TEXT_PARAMS * 2 + kv_traffic) / (HBM_BW * hbm_eff) / decode_batch_eff
     sub_s = 0.0
     if r["subagent_tokens"]:                                            # sub-agents: one batched generation per round
         sub_s = n_waves * r["rounds"] * r["subagent_tokens"] * (TEXT_PARAMS * 2) / (HBM_BW * hbm_eff) / decode_batch_eff
@@ -216,23 +244,35 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     decode_s_host = max(device_s, host_s)        # a step's kernel launches overlap the device's work, not the reverse
     rollout_s = prefill_flops / (BF16_FLOPS * mfu) + (max(decode_s_host, tool_s) if tools and tools.get("overlap")
                                                       else decode_s_host + stall_s)
+    # the KL in the reward on the rollout GPUs: the policy's and the reference's forwards over every row they sampled
+    kl_s = 2 * (2 * TEXT_PARAMS * rows_gpu * seq + attn(rows_gpu * seq, seq / 2)) / (BF16_FLOPS * mfu) \
+        if kl_rollout else 0.0
+    rollout_s += kl_s
     # update: old/ref forwards + forward/backward with checkpointing over every token of every row
     train_tokens = rows / T * seq
     fwd = 2 * TEXT_PARAMS * train_tokens + attn(train_tokens, seq / 2)
-    update_s = (fwd * 4 + fwd * (1 + r["ref_forward"])) / (BF16_FLOPS * mfu)
+    update_s = (fwd * 4 + fwd * (1 + (r["ref_forward"] and not kl_rollout))) / (BF16_FLOPS * mfu)
     out = dict(recipe=name, gpus=R + T if layout else R, rows=rows, seq_tokens=seq, update_rows=flight,
                budget_gb=budget / 2 ** 30, group_kv_gb=group_kv / 2 ** 30, concurrency=concurrency, waves=n_waves,
                kv_gb_per_gpu=kv / 2 ** 30, mem_rollout_gb=mem_rollout, mem_train_gb=mem_train,
-               fits=group_kv <= budget and mem_rollout < HBM_GB and mem_train < HBM_GB,
+               fits=group_kv <= budget and mem_rollout < hbm_gb and mem_train < hbm_gb, hbm_gb=hbm_gb,
+               rollout_headroom_gb=hbm_gb - mem_rollout, train_headroom_gb=hbm_gb - mem_train, kl_s=kl_s,
                rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s, decode_device_s=device_s,
                decode_host_s=host_s, tool_s=tool_s, tool_stall_s=stall_s,
                parts_gb={k: v / 2 ** 30 for k, v in parts.items()})
     if layout:        # steady state: step t+1's rollout beside step t's update and the last version's send
-        copy_s, send_s = weights / (host_copy_gbps * 1e9), weights / (gloo_gbps * 1e9)
-        step_s = (max(rollout_s + copy_s, update_s + copy_s, send_s) if r["offpolicy"] >= 1
-                  else rollout_s + update_s + 2 * copy_s + send_s)
+        copy_s = roles["send_copy_bytes_per_param"] * PARAMS / (host_copy_gbps * 1e9)
+        send_s = roles["send_host_bytes_per_param"] * PARAMS / (gloo_gbps * 1e9)
+        # a step's items: each group's videos (its overview once, its rows' clips), a trainer's share dealt from rank
+        # 0, which sends the T - 1 other shares over gloo before their update
+        clip_tokens = r["subagent_calls"] * sub_prompt if r["subagent_tokens"] else r["response_tokens"]
+        group_visual = r["overview_tokens"] + G * r["rounds"] * clip_tokens
+        message = P * group_visual * roles["message_bytes_per_visual_token"]
+        message_s = message * (T - 1) / T / (gloo_gbps * 1e9)
+        step_s = (max(rollout_s + copy_s, update_s + copy_s + message_s, send_s) if r["offpolicy"] >= 1
+                  else rollout_s + update_s + 2 * copy_s + send_s + message_s)
         out.update(rollout_gpus=R, trainer_gpus=T, offpolicy=r["offpolicy"], copy_s=copy_s, send_s=send_s,
-                   step_s=step_s)
+                   message_gb_per_trainer=message / T / 1e9, message_s=message_s, step_s=step_s)
     return out
 
 
@@ -263,15 +303,30 @@ def parser() -> argparse.ArgumentParser:
                    "weights to its host (rank 0's gather) or from it (a rollout GPU's load)")
     p.add_argument("--gloo-gbps", type=float, default=GLOO_GBPS, help="GB/s of the weights over gloo from rank 0 to "
                    "a rollout rank (" + GLOO_NOTE + ")")
+    p.add_argument("--roles", metavar="FILE", help="bench/roles.py's JSON (--out): the code's coefficients; "
+                   "default: its figures of 12-07, printed as fallbacks")
+    p.add_argument("--hbm-gb", type=float, default=HBM_GB, help="GPU memory in GB (H200: 141; H100: 80)")
     p.add_argument("--parts", metavar="JSON", help="print memory_parts' bytes for each keyword set of a JSON list (the "
                    "8B shape, its keys overridden by a set's 'model') and exit")
     return p
 
 
+def load_roles(path: str | None) -> tuple[dict, str]:
+    """(the coefficients, where they come from): bench/roles.py's JSON at `path`, else ROLES (fallbacks)."""
+    if not path:
+        return dict(ROLES), ROLES_NOTE
+    with open(path) as f:
+        measured = json.load(f)
+    missing = sorted(set(ROLES) - set(measured))
+    if missing:
+        raise SystemExit(f"plan.py --roles {path}: no {', '.join(missing)} (write it with bench/roles.py --out)")
+    return {k: float(measured[k]) for k in ROLES}, f"measured: {path}"
+
+
 def settings(args: argparse.Namespace) -> dict:
     """`project`'s keywords from the command line's flags (tests/test_plan.py projects with the defaults' too)."""
-    return dict(shared=bool(args.shared_prefix), mfu=args.mfu, hbm_eff=args.hbm_efficiency,
-                decode_batch_eff=args.decode_batch_efficiency, workspace_gb=args.workspace_gb,
+    return dict(roles=load_roles(args.roles)[0], hbm_gb=args.hbm_gb, shared=bool(args.shared_prefix), mfu=args.mfu,
+                hbm_eff=args.hbm_efficiency, decode_batch_eff=args.decode_batch_efficiency, workspace_gb=args.workspace_gb,
                 budget_gb=args.rollout_memory_gb, micro_batch=args.micro_batch,
                 micro_batch_tokens=args.micro_batch_tokens, host_copy_gbps=args.host_copy_gbps, gloo_gbps=args.gloo_gbps,
                 tools=dict(ops_per_layer_step=args.ops_per_layer_step, tool_s=args.tool_s, workers=args.tool_workers,
@@ -293,32 +348,42 @@ def main() -> None:
                           copy_s=a["copy_s"], send_s=a["send_s"], step_s=a["step_s"], sync_step_s=r["step_s"],
                           speedup=r["step_s"] / a["step_s"], rollout_busy=a["rollout_s"] / a["step_s"],
                           trainer_busy=a["update_s"] / a["step_s"], concurrency=a["concurrency"], waves=a["waves"],
-                          mem_rollout_gb=a["mem_rollout_gb"], mem_train_gb=a["mem_train_gb"], fits=a["fits"])
+                          mem_rollout_gb=a["mem_rollout_gb"], mem_train_gb=a["mem_train_gb"], fits=a["fits"],
+                          rollout_headroom_gb=a["rollout_headroom_gb"], train_headroom_gb=a["train_headroom_gb"],
+                          budget_gb=a["budget_gb"], group_kv_gb=a["group_kv_gb"], kl_s=a["kl_s"],
+                          message_gb_per_trainer=a["message_gb_per_trainer"], message_s=a["message_s"])
     head = ["recipe", "GPUs", "rows", "tokens/row", "update rows", "budget GB", "group KV GB", "groups x waves", "KV GB/GPU",
-            "rollout GB/GPU", "train GB/GPU", "fits 141 GB", "rollout s", "update s", "step s"]
+            "rollout GB/GPU", "train GB/GPU", f"fits {args.hbm_gb:g} GB", "rollout s", "update s", "step s"]
     cells = [[r["recipe"], f"{r['rollout_gpus']}+{r['trainer_gpus']}" if "rollout_gpus" in r else r["gpus"], r["rows"],
               r["seq_tokens"], r["update_rows"], f"{r['budget_gb']:.1f}", f"{r['group_kv_gb']:.1f}",
               f"{r['concurrency']} x {r['waves']}", f"{r['kv_gb_per_gpu']:.1f}", f"{r['mem_rollout_gb']:.1f}",
               f"{r['mem_train_gb']:.1f}", r["fits"], f"{r['rollout_s']:.0f}", f"{r['update_s']:.0f}", f"{r['step_s']:.0f}"]
              for r in rows + list(split.values())]
-    print(f"H200: {HBM_BW / 1e12:.1f} TB/s at {args.hbm_efficiency:.0%}, {BF16_FLOPS / 1e12:.0f} bf16 TFLOP/s at "
-          f"MFU {args.mfu:.0%}; Qwen3-VL-8B, {KV_BYTES_PER_TOKEN // 1024} KiB KV per token; shared prefix: "
-          f"{bool(args.shared_prefix)}. ParaVT reports ~250 s per step on 8 GPUs.")
+    roles, source = load_roles(args.roles)
+    print(f"{args.hbm_gb:g} GB GPUs; H200 rates: {HBM_BW / 1e12:.1f} TB/s at {args.hbm_efficiency:.0%}, "
+          f"{BF16_FLOPS / 1e12:.0f} bf16 TFLOP/s at MFU {args.mfu:.0%}; Qwen3-VL-8B, {KV_BYTES_PER_TOKEN // 1024} KiB KV "
+          f"per token; shared prefix: {bool(args.shared_prefix)}. ParaVT reports ~250 s per step on 8 GPUs.")
+    print(f"The code's coefficients ({source}): " + ", ".join(f"{k} {v:g}" for k, v in roles.items()))
     print(table(cells, head))
     print(f"Asynchronous layouts (R rollout GPUs + T trainer GPUs), steady state with staleness >= 1: step = "
-          f"max(rollout on R + copy, update on T + copy, send): the bf16 weights copied to or from a host at an "
+          f"max(rollout on R + copy, update on T + copy + message, send): the weights copied to or from a host at an "
           f"assumed {args.host_copy_gbps:g} GB/s on each side, sent over gloo at {args.gloo_gbps:g} GB/s beside "
-          "both; a rollout GPU holds the bf16 weights and its K/V only.")
+          "both; each trainer's share of the items dealt by rank 0 over gloo; a rollout GPU holds the sampler's "
+          "weights, the reference where the KL is in the reward (ParaVT: its forwards in the rollout), and its K/V.")
     print(table([[r["recipe"], f"{a['rollout_gpus']}+{a['trainer_gpus']}", a["offpolicy"], f"{a['rollout_s']:.0f}",
-                  f"{a['update_s']:.0f}", f"{a['copy_s']:.1f}", f"{a['send_s']:.1f}", f"{a['step_s']:.0f}",
-                  f"{a['sync_step_s']:.0f}",
-                  f"{a['speedup']:.2f}x", f"{a['rollout_busy']:.0%}", f"{a['trainer_busy']:.0%}", a["note"]]
+                  f"{a['kl_s']:.0f}", f"{a['update_s']:.0f}", f"{a['copy_s']:.1f}", f"{a['send_s']:.1f}",
+                  f"{a['message_gb_per_trainer']:.2f}", f"{a['message_s']:.1f}", f"{a['step_s']:.0f}",
+                  f"{a['sync_step_s']:.0f}", f"{a['speedup']:.2f}x", f"{a['rollout_busy']:.0%}",
+                  f"{a['trainer_busy']:.0%}", f"{a['mem_rollout_gb']:.1f} ({a['rollout_headroom_gb']:+.1f})",
+                  f"{a['mem_train_gb']:.1f} ({a['train_headroom_gb']:+.1f})", a["fits"], a["note"]]
                  for r in rows for a in [r["async"]]],
-                ["recipe", "R+T", "off-policy", "rollout s", "update s", "copy s", "send s", "async step s", "sync step s",
-                 "speed-up", "rollout busy", "trainer busy", "layout"]))
+                ["recipe", "R+T", "off-policy", "rollout s", "of it KL s", "update s", "copy s", "send s",
+                 "msg GB/trainer", "msg s", "async step s", "sync step s", "speed-up", "rollout busy", "trainer busy",
+                 "rollout GB (headroom)", "train GB (headroom)", "fits", "layout"]))
     rnd = lambda v: (round(v, 2) if isinstance(v, float) else {k: rnd(x) for k, x in v.items()}
                      if isinstance(v, dict) else v)
     print(json.dumps({"shared_prefix": bool(args.shared_prefix), "mfu": args.mfu, "hbm_efficiency": args.hbm_efficiency,
+                      "hbm_gb": args.hbm_gb, "roles": roles, "roles_source": source,
                       "recipes": {r["recipe"]: {k: rnd(v) for k, v in r.items() if k != "recipe"} for r in rows}}))
 
 
