@@ -36,14 +36,14 @@ Messages. Rollout rank -> rank 0: a step's kept items (trajectories with their b
 reward components) and its rollout figures, one pickled object (`send_groups`); rank 0 deals each trainer its share
 of the items, point to point over the trainers' gloo group (`deal_groups`: host memory, only the share reaches a
 trainer, the pixels in the rollout model's dtype: bf16 under --precision bf16). Weights: the trainers gather the
-full weights onto rank 0's host (FSDP2's full state dict), which copies them into host buckets of BUCKET_BYTES in
-the compute dtype (bf16 on GPU: half the bytes of the fp32 masters; fp32 in a CPU fp32 run, so the rollout samples
-from the trainers' weights bit for bit) and broadcasts each over `sync` without waiting (`broadcast_weights`); a
-rollout rank keeps the next version's receive posted into its host buckets and copies them into its model when it
-takes the version (`load_weights`); no files. Both go over gloo, on the host, even on GPU runs: asynchronous at both
-ends with no NCCL collective pending on a GPU stream beside the rollout's kernels. Rank 0 holds at most eta + 1
-versions in flight, each the model's size in the compute dtype on its host (16 GB for an 8B model in bf16); gloo
-sends them while the trainers update.
+full weights parameter by parameter, each cast to the compute dtype on its device and copied to rank 0's host
+(`full_state`: bf16 on GPU, half the bytes of the fp32 masters; fp32 in a CPU fp32 run, so the rollout samples from
+the trainers' weights bit for bit); rank 0 copies them into host buckets of BUCKET_BYTES and broadcasts each over
+`sync` without waiting (`broadcast_weights`); a rollout rank keeps the next version's receive posted into its host
+buckets and copies them into its model when it takes the version (`load_weights`); no files. Both go over gloo, on
+the host, even on GPU runs: asynchronous at both ends with no NCCL collective pending on a GPU stream beside the
+rollout's kernels. Rank 0 holds at most eta + 1 versions in flight, each the model's size in the compute dtype on
+its host (16 GB for an 8B model in bf16); gloo sends them while the trainers update.
 
 Events. A crash loses the groups in flight (checkpoints are the trainers', atomic, every --save-every updates). On
 --resume the trainers load the last checkpoint and send it as version `start`; steps start+1.. are drawn again
@@ -229,8 +229,8 @@ def deal_groups(messages: list | None, rank: int, n_trainers: int, group) -> tup
     """Rank 0 (holding the step's `messages`) deals the kept items to the trainers point to point over `group` (gloo:
     host memory; a trainer's GPU sees only the share its update collates): trainer r gets items[r n / T:(r + 1) n / T]
     of the step's n, in the order one rank would train them, and a filler trajectory (the step's first) only when
-    its share is empty. Returns (this trainer's share, its filler). Before, rank 0 broadcast every item with its
-    pixels to every trainer over the trainers' NCCL group, landing on each GPU (3.4-9.4 GiB a ParaVT step)."""
+    its share is empty. Returns (this trainer's share, its filler). A broadcast of every item over the trainers'
+    NCCL group would land every pixel on every trainer's GPU (3.4-9.4 GiB a ParaVT step in fp32)."""
     if rank != 0:
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, src=0, group=group)

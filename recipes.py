@@ -73,7 +73,6 @@ COMMON = dict(
     rl_steps=20, warmup_steps=0, ppo_epochs=1, micro_batch=8, micro_batch_tokens=16384, pack_prompts=True,
     packed_tokens=32768,   # a packed micro-batch's tokens (no padding): one ParaVT group, 16k + 8 x 1.3k; no more than
                            # the longest single row the update already forwards (max_context)
-   
     max_draws=4, placebo=False,
     train_subagents=False, released_scoring=False, logprob_chunk=1024, loss_chunk=0, eval_every=0, final_eval=False,
     eval_before=False,
@@ -333,7 +332,7 @@ def resolve(args) -> None:
     if args.async_staleness < 0 or args.behav_weight_cap <= 1.0:
         raise ValueError(f"--async-staleness must be >= 0 and --behav-weight-cap > 1, got {args.async_staleness} and "
                          f"{args.behav_weight_cap}")
-    world = int(os.environ.get("WORLD_SIZE", args.gpus or 1))       # torchrun's, else --gpus (runtime.setup_distributed)
+    world = int(os.environ.get("WORLD_SIZE", args.gpus or 1))       # torchrun's, else --gpus (setup_distributed)
     if args.async_staleness and not 1 <= args.rollout_ranks < world:
         raise ValueError(f"--async-staleness {args.async_staleness} needs --rollout-ranks R >= 1 and more ranks than R "
                          f"(the ranks that train), got --rollout-ranks {args.rollout_ranks} of {world} ranks")

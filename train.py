@@ -166,12 +166,12 @@ def sft_backward(model, items: list, rows: int, pad_id: int, loss_chunk: int | N
                  compile: bool = True, counts: dict | None = None, precision: str = "fp32", world: int = 1,
                  filler=None, tokens: int | None = None) -> tuple[torch.Tensor, int]:
     """Backward of the batch's SFT loss (token mean over all its policy tokens, on every rank) through micro-batches
-    of `rows` and `tokens` (`sft_micro_batches`): each micro-batch's token mean weighted by n_i / (N / world), N the tokens of all ranks (FSDP averages
-    the ranks' gradients), so the gradients add up to those of one forward over the whole global batch. A rank with
-    fewer micro-batches than another (or none) runs zero-weight passes (on its last micro-batch, or on `filler`), so
-    every rank joins the same collectives. loss_chunk: token_logprobs' chunk (None: its own rule). tdam_tokenizer:
-    TDAM masks on (spans found from the text; rows without an answer counted in `counts`). precision: the compute
-    dtype (`autocast`). Returns (this rank's part of the batch loss, detached, scaled as the gradients are: the
+    of `rows` and `tokens` (`sft_micro_batches`): each micro-batch's token mean weighted by n_i / (N / world), N the
+    tokens of all ranks (FSDP averages the ranks' gradients), so the gradients add up to those of one forward over
+    the whole global batch. A rank with fewer micro-batches than another (or none) runs zero-weight passes (on its
+    last micro-batch, or on `filler`), so every rank joins the same collectives. loss_chunk: token_logprobs' chunk
+    (None: its own rule). tdam_tokenizer: TDAM masks on (spans found from the text; rows without an answer counted
+    in `counts`). precision: the compute dtype (`autocast`). Returns (this rank's part of the batch loss, detached, scaled as the gradients are: the
     ranks' mean is the batch loss; N)."""
     batches = list(sft_micro_batches(items, rows, model, pad_id, tokens))
     n_local = sum(int(grpo.policy_mask(b["roles"]).sum()) for b in batches)   # sft_loss's own token count

@@ -9,7 +9,7 @@ tests/test_plan.py fails when the code's measured coefficient and the plan's dif
 
 Each role is built by the function the run builds it with, at --precision bf16:
   rollout_bytes_per_param    a rollout rank (grpo.sampler_model): its weights plus the weight casts autocast keeps
-                             through a forward, a parameter (the same model as a trainer's fp32 policy: policy_as_sampler)
+                             through a forward, a parameter (a trainer's fp32 policy used so: policy_as_sampler)
   trainer_bytes_per_param    one trainer (grpo.policy_model, unsharded): weights, gradients and AdamW's state after an
                              update, a parameter (FSDP2 divides it by the trainers)
   send_copy_bytes_per_param  rank 0 as sender: the bytes a parameter that cross to its host (async_rl.full_state)

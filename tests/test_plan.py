@@ -206,20 +206,18 @@ def test_rehearsal_ci_runs_every_step_and_reports_every_part(tmp_path):
 # the plan's coefficients are the code's (bench/roles.py measures each role)
 
 @functools.lru_cache(maxsize=None)
-def roles(tmp: str) -> dict:
-    out = f"{tmp}/roles.json"
-    subprocess.run([sys.executable, str(BENCH / "roles.py"), "--ci", "--out", out], capture_output=True, text=True,
-                   check=True)
-    with open(out) as f:
-        return json.load(f)
+def roles() -> dict:
+    """The last-line JSON of `python bench/roles.py --ci` (run once per session)."""
+    out = subprocess.run([sys.executable, str(BENCH / "roles.py"), "--ci"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_the_plans_coefficients_are_the_codes(tmp_path_factory):
+def test_the_plans_coefficients_are_the_codes():
     """Each coefficient bench/plan.py projects with (ROLES) is within 15 % of what bench/roles.py measures the code
     doing: a rollout rank's resident bytes a parameter, a trainer's, rank 0's host copy and buckets of a version, a
     trainer's share of a step's items per visual token, the decode attention's bytes written per K/V byte read; and
     the plan's memory arithmetic charges a trainer the coefficient it declares."""
-    measured, plan_mod = roles(str(tmp_path_factory.mktemp("roles"))), bench_module("plan")
+    measured, plan_mod = roles(), bench_module("plan")
     for key, assumed in plan_mod.ROLES.items():
         assert abs(measured[key] - assumed) <= 0.15 * assumed, (key, measured[key], assumed)
     assert measured["policy_as_sampler_bytes_per_param"] > 2 * measured["rollout_bytes_per_param"]  # the old rank
@@ -229,12 +227,12 @@ def test_the_plans_coefficients_are_the_codes(tmp_path_factory):
     assert charged == plan_mod.ROLES["trainer_bytes_per_param"]
 
 
-def test_plan_projects_with_the_roles_file(tmp_path_factory, tmp_path):
+def test_plan_projects_with_the_roles_file(tmp_path):
     """--roles FILE: the plan says where its coefficients come from and projects with them (a costlier decode
     attention, a larger message); without it, the fallbacks, marked as such; a file without a key is refused."""
     base = plan()
     assert base["roles_source"].startswith("fallbacks")
-    costly = dict(roles(str(tmp_path_factory.mktemp("roles"))), kv_written_per_read=20.0,
+    costly = dict(roles(), kv_written_per_read=20.0,
                   message_bytes_per_visual_token=2 * 12566.0)
     path = tmp_path / "costly.json"
     path.write_text(json.dumps(costly))
