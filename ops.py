@@ -437,7 +437,7 @@ def tdam_tiles(spec: TdamSpec, seq_len: int) -> torch.Tensor:
 
 
 # where "auto" runs flex_attention: CUDA. Not the CPU: torch 2.14 has no CPU backward for it, and its compiled CPU
-# template differs from its eager kernel at some shapes on AVX2 and AVX-512 (tests/test_ops.py)
+# template differs from its eager kernel at some shapes on AVX2 (tests/test_ops.py)
 FLEX_DEVICES = ("cuda",)
 
 
