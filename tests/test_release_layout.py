@@ -1,9 +1,12 @@
 """
 The release layout at real sizes (python train.py --gpus 8 --rollout-ranks 1 --async-staleness 2 --preset paravt):
 each mechanism that a size, a dtype, a role or a torch version decides, checked by the thing that decides it on the
-GPU, on the tiny model. The asynchronous rollout rank's weights (compute dtype, no gradients) and the K/V budget it
-reads; which side loads the reference; the SFT stage's optimizer gone before an asynchronous RL stage; the process
-groups' timeout; torchrun's world for the asynchronous layout; the prompt prefill's SDPA call at Qwen3-VL-8B's heads.
+GPU, on the tiny model: the asynchronous rollout rank's weights (compute dtype, no gradients) and the K/V budget it
+reads; which side loads the reference; the process groups' timeout; torchrun's world for the asynchronous layout;
+the prompt prefill's SDPA call at Qwen3-VL-8B's heads; the packed update's micro-batches at the papers' lengths; a
+step's items dealt to the trainers. Elsewhere: the SFT stage's AdamW gone before asynchronous RL (test_async's
+3-rank run), SFT micro-batches under the token budget (test_train), the weight send's host copy (test_async), the
+plan's coefficients against the code's (test_plan, bench/roles.py).
 
     python -m pytest tests/test_release_layout.py -q
 """
