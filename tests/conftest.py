@@ -46,8 +46,8 @@ TEST_ROLLOUT = {**recipes.TINY_FRAMES, "group_size": 1, "temperature": 1.0, "max
 
 
 # torch's compiled CPU flex_attention (Inductor's C++ template, torch 2.14.1) differs from its own eager kernel at
-# some shapes on AVX2 (and on AVX-512 when an AVX2 run filled the same Inductor cache), on torch's own causal mask too (tests/test_ops.py::test_cpu_flex_template_reproducer;
-# docs/experiments.md). The product never runs it (ops.tdam_kernel: "auto" is flex on CUDA only). The tests check our
+# some shapes on AVX2 (and on AVX-512 when an AVX2 run filled the same Inductor cache), on torch's own causal mask
+# too (tests/test_ops.py::test_cpu_flex_template_reproducer; docs/experiments.md). The product never runs it (ops.tdam_kernel: "auto" is flex on CUDA only). The tests check our
 # flex path against the dense mask on the eager kernel, always, and compiled where torch's template agrees with it.
 
 def cpu_isa() -> str:
