@@ -201,25 +201,36 @@ def weight_dtype(s) -> torch.dtype:
 # -----------------------------------------------------------------------------
 # groups: rollout ranks -> rank 0 -> the trainers
 
+def send_object(obj, dst: int, group) -> list:
+    """One pickled object to rank `dst` over `group` (its size, then its bytes), without waiting: returns the pending
+    sends with their tensors (keep them until done)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    return [(dist.isend(size, dst=dst, group=group), size), (dist.isend(payload, dst=dst, group=group), payload)]
+
+
+def receive_object(src: int, group):
+    """The object `send_object` sent from rank `src` over `group` (waits for it)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src=src, group=group)
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(payload, src=src, group=group)
+    return pickle.loads(payload.numpy().tobytes())
+
+
 def send_groups(message: dict, group) -> list:
     """A rollout rank's step (its kept items and figures) to rank 0 over `group`, one pickled object, without
     waiting: returns the pending sends with their tensors (keep them until done), so the rank samples on."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
-    return [(dist.isend(size, dst=0, group=group), size), (dist.isend(payload, dst=0, group=group), payload)]
+    return send_object(message, 0, group)
 
 
 def receive_groups(src: int, step: int, group=None) -> dict:
     """Rank 0 receives rollout rank `src`'s step over `group`; a rank that died is named, not waited on forever."""
-    size = torch.zeros(1, dtype=torch.int64)
     try:
-        dist.recv(size, src=src, group=group)
-        payload = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(payload, src=src, group=group)
+        message = receive_object(src, group)
     except RuntimeError as e:
         raise RuntimeError(f"rank 0 lost rollout rank {src} while waiting for RL step {step}'s groups (it died or "
                            f"failed: see its error): {e}") from e
-    message = pickle.loads(payload.numpy().tobytes())
     if message["step"] != step:
         raise RuntimeError(f"rank 0 expected RL step {step}'s groups from rollout rank {src}, got step {message['step']}")
     return message
@@ -232,19 +243,11 @@ def deal_groups(messages: list | None, rank: int, n_trainers: int, group) -> tup
     its share is empty. Returns (this trainer's share, its filler). A broadcast of every item over the trainers'
     NCCL group would land every pixel on every trainer's GPU (3.4-9.4 GiB a ParaVT step in fp32)."""
     if rank != 0:
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src=0, group=group)
-        payload = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(payload, src=0, group=group)
-        return pickle.loads(payload.numpy().tobytes())
+        return receive_object(0, group)
     items = [it for m in messages for it in m["items"]]
     shares = [items[r * len(items) // n_trainers:(r + 1) * len(items) // n_trainers] for r in range(n_trainers)]
     dealt = [(share, None if share or not items else items[0][0]) for share in shares]
-    sends = []
-    for r in range(1, n_trainers):
-        payload = torch.frombuffer(bytearray(pickle.dumps(dealt[r])), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        sends += [(dist.isend(size, dst=r, group=group), size), (dist.isend(payload, dst=r, group=group), payload)]
+    sends = [x for r in range(1, n_trainers) for x in send_object(dealt[r], r, group)]
     for work, _ in sends:
         work.wait()
     return dealt[0]

@@ -463,22 +463,22 @@ class GroupKV:
             kk, vv = kk[self.fwd.take], vv[self.fwd.take]
         self.pool.write(layer, self.fwd.slots, kk, vv)
 
-    def attend(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               module) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
         """q (n l, heads, d) of this forward's n rows of l tokens (row-major) -> (n, l, heads * d), in the compute
         dtype (autocast's where it is on, else q's). key / value (n l, kv_heads, d): this forward's own, read only by
         a prompt forward (the rest reads the pool). The attention runs with autocast off, in fp32: under the RL
         step's autocast (--precision bf16) its matmuls would otherwise round the scores and the LSE to bf16
         (tests/test_engine_precision.py)."""
         if not self.fwd.autocast:
-            out = self._attend_rows(layer, q, scale, key, value, module)
+            out = self._attend_rows(layer, q, scale, key, value)
             return out if out.dtype == q.dtype else out.to(q.dtype)
         with torch.autocast(q.device.type, enabled=False):
-            out = self._attend_rows(layer, q, scale, key, value, module)
+            out = self._attend_rows(layer, q, scale, key, value)
         dtype = torch.get_autocast_dtype(q.device.type)
         return out if out.dtype == dtype else out.to(dtype)
 
-    def _attend_rows(self, layer: int, q: torch.Tensor, scale: float, key, value, module) -> torch.Tensor:
+    def _attend_rows(self, layer: int, q: torch.Tensor, scale: float, key, value) -> torch.Tensor:
         """At most two attention calls, whatever the rows and groups (GATHER_BUDGET apart): every row's [small
         prompt ;] own suffix, gathered through the block tables into one slab padded to the longest row; and the
         large prompts, one slab with each prompt's rows as its queries. Their softmaxes are merged by the LSE."""

@@ -85,7 +85,7 @@ def attention(attn, x: torch.Tensor, tables, mask, rollout_cache=None, tdam=None
     if rollout_cache is not None:                                     # the pool, then cascade attention
         q, k = rope(q, *tables), rope(k, *tables)
         rollout_cache.write(attn.layer_idx, k, v)
-        return rollout_cache.attend(attn.layer_idx, q, k, v, attn.scaling, attn)
+        return rollout_cache.attend(attn.layer_idx, q, k, v, attn.scaling)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (n, heads, l, d)
     q, k = rope(q, *tables), rope(k, *tables)
     if cache is not None:                                             # transformers' Cache: earlier keys + these

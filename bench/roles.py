@@ -113,15 +113,11 @@ def sender(model, dtype: torch.dtype) -> tuple[float, float]:
     try:
         full = async_rl.full_state(model, 1, dtype)
         copied = sum(t.numel() * t.element_size() for t in full.values())
-        transfer = async_rl.broadcast_weights(model, full, dist_group(), dtype)
+        transfer = async_rl.broadcast_weights(model, full, torch.distributed.new_group([0], backend="gloo"), dtype)
         transfer.wait()
         return copied / n_params(model), transfer.bytes / n_params(model)
     finally:
         torch.distributed.destroy_process_group()
-
-
-def dist_group():
-    return torch.distributed.new_group([0], backend="gloo")
 
 
 def message(cache: str) -> float:

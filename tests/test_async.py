@@ -207,9 +207,9 @@ ASYNC = ["--gpus", "3", "--device", "cpu", "--async-staleness", "1", "--rollout-
          "--max-new-tokens", "48", "--set", "mask_truncated=0", "--save-every", "1"]
 
 
-def _train(argv: list, cache: str) -> subprocess.CompletedProcess:
+def _train(argv: list, cache: str, script: Path = ROOT / "train.py") -> subprocess.CompletedProcess:
     env = {**os.environ, "PARAVT_CACHE": cache}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *map(str, argv)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, str(script), *map(str, argv)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
 
 
@@ -241,9 +241,7 @@ def test_three_rank_async_run_keeps_the_bound_carries_versions_and_resumes(tmp_p
     argv = smoke_argv(tmp_path, *ASYNC, "--rl-steps", "3")
     script = tmp_path / "spied_train.py"
     script.write_text(SPIED.format(root=str(ROOT), out=str(tmp_path)))
-    env = {**os.environ, "PARAVT_CACHE": cache}
-    done = subprocess.run([sys.executable, str(script), *map(str, argv)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+    done = _train(argv, cache, script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [(tmp_path / f"optimizers-at-rl-{r}").read_text() for r in range(3)] == ["0", "0", "0"]
     rows = [r for r in metrics(tmp_path) if r["stage"] == "rl"]

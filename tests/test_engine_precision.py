@@ -104,11 +104,11 @@ def test_engine_attention_fp32_under_autocast(sharp, monkeypatch, setting, fused
             seen.add("query_blocks")
         return inner(q, k, v, scale, qpos, bias)
 
-    def compared(self, layer, q, key, value, scale, module):
+    def compared(self, layer, q, key, value, scale):
         fwd = self.fwd
-        out = attend(self, layer, q, key, value, scale, module)                  # under the ambient autocast
+        out = attend(self, layer, q, key, value, scale)                  # under the ambient autocast
         with torch.autocast("cpu", enabled=False):
-            ref = attend(self, layer, q, key, value, scale, module)
+            ref = attend(self, layer, q, key, value, scale)
         diffs.append(((out.float() - ref.to(out.dtype).float()).abs().max().item(), out.dtype))
         if fwd.prompt_mode:
             seen.add("prompt")

@@ -500,9 +500,9 @@ def test_attention_working_tensors_bounded(tiny, shrunk_thresholds, monkeypatch)
     seen = []
     attend = kvcache.GroupKV.attend
 
-    def recorded(self, layer, q, key, value, scale, module):
+    def recorded(self, layer, q, key, value, scale):
         with _Allocs() as big:
-            out = attend(self, layer, q, key, value, scale, module)
+            out = attend(self, layer, q, key, value, scale)
         hkv, d = key.shape[1], key.shape[2]
         keys = kvcache.blocks_for(110) * kvcache.BLOCK + kvcache.blocks_for(max(self.fwd.end_host)) * kvcache.BLOCK
         seen.append((big.numel, big.op, max(kvcache.SCORES_BUDGET, kvcache.GATHER_BUDGET, q.numel(), keys * hkv * d)))
@@ -525,9 +525,9 @@ def test_finished_rows_cost_nothing_per_step(tiny, monkeypatch):
     allocs = []
     attend = kvcache.GroupKV.attend
 
-    def recorded(self, layer, q, key, value, scale, module):
+    def recorded(self, layer, q, key, value, scale):
         with _Allocs() as a:
-            out = attend(self, layer, q, key, value, scale, module)
+            out = attend(self, layer, q, key, value, scale)
         allocs.append(a.total)
         return out
 
