@@ -55,14 +55,14 @@ import dataclasses
 import datetime
 import pickle
 import time
-import types
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import eval as evaluation
 import grpo
-import rollout
+import policy
 import runtime
 
 BUCKET_BYTES = 256 * 2 ** 20       # one weight broadcast's size at most (a larger parameter goes alone)
@@ -195,7 +195,7 @@ def full_state(model, n_trainers: int, dtype: torch.dtype) -> dict | None:
 
 def weight_dtype(s) -> torch.dtype:
     """The weight broadcast's dtype: the compute dtype (bf16 on GPU, fp32 in a CPU fp32 run)."""
-    return grpo.PRECISION[s.precision]
+    return policy.PRECISION[s.precision]
 
 
 # -----------------------------------------------------------------------------
@@ -219,8 +219,7 @@ def receive_object(src: int, group):
 
 
 def send_groups(message: dict, group) -> list:
-    """A rollout rank's step (its kept items and figures) to rank 0 over `group`, one pickled object, without
-    waiting: returns the pending sends with their tensors (keep them until done), so the rank samples on."""
+    """A rollout rank's step to rank 0 over `group`, without waiting (`send_object`: keep the sends until done)."""
     return send_object(message, 0, group)
 
 
@@ -236,45 +235,44 @@ def receive_groups(src: int, step: int, group=None) -> dict:
     return message
 
 
-def deal_groups(messages: list | None, rank: int, n_trainers: int, group) -> tuple[list, object]:
+def deal_groups(messages: list | None, rank: int, n_trainers: int, group) -> list:
     """Rank 0 (holding the step's `messages`) deals the kept items to the trainers point to point over `group` (gloo:
     host memory; a trainer's GPU sees only the share its update collates): trainer r gets items[r n / T:(r + 1) n / T]
-    of the step's n, in the order one rank would train them, and a filler trajectory (the step's first) only when
-    its share is empty. Returns (this trainer's share, its filler). A broadcast of every item over the trainers'
-    NCCL group would land every pixel on every trainer's GPU (3.4-9.4 GiB a ParaVT step in fp32)."""
+    of the step's n, in the order one rank would train them. Returns this trainer's share. A broadcast of every item
+    over the trainers' NCCL group would land every pixel on every trainer's GPU."""
     if rank != 0:
         return receive_object(0, group)
     items = [it for m in messages for it in m["items"]]
     shares = [items[r * len(items) // n_trainers:(r + 1) * len(items) // n_trainers] for r in range(n_trainers)]
-    dealt = [(share, None if share or not items else items[0][0]) for share in shares]
-    sends = [x for r in range(1, n_trainers) for x in send_object(dealt[r], r, group)]
+    sends = [x for r in range(1, n_trainers) for x in send_object(shares[r], r, group)]
     for work, _ in sends:
         work.wait()
-    return dealt[0]
+    return shares[0]
 
 
 # -----------------------------------------------------------------------------
 # the two loops
 
-def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list, video_root: str, cfg,
-                 s, steps: int, start: int, pad_id: int, pool=None, eval_every: int = 0, evaluate=None) -> None:
+def rollout_loop(run, layout: Layout, model, ref_model, processor, job: grpo.RLJob) -> None:
     """A rollout rank: for each step u, take versions until it holds max(start, u - 1 - eta), sample the step's
     groups of this rank's share (grpo.collect_groups, the R rollout ranks splitting the prompts as ranks do), stamp
     each turn with the version and send them to rank 0 without waiting; then take the last versions (the final
     evaluation reads them). A held-out evaluation runs after each version v with v % eval_every == 0, on every rank.
     Raises naming this rank on any failure (the launcher then stops the others)."""
+    s, start, steps = job.s, job.start, job.s.rl_steps
     index, version = layout.rollout.index(run.rank), start - 1
-    cfg = dataclasses.replace(cfg, record_logprobs=True)        # the behaviour log-probs of the decoupled loss
-    share = types.SimpleNamespace(seed=run.seed, rank=index, world=layout.rollout_ranks)   # collect_groups' view
-    by_id, failed, idle_from = {str(r["id"]): r for r in records}, 0, time.time()
+    cfg = dataclasses.replace(job.cfg, record_logprobs=True)        # the behaviour log-probs of the decoupled loss
+    share = copy.copy(run)                                     # collect_groups' view: this rank among the rollout ranks
+    share.rank, share.world = index, layout.rollout_ranks
+    by_id, idle_from = {str(r["id"]): r for r in job.records}, time.time()
     posted, outbox = None, []        # the next version's receive, posted; sends to rank 0 in flight, with their tensors
 
     def next_version():
         nonlocal version, posted
         load_weights(model, posted)                 # waits only if the trainers have not sent this version yet
         version += 1
-        if eval_every and evaluate is not None and version > start and version % eval_every == 0:
-            evaluate(model, f"rl-{version:06d}")
+        if s.eval_every and job.evaluate is not None and version > start and version % s.eval_every == 0:
+            job.evaluate(model, f"rl-{version:06d}")
         if version < steps:                         # the next version lands in the same host buckets meanwhile
             posted = broadcast_weights(model, None, layout.sync, weight_dtype(s), into=posted.flats)
 
@@ -286,23 +284,20 @@ def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list
                 next_version()
             t0, last_idle = time.time(), idle_from
             model.eval()
-            g = grpo.collect_groups(share, model, ref_model, processor, records, video_root, cfg, s, u, pad_id, pool)
+            g = grpo.collect_groups(share, model, ref_model, processor, job.records, job.video_root, cfg, s, u,
+                                    processor.tokenizer.pad_token_id, job.pool)
             for t in g.trajs:
                 for x in [t] + t.subagents:
                     x.versions = [version] * max(1, len(x.turns))
-            failed = run.failed_samples(g.trajs, u, start, failed, s.group_size)
-            figures = grpo.rollout_metrics(g.trajs, g.comps, by_id)
-            figures.update(reward=float(g.rewards.mean()) if g.trajs else 0.0, zero_var_frac=g.zero_var_frac,
-                           reward_kl=float(g.seq_kl.mean()) if g.trajs else 0.0)
+            run.sampled(g.trajs, u, start, s.group_size)
+            n, figures = evaluation.rollout_figures(g, by_id)
             rollout_s, idle_from = time.time() - t0, time.time()       # idle from here to the next sampling
             outbox = [(w, x) for w, x in outbox if not w.is_completed()] + send_groups(
-                {"step": u, "version": version, "items": g.items, "n": len(g.trajs), "groups": g.n_groups,
+                {"step": u, "version": version, "items": g.items, "n": n, "groups": g.n_groups,
                  "draws": g.draws, "bad": sum(t.error is not None for t in g.trajs), "figures": figures,
                  "tokens": sum(len(t.token_ids) for t in g.trajs), "rollout_s": rollout_s,
                  "rollout_wait_s": t0 - last_idle}, layout.mail)
-            if pool is not None and u < steps:     # the next step's overviews decode while this rank waits
-                upcoming, ks = grpo.draw_prompts(records, s, run.seed, index, layout.rollout_ranks, u + 1)
-                rollout.prefetch(pool, upcoming, video_root, cfg, rollout.video_factor(processor), ks)
+            grpo.prefetch(job, processor, run.seed, index, layout.rollout_ranks, u + 1)   # decoded while it waits
         while version < steps:
             next_version()
         for w, _ in outbox:
@@ -311,19 +306,18 @@ def rollout_loop(run, layout: Layout, model, ref_model, processor, records: list
         raise RuntimeError(f"rollout rank {run.rank} failed at policy version {version}: {e}") from e
 
 
-def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, records: list, video_root: str, cfg,
-                 s, steps: int, lr: float, warmup_steps: int, pad_id: int, start: int = 0, eval_every: int = 0,
-                 evaluate=None) -> None:
+def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, job: grpo.RLJob) -> None:
     """A trainer rank (`run`: the trainers' Run, its group and world): send version `start`; then for each step u:
     take its groups (rank 0 receives them from every rollout rank and deals the items over the trainers), the
     decoupled PPO update (grpo.policy_update over the trainers' group), the step's row and checkpoint, send version
     u without waiting, and evaluate every `eval_every` steps on every rank."""
-    T, trainer0 = layout.n_trainers, run.rank == 0
-    spare, t_row, in_flight = None, time.time(), []         # in_flight: rank 0's version broadcasts not yet done
+    s, start, steps = job.s, job.start, job.s.rl_steps
+    n_trainers, trainer0 = layout.n_trainers, run.rank == 0
+    t_row, in_flight = time.time(), []         # in_flight: rank 0's version broadcasts not yet done
 
     def send_version():
         nonlocal in_flight
-        full = full_state(model, T, weight_dtype(s))           # every trainer joins the gather
+        full = full_state(model, n_trainers, weight_dtype(s))           # every trainer joins the gather
         if trainer0:
             in_flight = [x for x in in_flight if not x.done()] + [broadcast_weights(model, full, layout.sync,
                                                                                      weight_dtype(s))]
@@ -331,37 +325,31 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
     send_version()
     for u in tqdm(range(start + 1, steps + 1), desc="rl async", disable=not trainer0, initial=start, total=steps):
         t = time.time()                                        # rank 0: step u's groups from every rollout rank
-        box = [[receive_groups(src, u, layout.mail) for src in layout.rollout] if trainer0 else None]
+        messages = [receive_groups(src, u, layout.mail) for src in layout.rollout] if trainer0 else None
         wait_s = time.time() - t                               # rank 0's time waiting on the rollout
-        messages = box[0]                                      # rank 0's; None on the other trainers
-        if T > 1:                                              # each trainer its share, point to point
-            mine, filler = deal_groups(messages, run.rank, T, layout.deal)
+        if n_trainers > 1:                                     # each trainer its share, point to point
+            mine = deal_groups(messages, run.rank, n_trainers, layout.deal)
         else:
-            mine, filler = [it for m in messages for it in m["items"]], None
-        step_lr = grpo.set_lr(optimizer, grpo.get_lr(u - 1, steps, lr, warmup_steps))
+            mine = [it for m in messages for it in m["items"]]
+        lr = policy.set_lr(optimizer, policy.get_lr(u - 1, steps, s.lr, s.warmup_steps, s.min_lr_ratio))
         model.train()
-        if not mine and filler is None and T > 1:
-            spare = spare or grpo.filler_trajectory(processor, records, video_root, cfg)
-            filler = spare
         t1 = time.time()
-        gn, stats = grpo.policy_update(model, ref_model, optimizer, mine, s, pad_id, processor.tokenizer, T, filler,
-                                        lambda loss: run.optimizer_step(model, optimizer, loss, "rl", u,
-                                                                        [t.record_id for t, _, _ in mine]), layout.trainers)
+        gn, stats = grpo.policy_update(run, model, ref_model, optimizer, mine, job, u, processor)
         update_s = time.time() - t1
-        stats = runtime.all_mean({**stats, "update_s": update_s}, T, layout.trainers)
+        stats = runtime.all_mean({**stats, "update_s": update_s}, n_trainers, layout.trainers)
         if trainer0:
             versions = sorted({v for m in messages for t, _, _ in m["items"] for v in t.versions})
             run.counters["bad_samples"] += sum(m["bad"] for m in messages)
-            row = {**grpo.merge_figures([(m["n"], m["figures"]) for m in messages]),
-                   "trajectories": sum(m["n"] for m in messages), **stats, "wait_s": wait_s,
-                   "kept": sum(len(m["items"]) for m in messages),
-                   "lr": step_lr, "grad_norm": float("nan") if gn is None else gn,
-                   "groups": sum(m["groups"] for m in messages),
-                   "draws": max(m["draws"] for m in messages), "policy_version": min(m["version"] for m in messages),
-                   "trained_versions": versions, "staleness": u - 1 - min(m["version"] for m in messages),
-                   "rollout_s": max(m["rollout_s"] for m in messages),
-                   "rollout_wait_s": max(m["rollout_wait_s"] for m in messages), "step_time": time.time() - t_row,
-                   "tokens_per_s": sum(m["tokens"] for m in messages) / max(1e-9, time.time() - t_row)}
+            update = {"trajectories": sum(m["n"] for m in messages), **stats, "wait_s": wait_s,
+                      "kept": sum(len(m["items"]) for m in messages),
+                      "lr": lr, "grad_norm": float("nan") if gn is None else gn,
+                      "draws": max(m["draws"] for m in messages), "policy_version": min(m["version"] for m in messages),
+                      "trained_versions": versions, "staleness": u - 1 - min(m["version"] for m in messages),
+                      "rollout_s": max(m["rollout_s"] for m in messages),
+                      "rollout_wait_s": max(m["rollout_wait_s"] for m in messages), "step_time": time.time() - t_row,
+                      "tokens_per_s": sum(m["tokens"] for m in messages) / max(1e-9, time.time() - t_row)}
+            row = evaluation.step_row([(m["n"], m["figures"]) for m in messages], update,
+                                      sum(m["groups"] for m in messages))
             run.log("rl", u, row)
             tqdm.write(f"rl {u}/{steps} | R {row['reward']:.3f} | acc {row['accuracy']:.2f} | tool "
                        f"{row['tool_call_ratio']:.2f} | version {row['policy_version']} (staleness {row['staleness']}) | "
@@ -371,42 +359,36 @@ def trainer_loop(run, layout: Layout, model, ref_model, processor, optimizer, re
         if saved:
             run.save("rl", u, model, optimizer)
         send_version()
-        if eval_every and evaluate is not None and u % eval_every == 0:
-            result = evaluate(model, f"rl-{u:06d}")              # every rank: the rollout ranks hold version u too
+        if s.eval_every and job.evaluate is not None and u % s.eval_every == 0:
+            result = job.evaluate(model, f"rl-{u:06d}")          # every rank: the rollout ranks hold version u too
             run.evaluated("rl", u, result, model, optimizer, saved)
     for x in in_flight:                                        # the rollout ranks take the last versions
         x.wait()
     model.eval()
 
 
-def run_rl(run, layout: Layout, processor, model_source: str, source: str | None, state: dict | None, device,
-           precision: str, seed: int, grad_checkpointing: bool, reference, records: list, video_root: str, cfg, s,
-           steps: int, lr: float, vision_lr_scale: float, warmup_steps: int, start: int, pad_id: int,
-           eval_every: int, evaluate, pool=None):
-    """The RL stage of an asynchronous run on this rank: its model (`model_source`'s architecture; a trainer: FSDP2
-    over the trainers' mesh, its weights loaded from `source`, a checkpoint, when given; a rollout rank: unsharded,
-    its weights the trainers' first broadcast, held in the compute dtype), the reference on the side that computes
-    the recipe's KL (`reference()` builds it),
-    then its loop. `state`: the checkpoint's trainer state when resuming. Returns the model (the final evaluation's)."""
-    rollout_rank = layout.is_rollout(run.rank)
-    if rollout_rank:                          # samples only: compute-dtype weights, no gradients (grpo.sampler_model)
-        model, _ = grpo.sampler_model(model_source, device, precision, seed)
+def run_rl(run, layout: Layout, processor, job: grpo.RLJob, device):
+    """The RL stage of an asynchronous run on this rank: its model (job.model_source's architecture; a trainer:
+    FSDP2 over the trainers' mesh, its weights loaded from job.checkpoint when given; a rollout rank: unsharded, its
+    weights the trainers' first broadcast, held in the compute dtype), the reference on the side that computes the
+    recipe's KL (job.reference builds it), then its loop. Returns the model (the final evaluation's)."""
+    s, rollout_rank = job.s, layout.is_rollout(run.rank)
+    if rollout_rank:                          # samples only: compute-dtype weights, no gradients (policy.sampler_model)
+        model, _ = policy.sampler_model(job.model_source, device, s.precision, run.seed)
     else:
-        model, _ = grpo.policy_model(model_source, device, precision, 1, seed, grad_checkpointing)
-    ref_model = reference() if grpo.uses_reference(s, rollout_rank) else None     # only where the KL is computed
+        model, _ = policy.policy_model(job.model_source, device, s.precision, 1, run.seed, s.grad_checkpointing)
+    ref_model = job.reference() if grpo.uses_reference(s, rollout_rank) else None   # only where the KL is computed
     if rollout_rank:
-        rollout_loop(run, layout, model, ref_model, processor, records, video_root, cfg, s, steps, start, pad_id,
-                     pool, eval_every, evaluate)
+        rollout_loop(run, layout, model, ref_model, processor, job)
         return model
     trun = copy.copy(run)                                      # the trainers' view of the run: its group and size
     trun.world, trun.group = layout.n_trainers, layout.trainers
     if layout.n_trainers > 1:
         from torch.distributed.device_mesh import DeviceMesh
-        runtime.shard_model(model, grpo.PRECISION[precision], DeviceMesh.from_group(layout.trainers, device.type))
-    if source is not None:
-        runtime.load_train_state(source, model, None, layout.trainers)
-    optimizer = grpo.make_optimizer(model, lr, vision_lr_scale)
-    trun.load_optimizer(source, model, optimizer, state, "rl")             # AdamW's moments when resuming RL
-    trainer_loop(trun, layout, model, ref_model, processor, optimizer, records, video_root, cfg, s, steps, lr,
-                 warmup_steps, pad_id, start, eval_every, evaluate)
+        runtime.shard_model(model, policy.PRECISION[s.precision], DeviceMesh.from_group(layout.trainers, device.type))
+    if job.checkpoint is not None:
+        runtime.load_train_state(job.checkpoint, model, None, layout.trainers)
+    optimizer = policy.make_optimizer(model, s.lr, s.vision_lr_scale)
+    trun.load_optimizer(job.checkpoint, model, optimizer, job.state, "rl")     # AdamW's moments when resuming RL
+    trainer_loop(trun, layout, model, ref_model, processor, optimizer, job)
     return model

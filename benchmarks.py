@@ -446,11 +446,14 @@ def load_charades_sta(path) -> list[dict]:
     return out
 
 
-def synthetic_records(video_root: str, n: int = 48, seed: int = 2000, duration: float = 64.0,
-                      mix: str | None = None) -> list[dict]:
-    """The generated needle-in-a-long-video task (data.py); seed 2000 = the held-out split of train.py --seed 0.
-    mix: "kind=weight,..." (data.parse_mix), None = data.DEFAULT_MIX."""
+def synthetic_records(video_root: str, n: int, seed: int, duration: float, mix: str | None = None) -> list[dict]:
+    """The generated needle-in-a-long-video task (data.py); seed data.SPLIT_SEEDS["held_out"] + s with n_eval
+    questions = the held-out split of train.py --seed s. mix: "kind=weight,..." (data.parse_mix), None =
+    data.DEFAULT_MIX."""
     return data.make_split(video_root, n, seed=seed, mix=data.parse_mix(mix), duration=duration)
+
+
+RECORDS_MAX_BAD_FRACTION = 0.5   # an evaluation's own records: past this fraction of bad lines the file is refused
 
 
 def load_records(path, warn: Callable[[str], None]) -> list[dict]:
@@ -460,7 +463,7 @@ def load_records(path, warn: Callable[[str], None]) -> list[dict]:
     kind = sniff(path)
     if kind not in (None, "records"):
         raise WrongFormat(f"{path}: not a file of prompt records; {describe(kind)}")
-    records, errors = data.read_valid_records(str(path), None)
+    records, errors = data.read_valid_records(str(path), None, max_bad_fraction=RECORDS_MAX_BAD_FRACTION)
     for e in errors:
         warn(f"skipping {e}")
     return records

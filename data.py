@@ -179,8 +179,8 @@ def validate_record(rec: dict, video_root: str | None, where: str) -> dict:
         raise RecordError(f"{where.rstrip(': ')}: {e}") from None
 
 
-def read_valid_records(path: str, video_root: str | None = None, max_bad_fraction: float = 0.5
-                 ) -> tuple[list[dict], list[str]]:
+def read_valid_records(path: str, video_root: str | None = None, *, max_bad_fraction: float
+                       ) -> tuple[list[dict], list[str]]:
     """(good records, errors "file:line: reason") of a JSONL file; blank lines are skipped.
 
     Raises ValueError only if the file cannot be read or more than max_bad_fraction of its lines are bad."""
@@ -326,7 +326,7 @@ def parse_mix(text: str | None) -> dict | None:
     return mix
 
 
-def make_split(root: str, n: int, seed: int, mix: dict | None = None, duration: float = 64.0) -> list[dict]:
+def make_split(root: str, n: int, seed: int, mix: dict | None = None, *, duration: float) -> list[dict]:
     """n synthetic prompt records (video paths relative to root, so video_root=root), videos cached in
     <root>/videos/<id>-<spec hash>.mp4. Deterministic in (n, seed, mix, duration): same ids, answers and
     video bytes. Another n, mix or duration can give an id other content: the hash of the generation spec
@@ -432,12 +432,14 @@ def _shows(window: list[float], patches: list[tuple[float, float, float]]) -> bo
     return any(window[0] <= f < window[1] for _, f0, f1 in patches for f in (f0, f1))
 
 
-def glyphs_seen(record: dict, nframes: int, windows, crop_fps: float = 1.0, crop_max_frames: int = 16
-                ) -> bool | None:
+def glyphs_seen(record: dict, nframes: int, windows, crop_fps: float | None = None,
+                crop_max_frames: int | None = None) -> bool | None:
     """Whether every glyph a synthetic colour question's answer reads fell in a frame the policy was shown: the
-    K-frame overview's or one of its executed crops' (`windows`, sampled as the rollout samples them). A crop
-    can cover a glyph's slot and still miss it between its frames. None where this cannot tell (as
-    `tool_needed`)."""
+    K-frame overview's or one of its executed crops' (`windows`, sampled as the rollout samples them: `crop_fps`,
+    `crop_max_frames`, RolloutConfig's, given with windows). A crop can cover a glyph's slot and still miss it
+    between its frames. None where this cannot tell (as `tool_needed`)."""
+    if windows and (crop_fps is None or crop_max_frames is None):
+        raise ValueError("glyphs_seen: a crop's frames need crop_fps and crop_max_frames (the rollout's)")
     glyphs = (record.get("meta") or {}).get("glyph_windows")
     if record.get("task") != "mcq" or not glyphs or not nframes:
         return None
@@ -456,9 +458,9 @@ def tool_needed(record: dict, nframes: int) -> bool | None:
     return None if seen is None else not seen
 
 
-def oracle_turns(record: dict, rng: np.random.Generator, always_call: bool = False,
-                 window_noise: float = 1.0, nframes: int = 8, direct_crop: float = 0.0, crop_fps: float = 1.0,
-                 crop_max_frames: int = 16, budget: int | None = None, call_prior: float = 1.0) -> list[dict]:
+def oracle_turns(record: dict, rng: np.random.Generator, *, nframes: int, crop_fps: float, crop_max_frames: int,
+                 always_call: bool, direct_crop: float, window_noise: float = 1.0, budget: int | None = None,
+                 call_prior: float = 1.0) -> list[dict]:
     """The SFT target after the prompt: assistant strings (docs/method.md §2 format) and one tool message per call.
 
     The oracle acts only on what it has seen: the K-frame overview (`nframes` = the overview the rollout uses),
@@ -571,30 +573,35 @@ def oracle_rounds(messages: list[dict]) -> int:
                for k, m in enumerate(messages))
 
 
-def write_sft_records(path: str, records: list[dict], seed: int, always_call: bool = False) -> None:
-    """JSONL of {"id", "video", "prompt": record, "messages": oracle_turns(record)} (see module docstring)."""
+def write_sft_records(path: str, records: list[dict], seed: int, **oracle) -> None:
+    """JSONL of {"id", "video", "prompt": record, "messages": oracle_turns(record, **oracle)} (see module
+    docstring); `oracle`: oracle_turns' keywords (the overview, the crops' sampling, always_call, direct_crop)."""
     rng = np.random.default_rng(seed)
     write_records(path, [{"id": r["id"], "video": r["video"], "prompt": r,
-                          "messages": oracle_turns(r, rng, always_call)} for r in records])
+                          "messages": oracle_turns(r, rng, **oracle)} for r in records])
 
 
 # -----------------------------------------------------------------------------
 # training data: a run's records (held-out split, the synthetic task) and recorded SFT trajectories
+
+SPLIT_SEEDS = {"sft": 1000, "held_out": 2000, "rl": 4000}   # a synthetic split's seed: this + the run's --seed
+
 
 def synthetic_data(seed: int, n_train: int, n_eval: int, duration: float, mix: str | None,
                    cache: str) -> tuple[list, list, str]:
     """The synthetic needle task: a training split (seed 1000 + s) and a held-out one (2000 + s), disjoint."""
     root = os.path.join(cache, "synthetic")
     mix = parse_mix(mix)
-    train = make_split(root, n_train, seed=1000 + seed, mix=mix, duration=duration)
-    held = make_split(root, n_eval, seed=2000 + seed, mix=mix, duration=duration)
+    train = make_split(root, n_train, seed=SPLIT_SEEDS["sft"] + seed, mix=mix, duration=duration)
+    held = make_split(root, n_eval, seed=SPLIT_SEEDS["held_out"] + seed, mix=mix, duration=duration)
     return train, held, root
 
 
 def synthetic_rl(seed: int, n: int, duration: float, mix: str | None, cache: str) -> list:
     """The synthetic task's RL prompts (seed 4000 + s): disjoint from the SFT split (1000 + s), so RL samples
     questions the warm start never saw, and from the held-out one (2000 + s). `train.py --n-rl N`."""
-    return make_split(os.path.join(cache, "synthetic"), n, seed=4000 + seed, mix=parse_mix(mix), duration=duration)
+    return make_split(os.path.join(cache, "synthetic"), n, seed=SPLIT_SEEDS["rl"] + seed, mix=parse_mix(mix),
+                      duration=duration)
 
 
 def split_held_out(records: list, n: int, seed: int) -> tuple[list, list]:
@@ -612,11 +619,12 @@ def load_data(data_path: str | None, eval_path: str | None, video_root: str | No
               max_bad_fraction: float, log=print) -> tuple[list, list, str, str]:
     """(training records, held-out records, video root, where the held-out set came from): the prompt records
     of `data_path` with `eval_path` held out, or `held_out` of them split off (never drawn for training)."""
-    train, errors = read_valid_records(data_path, video_root, max_bad_fraction)
+    train, errors = read_valid_records(data_path, video_root, max_bad_fraction=max_bad_fraction)
     for e in errors[:5]:
         log(f"skipped record: {e}")
     if eval_path:
-        return train, read_valid_records(eval_path, video_root)[0], video_root, eval_path
+        return train, read_valid_records(eval_path, video_root, max_bad_fraction=max_bad_fraction)[0], video_root, \
+            eval_path
     train, held = split_held_out(train, held_out, seed)
     note = f"split: {len(held)} of --data's records (seed {seed}), never drawn for training"
     log(f"held-out set: {note}")
@@ -683,9 +691,8 @@ def bad_calls(messages: list[dict], duration: float | None, min_window: float) -
     return problems
 
 
-def oracle_sft_pairs(records: list[dict], cfg, seed: int, gated_choices: list[int], always_call: bool = False,
-                     direct_crop: float = 0.0, budget_fraction: float = 0.0, tool_free: float = 0.0
-                     ) -> tuple[list, list[str]]:
+def oracle_sft_pairs(records: list[dict], cfg, seed: int, gated_choices: list[int], *, always_call: bool,
+                     direct_crop: float, budget_fraction: float, tool_free: float) -> tuple[list, list[str]]:
     """The synthetic task's SFT trajectories, (record, messages, where, K, rollout config) each, and the records
     the oracle could not answer: each record with the evaluation overview (cfg.overview_nframes, else 8 frames),
     and once more with a K drawn from `gated_choices` when given; with probability `budget_fraction` a trajectory

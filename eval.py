@@ -9,10 +9,11 @@ one question about one video. One evaluation path: train.py's held-out evaluatio
                   (one bar over every rank's questions), agent_runner(), trajectory_row()
     figures       agent_figures(records, rows): format compliance, tool-call ratio, clue score, tool
                   turns, r_acc; error_reasons(rows)
-    presets       preset_rollout_config(): each preset's evaluation protocol (recipes.PRESETS, shared with train.py)
+    presets       preset_rollout_config(): each preset's evaluation protocol (recipes.PRESETS, shared with train.py);
+                  preset_defaults(): the preset (recipes.model_preset) and the flags it sets (--batch-size, ...)
     ask           ask_record(video, question, options), ask(): each turn printed as it completes
                   (rollout.run_agent's on_turn, turn_lines), the answer alone on the last line
-    CLI           python eval.py                                    # synthetic split, tiny model (CPU smoke)
+    CLI           python eval.py                                    # train.py's held-out synthetic split, tiny model
                   python eval.py --bench records --annotations my_records.jsonl --video-root DIR --model ckpt/
                   python eval.py --gpus 8 --bench mlvu --annotations MLVU/data/1_plotQA.json --video-root MLVU \
                       --model ckpt/ --preset videoo3 --out runs/eval/mlvu.jsonl
@@ -165,10 +166,11 @@ class Progress:
         self.bar.close()
 
 
-def predict(records: list[dict], run_batch: Callable, out_path=None, batch_size: int = 1, rank: int = 0,
+def predict(records: list[dict], run_batch: Callable, out_path, batch_size: int, rank: int = 0,
             world: int = 1) -> list[dict] | None:
-    """Rows for every record, in record order. Resumes: answered ids already in out_path are kept, not
-    redone (error rows are redone); each new row is appended to out_path as one JSON line and flushed.
+    """Rows for every record, in record order, `batch_size` records a run_batch call. Resumes: answered ids already
+    in out_path (None: no file) are kept, not redone (error rows are redone); each new row is appended to out_path
+    as one JSON line and flushed.
 
     With `world` processes, rank r answers records[r::world] (question i -> rank i % world), appending to
     its own file rank_path(out_path, r); rank 0 gathers every rank's rows, writes out_path in record order
@@ -222,7 +224,7 @@ def predict(records: list[dict], run_batch: Callable, out_path=None, batch_size:
 
 # ----------------------------------------------------------------------------- the agent
 
-def preset_rollout_config(preset: str = "paravt", tool_mode: str | None = None, tiny: bool = False, **overrides):
+def preset_rollout_config(preset: str, tool_mode: str | None = None, tiny: bool = False, **overrides):
     """rollout.RolloutConfig of a preset's evaluation (recipes.preset_values; on the tiny model with its frames):
     greedy, one sample a question, the preset's eval_max_turns tool rounds (Video-o3 trains with 6 and evaluates
     with 8), then `tool_mode` and `overrides`; names a field RolloutConfig lacks."""
@@ -307,11 +309,12 @@ def report(bench: str, records: list[dict], rows: list[dict], extract: str | Non
             **agent_figures(records, rows)}
 
 
-def evaluate(model, processor, records: list[dict], video_root: str, cfg, bench: str = "records",
-             out_path=None, batch_size: int = 8, seed: int = 0, extract: str | None = None,
-             random_fallback: int | None = None, rank: int = 0, world: int = 1) -> dict:
-    """Run the agent greedily (cfg with temperature 0, one sample per question) on `records`, resuming
-    from out_path, and return report(): the official-style metrics plus the agent figures. A record
+def evaluate(model, processor, records: list[dict], video_root: str, cfg, *, batch_size: int, bench: str = "records",
+             out_path=None, seed: int = 0, extract: str | None = None, random_fallback: int | None = None,
+             rank: int = 0, world: int = 1) -> dict:
+    """Run the agent greedily (cfg with temperature 0, one sample per question) on `records`, `batch_size`
+    questions a batched rollout (the preset's eval_batch), resuming from out_path, and return report(): the
+    official-style metrics plus the agent figures. A record
     whose run fails is an error row with its reason, scored wrong. With `world` processes each rank runs
     its share (predict()); rank 0 scores the merged rows once and every rank returns its metrics."""
     greedy = dataclasses.replace(cfg, temperature=0.0, group_size=1)
@@ -321,19 +324,19 @@ def evaluate(model, processor, records: list[dict], video_root: str, cfg, bench:
 
 
 def evaluate_held_out(model, processor, records: list, video_root: str, cfg, run: runtime.Run,
-                      name: str, report_questions: int = 8, batch_size: int = 8) -> dict:
+                      name: str, *, batch_size: int, report_questions: int = 8) -> dict:
     """train.py's held-out evaluation: the greedy agent on the held-out records through this runner (official-style scores plus format
     compliance, tool-call ratio, clue score, turns), split over the ranks as `eval.py --gpus N` splits them
     (question i on rank i % N); rank 0 merges the predictions into RUN_DIR/eval/<name>.jsonl, scores them once
     and writes a trajectory report of the first `report_questions` questions in RUN_DIR/report/<name>/index.html.
-    `batch_size`: questions per batched rollout (train.py --set eval_batch). Every rank returns rank 0's figures."""
+    `batch_size`: questions per batched rollout (the preset's eval_batch). Every rank returns rank 0's figures."""
     out = os.path.join(run.run_dir, "eval", f"{name}.jsonl")
     if run.rank == 0:                                  # new weights: never resume another evaluation's answers
         remove_predictions(out)
     runtime.barrier(run.world)
     with runtime.full_weights(model):
-        m = evaluate(model, processor, records, video_root, cfg, bench="records", out_path=out, batch_size=batch_size,
-                                rank=run.rank, world=run.world)
+        m = evaluate(model, processor, records, video_root, cfg, batch_size=batch_size, bench="records", out_path=out,
+                     rank=run.rank, world=run.world)
     if run.rank == 0 and report_questions:
         import report
         rows = read_predictions(out)
@@ -473,14 +476,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(read only; links inside it are followed)")
     g.add_argument("--mmvu-subset", choices=("mc", "all"), default="mc", help="mmvu: 625 multiple-choice or all 1,000")
     g.add_argument("--limit", type=int, default=None, help="first N questions only")
-    g.add_argument("--synthetic-n", type=int, default=48,
-                   help="synthetic: questions in the held-out split (train.py --n-eval); videos go to "
-                        "$PARAVT_CACHE/synthetic (default ./cache/synthetic)")
-    g.add_argument("--synthetic-seed", type=int, default=2000,
-                   help="synthetic: the split's seed; train.py draws 1000 + --seed for training and 2000 + --seed "
+    g.add_argument("--synthetic-n", type=int, default=None,
+                   help="synthetic: questions in the split, the preset's n_eval (train.py --n-eval)" +
+                        recipes.per_preset("n_eval") + "; videos go to $PARAVT_CACHE/synthetic (default "
+                        "./cache/synthetic)")
+    g.add_argument("--synthetic-seed", type=int, default=data.SPLIT_SEEDS["held_out"],
+                   help=f"synthetic: the split's seed (default {data.SPLIT_SEEDS['held_out']}: with the default "
+                        f"--synthetic-n the held-out split of train.py --seed 0); train.py draws "
+                        f"{data.SPLIT_SEEDS['sft']} + --seed for training and {data.SPLIT_SEEDS['held_out']} + --seed "
                         "held out, so 3000 is a fresh split for a run of seed 0")
     g.add_argument("--synthetic-mix", default=None,
-                   help="synthetic: question kinds, kind=weight,... (e.g. search=1; default: the training mix)")
+                   help="synthetic: question kinds, kind=weight,... (e.g. search=1; default: the preset's task_mix, "
+                        "the training mix)")
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="checkpoint dir, a train.py run dir (its best checkpoint by "
                    "evaluation, else its newest), hub id or 'tiny' (default tiny unless --predictions)")
@@ -489,14 +496,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "interleaved; tiny: the embedded default's (default: tiny for the tiny model, else paravt)")
     g.add_argument("--tool-mode", choices=("subagent", "interleaved"), default=None,
                    help="override the preset's mode (the tiny model defaults to interleaved, as train.py trains it)")
-    g.add_argument("--batch-size", type=int, default=8, help="questions per rollout.run_agent call (one batched rollout)")
+    g.add_argument("--batch-size", type=int, default=None, help="questions per rollout.run_agent call (one batched "
+                   "rollout), the preset's eval_batch" + recipes.per_preset("eval_batch"))
     g.add_argument("--overview-nframes", type=int, default=None,
-                   help="exactly K overview frames (ParaVT's nFrames; default: the preset's rule, the tiny model's 8)")
+                   help="exactly K overview frames (ParaVT's nFrames), the preset's overview_nframes (None: the fps "
+                        "rule)" + recipes.per_preset("overview_nframes"))
     g.add_argument("--max-turns", type=int, default=None,
                    help="the tool-turn budget: tool calls are executed in at most this many turns, then the "
-                        "forced-answer message (0: answer from the overview; default: the preset's)")
+                        "forced-answer message (0: answer from the overview), the preset's eval_max_turns" +
+                        recipes.per_preset("eval_max_turns"))
     g.add_argument("--max-new-tokens", type=int, default=None,
-                   help="per assistant turn (default: 128 on the tiny model, as train.py; else RolloutConfig's)")
+                   help="per assistant turn, the preset's max_new_tokens" + recipes.per_preset("max_new_tokens"))
     g.add_argument("--out", default=None, help="predictions JSONL (resumed if it exists, error rows run again; default "
                    "runs/eval/<bench>-<preset>-<model>.jsonl, the synthetic bench's name with its size and seed); "
                    "with --gpus N each rank writes OUT.rank<r> and rank 0 merges them into OUT; with --video: "
@@ -523,6 +533,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--max-turns must be >= 0, got {args.max_turns}")
     if args.gpus is not None and args.gpus < 1:
         p.error(f"--gpus must be >= 1, got {args.gpus}")
+    if args.batch_size is not None and args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.video is not None:
         if args.question is None:
             p.error("--video needs --question (and --options for a multiple-choice question)")
@@ -575,18 +587,19 @@ def model_path(name: str) -> str:
     return found
 
 
-def load_agent(name: str, device, preset: str, tool_mode: str | None, max_new_tokens: int | None,
+def load_agent(name: str, device, preset: str | None, tool_mode: str | None, max_new_tokens: int | None,
                max_turns: int | None, overview_nframes: int | None):
-    """(model, processor, RolloutConfig) of --model under --preset (None: tiny for the tiny model, else paravt)
-    and the flags that override it; the tiny model (fresh or trained) gets its frame sizes (recipes.TINY_FRAMES)."""
+    """(model, processor, RolloutConfig) of --model under --preset (None: recipes.model_preset's, tiny for the tiny
+    model, else paravt) and the flags that override it; the tiny model (fresh or trained) gets its frame sizes
+    (recipes.TINY_FRAMES)."""
     import model as model_lib
     import rollout
+    preset, tiny = recipes.model_preset(name, preset)
     model, processor = model_lib.load_model(name, device=device, tiny_corpus=rollout.prompt_corpus())
-    tiny = hasattr(model.config, "tiny_model_config")      # the embedded default, fresh or trained
     overrides = {**({"max_new_tokens": max_new_tokens} if max_new_tokens else {}),
                  **({"max_turns": max_turns} if max_turns is not None else {}),
                  **({"overview_nframes": overview_nframes} if overview_nframes else {})}
-    return model, processor, preset_rollout_config(preset or ("tiny" if tiny else "paravt"), tool_mode, tiny, **overrides)
+    return model, processor, preset_rollout_config(preset, tool_mode, tiny, **overrides)
 
 
 def _agent(args, device):
@@ -599,8 +612,7 @@ def run(args: argparse.Namespace):
     each rank runs rank_main on job_of(args): the records are loaded, and synthetic videos rendered, once)."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)")
-    if args.preset is None:      # the tiny model, fresh or trained, is evaluated as train.py trains it
-        args.preset = "tiny" if recipes.is_tiny(model_path(args.model or "tiny")) else "paravt"
+    preset_defaults(args)
     if args.video is not None:
         record, root = ask_record(args.video, args.question, args.options)     # before the model loads
         if args.threads:
@@ -620,13 +632,29 @@ def run(args: argparse.Namespace):
     return runtime.launch(rank_main, job)
 
 
+def preset_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags a preset sets, where not given: --preset itself (recipes.model_preset: the tiny model, fresh or
+    trained, is evaluated as train.py trains it), --batch-size (its eval_batch), --synthetic-n (its n_eval: train.py's
+    held-out split) and --synthetic-mix (its task_mix)."""
+    if args.preset is None:
+        args.preset = recipes.model_preset(model_path(args.model or "tiny"), None)[0]
+    values = recipes.preset_values(args.preset)
+    for flag, key in (("batch_size", "eval_batch"), ("synthetic_n", "n_eval"), ("synthetic_mix", "task_mix")):
+        if getattr(args, flag) is None:
+            setattr(args, flag, values[key])
+    return args
+
+
 def job_of(args: argparse.Namespace) -> argparse.Namespace:
-    """The flags plus what every rank shares: bench, records (--limit applied), video_root, out (the
-    predictions file; the default names the split, the preset and the model)."""
+    """The flags (`preset_defaults` filled in) plus what every rank shares: bench, records (--limit applied),
+    video_root, out (the predictions file; the default names the split, the preset and the model)."""
+    preset_defaults(args)
     bench = args.bench or "synthetic"
     if bench == "synthetic":
         video_root = os.path.join(os.environ.get("PARAVT_CACHE", "cache"), "synthetic")
-        records = synthetic_records(video_root, n=args.synthetic_n, seed=args.synthetic_seed, mix=args.synthetic_mix)
+        duration = recipes.preset_values(args.preset)["task_duration"]
+        records = synthetic_records(video_root, n=args.synthetic_n, seed=args.synthetic_seed, duration=duration,
+                                    mix=args.synthetic_mix)
     else:
         video_root = args.video_root or ""
         records = load(bench, args.annotations, video_root=args.video_root, mmvu_subset=args.mmvu_subset, warn=say)
@@ -647,8 +675,9 @@ def rank_main(rank: int, job: argparse.Namespace) -> dict:
     on rank 0 the merged predictions scored and shown."""
     rank, world, device = runtime.setup_distributed(rank, job.gpus, job.device, job.threads)
     model, processor, cfg = _agent(job, device)
-    metrics = evaluate(model, processor, job.records, job.video_root, cfg, job.bench, job.out, job.batch_size,
-                       extract=job.extract, random_fallback=job.random_fallback, rank=rank, world=world)
+    metrics = evaluate(model, processor, job.records, job.video_root, cfg, batch_size=job.batch_size, bench=job.bench,
+                       out_path=job.out, extract=job.extract, random_fallback=job.random_fallback, rank=rank,
+                       world=world)
     if rank == 0:
         ids = {r["id"] for r in job.records}
         rows = [r for r in read_predictions(job.out) if str(r["id"]) in ids]
@@ -673,6 +702,100 @@ def show(metrics: dict, bench: str, records: list[dict], rows: list[dict], video
             print(f"  {n} x {example}", file=sys.stderr)
     print(json.dumps(metrics, ensure_ascii=False), flush=True)
     return metrics
+
+
+# -----------------------------------------------------------------------------
+# The RL step's row: the rollout's agent figures over every rank's share, and the update's
+
+def rollout_metrics(trajs: list, comps: list[dict], records: dict | None = None) -> dict:
+    """Means over a step's trajectories: accuracy, format compliance, tool use (ParaVT's curves; the figures are
+    rewards.py's agent figures over the non-error trajectories, turns = tool turns, 0 where undefined); with the
+    records by id, on the synthetic task, also sums and counts per tool need (data.tool_needed under the overview
+    the rollout drew): on the questions that needed the tool and on those that did not, the accuracy and the
+    tool-call ratio (a trajectory that ended in an error counts as no call). split_accuracy turns the all-rank
+    sums into ratios, so a rank's share of the step weighs by its count, not as a rank mean."""
+    ok = [t for t in trajs if t.error is None]
+    n = max(1, len(ok))
+    calls = sum(t.n_calls for t in ok)
+    tool_turns = sum(t.n_tool_turns for t in ok)
+    zero = lambda x: 0.0 if x is None else x           # a step without a finished trajectory logs 0
+    out = {f"reward/{k}": sum(c[k] for c in comps) / max(1, len(comps)) for k in (comps[0] if comps else {})}
+    out.update(accuracy=out.get("reward/acc", 0.0),
+               format_compliance=zero(rewards.format_compliance(t.text for t in ok)),
+               tool_call_ratio=zero(rewards.tool_call_ratio(t.n_calls for t in ok)),
+               calls_per_turn=rewards.calls_per_turn(calls, max(1, tool_turns)),
+               turns=zero(rewards.mean_turns(t.n_tool_turns for t in ok)),
+               tool_failure_rate=rewards.tool_failure_rate(sum(t.tool_failures for t in ok), max(1, calls)),
+               truncated=sum(t.truncated or t.hit_turn_limit for t in ok) / n,
+               mean_k=sum(t.nframes for t in ok) / n, bad_samples=len(trajs) - len(ok))
+    if records is not None:      # sums and counts, the same keys on every rank (split_accuracy divides)
+        need = [data.tool_needed(records[t.record_id], t.nframes) if t.record_id in records else None for t in trajs]
+        for name, want in (("tool_needed", True), ("tool_not_needed", False)):
+            group = [(t, c) for t, c, nd in zip(trajs, comps, need) if nd is want]
+            out.update({f"{name}_hits": sum(c["acc"] for _, c in group),
+                        f"{name}_calls": sum(t.error is None and t.n_calls > 0 for t, _ in group),
+                        f"{name}_n": len(group)})
+    return out
+
+
+SUMMED = ("_hits", "_calls", "_n")          # rollout_metrics' per-need sums and counts (the other keys are means)
+
+
+def merge_figures(parts: list[tuple[int, dict]]) -> dict:
+    """rollout_metrics' figures of several shares of a step, (n trajectories, figures) each, as one: the means
+    weighted by n (a key a share lacks weighs 0 there; a key of one share as it is), the per-need sums summed and
+    turned into split_accuracy's ratios, so a share weighs by its count, not as a rank mean."""
+    out = {}
+    for k in sorted(set().union(*(f for _, f in parts))):
+        have = [(n, f[k]) for n, f in parts if k in f]
+        if k.endswith(SUMMED):
+            out[k] = float(sum(v for _, v in have))
+        else:
+            weight = sum(n for n, _ in have)
+            out[k] = float(have[0][1]) if len(have) == 1 else sum(n * v for n, v in have) / max(1, weight)
+    return split_accuracy(out)
+
+
+def split_accuracy(m: dict) -> dict:
+    """rollout_metrics' (all-rank) sums -> acc_tool_needed / acc_tool_not_needed and tool_call_ratio_needed /
+    tool_call_ratio_not_needed (hits / n, calls / n), left out where no question was."""
+    for name in ("tool_needed", "tool_not_needed"):
+        hits, calls, n = (m.pop(f"{name}_{k}", 0.0) for k in ("hits", "calls", "n"))
+        if n:
+            m[f"acc_{name}"] = hits / n
+            m[f"tool_call_ratio_{name.removeprefix('tool_')}"] = calls / n
+    return m
+
+
+def decode_figures(pool: video.DecodePool | None) -> dict:
+    """The decode pool's seconds decoding and waited on since the last call, and the frame cache's hit rate."""
+    if pool is None:
+        return {}
+    ps = pool.stats(reset=True)
+    return dict(decode_s=ps["decode_seconds"], decode_wait_s=ps["wait_seconds"],
+                frame_cache_hit_rate=pool.cache.stats()["hit_rate"] if pool.cache else 0.0)
+
+
+def rollout_figures(g, records: dict) -> tuple[int, dict]:
+    """(n trajectories, figures) of one rank's share of a step (g: grpo.Groups): rollout_metrics, the mean task
+    reward, the zero-variance fraction and the KL folded into the reward; what step_row merges."""
+    figures = rollout_metrics(g.trajs, g.comps, records)
+    figures.update(reward=float(g.rewards.mean()) if g.trajs else 0.0, zero_var_frac=g.zero_var_frac,
+                   reward_kl=float(g.seq_kl.mean()) if g.trajs else 0.0)
+    return len(g.trajs), figures
+
+
+def step_row(shares: list[tuple[int, dict]], update: dict, groups: int) -> dict:
+    """An RL step's row, in both loops: every share's rollout figures merged, the update's figures, the groups."""
+    return {**merge_figures(shares), **update, "groups": groups}
+
+
+def step_line(step: int, steps: int, row: dict) -> str:
+    """The step's progress line."""
+    return (f"rl {step}/{steps} | R {row['reward']:.3f} | acc {row['accuracy']:.2f} | "
+            f"fmt {row['format_compliance']:.2f} | tool {row['tool_call_ratio']:.2f} | turns {row['turns']:.2f} | "
+            f"K {row['mean_k']:.1f} | zero-var {row['zero_var_frac']:.2f} | draws {row['draws']:.0f} | "
+            f"clip {row['clip_frac']:.3f} | kl {row['kl']:.4f} | {row['step_time']:.1f}s")
 
 
 if __name__ == "__main__":

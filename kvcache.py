@@ -543,10 +543,8 @@ class GroupKV:
 
 
 def _prompt_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal fp32 attention of whole prompts, q (n, H, L, d), key / value (n, H_kv, L, d) -> (n, H, L, d). The K/V
-    heads are repeated to H first: on CUDA, flash and cuDNN take no fp32, and before torch 2.14 the memory-efficient
-    kernel takes no grouped K/V, so fp32 GQA would fall to the math kernel and its (n, H, L, L) fp32 scores (32 GiB
-    a 16k-token prompt at Qwen3-VL-8B's 32 heads). The repeat costs (n, H, L, d) twice (256 MiB at 16k tokens)."""
+    """Causal fp32 attention of whole prompts, q (n, H, L, d), key / value (n, H_kv, L, d) -> (n, H, L, d), the K/V
+    heads repeated to H: fp32 grouped-query SDPA falls to CUDA's math kernel and its (n, H, L, L) scores."""
     if key.shape[1] != q.shape[1]:
         key, value = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (key, value))
     return F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale)
@@ -568,8 +566,7 @@ def _pack(lengths: list[int], limit: int) -> list[tuple[int, int, int]]:
 
 
 def _gather(pool: torch.Tensor, slots: torch.Tensor, *shape: int) -> torch.Tensor:
-    """pool (slots, ...) rows at the flat `slots` (k,) -> shape + pool.shape[1:] (shape's product k). index_select:
-    on the CPU about 7 times faster than advanced indexing (pool[slots]) for a decode step's slabs."""
+    """pool rows at the flat `slots` (k,) -> shape + pool.shape[1:], by index_select (faster on the CPU)."""
     return pool.index_select(0, slots).view(*shape, *pool.shape[1:])
 
 
@@ -585,29 +582,16 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _hidden(hide: torch.Tensor) -> torch.Tensor:
-    """The additive fp32 mask of a boolean `hide`: 0 where a key is seen, -inf where it is hidden. Made once per
-    forward (it does not change with the layer) and added to the scores by every attention call that reads it."""
+    """The additive fp32 mask of a boolean `hide`: 0 where a key is seen, -inf where hidden."""
     return torch.zeros(hide.shape, device=hide.device).masked_fill_(hide, float("-inf"))
 
 
 def _attend(q, k, v, scale, qpos=None, bias=None):
-    """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d), computed in fp32 whatever the inputs' dtype;
-    returns (out (n, h, m, d) fp32, lse (n, h, m)): the log-sum-exp lets two partial attentions be merged
-    exactly. bias (n, 1, 1, c) fp32 is added to every query's scores (`_hidden`: -inf on a key past a row's end or
-    a prompt's length; None: nothing hidden; (n, 1, m, c): `_fused_causal`'s mask, for the fused kernel only), and
-    key j is hidden from query i of row b where j > qpos[b, i] (causal; None: no causal limit).
-    On the CPU, one fused kernel: PyTorch's flash attention for the CPU, which returns the LSE beside the output and
-    holds the scores in tiles (`aten._scaled_dot_product_flash_attention_for_cpu`; the public
-    `scaled_dot_product_attention` does not return the LSE): without a causal limit (a decode step's every call, a
-    prompt read for a chunk), and with one where its mask, (n, 1, m, c) fp32, is within SCORES_BUDGET elements (a
-    next-turn chunk's own part; bench/rollout_bench.py --parts 1). On this project's CPU it costs half the
-    hand-written form's time at a decode step's sizes, where a call's cost is its operations, not its FLOPs.
-    Elsewhere (a causal chunk whose mask would pass the budget; CUDA, where the fused kernels that return the LSE
-    take other arguments: not run here; the tests run it on the CPU with FUSED_CPU off) the hand-written form:
-    queries in blocks, each block's causal mask built from the positions, so no scores or mask tensor exceeds
-    SCORES_BUDGET elements whatever the chunk and span (one query row of scores at least); one exponential pass over
-    the scores (m = max, p = exp(s - m), out = p v / sum p, lse = m + log sum p), the scale on the queries, the
-    smaller tensor. Autocast is off inside (its matmuls would round the scores to bf16)."""
+    """Softmax attention of q (n, h, m, d) over k, v (n, h, c, d) in fp32 -> (out (n, h, m, d), lse (n, h, m)),
+    the log-sum-exp so that two partial attentions merge exactly (`_merge`). bias (n, 1, 1, c) or (n, 1, m, c) fp32
+    is added to the scores; key j is hidden from query i of row b where j > qpos[b, i] (None: no causal limit). On
+    the CPU, PyTorch's fused flash kernel, which returns the LSE, while a causal mask is within SCORES_BUDGET;
+    elsewhere the hand-written form in query blocks (docs/method.md §8). Autocast is off inside."""
     with torch.autocast(q.device.type, enabled=False):
         return _attend_fp32(q, k, v, scale, qpos, bias)
 
@@ -680,12 +664,8 @@ def memory_budget(budget_bytes: int | None, device, model=None) -> int:
 
 
 def default_budget(free: int, cast_params: int, autocast: torch.dtype | None) -> int:
-    """The default K/V budget on a GPU: 80 % of `free` bytes (the other 20 % for activations, logits and attention
-    blocks) after the weight copies autocast will make: under autocast (`autocast`: its dtype, bf16 on the fp32
-    master weights of --precision bf16) each of `cast_params` weights is cast once at the first forward and the copy
-    kept until its region ends (autocast's weight cache), i.e. through the rollout: cast_params x 2 bytes not yet
-    allocated when the budget is read. The count is the model's (`autocast_copies`): none for FSDP2's shards (the
-    rollout runs on their bf16 all-gather) or an asynchronous rollout rank's bf16 weights (grpo.sampler_model)."""
+    """The default K/V budget on a GPU: 80 % of the `free` bytes left after autocast's weight copies (cast_params x
+    its dtype's bytes; `autocast_copies` counts them)."""
     copies = cast_params * autocast.itemsize if autocast is not None else 0
     return max(0, int(0.8 * (free - copies)))
 
@@ -721,8 +701,7 @@ def clip_tokens(max_frames: int, max_pixels: int | None, factor: int) -> int:
 
 
 def assistant_turns(cfg) -> int:
-    """The most assistant turns a row writes: max_turns tool turns (at least one: with max_turns 0 a turn's calls
-    get the forced-answer message), then the answer."""
+    """The most assistant turns a row writes: max(max_turns, 1) tool turns, then the answer."""
     return max(cfg.max_turns, 1) + 1
 
 

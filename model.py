@@ -276,7 +276,7 @@ def bpe_merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     merge priority r. Every multi-byte token gets one merge, in rank order, so a Hugging Face BPE model
     with these merges tokenizes exactly as tiktoken does (Qwen's: 151,387 merges for 151,643 ranks).
     Cost: O(sum of len(t)^2) dictionary look-ups: 0.9 s for Qwen's ranks in CPython on one core
-    (measured by bench/qwen_tokenizer_build.py, since removed: docs/experiments.md), hence the caches in `qwen_tokenizer`.
+    (docs/experiments.md), hence the caches in `qwen_tokenizer`.
     """
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):

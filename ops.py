@@ -45,10 +45,7 @@ _MIN_CHUNK_LOGITS = 1 << 23   # the losses' smallest chunk buffer, in elements (
 MAX_CHUNKS = 8                  # the default chunk rule splits a loss into at most this many chunks (_auto_chunk)
 
 # Layout: a chunk of C tokens has its logits vocab-major, logits^T = W h_c^T of shape (V, C), in one reused buffer,
-# so the GEMMs are (V, D) x (D, C), (D, V) x (V, C) and (V, C) x (C, D). Measured (bench/chunk_layout.py, removed; docs/experiments.md; CPU, MKL,
-# fp32, N = 1,024, D = 4,096, V = 151,936): the three GEMMs chunk by chunk took 1.31x / 1.12x / 1.05x the time of
-# the whole-batch GEMMs at C = 128 / 256 / 512 token-major (C, V), 1.09x / 1.01x / 1.00x vocab-major. The softmax
-# reductions then run over the buffer's outer axis.
+# so the GEMMs are (V, D) x (D, C), (D, V) x (V, C) and (V, C) x (C, D) (why vocab-major: docs/method.md §8).
 
 
 def _kernel(fn, use_compile: bool):
@@ -63,9 +60,8 @@ def _kernel(fn, use_compile: bool):
 class _CompiledKernel:
     """
     A chunk kernel under torch.compile(dynamic=False, fullgraph=True), called so that one graph serves a whole
-    run: the two values that change within a run are graph inputs, not constants (issue 54, defect 5: as
-    constants, SFT's widths at T = 1 then RL's at T = 0.7 passed Dynamo's recompile limit, 8 graphs a function,
-    and RL's chunks ran eagerly with fp32 (V, C) temporaries no memory plan counts).
+    run: the two values that change within a run are graph inputs, not constants (as constants, SFT's widths at
+    T = 1 then RL's at T = 0.7 would pass Dynamo's recompile limit and run eagerly).
       - the chunk width C, the last dim of every tensor argument (the (V, C) buffer, the (C,) vectors), is marked
         dynamic: one symbol; V, the dtypes and the device stay static (fixed within a run);
       - a float argument (the temperature) is passed as a 0-dim fp32 tensor on the buffer's device.
@@ -93,7 +89,7 @@ class _CompiledKernel:
 _MIN_WIDTH = 2   # the narrowest chunk: a width of 1 would compile a graph of its own (see _CompiledKernel)
 
 
-def _chunk_logprobs(logits_t, targets, temperature: float = 1.0):
+def _chunk_logprobs(logits_t, targets, temperature: float):
     """One chunk forward: logits^T (V, C) -> log p(target) (C,) and logsumexp (C,) of logits / T, both fp32."""
     z = logits_t.float()                                          # the upcast fuses into the reductions
     if isinstance(temperature, torch.Tensor) or temperature != 1.0:   # eager T = 1 skips it; compiled T is a
@@ -109,7 +105,7 @@ def _chunk_logprobs(logits_t, targets, temperature: float = 1.0):
     return target_logit - lse, lse
 
 
-def _chunk_grad_logits_(logits_t, targets, lse, grad_out, temperature: float = 1.0):
+def _chunk_grad_logits_(logits_t, targets, lse, grad_out, temperature: float):
     """One chunk backward, in place: logits^T (V, C) <- (g / T) (onehot(t) - softmax(logits / T)), vocab-major."""
     z = logits_t.float()
     if isinstance(temperature, torch.Tensor) or temperature != 1.0:   # as in _chunk_logprobs
@@ -210,47 +206,18 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
-                   chunk_size: int | None = 1024, compile: bool = True, temperature: float = 1.0) -> torch.Tensor:
+                   chunk_size: int | None = 1024, *, compile: bool, temperature: float) -> torch.Tensor:
     """
-    log p(target) for each token from final hidden states, at temperature T, without materialising the logits.
+    log p(target) per token from final hidden states at temperature T, without the (N, V) logits:
 
-        z_i = h_i W^T / T                              (T = temperature; T = 1 is the plain model)
-        logp_i = z_i[t_i] - logsumexp_v(z_i[v])
-        d logp_i / d (h_i W^T) = (onehot(t_i) - softmax(z_i)) / T
-        grad_h_i = (g_i / T) (onehot(t_i) - p_i) W      grad_W = sum_i (g_i / T) (onehot(t_i) - p_i)^T h_i
+        logp_i = z_i[t_i] - logsumexp_v z_i[v],   z_i = h_i W^T / T
+        grad z_i = (g_i / T) (onehot(t_i) - softmax(z_i))      (the backward recomputes each chunk's logits)
 
-    Shapes: hidden (..., D), lm_head_weight (V, D), targets (...) int64 in [0, V) -> (...) float32.
-    Forward walks the tokens in chunks of C = chunk_size rows: a chunk's logits come from one GEMM
-    into a (V, C) buffer (vocab-major: see "Layout" above), are reduced in fp32 to the target logit and
-    the logsumexp, and dropped; only lse (N,) is saved. Backward recomputes each chunk's logits with
-    the same GEMM, overwrites them in place with grad_logits = (g / T) (onehot - exp(logits / T - lse)),
-    then grad_hidden chunk = grad_logits @ W and grad_W += grad_logits^T h_chunk (an fp32
-    accumulator, cast to W's dtype at the end).
-    Temperature: the RL loop samples from softmax(logits / T); the log-probs that enter its loss (old,
-    reference and current) must be those of the same distribution, so they pass the sampling T here.
-
-    Memory: O(C V) working memory instead of O(N V). With Qwen's vocab V = 151,936 the naive path
-    at N = 8192 tokens holds 5 GB of fp32 logits, and autograd keeps two to three such (N, V)
-    tensors alive in backward; here one (V, C) buffer, 0.6 GB for C = 1024 in fp32, whatever N is.
-    The price is one extra GEMM (the logits recomputed in backward): 4 GEMMs of N x D x V where a loss that forms
-    its gradient inside the forward needs 3 (measured: docs/experiments.md, "the fused loss"; 1.22x naive's time
-    on this CPU against 0.92x, at 0.14x of its working memory). We take it: the loss stays plain calls on log-probs
-    (grpo.grpo_loss, train.sft_token_loss) instead of a kernel that calls the loss back chunk by chunk.
-    chunk_size None (the losses' default): the plain path (log_softmax over all logits, ordinary autograd) when
-    the (N, V) logits are no bigger than _MIN_CHUNK_LOGITS, else `_auto_chunk`'s rule.
-    bf16/fp16 inputs: the GEMMs run in the input dtype (fp32 accumulation inside the GEMM), the
-    softmax math in fp32, and grad_W sums the chunks in fp32.
-
-    The softmax math of a chunk (forward: logsumexp and gather; backward: the in-place gradient) runs
-    under `torch.compile(dynamic=False, fullgraph=True)`, compiled lazily on first use, which fuses it into
-    one pass over the buffer; the GEMMs are library calls either way. The last chunk is zero-padded to
-    C tokens; when N < chunk_size the chunk shrinks to the next power of two >= N (at least 2). The width C
-    is a dynamic dim and T a tensor input (`_CompiledKernel`): one graph per kernel, V, dtype and device for a
-    whole run, whatever C and T; a fallback to eager past Dynamo's recompile limit raises instead.
-    `compile=False` or env TOKEN_LOGPROBS_COMPILE=0 runs the same code eagerly (with a few (V, C) temporaries).
-    Call it outside any compiled region: its Python loop is the point.
-    Source: the fused "linear + cross-entropy" of Liger-Kernel (arXiv 2410.10989), here returning
-    per-token log-probs (GRPO needs those, not one summed loss), hence the recompute in backward.
+    Shapes: hidden (..., D), lm_head_weight (V, D), targets (...) int64 -> (...) fp32. Chunks of C tokens share
+    one (V, C) buffer (O(C V) memory, not O(N V)); chunk_size None: plain log_softmax when the logits are small,
+    else `_auto_chunk`. The chunks' softmax math runs under torch.compile (`_CompiledKernel`) unless compile is off
+    or TOKEN_LOGPROBS_COMPILE=0. Call it outside any compiled region. Source: Liger-Kernel's fused linear +
+    cross-entropy (arXiv 2410.10989), returning per-token log-probs; design and measurements: docs/method.md §8.
     """
     _check_head("token_logprobs", hidden, lm_head_weight, targets)
     _check_temperature("token_logprobs", temperature)
@@ -270,26 +237,16 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
 
 
 def _liger_chunk(n: int, dim: int, vocab: int) -> int:
-    """
-    Liger-Kernel's chunk size (arXiv 2410.10989, fused linear cross-entropy): C = next_pow2(ceil(N / ceil(V / D))),
-    so the (C, V) logits buffer is about the size of the (N, D) hidden states; here at least
-    _MIN_CHUNK_LOGITS / V rows (a tiny D would otherwise give chunks of one row and a Python loop of N).
-    """
+    """Liger-Kernel's chunk (arXiv 2410.10989): C = next_pow2(ceil(N / ceil(V / D))), a (C, V) buffer the size of
+    the (N, D) hidden states; at least _MIN_CHUNK_LOGITS / V rows."""
     chunk = -(-n // -(-vocab // dim))                              # ceil(N / ceil(V / D))
     chunk = max(chunk, -(-_MIN_CHUNK_LOGITS // vocab), 1)
     return 1 << (chunk - 1).bit_length()                           # the next power of two
 
 
 def _auto_chunk(n: int, dim: int, vocab: int) -> int:
-    """
-    token_logprobs' default chunk in the losses (chunk_size None): Liger's (`_liger_chunk`), but at most MAX_CHUNKS chunks:
-    C = next_pow2(max(ceil(N / ceil(V / D)), ceil(N / MAX_CHUNKS))).
-    Departure from Liger: every chunk reads W (twice with its backward) and reads and writes the fp32 grad_W once,
-    and each GEMM's fixed cost is paid once per chunk, so fewer, larger chunks are faster on a CPU (measured with
-    the earlier gradient-in-forward kernel, the GRPO loss, fp32, N = D = 4,096, V = 151,936, 2-core CPU,
-    2026-12-01: 8 chunks of 512 rows 0.92x naive's time at 0.080x its working memory; Liger's 32 chunks of 128
-    rows 1.01x at 0.029x; docs/experiments.md). At most 8 chunks keep the buffer <= 1/8 of the naive logits.
-    """
+    """token_logprobs' default chunk (chunk_size None): Liger's, at most MAX_CHUNKS chunks,
+    C = next_pow2(max(ceil(N / ceil(V / D)), ceil(N / MAX_CHUNKS))) (the departure: docs/method.md §8)."""
     chunk = max(_liger_chunk(n, dim, vocab), -(-n // MAX_CHUNKS))
     return 1 << (chunk - 1).bit_length()
 
@@ -314,51 +271,6 @@ def policy_rows(name: str, hidden: torch.Tensor, targets: torch.Tensor, mask: to
 
 # -----------------------------------------------------------------------------
 # 2. TDAM: Task-Decoupled Attention Masking (Video-o3 SFT), the tensor side
-
-def tdam_rects(seq_len: int, overview_span: tuple[int, int] | None, answer_span: tuple[int, int] | None,
-               call_spans: list[tuple[int, int]], obs_spans: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """TDAM's two rules as the rectangles (q0, q1, k0, k1) of queries [q0, q1) that may not see keys [k0, k1),
-    on top of the causal mask: the whole rule set in O(#rules), for the dense mask (`tdam_mask`) and the
-    blocked attention (`tdam_attention`, which never builds L x L) alike."""
-    obs = [_check_span("obs_span", s, seq_len) for s in obs_spans]
-    calls = sorted(_check_span("call_span", s, seq_len) for s in call_spans)
-    rects = []
-    if overview_span is not None and answer_span is not None and obs:
-        v0, v1 = _check_span("overview_span", overview_span, seq_len)
-        a0, a1 = _check_span("answer_span", answer_span, seq_len)
-        if a0 < v1 and a1 > v0:
-            raise ValueError(f"tdam_mask: answer_span {answer_span} overlaps overview_span {overview_span}")
-        rects.append((a0, a1, v0, v1))                            # rule (1)
-    rects += [(c0, c1, o0, o1) for c0, c1 in calls[1:] for o0, o1 in obs if o1 <= c0]   # rule (2)
-    return rects
-
-
-def _check_span(name: str, span: tuple[int, int], seq_len: int) -> tuple[int, int]:
-    start, end = span
-    if not 0 <= start <= end <= seq_len:
-        raise ValueError(f"tdam_mask: {name} {span} is not a [start, end) span inside a sequence of {seq_len} tokens")
-    return start, end
-
-
-def tdam_mask(seq_len: int, overview_span: tuple[int, int] | None, answer_span: tuple[int, int] | None,
-              call_spans: list[tuple[int, int]], obs_spans: list[tuple[int, int]]) -> torch.Tensor:
-    """
-    Video-o3's Task-Decoupled Attention Masking (arXiv 2601.23224, used on 10% of SFT batches).
-
-    Start from the causal mask M[i, j] = (j <= i), True = query i may attend to key j, then:
-      (1) rows of the final answer span may not see columns of the overview video span, when the
-          sequence holds more than one video (obs_spans non-empty), so the answer must rest on the
-          cropped evidence;
-      (2) rows of every tool-call span after the first may not see columns of the tool-observation
-          video spans that end before that call starts, so each new call plans from the overview
-          rather than copying the last crop.
-    Every other entry stays causal. Spans are [start, end) token indices; `answer_span` is the text
-    after `<answer>`. Returns (L, L) bool; `to_additive_mask` turns it into HF's 4-D float form.
-    """
-    mask = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()  # (L, L) causal
-    for q0, q1, k0, k1 in tdam_rects(seq_len, overview_span, answer_span, call_spans, obs_spans):
-        mask[q0:q1, k0:k1] = False
-    return mask
 
 
 def to_additive_mask(bool_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -385,7 +297,7 @@ class TdamSpec:
     rects: torch.Tensor
     block: int = 256
     kernel: str = "auto"
-    plan: list | None = None      # the blocked kernel's exact runs, when the maker knows them (grpo.pack_prompts)
+    plan: list | None = None      # the blocked kernel's exact runs, when the maker knows them (policy.pack_prompts)
 
     def allowed(self, q0: int, q1: int, kv_len: int, device, k0: int = 0) -> torch.Tensor:
         """(B, 1, q1 - q0, kv_len - k0) bool, queries [q0, q1) x keys [k0, kv_len): causal, padding (a pad row sees
@@ -598,28 +510,10 @@ def _tdam_flex(query, key, value, spec: TdamSpec, scaling: float) -> torch.Tenso
 
 def tdam_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tdam: TdamSpec,
                    scaling: float) -> torch.Tensor:
-    """
-    TDAM's masked attention, block-sparse (a decoder layer calls it when its forward has the `tdam` keyword:
-    layers.attention).
-
-        out_i = sum_j P_ij v_j,   P_ij = exp(s_ij - lse_i) over the keys j that row i may see (TdamSpec.allowed),
-        s_ij = q_i k_j / sqrt(d),  lse_i = log sum_j exp(s_ij)
-    split over the (query tile, key tile) pairs of `tdam_tiles`: EMPTY pairs are skipped, FULL ones attended with no
-    mask, the diagonal with is_causal, and only tiles that a rectangle's edge (or padding) crosses get a small mask,
-    so neither a mask nor scores ever exist as L x L. Two kernels, chosen by `tdam_kernel` (explicit in
-    TdamSpec.kernel, "auto" by device):
-      "flex"     torch's flex_attention (compiled) with the BlockMask of `tdam_block_mask` (CUDA; arXiv 2412.05496)
-      "blocked"  per query tile, ATen's CPU flash attention over each run r of key tiles, merged
-                 lse = log sum_r exp(lse_r),  out = sum_r exp(lse_r - lse) out_r;
-                 backward per run with the merged out and lse: dS = P * (dO v^T - rowsum(dO * out)), summed
-                 (FlashAttention-2's split-KV rule, arXiv 2307.08691)
-    Departures from the dense mask: none in the values (tests/test_ops.py: outputs and gradients to 1e-5 in fp32);
-    the blocked kernel shares one tile plan across the batch (a tile whose kind differs between rows is MASKED).
-    Measured (bench/tdam_bench.py, docs/experiments.md): the blocked kernel's fwd+bwd at 16,384 tokens vs plain causal
-    SDPA. Shapes: query (B, H, L, d), key / value (B, H_kv, L, d) (grouped-query heads) -> (B, L, H, d).
-    Under autocast the three are cast to its dtype first, as SDPA is (--precision bf16 on fp32 weights).
-    No attention dropout (Qwen-VL trains with 0; layers.attention passes none).
-    """
+    """TDAM's masked attention, out_i = sum_j softmax_j(q_i k_j / sqrt(d)) v_j over the keys row i may see
+    (TdamSpec.allowed), tile by tile (`tdam_tiles`), never L x L: flex_attention on CUDA, ATen's CPU flash
+    attention merged by log-sum-exp on the CPU (`tdam_kernel`; docs/method.md §6). query (B, H, L, d),
+    key / value (B, H_kv, L, d) -> (B, L, H, d), all three in autocast's dtype as SDPA."""
     kernel = _tdam_flex if tdam_kernel(tdam, query.device) == "flex" else _tdam_blocked
     # as SDPA under autocast: all three in its dtype (Qwen3-VL's q / k norms return fp32 beside bf16 values)
     dtype = autocast_dtype(query.device.type)
@@ -653,12 +547,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B, V) uniforms in (0, 1) from a counter-based hash of (row seed, draw index, token id), computed
-    on the seeds' device: row b's numbers depend on (seeds[b], counters[b]) only, never on which other
-    rows share the batch, and no torch.Generator is involved (a CPU generator cannot drive CUDA draws).
-    u = (k + 0.5) / 2**23 with k the hash's top 23 bits: k + 0.5 has at most 24 significant bits, so every
-    value is exact in fp32 and u lies in [2**-24, 1 - 2**-24], strictly inside (0, 1); the Gumbel term
-    -log(-log u) is then finite (in about [-2.81, 16.64]). With 24 bits, (2**24 - 0.5) / 2**24 rounded up to 1.0."""
+    """(B, V) uniforms u = (k + 0.5) / 2^23 in (0, 1), k the top 23 bits of a counter-based hash of (row seed, draw
+    index, token id): row b's depend on (seeds[b], counters[b]) only, on any device, with no torch.Generator; exact
+    in fp32 and inside [2^-24, 1 - 2^-24], so the Gumbel term -log(-log u) is finite."""
     s = seeds.long()
     key = _mix32(_mix32(_mix32(s & _M32) ^ ((s >> 32) & _M32)) ^ (counters.long() & _M32))      # (B,)
     tok = _mix32((torch.arange(vocab, device=seeds.device) * 0x9E3779B1 + 0x7F4A7C15) & _M32)   # (V,)

@@ -1,25 +1,27 @@
 """
 The recipes and the presets: the one place every setting of a run gets its default (docs/method.md §4-§5).
 
-    Recipe      the method: its reward (rewards.score_trajectory by name), exploration anchoring, nFrames gating
-                and the K it draws from, where the KL goes, reward shaping. RECIPES: para_grpo (ParaVT's
+    Recipe      the method: its reward function (`score`, one of rewards.py's), exploration anchoring, nFrames
+                gating and the K it draws from, where the KL goes, reward shaping. RECIPES: para_grpo (ParaVT's
                 PARA-GRPO), vtgr (Video-o3's trajectory-guided reward), combined, vanilla (the ablation).
     PRESETS     a whole run as a paper ran it (paravt, videoo3) or as the embedded default runs it (tiny): the
                 recipe, the rollout protocol (overview, limits, tool mode), the optimisation (group, batch, learning
                 rates, clip range, temperature) and the synthetic task's knobs. Complete literals: every key of a run
                 is in COMMON or the preset, nowhere else.
     TINY_FRAMES the embedded tiny model's frame sizes (64 x 64 frames, a short prompt), whatever the preset.
+    model_preset the preset a model gets unless one is named (tiny for the tiny model, else paravt): train.py, eval.py.
     parse_train_args / resolve   train.py's command line: flag > --set KEY=VALUE > tiny frames > preset > recipe.
 
 A setting without a flag of its own (a study's knob, a chunk size) is still reachable: `--set KEY=VALUE`, with
 KEY any key below (`python train.py --help` lists them with each preset's value). The settings dataclasses
-(rollout.RolloutConfig, grpo.GRPOSettings, train.SFTSettings) take their defaults from the resolved tiny preset,
+(rollout.RolloutConfig, grpo.GRPOSettings, sft.SFTSettings) take their defaults from the resolved tiny preset,
 so a bare dataclass is what `python train.py` runs.
 """
 import argparse
 import json
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -30,7 +32,8 @@ import rewards
 class Recipe:
     """One reward recipe and the step's settings that belong to it (a preset or a flag may override each)."""
     title: str                  # how the run's first line names it
-    reward: str                 # what rewards.score_trajectory(recipe=name) adds up
+    reward: str                 # ... and the terms `score` adds up
+    score: Callable             # (traj, record, anchoring, released_scoring) -> (total, components): rewards.py's
     anchoring: str              # exploration anchoring: sequence | token | none (docs/method.md §4.1)
     gating: bool                # nFrames gating: the overview of a prompt's group has K frames, K drawn per prompt
     gating_choices: tuple       # the K it draws from
@@ -45,29 +48,30 @@ class Recipe:
                     shaping=self.shaping)
 
 
+GATING_CHOICES = (4, 8, 16, 32, 64)      # ParaVT's nFrames gating: the overview frame counts K is drawn from
 _PARAVT_KL = dict(kl_coef=0.01, kl_estimator="k1", kl_in_reward=True, shaping=True)
 RECIPES = {
     # ParaVT's PARA-GRPO: accuracy + format with exploration anchoring + tool reward, nFrames gating over
     # K in {4..64}, the k1 KL folded into the reward, then shaped (docs/method.md §4.1-§4.3)
-    "para_grpo": Recipe("PARA-GRPO", "R_acc + R_fmt + R_tool", "sequence", True, (4, 8, 16, 32, 64), **_PARAVT_KL),
+    "para_grpo": Recipe("PARA-GRPO", "R_acc + R_fmt + R_tool", rewards.para_grpo_score, "sequence", True,
+                        GATING_CHOICES, **_PARAVT_KL),
     # Video-o3's VTGR: accuracy + strict format + hybrid clue score x turn decay; no KL, no gating (§4.4)
-    "vtgr": Recipe("Video-o3's VTGR", "R_acc + strict R_fmt + clue score x turn decay", "none", False,
-                   (4, 8, 16, 32, 64), kl_coef=0.0, kl_estimator="k3", kl_in_reward=False, shaping=False),
+    "vtgr": Recipe("Video-o3's VTGR", "R_acc + strict R_fmt + clue score x turn decay", rewards.vtgr_score, "none",
+                   False, GATING_CHOICES, kl_coef=0.0, kl_estimator="k3", kl_in_reward=False, shaping=False),
     # PARA-GRPO with VTGR's tool term wherever a record has clue windows
     "combined": Recipe("PARA-GRPO with VTGR's tool term", "R_acc + R_fmt + VTGR tool term where clues exist",
-                       "sequence", True, (4, 8, 16, 32, 64), **_PARAVT_KL),
+                       rewards.combined_score, "sequence", True, GATING_CHOICES, **_PARAVT_KL),
     # the ablation: PARA-GRPO without its two contributions (no anchoring, no gating), the rest equal
-    "vanilla": Recipe("vanilla GRPO", "R_acc + R_fmt + R_tool", "none", False, (4, 8, 16, 32, 64), **_PARAVT_KL),
+    "vanilla": Recipe("vanilla GRPO", "R_acc + R_fmt + R_tool", rewards.para_grpo_score, "none", False,
+                      GATING_CHOICES, **_PARAVT_KL),
 }
-RECIPE_ALIASES = {"paravt": "para_grpo"}         # the old name of para_grpo, still accepted
-assert set(RECIPES) == set(rewards.RECIPES), "every recipe rewards.score_trajectory knows has a Recipe here"
 
 # Settings every preset shares (rollout.RolloutConfig's, the step's, the SFT's, the synthetic task's).
 COMMON = dict(
     # the rollout
     top_p=1.0, min_window=1.0, overview_fps=2.0, overview_max_frames=768, overview_max_pixels=None, crop_fps=2.0,
     crop_max_frames=128, crop_max_pixels=None, subagent_fps=1.0, subagent_max_frames=16, subagent_max_pixels=224 * 224,
-    subagent_max_new_tokens=512, tools_block=True, continuous=True, max_calls_per_turn=5,
+    subagent_max_new_tokens=512, tools_block=True, max_calls_per_turn=5,
     record_logprobs=False,
     # the RL step
     rl_steps=20, warmup_steps=0, ppo_epochs=1, micro_batch=8, micro_batch_tokens=16384, pack_prompts=True,
@@ -78,9 +82,16 @@ COMMON = dict(
     eval_before=False,
     # the SFT step
     sft_steps=500, sft_micro_batch=2, tdam_ratio=0.1, sft_cache_gb=8.0, keep_bad_calls=False,
-    # the synthetic task's SFT data (docs/experiments.md has what each changed)
-    n_rl=0, task_duration=64.0, task_mix=None, direct_crop=0.5, sft_budget_fraction=0.1, sft_gated_overviews=None,
-    always_call=False,
+    sft_warmup_steps=None,    # None: min(10, sft_steps // 10), filled by resolve
+    # both steps: the gradient's norm clipped to max_grad_norm; the cosine schedule ends at min_lr_ratio x the peak rate
+    max_grad_norm=1.0, min_lr_ratio=0.1,
+    # the run: a checkpoint every save_every steps, the newest keep_last of a stage kept (0: all); it stops when more
+    # than max_bad_fraction of the records, of the SFT trajectories or of the RL samples are bad
+    save_every=50, keep_last=3, max_bad_fraction=0.2,
+    # the synthetic task: n_train SFT prompts, n_eval held out (seeds data.SPLIT_SEEDS + --seed); its SFT data
+    # (docs/experiments.md has what each changed)
+    n_train=256, n_eval=192, n_rl=0, task_duration=64.0, task_mix=None, direct_crop=0.5, sft_budget_fraction=0.1,
+    sft_gated_overviews=None, always_call=False,
     # real data: with --data and no --eval-data, records held out of training for evaluation (at most 20 %)
     held_out=32,
     # video decoding (frame_cache: a folder that also keeps decoded overviews on disk, size-capped)
@@ -93,13 +104,7 @@ COMMON = dict(
 )
 
 PRESETS = {
-    # The embedded default (`python train.py`): PARA-GRPO on the synthetic task, sized for a 2-core CPU. Groups of
-    # 16 on 4 prompts: after SFT most groups of 8 got one reward for every sample (61 % on seed 0), with 16 fewer
-    # (51 %). RL rate 5e-5: at 1e-4 RL broke more answers than it fixed on seeds 1 and 2. K in {4..32}: the tiny
-    # overview's frames. No KL, no shaping: 20 steps from a warm start. sft_tool_free 1: beside each oracle SFT
-    # trajectory that calls the tool, a tool-free twin (the same first words, then a guess), so RL learns when a
-    # crop pays (the oracle alone leaves RL no decision); 10 recordings a step so the twins thin out the oracle's
-    # crops. docs/experiments.md ("why RL broke answers", "the default's cold start leaves RL when to call").
+    # The embedded default (`python train.py`): PARA-GRPO on the synthetic task, 2-core CPU; why: docs/experiments.md
     "tiny": dict(COMMON, recipe="para_grpo", gating_choices=(4, 8, 16, 32), kl_coef=0.0, kl_estimator="k3",
                  kl_in_reward=False, shaping=False,
                  tool_mode="interleaved", overview_nframes=8, overview_tokens=16384, max_turns=3, eval_max_turns=3,
@@ -138,14 +143,25 @@ def preset_values(preset: str, recipe: str | None = None, tiny: bool = False) ->
     the recipe's settings, then the preset's keys over them, then TINY_FRAMES on the tiny model."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    recipe = RECIPE_ALIASES.get(recipe, recipe) or PRESETS[preset]["recipe"]
+    recipe = recipe or PRESETS[preset]["recipe"]
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; choose from {sorted(RECIPES)}")
     own = {k: v for k, v in PRESETS[preset].items() if k != "recipe"}
     return {**RECIPES[recipe].settings(), **own, "recipe": recipe, **(TINY_FRAMES if tiny else {})}
 
 
+# The compute by device, unless --compile / --precision say: compiled kernels and bf16 autocast on CUDA
+ON_DEVICE = {"cpu": dict(compile=0, precision="fp32"), "cuda": dict(compile=1, precision="bf16")}
+
+
+def sft_warmup(values: dict) -> int:
+    """The SFT warmup: sft_warmup_steps, else min(10, sft_steps // 10)."""
+    w = values["sft_warmup_steps"]
+    return min(10, values["sft_steps"] // 10) if w is None else w
+
+
 TINY = preset_values("tiny", tiny=True)          # what `python train.py` runs: the settings dataclasses' defaults
+TINY["sft_warmup_steps"] = sft_warmup(TINY)
 TINY_PROTOCOL = preset_values("tiny")             # ... but the frames: RolloutConfig's defaults (TINY_FRAMES on top)
 
 
@@ -161,21 +177,38 @@ def is_tiny(name_or_path: str) -> bool:
     return os.path.isfile(config) and "tiny_model_config" in json.load(open(config))
 
 
-def _per_preset(key: str) -> str:
-    """' (tiny X; paravt Y; videoo3 Z)': a preset-dependent flag's defaults, as resolve sets them."""
+def model_preset(name_or_path: str, preset: str | None) -> tuple[str, bool]:
+    """(preset, tiny) of a model, for train.py and eval.py alike: `preset` if given, else 'tiny' for the embedded
+    tiny model (fresh or trained, `is_tiny`) and 'paravt' for a checkpoint, which never inherits the tiny settings."""
+    tiny = is_tiny(name_or_path)
+    return preset or ("tiny" if tiny else "paravt"), tiny
+
+
+def per_preset(key: str) -> str:
+    """' (default: tiny X; paravt Y; videoo3 Z)', or ' (default: X)' when the presets agree: a flag's defaults as
+    `resolve` (train.py) or eval.py sets them."""
     show = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else f"{v:,}" if isinstance(v, int) and not \
         isinstance(v, bool) else str(v)
-    return " (default: " + "; ".join(f"{p} {show(preset_values(p)[key])}" for p in PRESETS) + ")"
+    values = {p: show(preset_values(p)[key]) for p in PRESETS}
+    if len(set(values.values())) == 1:
+        return f" (default: {values[next(iter(PRESETS))]})"
+    return " (default: " + "; ".join(f"{p} {v}" for p, v in values.items()) + ")"
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each default; a flag whose default is None (set by the preset) says its own (`per_preset`)."""
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
     """train.py's flags -> the run's settings (`resolve`): every default from PRESETS / RECIPES, checked once."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(description=description, formatter_class=_Help,
                                 epilog="--set keys (tiny / paravt / videoo3): " + "; ".join(
                                     f"{k} {' / '.join(str(preset_values(q)[k]) for q in PRESETS)}"
                                     for k in sorted(TINY)))
     opt = lambda g, flag, kind, help_: g.add_argument(flag, type=kind, default=None,
-                                                      help=help_ + _per_preset(flag[2:].replace("-", "_")))
+                                                      help=help_ + per_preset(flag[2:].replace("-", "_")))
     g = p.add_argument_group("run")
     g.add_argument("--stage", choices=("all", "sft", "rl"), default="all",
                    help="all = the default pipeline: SFT warm start, then RL, then held-out evaluation")
@@ -184,10 +217,9 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=0, help="seeds the model init, the data draws and the sampling")
     g.add_argument("--strict", action="store_true", help="raise on a non-finite loss/grad instead of skipping the step")
     g.add_argument("--plot", metavar="RUN_DIR", default=None, help="only draw RUN_DIR/curves.png from its metrics.jsonl")
-    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
-    g.add_argument("--keep-last", type=int, default=3,
-                   help="keep the newest N checkpoints of each stage (0 = all); the last SFT one and the best "
-                        "by evaluation are always kept")
+    opt(g, "--save-every", int, "checkpoint every N steps (and at the end)")
+    opt(g, "--keep-last", int, "keep the newest N checkpoints of each stage (0 = all); the last SFT one and the best "
+                               "by evaluation are always kept")
     g.add_argument("--report-to", choices=("none", "tensorboard", "wandb"), default="none",
                    help="also send the metrics there (metrics.jsonl and curves.png are always written)")
     g.add_argument("--debug", action="store_true", help="show the traceback of a bad-input error")
@@ -207,8 +239,8 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
                         "the GPU's arithmetic on CPU)")
     g.add_argument("--rollout-memory-gb", type=float, default=None,
                    help="K/V the rollout engine may hold (per rank); a row's next turn waits until every admitted "
-                        "group could still reach its worst case (default: 80%% of the free GPU memory beside the weights and autocast's weight copies; 4 GB "
-                        "on CPU)")
+                        "group could still reach its worst case (default: 80%% of the free GPU memory beside the weights and autocast's weight copies; "
+                        "kvcache.CPU_BUDGET_GB on CPU)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a Qwen3-VL / Qwen2.5-VL checkpoint dir")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -218,9 +250,10 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
     g.add_argument("--sft-data", default=None, help="SFT trajectory records JSONL (docs/data.md); needs --data")
     g.add_argument("--video-root", default=None, help="folder the records' video paths are relative to (needs --data)")
     g.add_argument("--eval-data", default=None, help="held-out prompt records (default: --set held_out records split off --data)")
-    g.add_argument("--max-bad-fraction", type=float, default=0.2, help="stop if more than this fraction of samples is bad")
-    g.add_argument("--n-train", type=int, default=256, help="synthetic task: training prompts")
-    g.add_argument("--n-eval", type=int, default=192, help="synthetic task: held-out prompts")
+    opt(g, "--max-bad-fraction", float, "stop if more than this fraction of the records, SFT trajectories or RL "
+                                        "samples is bad")
+    opt(g, "--n-train", int, "synthetic task: training prompts")
+    opt(g, "--n-eval", int, "synthetic task: held-out prompts (also the size of eval.py's synthetic split)")
     g = p.add_argument_group("SFT")
     opt(g, "--sft-steps", int, "SFT optimizer steps")
     opt(g, "--sft-batch", int, "trajectories per SFT step, over all ranks")
@@ -229,9 +262,9 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
     opt(g, "--vision-lr-scale", float, "learning rate of the vision tower as a multiple of --sft-lr / --lr (0 freezes it)")
     g = p.add_argument_group("RL")
     opt(g, "--rl-steps", int, "RL optimizer steps")
-    g.add_argument("--recipe", choices=sorted(RECIPES) + sorted(RECIPE_ALIASES), default=None,
-                   help="reward recipe (RECIPES; old name of para_grpo: paravt): its anchoring, gating, KL and shaping "
-                        "unless the preset or a flag sets them" + _per_preset("recipe"))
+    g.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="reward recipe (RECIPES): its reward, anchoring, gating, KL and shaping unless the preset or a "
+                        "flag sets them" + per_preset("recipe"))
     opt(g, "--group-size", int, "G: samples per prompt (>= 2)")
     opt(g, "--prompts-per-step", int, "prompts (groups) per step over ALL ranks, split over the ranks (the remainder "
                                       "on the first ranks; a rank with none still joins each update)")
@@ -245,14 +278,14 @@ def parse_train_args(argv=None, description: str = "") -> argparse.Namespace:
     opt(g, "--dynamic-sampling", int, "1: drop zero-variance groups and draw more prompts until the batch is full")
     opt(g, "--gating", int, "nFrames gating on/off")
     g.add_argument("--gating-choices", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
-                   help="overview frame counts K is drawn from" + _per_preset("gating_choices"))
+                   help="overview frame counts K is drawn from" + per_preset("gating_choices"))
     opt(g, "--kl-in-reward", int, "1: fold beta * sum_t k1 into the reward (ParaVT); 0: a KL loss term (--set kl_estimator)")
     opt(g, "--mask-truncated", int, "1: exclude trajectories cut by a limit from the loss")
     g.add_argument("--anchoring", choices=("sequence", "token", "none"), default=None,
-                   help="exploration anchoring" + _per_preset("anchoring"))
+                   help="exploration anchoring" + per_preset("anchoring"))
     g.add_argument("--tool-mode", choices=("interleaved", "subagent"), default=None,
                    help="crops interleaved into the context (Video-o3) or summarised by sub-agents (ParaVT)"
-                        + _per_preset("tool_mode"))
+                        + per_preset("tool_mode"))
     opt(g, "--max-turns", int, "tool rounds before the forced answer")
     opt(g, "--max-new-tokens", int, "new tokens per assistant turn")
     opt(g, "--max-context", int, "tokens a trajectory may hold (prompt, turns, tool responses); a row that reaches "
@@ -297,9 +330,7 @@ def _parse_set(key: str, text: str, like):
 
 def resolve(args) -> None:
     """Fill every setting (flag > --set > tiny frames > preset > recipe), then refuse what cannot work."""
-    args.tiny = is_tiny(args.model)
-    if args.preset is None:
-        args.preset = "tiny" if args.tiny else "paravt"     # a real checkpoint never inherits the tiny settings
+    args.preset, args.tiny = model_preset(args.model, args.preset)
     values = preset_values(args.preset, args.recipe, args.tiny)
     for item in args.set:
         key, sep, text = item.partition("=")
@@ -318,10 +349,10 @@ def resolve(args) -> None:
     if args.overview_nframes == 0:
         args.overview_nframes = None                      # the fps rule
     on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if args.compile is None:
-        args.compile = int(on_cuda)
-    if args.precision is None:
-        args.precision = "bf16" if on_cuda else "fp32"
+    for key, value in ON_DEVICE["cuda" if on_cuda else "cpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.sft_warmup_steps = sft_warmup(vars(args))
     for flag in ("kl_in_reward", "shaping", "dynamic_sampling", "mask_truncated", "gating", "pack_prompts"):
         setattr(args, flag, bool(getattr(args, flag)))
     if not 0.0 <= args.sft_tool_free <= 1.0:

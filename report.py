@@ -52,6 +52,7 @@ THUMB_PIXELS = 112 * 64             # per thumbnail (a 16:9 frame becomes about 
 MAX_OVERVIEW_THUMBS = 32            # a K = 64 overview shows every other frame
 DEFAULT_K = 16                      # overview frames shown when the row does not record K
 CROP_THUMBS = 4                     # frames shown per crop window
+THUMB_FPS = 2.0                     # ... sampled at this rate, then CROP_THUMBS at most (a short window shows fewer)
 REWARD_KEYS = ("acc", "format", "anchor", "tool", "clue", "turn_decay")
 REWARD_NAMES = {"acc": "R_acc", "format": "R_fmt", "anchor": "anchor", "tool": "R_tool", "clue": "clue score",
                 "turn_decay": "turn decay"}
@@ -135,7 +136,7 @@ def reward_components(record: dict, row: dict) -> dict[str, tuple[float | None, 
             out["acc"] = (acc, "recomputed")
         except ValueError as e:                       # a target score_answer cannot read: say so on the page
             out["acc"] = (None, f"cannot score: {e}")
-    out.setdefault("format", (rewards.format_reward(text), "recomputed"))
+    out.setdefault("format", (rewards.format_reward(text, rewards.ANCHOR_WEIGHT), "recomputed"))
     out.setdefault("anchor", (rewards.format_anchor(text), "recomputed"))
     if acc is not None:
         out.setdefault("tool", (rewards.tool_reward(text, acc), "recomputed"))
@@ -328,8 +329,8 @@ def _question_html(record: dict, row: dict, video_root: str | None, anchor: str)
             colour = UNKNOWN_TURN_COLOUR if t is None else TURN_COLOURS[(t - 1) % len(TURN_COLOURS)]
             head = f'crop {i + 1} · {"turn ?" if t is None else f"turn {t}"} · [{s:g}, {e:g}] s'
             try:
-                clip = video.crop(path, s, e, level=None, max_frames=CROP_THUMBS, max_pixels=THUMB_PIXELS,
-                                  tokens_per_pixel_area=64)
+                clip = video.crop(path, s, e, level=None, fps=THUMB_FPS, max_frames=CROP_THUMBS,
+                                  max_pixels=THUMB_PIXELS, tokens_per_pixel_area=64)
                 body = _frames_html(clip, _even_pick(len(clip.times), CROP_THUMBS), "cf")
             except (ValueError, OSError) as err:
                 body = _note(f"not shown: {err}")

@@ -26,7 +26,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -349,8 +349,9 @@ def format_anchor(text: str) -> float:
     return _anchor(_format_parts(text))
 
 
-def format_reward(text: str, anchor_weight: float = 0.5) -> float:
-    """ParaVT R_fmt, answer-suffix recipe with Exploration Anchoring (docs/method.md §4.1), in [-0.3 anchor_weight, 1]:
+def format_reward(text: str, anchor_weight: float) -> float:
+    """ParaVT R_fmt, answer-suffix recipe with Exploration Anchoring (docs/method.md §4.1), in [-0.3 anchor_weight, 1]
+    (anchor_weight: ANCHOR_WEIGHT under sequence anchoring, 0 without the anchor):
       0.2 [has_think] + [has_answer_body] (0.3 [<answer>] + 0.2 [</answer>]) + anchor_weight * anchor
       + 0.3 [has_think and has_tool and the first <think> precedes the first tool call]
       + 0.1 [score so far > 0 and think, tool_call, grounding, answer tags balanced]
@@ -408,7 +409,7 @@ def _tool_score(has_tool: bool, has_response: bool, acc: float) -> float:
     return min(1.0, (0.3 if has_response else 0.1) + 0.5 * (acc > 0)) if has_tool else 0.0
 
 
-def paravt_reward(text: str, target, task: str, anchor_weight: float = 0.5,
+def paravt_reward(text: str, target, task: str, anchor_weight: float,
                   w_fmt: float = 1.0) -> tuple[float, dict[str, float]]:
     """ParaVT R = R_acc + w_fmt R_fmt + R_tool (docs/method.md §4.1), in [-0.3 anchor_weight w_fmt, 1.8 + w_fmt].
     Degenerate output (>= 5 `<|im_start|>` in fewer than 300 characters) scores 0 overall.
@@ -493,7 +494,7 @@ def vtgr_tool_term(data_type: str, clue: float, decay: float, n_tool_turns: int,
       direct: max(0, 0.75 (1 - 0.1 n))   free_form: 0.5   grounding: 0 (no tool term)
     clue = H or H' (`hybrid_clue_score` of *all* crop windows, multi_clue=True for H'), decay = turn_decay(n); n
     counts tool *turns* (with parallel calls the windows and the turns differ). The caller computes both factors
-    (vtgr_reward, score_trajectory), so each equation is one call from the reward. The max(0, .) on `direct` only
+    (vtgr_reward, combined_score), so each equation is one call from the reward. The max(0, .) on `direct` only
     acts beyond 10 turns. As docs/method.md §4.3 states, only single_clue asks n > 0: a right multi_clue answer
     with no crop still gets (0 + 1) / 2."""
     if data_type not in DATA_TYPES:
@@ -547,52 +548,63 @@ def vtgr_reward(turns: list[str], text: str, target, task: str, data_type: str |
     tool = vtgr_tool_term(data_type, clue, turn_decay(n_tool_turns), n_tool_turns, acc == 1.0, fmt == 1.0)
     return acc + fmt + tool, {"acc": acc, "format": fmt, "tool": tool, "clue": clue}
 
-# ----------------------------------------------------------------------------- recipes
+# ----------------------------------------------------------------------------- a trajectory's reward, per recipe
+# One signature, score(traj, record, anchoring, released_scoring) -> (total, components), held by recipes.Recipe
+# (vanilla: para_grpo_score, its anchoring "none"). `traj` needs text, policy_text, turns, windows, n_tool_turns (a
+# rollout.Trajectory); `record` answer, task, clues, data_type. anchoring "sequence": ANCHOR_WEIGHT * anchor inside
+# R_fmt (the release); "token": the anchor leaves the sequence reward and the trainer adds it to the closing-tag
+# tokens' advantage (components["anchor"]); "none": no anchor. released_scoring: score the sampled tokens only, as
+# the ParaVT release did (departure 1). components["clue"]: the crops' hybrid clue score against the record's clue
+# windows (0 without clues), logged under every recipe.
 
-RECIPES = ("combined", "para_grpo", "vtgr", "vanilla")
-RECIPE_ALIASES = {"paravt": "para_grpo"}         # the old name of para_grpo, still accepted
-
-
-def score_trajectory(traj, record: dict, recipe: str, anchoring: str = "sequence",
-                     released_scoring: bool = False) -> tuple[float, dict[str, float]]:
-    """Total reward and its components for one trajectory under a recipe (docs/method.md §4).
-
-      para_grpo ParaVT's PARA-GRPO reward: R_acc + R_fmt (exploration anchoring) + R_tool (§4.1); the
-                trainer adds nFrames gating and the k1 KL ("paravt" is its old name)
-      vtgr      Video-o3 VTGR: R_acc + strict R_fmt + hybrid-clue tool term with turn decay (§4.3)
-      combined  ParaVT's accuracy and anchored format terms, and the VTGR tool term wherever the record
-                has clue windows (ParaVT's R_tool elsewhere)
-      vanilla   the ParaVT terms without anchoring unless asked for (the ablation; the caller turns gating off)
-
-    `traj` needs text, policy_text, turns, windows, n_tool_turns (a rollout.Trajectory).
-    anchoring "sequence": lambda * anchor inside R_fmt (the release); "token": the anchor leaves the
-    sequence reward and the trainer adds it to the closing-tag tokens' advantage (components["anchor"]);
-    "none": no anchor. VTGR's strict format has no anchor term, so vtgr with "sequence" is refused.
-    released_scoring: score the sampled tokens only, as the ParaVT release did (departure 1)."""
-    recipe = RECIPE_ALIASES.get(recipe, recipe)
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; choose from {RECIPES}")
-    if recipe == "vtgr" and anchoring == "sequence":
-        raise ValueError("recipe vtgr has no sequence-level anchor (its strict format reward is all or nothing); "
-                         "use anchoring 'token' or 'none'")
-    text = traj.policy_text if released_scoring else traj.text
-    target, task = record["answer"], record["task"]
+def _scored(traj, record: dict, released_scoring: bool) -> tuple[str, list, str]:
+    """(the text scored, the record's clue windows, its data_type)."""
     clues = record.get("clues") or []
-    data_type = infer_data_type(task, clues, record.get("data_type"))
-    if recipe == "vtgr":
-        total, parts = vtgr_reward(traj.turns, text, target, task, data_type, traj.windows, clues, traj.n_tool_turns)
-        parts["anchor"] = format_anchor(text)
-    else:
-        total, parts = paravt_reward(text, target, task, anchor_weight=ANCHOR_WEIGHT if anchoring == "sequence" else 0.0)
-        if recipe == "combined" and clues:   # the VTGR tool term wherever the record has clue windows
-            fmt_ok = grounding_format_reward(traj.turns) == 1.0
-            clue = hybrid_clue_score(traj.windows, clues, multi_clue=data_type == "multi_clue")
-            tool = vtgr_tool_term(data_type, clue, turn_decay(traj.n_tool_turns), traj.n_tool_turns,
-                                  parts["acc"] == 1.0, fmt_ok)
-            total += tool - parts["tool"]
-            parts["tool"] = tool
+    text = traj.policy_text if released_scoring else traj.text
+    return text, clues, infer_data_type(record["task"], clues, record.get("data_type"))
+
+
+def _logged(total: float, parts: dict, traj, clues: list, data_type: str) -> tuple[float, dict[str, float]]:
     parts["clue"] = hybrid_clue_score(traj.windows, clues, multi_clue=data_type == "multi_clue") if clues else 0.0
     return float(total), {k: float(v) for k, v in parts.items()}
+
+
+def para_grpo_score(traj, record: dict, anchoring: str, released_scoring: bool) -> tuple[float, dict[str, float]]:
+    """ParaVT's PARA-GRPO reward (arXiv 2605.20342; docs/method.md §4.1): R = R_acc + R_fmt + R_tool (paravt_reward),
+    R_fmt weighting the exploration anchor by ANCHOR_WEIGHT under sequence anchoring, else by 0. The trainer adds
+    nFrames gating and the k1 KL. The vanilla ablation is this reward with anchoring "none" (and no gating)."""
+    text, clues, data_type = _scored(traj, record, released_scoring)
+    anchor_weight = ANCHOR_WEIGHT if anchoring == "sequence" else 0.0
+    total, parts = paravt_reward(text, record["answer"], record["task"], anchor_weight)
+    return _logged(total, parts, traj, clues, data_type)
+
+
+def vtgr_score(traj, record: dict, anchoring: str, released_scoring: bool) -> tuple[float, dict[str, float]]:
+    """Video-o3's VTGR (arXiv 2601.23224; docs/method.md §4.3): R = R_acc + strict R_fmt + R_tool, the tool term the
+    hybrid clue score x turn decay (vtgr_reward). The strict format reward is all or nothing, with no anchor term
+    to weight: anchoring "sequence" is refused; components["anchor"] feeds token-level anchoring."""
+    if anchoring == "sequence":
+        raise ValueError("recipe vtgr has no sequence-level anchor (its strict format reward is all or nothing); "
+                         "use anchoring 'token' or 'none'")
+    text, clues, data_type = _scored(traj, record, released_scoring)
+    total, parts = vtgr_reward(traj.turns, text, record["answer"], record["task"], data_type, traj.windows, clues,
+                               traj.n_tool_turns)
+    parts["anchor"] = format_anchor(text)
+    return _logged(total, parts, traj, clues, data_type)
+
+
+def combined_score(traj, record: dict, anchoring: str, released_scoring: bool) -> tuple[float, dict[str, float]]:
+    """PARA-GRPO with VTGR's tool term (docs/method.md §4): para_grpo_score, with Video-o3's R_tool (vtgr_tool_term:
+    clue score x turn decay, given a right answer and the strict format) in place of ParaVT's wherever the record
+    has clue windows: R = R_acc + R_fmt (anchored) + R_tool^VTGR; ParaVT's R_tool elsewhere."""
+    total, parts = para_grpo_score(traj, record, anchoring, released_scoring)
+    _, clues, data_type = _scored(traj, record, released_scoring)
+    if clues:
+        fmt_ok = grounding_format_reward(traj.turns) == 1.0
+        tool = vtgr_tool_term(data_type, parts["clue"], turn_decay(traj.n_tool_turns), traj.n_tool_turns,
+                              parts["acc"] == 1.0, fmt_ok)
+        total, parts["tool"] = total + tool - parts["tool"], tool
+    return total, parts
 
 # ----------------------------------------------------------------------------- agent figures
 # The figures of an agent's trajectories, computed here once for train.py's step rows (rollout_metrics),
@@ -632,19 +644,10 @@ def tool_failure_rate(failures: int, calls: int) -> float | None:
 
 # ----------------------------------------------------------------------------- gating, advantages
 
-def gate_nframes(prompt_key: str, step: int, choices: Sequence[int] = (4, 8, 16, 32, 64), seed: int = 0,
-                 schedule: Callable[[int], Sequence[int]] | Sequence | None = None) -> int:
+def gate_nframes(prompt_key: str, step: int, choices: Sequence[int], seed: int = 0) -> int:
     """ParaVT nFrames Gating: K ~ Uniform(choices) per (prompt, step), the same K for every sample of
     the prompt's group. K = choices[sha256(f"{seed}:{step}:{prompt_key}") mod len(choices)]; stable
-    across processes (Python's hash() is salted). `schedule` replaces `choices`: either a callable
-    step -> choices, or a list of (start_step, choices) stages sorted by start_step, the last stage
-    with start_step <= step acting (before the first stage, `choices`)."""
-    if callable(schedule):
-        choices = schedule(step)
-    elif schedule is not None:
-        for start, stage in schedule:
-            if step >= start:
-                choices = stage
+    across processes (Python's hash() is salted). `choices`: the recipe's gating_choices (recipes.py)."""
     if len(choices) == 0:
         raise ValueError(f"gate_nframes needs at least one frame count, got {choices!r} at step {step}")
     digest = hashlib.sha256(f"{seed}:{step}:{prompt_key}".encode()).digest()
@@ -670,16 +673,14 @@ def shape_reward(rewards: torch.Tensor) -> torch.Tensor:
     return (10 * (r - 0.2)).clamp(-20.0, 20.0)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, shaping: bool = False) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantage (DeepSeekMath, arXiv 2402.03300): A_i = (R_i - mean_g) / (std_g + eps).
 
     rewards: (B,), groups contiguous. Returns (B,) float, same order. std is the unbiased (sample) std,
-    so group_size >= 2. A group of identical rewards gets exactly 0 (never NaN).
-    shaping=True: `shape_reward` first (training shapes before subtracting the KL and passes shaping=False).
+    so group_size >= 2. A group of identical rewards gets exactly 0 (never NaN). ParaVT's shaping
+    (`shape_reward`) comes before, in the caller (grpo.collect_groups: shape, subtract the KL, then this).
     """
     assert group_size >= 2, f"group_size must be >= 2 for an unbiased std, got {group_size}"
     r = _groups(rewards.float() if not rewards.is_floating_point() else rewards, group_size)
-    if shaping:
-        r = shape_reward(r)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
     return torch.where((r == r[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv).view(-1)

@@ -4,14 +4,17 @@ The agent's rollout engine: batched multi-turn decoding on a paged K/V cache und
 same context (Video-o3, arXiv 2601.23224). The file reads in the order a rollout runs:
 
     1. settings      RolloutConfig (the presets are in recipes.py), Trajectory
-    2. sampling      sample_tokens: temperature, top-p, Gumbel-max with counter-hashed noise (one (B, V) op)
+    2. sampling      sample_tokens: temperature, top-p, Gumbel-max with counter-hashed noise (one (B, V) op); draw:
+                     a decode step's tokens (and log-probs), read to the host in one sync
     3. the prompt    system + Hermes tools block + overview video + question -> a kvcache.Chunk
     4. tools         run_calls (a turn's parallel crop_video calls -> clips), tool_response_parts (the tool
-                     responses' text, for a rollout and a recorded trajectory alike)
+                     responses' text, for a rollout and a recorded trajectory alike), turn_outcome (the rules of a
+                     turn's end: which calls run, the turn budget, the forced answer; for both too)
     5. memory        row_blocks (a row's worst case, in pool blocks), safe (the banker's rule), split_group; the
-                     budget itself: kvcache.memory_budget (--rollout-memory-gb)
-    6. the engine    Engine: admit -> step -> retire over kvcache.GroupKV; run_subagents; run_agent
-    7. training I/O  collate, behaviour_logprobs, shared_video_hidden_states (whole trajectories); a recorded
+                     budget itself: kvcache.memory_budget (--rollout-memory-gb); the engine's: pool_blocks, stays_safe
+    6. the engine    ToolEnv (the tool threads' work), Engine: admit -> step -> retire over kvcache.GroupKV;
+                     run_subagents; run_agent
+    7. training I/O  collate, behaviour_logprobs (whole trajectories; policy.py runs them); a recorded
                      SFT trajectory goes through the same pieces in sft.encode_messages
 
 Everything works on token sequences. A trajectory is the prompt followed by turns; every token carries a role:
@@ -24,8 +27,8 @@ the G samples of its group share it, and each row owns only its suffix (kvcache.
 Each turn only the new chunk (tool responses, new clips, the next "<think>\n") is prefilled on top of the
 row's suffix; M-RoPE positions of a chunk are computed for the chunk alone and shifted by the row's next
 position (Qwen-VL positions restart from max+1 after every text or vision span), so a continued turn gives the
-same logits as a full recompute (tests/test_rollout.py checks it). Training (`shared_video_hidden_states`) runs the
-vision tower once per distinct overview, not once per sample.
+same logits as a full recompute (tests/test_rollout.py checks it). Training (`policy.shared_video_hidden_states`)
+runs the vision tower once per distinct overview, not once per sample.
 
 The scheduler (continuous batching, as vLLM's, with a banker's rule): a row is granted the blocks its current
 turn may take only while every admitted group could still reach its worst case (its prompt + `row_blocks` per
@@ -40,12 +43,11 @@ Shapes: positions (3, B, L) for (t, h, w); logits (B, V); the cache's shapes: kv
 """
 import dataclasses
 import json
-import threading
 import time
 import warnings
 from collections import deque
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -99,7 +101,6 @@ class RolloutConfig:
     subagent_max_new_tokens: int = P["subagent_max_new_tokens"]
     max_context: int = P["max_context"]              # tokens a row may hold; one that reaches it is cut and flagged
     tools_block: bool = P["tools_block"]             # Hermes tools block in the system prompt (real checkpoints)
-    continuous: bool = P["continuous"]               # continuous batching; False: fixed waves (a benchmark's baseline)
     record_logprobs: bool = P["record_logprobs"]     # Trajectory.logprobs at sampling time (the decoupled loss,
                                                      # exactness checks): a (B, V) log_softmax a decode step
     memory_budget_bytes: int | None = None           # K/V the engine may hold (--rollout-memory-gb); None: memory_budget()
@@ -153,13 +154,25 @@ def row_seed(seed: int, record_index: int, sample: int) -> int:
     return (seed * 1_000_003 + record_index * 9_176 + sample * 7_919) % (2 ** 62)
 
 
+def draw(logits: torch.Tensor, ban: torch.Tensor | None, seeds: torch.Tensor, counters: torch.Tensor,
+         cfg: "RolloutConfig") -> tuple[torch.Tensor, list, list | None]:
+    """A decode step's draw from logits (n, V), the `ban` ids never drawn: (tokens (n,), their values, their
+    log-probs or None), read to the host in one sync. The log-probs (cfg.record_logprobs) are log_softmax(logits / T)
+    of the unmasked logits (T = 1 when greedy), as a training forward computes them."""
+    masked = logits.index_fill(1, ban, float("-inf")) if ban is not None else logits
+    tok = sample_tokens(masked, seeds, counters, cfg.temperature, cfg.top_p)
+    if not cfg.record_logprobs:
+        return tok, tok.tolist(), None                                      # the step's one host sync
+    lp = torch.log_softmax(logits.float() / (cfg.temperature or 1.0), -1).gather(1, tok[:, None])[:, 0]
+    return tok, *torch.stack([tok.double(), lp.double()]).tolist()         # the step's one host sync
+
+
 # -----------------------------------------------------------------------------
 # the prompt: a record's text and overview video as a Chunk (kvcache.Chunk)
 
 
 def clip_metadata(clip: video.Clip) -> dict:
-    """Processor metadata giving the frames' absolute times: timestamps = frames_indices / fps, so we
-    pass fps = 1 and the times themselves (Qwen3-VL prints them as "<20.2 seconds>" per temporal patch)."""
+    """Processor metadata for the frames' true times: timestamps = frames_indices / fps, with fps 1 and the times."""
     return {"fps": 1.0, "total_num_frames": len(clip.times), "frames_indices": [float(t) for t in clip.times]}
 
 
@@ -186,7 +199,7 @@ def video_factor(processor) -> int:
     return vp.patch_size * vp.merge_size
 
 
-def prompt_text(processor, record: dict, tools_block: bool = True) -> str:
+def prompt_text(processor, record: dict, tools_block: bool) -> str:
     """System + Hermes tools block + the overview video + the question, ending with the assistant tag."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": [{"type": "video", "video": record["video"]},
@@ -314,14 +327,77 @@ def tool_response_parts(results: list, summaries: dict[int, str] | None = None) 
 
 
 # -----------------------------------------------------------------------------
+# a turn's end: the tool protocol's rules (docs/method.md §2, "Turn budget")
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """What the end of an assistant turn does (turn_outcome)."""
+    calls: list[ToolCall]        # the turn's calls up to max_calls_per_turn (recorded with the turn)
+    dropped: int                 # calls past that cap: not run, one error observation says how many
+    executes: bool               # `calls` run: a tool turn (counted in n_tool_turns)
+    forced: bool                 # the response carries the forced-answer message
+    done: bool                   # the trajectory ends with this turn
+    hit_turn_limit: bool         # it ends calling tools after the forced-answer message
+
+
+def turn_outcome(calls: list[ToolCall], tool_turns: int, forced_sent: bool, truncated: bool, max_turns: int,
+                 max_calls_per_turn: int) -> TurnOutcome:
+    """What the end of an assistant turn does, from its parsed `calls`, the `tool_turns` executed before it, whether
+    the forced-answer message was sent already and whether the turn was cut (max_new_tokens, max_context):
+      1. a cut turn, or one without calls, ends the trajectory;
+      2. at most max_calls_per_turn calls of a turn run; the rest are dropped (one error observation counts them);
+      3. calls run in at most max_turns turns, and the response to the last of them carries the forced-answer message;
+      4. calls made once the budget is spent do not run: the forced-answer message answers them alone (budget 0:
+         one more turn, to answer from the overview); calls after that message end the trajectory (hit_turn_limit).
+    The rollout (Engine.end_turn) and a recorded trajectory (sft.encode_messages) both follow it."""
+    kept = calls[:max_calls_per_turn]
+    if truncated or not calls:
+        return TurnOutcome(kept, 0, executes=False, forced=False, done=True, hit_turn_limit=False)
+    if tool_turns >= max_turns:
+        return TurnOutcome(kept, 0, executes=False, forced=not forced_sent, done=forced_sent, hit_turn_limit=forced_sent)
+    return TurnOutcome(kept, len(calls) - len(kept), executes=True, forced=tool_turns + 1 >= max_turns, done=False,
+                       hit_turn_limit=False)
+
+
+# -----------------------------------------------------------------------------
 # the engine: a scheduler over the paged cache (kvcache.GroupKV)
 
-# Counted by every Engine: decode steps (the benches divide runtime.HostSyncCounter's in_steps by them); seconds on
-# the engine's thread in the model (admit's prefills and the decode steps), seconds while tool work was in progress
-# (crops, the processor: jobs running side by side count once) and seconds in Engine.run. The overlap of tools and
-# decoding: (decode_s + tool_s - wall_s) / min(decode_s, tool_s), 0 when every tool call stalls the batch (fixed
-# waves), 1 when the shorter of the two is hidden entirely.
-STATS = {"decode_steps": 0, "decode_s": 0.0, "tool_s": 0.0, "wall_s": 0.0}
+class ToolEnv:
+    """The environment's side of a turn, done in the engine's tool threads (it reads no engine state): a turn's calls
+    run (run_calls) and what the environment says encoded by the processor (tool responses, sub-agents' prompts),
+    pixels in the model's dtype."""
+
+    def __init__(self, processor, cfg: RolloutConfig, factor: int, dtype: torch.dtype, pool: video.DecodePool | None):
+        self.processor, self.cfg, self.factor, self.dtype, self.pool = processor, cfg, factor, dtype, pool
+        self.sub_text = processor.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "video", "video": "clip"}, {"type": "text", "text": SUBAGENT_PROMPT}]}],
+            tokenize=False, add_generation_prompt=True)
+
+    def stored(self, c: Chunk) -> Chunk:
+        """c with its pixels in the model's dtype: the values the model sees, kept by the trajectory once."""
+        if c.pixels is None or c.pixels.dtype == self.dtype:
+            return c
+        return Chunk(c.ids, c.mm_types, c.pixels.to(self.dtype), c.grid)
+
+    def subagent_chunk(self, clip: video.Clip) -> Chunk:
+        return self.stored(encode_chunk(self.processor, self.sub_text, [clip]))
+
+    def response_chunk(self, parts: list[str], clips: list, forced: bool) -> Chunk:
+        return self.stored(encode_chunk(self.processor, response_chunk_text(parts, forced), clips))
+
+    def run(self, calls: list[ToolCall], dropped: int, path: str, duration: float, forced: bool) -> tuple:
+        """One turn's tool work: (results, made). results: run_calls' (window, clip, error) per call in call order, +
+        one error observation on the `dropped` calls past the cap. made: interleaved mode, the response chunk;
+        sub-agent mode, the sub-agents' prompt chunks {call index: chunk} of the calls that gave a clip."""
+        results = run_calls(calls, path, duration, self.cfg, self.factor, self.pool)
+        if dropped:
+            results.append((None, None, f"only {self.cfg.max_calls_per_turn} calls per turn are executed; "
+                                        f"{dropped} were dropped"))
+        if self.cfg.tool_mode == "subagent":
+            return results, {k: self.subagent_chunk(clip) for k, (_, clip, err) in enumerate(results) if err is None}
+        return results, self.response_chunk(*tool_response_parts(results), forced)
+
+
 TOOL_WORKERS = 4   # threads of an engine's tool work (its own: a job waits on its crops in the DecodePool's threads)
 
 
@@ -339,160 +415,151 @@ class _Row:
     caller: "_Row | None" = None         # a sub-agent's caller, and which of its calls this is
     call: int = 0
     reserve: int = 0                     # pool blocks this row may come to hold (its worst case, row_blocks)
-    grant: int = 0                       # pool blocks it may hold now (continuous: to its turn's end; waves: reserve)
+    grant: int = 0                       # pool blocks it may hold now (to its turn's end)
     left: int = 0                        # assistant turns still to write, once a turn has ended
     kv: int = 0                          # its row and its prompt in the GroupKV
     prompt: int = 0
     pending: list[int] = field(default_factory=list)    # sampled tokens not yet in the cache
     turn_tokens: list[int] = field(default_factory=list)
-    forced: bool = False                 # the forced-answer message has been sent
+    forced: bool = False                 # its last turn's response carries the forced-answer message
     results: list = field(default_factory=list)         # this turn's tool results, while its sub-agents run
     subs: dict = field(default_factory=dict)            # call index -> finished sub-agent trajectory
     waiting: int = 0                     # sub-agents still running
+
+    def sampled(self, t: int, logprob: float | None, stop: int, max_context: int) -> bool:
+        """Token t (and its log-prob, if recorded) onto the trajectory; whether it ends the turn: the stop token, or
+        max_new tokens or max_context, which cut the turn (`truncated`)."""
+        self.turn_tokens.append(t)
+        self.traj.token_ids.append(t)
+        self.traj.roles.append(POLICY)
+        self.traj.draws += 1
+        if logprob is not None:
+            self.traj.logprobs.append(logprob)
+        if t == stop or len(self.turn_tokens) == self.max_new or len(self.traj.token_ids) >= max_context:
+            self.pending = [t]                           # fed with the next chunk
+            self.traj.truncated |= t != stop
+            return True
+        return False
+
+    def text_tokens(self, stop: int) -> list[int]:
+        """This turn's tokens but the stop token."""
+        return [t for t in self.turn_tokens if t != stop]
+
+    def responded(self, c: Chunk) -> Chunk:
+        """The response chunk c onto the trajectory (ENV tokens, its clips), and a new turn begins; returns what the
+        cache reads next: the last turn's last token, then c."""
+        self.turn_tokens = []
+        c = Chunk(torch.cat([torch.tensor(self.pending), c.ids]),
+                  torch.cat([torch.zeros(len(self.pending), dtype=torch.int32), c.mm_types]), c.pixels, c.grid)
+        self.traj.token_ids += c.ids[len(self.pending):].tolist()
+        self.traj.roles += [ENV] * (len(c.ids) - len(self.pending))
+        if c.pixels is not None:
+            self.traj.videos.append((c.pixels, c.grid))
+        return c
+
+
+def pool_blocks(queued, subs: list, budget: int) -> tuple[int, int]:
+    """(blocks the engine's pool holds, the worst case of all the queued work): the budget's blocks, or that worst
+    case if it is less, and at least the largest single group's worst case (with a warning when that is more)."""
+    need = [blocks_for(len(c.ids)) + sum(r.reserve for r in rows) for c, rows, _ in queued]
+    need += [blocks_for(len(c.ids)) + blocks_for(s.max_new) for c, s in subs]
+    if need and max(need) > budget:
+        warnings.warn(f"rollout memory budget ({budget} blocks of {kvcache.BLOCK} tokens) is below one prompt group's "
+                      f"worst case ({max(need)} blocks): the pool holds that instead", stacklevel=3)
+    return max(max(need, default=1), min(budget, sum(need))), sum(need)
+
+
+def stays_safe(groups: dict, who: tuple, blocks: int, free: int) -> bool:
+    """Whether granting `blocks` more of the `free` ones keeps every group able to reach its worst case (`safe`, the
+    banker's rule, over each group's (blocks held, worst case)). groups: the admitted {prompt id: (rows, prompt
+    blocks)}; who: (prompt id,) for a row of an admitted group, or the queued (chunk, rows, prompt blocks) being
+    admitted, the last of them the one asking."""
+    ledger = lambda rows, b: (b + sum(r.grant for r in rows), b + sum(r.reserve for r in rows))  # (held, worst)
+    state = {p: ledger(rows, b) for p, (rows, b) in groups.items() if b}  # sub-agents: none
+    if isinstance(who[0], int):                         # a row of an admitted group: its group holds more
+        held, worst = state[who[0]]
+        state[who[0]] = (held + blocks, worst)
+    else:                                               # queued groups, admitted in this round or asking
+        state.update({("queued", i): ledger(rows, b) for i, (_, rows, b) in enumerate(who)})
+    return safe(list(state.values()), free - blocks)
 
 
 class Engine:
     """The rollout's scheduler over one paged cache (kvcache.GroupKV). A row goes
 
-        queued group --admit--> active --step (its turn ends)--> end_turn --> away --collect--> ready --admit--> active ...
-                                                                          \\--> retire (its blocks back at once)
+        queued --admit--> active --step: its turn ends--> end_turn --> away --collect--> ready --admit--> active ...
+                                                                    \\--> retire (its blocks back at once)
 
-    admit: ready chunks (a turn's tool responses), queued prompt groups in order, sub-agents (their room is their
-        caller's). Each row is granted the blocks its turn may take (`row_blocks(this_turn=True)`) only while the
-        engine stays `safe`: every admitted group could still reach its worst case (the prompt's blocks + each
-        row's `row_blocks`) in some order, with what is free and what the groups before it return. So groups are
-        admitted on what they may hold by their turn's end, not on their whole worst case (the budget's point:
-        paged K/V holds only what a row uses), a row whose grant is not safe waits for blocks to come back, and
-        the pool never grows. The groups' prompts are prefilled in one forward, each forked into its G rows; the
-        ready chunks on top of their rows in one forward. All of it joins the next decode step.
-    step: one decode step of the active rows (one forward, one (n, V) sampling op, one host sync); a row whose
-        turn ends (<|im_end|>, its max_new tokens, max_context) leaves at once and the others go on.
-    end_turn -> away: the turn's tool work (`tool_work`: the crops, then the processor: the response chunk, or in
-        sub-agent mode the sub-agents' prompts) goes to the engine's tool threads and the row is away: it keeps its
-        blocks and its grant (the scheduler counts them as a ready row's) while the other rows decode.
-    collect: at each step, the rows whose work is done come back on the engine's thread (`called`): the listener
-        hears the turn's responses (call order), the chunk goes to ready (`respond`: the row's promise tightens);
-        sub-agent mode: the sub-agents join, and their caller's response (text) is encoded in the tool threads once
-        the last of them ends. When no row is active and work is away, the loop waits on it.
-    retire: a finished row frees its blocks and its grant; its prompt's blocks go with the prompt's last row.
-    continuous=False runs fixed waves instead (the bench's baseline): new groups only into an empty engine, each
-    admitted on its whole worst case (a static batch cannot pause a row for memory), the tool work done in the loop
-    itself (every row waits), and a turn's responses only once every row of the batch has ended its turn. A row's
-    tokens depend only on its seed and draw counter (Trajectory.draws), never on its neighbours or on when its
-    tools end, so any schedule gives the same trajectories."""
+    admit     ready rows, queued prompt groups (prefilled once, forked into their rows), sub-agents; a row is granted
+              the blocks its turn may take only while the engine stays safe (`stays_safe`), else it waits.
+    step      one forward, one (n, V) sampling op, one host sync; a row whose turn ends leaves the batch at once.
+    end_turn  the turn's rules (turn_outcome); its calls go to the tool threads (ToolEnv.run) while the rest decode.
+    collect   rows back from the tool threads (`called`): their responses go to ready (`respond`); sub-agents join.
+    A row's tokens depend only on its seed and draw counter (Trajectory.draws), so no schedule changes them."""
 
     def __init__(self, model, processor, cfg: RolloutConfig, ids: dict, pool: video.DecodePool | None = None,
                  on_turn=None):
-        self.model, self.processor, self.cfg, self.ids, self.pool = model, processor, cfg, ids, pool
+        self.model, self.processor, self.cfg, self.ids = model, processor, cfg, ids
         self.on_turn = on_turn           # listener: (trajectory, tool responses or None) as each turn completes
         self.factor = video_factor(processor)
         self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.env = ToolEnv(processor, cfg, self.factor, next(model.parameters()).dtype, pool)   # the tool threads' work
         self.stop, self.pad = ids["<|im_end|>"], ids["<|endoftext|>"]
-        banned = vision_ids(ids)
+        banned = vision_ids(ids)         # never sampled: only the processor writes them
         self.ban = torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
         self.queued: deque = deque()     # (prompt chunk, rows, prompt blocks) not admitted yet
         self.subs, self.ready = [], []   # (chunk, row): sub-agent prompts, next-turn chunks
         self.away = []                   # (row, future of its tool work's result, what follows: `called`, `respond`)
-        self.tools = None                # the tool threads while `run` runs (continuous batching; waves: none)
-        self.busy = [threading.Lock(), 0, 0.0]   # tool jobs running: (lock, how many, since when)
+        self.tools = None                # the tool threads while `run` runs
         self.active, self.logits, self.seeds, self.counters = [], None, None, None
         self.groups = {}                 # prompt id -> (its rows not retired, its prompt's blocks)
         self.kv, self.need = None, 0
-        self.sub_text = processor.tokenizer.apply_chat_template(
-            [{"role": "user", "content": [{"type": "video", "video": "clip"}, {"type": "text", "text": SUBAGENT_PROMPT}]}],
-            tokenize=False, add_generation_prompt=True)
 
     # -- work in
-    def stored(self, c: Chunk) -> Chunk:
-        """c with its pixels in the model's dtype: the values the model sees, kept by the trajectory once."""
-        if c.pixels is None or c.pixels.dtype == self.dtype:
-            return c
-        return Chunk(c.ids, c.mm_types, c.pixels.to(self.dtype), c.grid)
-
     def add_group(self, chunk: Chunk, rows: list[_Row]) -> None:
         """Queue a prompt and its rows (they share its K/V); each row's `reserve` is its worst case in blocks."""
         self.queued.append((chunk, rows, blocks_for(len(chunk.ids))))
 
     def add_subagent(self, parent: tuple[int, int], clip: video.Clip, seed: int, caller: _Row | None = None,
                      chunk: Chunk | None = None) -> _Row:
-        """A sub-agent on `clip` (its own one-row prompt, one turn; `chunk`: that prompt already encoded,
-        `subagent_chunk`): joins at the next admit."""
-        c = chunk if chunk is not None else self.subagent_chunk(clip)
+        """A sub-agent on `clip` (a one-row prompt, `chunk` if encoded already; one turn): joins at the next admit."""
+        c = chunk if chunk is not None else self.env.subagent_chunk(clip)
         t = Trajectory("", 0, c.ids.tolist(), [ENV] * len(c.ids), len(c.ids), [(c.pixels, c.grid)], parent=parent)
         sub = _Row(t, "", seed, max_new=self.cfg.subagent_max_new_tokens, tools=False, caller=caller, call=parent[1])
-        if caller is not None:
-            caller.waiting += 1
         self.subs.append((c, sub))
         return sub
 
     # -- the loop
     @torch.no_grad()
     def run(self) -> None:
-        """Roll out everything queued. The pool holds the budget's blocks, or all the queued work's worst case if
-        that is less, and at least the largest single group's worst case (with a warning when that is more).
-        Continuous batching: the tool work runs in TOOL_WORKERS threads beside the decoding (`send`, `collect`)."""
-        t0 = time.perf_counter()
+        """Roll out everything queued, in a pool of `pool_blocks` (the budget's, cfg.memory_budget_bytes)."""
         budget = kvcache.memory_budget(self.cfg.memory_budget_bytes, self.device, self.model) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
         self.queued = deque(part for group in self.queued for part in split_group(group, budget))
-        need = [blocks_for(len(c.ids)) + sum(r.reserve for r in rows) for c, rows, _ in self.queued]
-        need += [blocks_for(len(c.ids)) + blocks_for(s.max_new) for c, s in self.subs]
-        if need and max(need) > budget:
-            warnings.warn(f"rollout memory budget ({budget} blocks of {kvcache.BLOCK} tokens) is below one prompt group's "
-                          f"worst case ({max(need)} blocks): the pool holds that instead", stacklevel=2)
-        self.need = sum(need)
-        self.kv = GroupKV(self.model, self.device, max(max(need, default=1), min(budget, self.need)))
-        self.tools = ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="tools") if self.cfg.continuous else None
+        blocks, self.need = pool_blocks(self.queued, self.subs, budget)
+        self.kv = GroupKV(self.model, self.device, blocks)
+        self.tools = ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="tools")
         try:
             while self.queued or self.subs or self.ready or self.active or self.away:
                 self.collect()
-                t = time.perf_counter()
                 self.admit()
                 if not self.active:
-                    STATS["decode_s"] += time.perf_counter() - t
                     if not self.away:
                         raise RuntimeError("rollout engine stalled: work is queued but nothing can be admitted")
                     self.collect(wait=True)                 # nothing to decode until some tool work ends
                     continue
-                ended = self.step()
-                STATS["decode_s"] += time.perf_counter() - t
-                for r in ended:
+                for r in self.step():
                     self.end_turn(r)
         finally:
-            if self.tools is not None:
-                self.tools.shutdown(wait=True, cancel_futures=True)
-                self.tools = None
-            STATS["wall_s"] += time.perf_counter() - t0
+            self.tools.shutdown(wait=True, cancel_futures=True)
+            self.tools = None
 
     def send(self, r: _Row, work, then) -> None:
-        """Row r goes away for `work()` (tool work: crops, the processor; it reads no engine state), in the tool
-        threads (waves: here, at once); `then(r, its result)` runs on the engine's thread at a later `collect`."""
-        if self.tools is not None:
-            job = self.tools.submit(self.timed, work)
-        else:
-            job = Future()
-            job.set_result(self.timed(work))
-        self.away.append((r, job, then))
-
-    def timed(self, work):
-        """work(), counted in STATS["tool_s"]: the seconds while at least one tool job runs (in any thread)."""
-        lock = self.busy[0]
-        with lock:
-            if not self.busy[1]:
-                self.busy[2] = time.perf_counter()
-            self.busy[1] += 1
-        try:
-            return work()
-        finally:
-            with lock:
-                self.busy[1] -= 1
-                if not self.busy[1]:
-                    STATS["tool_s"] += time.perf_counter() - self.busy[2]
+        """Row r goes away while `work()` runs in a tool thread; `then(r, result)` runs here at a later `collect`."""
+        self.away.append((r, self.tools.submit(work), then))
 
     def collect(self, wait: bool = False) -> None:
-        """The rows whose tool work is done come back, in the order they went away; wait=True first blocks
-        until one is done (the loop has nothing to decode). A job's exception is raised here: a tool call's own
-        errors are data (run_calls), so one is a bug."""
+        """The rows whose tool work is done come back, in the order they went away (wait: once one is). A job's
+        exception is raised here: a tool call's own errors are data (run_calls), so one is a bug."""
         if wait:
             futures.wait([job for _, job, _ in self.away], return_when=futures.FIRST_COMPLETED)
         done = [job.done() for _, job, _ in self.away]
@@ -502,8 +569,6 @@ class Engine:
 
     def admit(self) -> None:
         """Ready chunks, queued groups that fit, sub-agents -> the active batch (see the class docstring)."""
-        if not self.cfg.continuous and self.active:
-            return                                          # waves: nothing joins a running batch
         ready, waiting = [], []
         for r, c in self.ready:                             # the next turn of rows whose response is ready
             grant = self.turn_grant(r, self.kv.prompts[r.prompt].length, self.kv.rows[r.kv].length + len(c.ids), r.left)
@@ -514,7 +579,7 @@ class Engine:
                 waiting.append((r, c))
         self.ready = waiting
         groups = []
-        while self.queued and (self.cfg.continuous or not self.kv.rows):
+        while self.queued:
             chunk, rows, prompt_blocks = self.queued[0]
             for r in rows:
                 r.grant = self.turn_grant(r, len(chunk.ids), 0, assistant_turns(self.cfg))
@@ -536,36 +601,20 @@ class Engine:
             self.join(rows, self.kv.extend(self.model, [r.kv for r in rows], [c for _, c in ready], self.pad))
 
     def turn_grant(self, r: _Row, prompt_len: int, held: int, turns: int) -> int:
-        """Blocks row r may hold by the end of its next turn, with `held` tokens in its suffix as it starts and
-        `turns` assistant turns left (waves: its whole worst case)."""
-        if not self.cfg.continuous:
-            return r.reserve
+        """Blocks row r may hold by its next turn's end: `held` tokens in its suffix, `turns` assistant turns left."""
         return min(r.reserve, row_blocks(self.cfg, prompt_len, self.factor, held, turns, this_turn=True))
 
     def grant(self, who: tuple, blocks: int) -> bool:
-        """Grant `blocks` more if the engine stays safe: `who` is (prompt id,) for a row of an admitted group,
-        or the queued (chunk, rows, prompt blocks) being admitted, the last of them the one asking. Always into
-        an empty engine (the pool holds at least any one group's worst case, so a group alone is always safe)."""
-        if not self.kv.reserved or blocks <= 0:
-            return self.kv.reserve(blocks, force=True)
-        if not self.cfg.continuous:                         # waves: whole worst cases side by side
-            return self.kv.reserve(blocks)
-        ledger = lambda rows, b: (b + sum(r.grant for r in rows), b + sum(r.reserve for r in rows))  # (held, worst)
-        state = {p: ledger(rows, b) for p, (rows, b) in self.groups.items() if b}  # sub-agents: none
-        if isinstance(who[0], int):                         # a row of an admitted group: its group holds more
-            held, worst = state[who[0]]
-            state[who[0]] = (held + blocks, worst)
-        else:                                               # queued groups, admitted in this round or asking
-            state.update({("queued", i): ledger(rows, b) for i, (_, rows, b) in enumerate(who)})
-        if not safe(list(state.values()), self.kv.pool.n_blocks - self.kv.reserved - blocks):
+        """Grant `who` (as in `stays_safe`) `blocks` more if the engine stays safe; always into an empty engine (the
+        pool holds at least any one group's worst case, so a group alone is always safe)."""
+        if self.kv.reserved and blocks > 0 and not stays_safe(self.groups, who, blocks,
+                                                               self.kv.pool.n_blocks - self.kv.reserved):
             return False
         return self.kv.reserve(blocks, force=True)
 
     def join(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """Rows (with their next-token logits (k, V)) into the active batch, kept ordered by prompt so that the
         rows of a prompt go together as queries against its K/V."""
-        for r in rows:
-            r.turn_tokens = []
         seeds = kvcache._on(self.device, [r.seed for r in rows])
         counters = kvcache._on(self.device, [r.traj.draws for r in rows])   # each row's draw index
         if self.active:
@@ -579,36 +628,13 @@ class Engine:
         self.active, self.logits, self.seeds, self.counters = rows, logits, seeds, counters
 
     def step(self) -> list[_Row]:
-        """One decode step of the active rows; returns the rows whose turn ended (they have left the batch).
-        `ban` ids (vision placeholders: only the processor writes them) are never sampled. cfg.record_logprobs: the
-        log-probs of the sampled tokens are recorded too, log_softmax(logits / T) of the unmasked logits at the
-        sampling temperature (1 when greedy), the numbers a training forward computes: the behaviour log-probs of
-        the decoupled loss (async_rl.py) and the exactness checks (a (n, V) log_softmax a step, off otherwise)."""
-        logits = self.logits
-        masked = logits.index_fill(1, self.ban, float("-inf")) if self.ban is not None else logits
-        tok = sample_tokens(masked, self.seeds, self.counters, self.cfg.temperature, self.cfg.top_p)
-        if self.cfg.record_logprobs:
-            lp = torch.log_softmax(logits.float() / (self.cfg.temperature or 1.0), -1).gather(1, tok[:, None])[:, 0]
-            toks, lps = torch.stack([tok.double(), lp.double()]).tolist()  # the step's one host sync
-        else:
-            toks, lps = tok.tolist(), None                                  # the step's one host sync
-        STATS["decode_steps"] += 1
-        keep, ended = [], []
-        for j, (r, t) in enumerate(zip(self.active, toks)):
-            t = int(t)
-            r.turn_tokens.append(t)
-            r.traj.token_ids.append(t)
-            r.traj.roles.append(POLICY)
-            r.traj.draws += 1
-            if lps is not None:
-                r.traj.logprobs.append(lps[j])
-            if t == self.stop or len(r.turn_tokens) == r.max_new or len(r.traj.token_ids) >= self.cfg.max_context:
-                r.pending = [t]                             # fed with the next chunk
-                r.traj.truncated |= t != self.stop
-                ended.append(r)
-            else:
-                keep.append(j)
-        if len(keep) < len(self.active):                    # rows leave: their blocks stay where they are
+        """One decode step of the active rows (`draw`, then the next forward); returns the rows whose turn ended
+        (they have left the batch)."""
+        tok, toks, lps = draw(self.logits, self.ban, self.seeds, self.counters, self.cfg)
+        ends = [r.sampled(int(t), lps[j] if lps is not None else None, self.stop, self.cfg.max_context)
+                for j, (r, t) in enumerate(zip(self.active, toks))]
+        ended, keep = [r for r, e in zip(self.active, ends) if e], [j for j, e in enumerate(ends) if not e]
+        if ended:                                           # rows leave: their blocks stay where they are
             k = kvcache._on(self.device, keep)              # pinned, non-blocking: no second sync
             self.active = [self.active[j] for j in keep]
             tok, self.logits, self.seeds, self.counters = tok[k], self.logits[k], self.seeds[k], self.counters[k]
@@ -619,60 +645,27 @@ class Engine:
 
     # -- a turn's end: tools (in the tool threads), sub-agents, the next chunk
     def end_turn(self, r: _Row) -> None:
-        """Send the calls of a row's turn to the tool threads (`tool_work`; the row is away until `called`); the
-        tool-turn budget: calls are executed in at most cfg.max_turns turns, and the response to the last of them
-        carries the forced-answer message. Calls made once the budget is spent are not executed: with a budget of 0
-        the first turn's calls get the forced-answer message alone (one more turn to answer from the overview), and
-        calls after the forced-answer message end the trajectory (hit_turn_limit)."""
+        """A row's turn has ended: turn_outcome says what follows. Calls that run go to the tool threads with the
+        row (ToolEnv.run, then `called`); calls past the budget get the forced-answer message alone (`reply`)."""
         if not r.tools:
             return self.end_subagent(r)
-        cfg = self.cfg
-        turn_text = THINK_PREFIX + self.processor.tokenizer.decode([t for t in r.turn_tokens if t != self.stop],
-                                                                   skip_special_tokens=False)
-        r.traj.turns.append(turn_text)
-        calls_all = parse_tool_calls(turn_text)
-        calls = calls_all[:cfg.max_calls_per_turn]
-        r.traj.calls.append(calls)
-        if r.traj.truncated or not calls_all:
+        text = THINK_PREFIX + self.processor.tokenizer.decode(r.text_tokens(self.stop), skip_special_tokens=False)
+        out = turn_outcome(parse_tool_calls(text), r.traj.n_tool_turns, r.forced, r.traj.truncated,
+                           self.cfg.max_turns, self.cfg.max_calls_per_turn)
+        r.traj.turns.append(text)
+        r.traj.calls.append(out.calls)
+        r.forced = out.forced
+        if out.done:
+            r.traj.hit_turn_limit = out.hit_turn_limit
             return self.retire(r, last_turn=True)
-        if self.spent(r):                                   # the budget is spent: calls are not executed
-            if r.forced:
-                r.traj.hit_turn_limit = True
-                return self.retire(r, last_turn=True)
-            return self.reply(r, [])                        # budget 0: the forced-answer message alone
+        if not out.executes:
+            return self.reply(r, [])
         r.traj.n_tool_turns += 1
-        r.traj.n_calls += len(calls)
-        self.send(r, partial(self.tool_work, calls, len(calls_all) - len(calls), r.path, r.duration, self.spent(r)),
-                  self.called)
-
-    def spent(self, r: _Row) -> bool:
-        """r's tool-turn budget is spent: cfg.max_turns turns' calls executed (its response then carries the
-        forced-answer message, and calls after it are not executed)."""
-        return r.traj.n_tool_turns >= self.cfg.max_turns
-
-    def tool_work(self, calls: list[ToolCall], dropped: int, path: str, duration: float, forced: bool) -> tuple:
-        """One turn's tool work, in a tool thread (it reads no engine state): (results, made). results: run_calls'
-        (window, clip, error) per call in call order, + one error observation on the `dropped` calls past the cap.
-        made: interleaved mode, the response chunk (the processor over its clips); sub-agent mode, the sub-agents'
-        prompt chunks {call index: chunk} of the calls that gave a clip."""
-        results = run_calls(calls, path, duration, self.cfg, self.factor, self.pool)
-        if dropped:                                         # beyond the per-turn cap: one error observation, counted
-            results.append((None, None, f"only {self.cfg.max_calls_per_turn} calls per turn are executed; "
-                                        f"{dropped} were dropped"))
-        if self.cfg.tool_mode == "subagent":
-            return results, {k: self.subagent_chunk(clip) for k, (_, clip, err) in enumerate(results) if err is None}
-        return results, self.response_chunk(*tool_response_parts(results), forced)
-
-    def subagent_chunk(self, clip: video.Clip) -> Chunk:
-        """A sub-agent's prompt on `clip` (the processor; a tool thread's work)."""
-        return self.stored(encode_chunk(self.processor, self.sub_text, [clip]))
-
-    def response_chunk(self, parts: list[str], clips: list, forced: bool) -> Chunk:
-        """The user turn of tool responses (response_chunk_text over `parts`, the processor over `clips`)."""
-        return self.stored(encode_chunk(self.processor, response_chunk_text(parts, forced), clips))
+        r.traj.n_calls += len(out.calls)
+        self.send(r, partial(self.env.run, out.calls, out.dropped, r.path, r.duration, out.forced), self.called)
 
     def called(self, r: _Row, out: tuple) -> None:
-        """A turn's tool work is done (tool_work's (results, made)), on the engine's thread: counted; interleaved
+        """A turn's tool work is done (ToolEnv.run's (results, made)), on the engine's thread: counted; interleaved
         mode, its responses; sub-agent mode, its sub-agents join (their caller responds once they end)."""
         results, made = out
         r.traj.tool_failures += sum(err is not None for _, _, err in results)
@@ -682,15 +675,14 @@ class Engine:
         # each sub-agent's seed comes from its caller's seed, the turn and the call index, so a trajectory
         # does not depend on which other records share its batch
         turn = len(r.traj.turns) - 1
-        r.results = results
+        r.results, r.waiting = results, len(made)
         for k, c in made.items():
             self.add_subagent((r.order, k), results[k][1], row_seed(r.seed, 10_000 + turn, k), caller=r, chunk=c)
         if not r.waiting:                                   # no call gave a clip: its errors at once
             self.reply(r, results, {})
 
     def end_subagent(self, s: _Row) -> None:
-        toks = [t for t in s.turn_tokens if t != self.stop]
-        s.traj.text = self.processor.tokenizer.decode(toks, skip_special_tokens=True).strip()
+        s.traj.text = self.processor.tokenizer.decode(s.text_tokens(self.stop), skip_special_tokens=True).strip()
         self.retire(s)
         c = s.caller
         if c is not None:
@@ -700,37 +692,27 @@ class Engine:
                 self.reply(c, c.results, {k: t.text for k, t in c.subs.items()})
 
     def reply(self, r: _Row, results: list, summaries: dict[int, str] | None = None, chunk: Chunk | None = None) -> None:
-        """The turn's tool responses (tool_response_parts: one per call, call order; `summaries` in sub-agent mode)
-        to the listener, then their chunk (`chunk`: encoded already) to `respond`, encoded in the tool threads."""
+        """The turn's tool responses (tool_response_parts) to the listener, then their chunk (`chunk`, or encoded in
+        the tool threads) to `respond`."""
         parts, clips = tool_response_parts(results, summaries)
         r.results, r.subs = [], {}
         if self.on_turn is not None:                        # the listener: a turn and its tool responses
             self.on_turn(r.traj, parts)
         if chunk is not None:
             return self.respond(r, chunk)
-        self.send(r, partial(self.response_chunk, parts, clips, self.spent(r)), self.respond)
+        self.send(r, partial(self.env.response_chunk, parts, clips, r.forced), self.respond)
 
     def respond(self, r: _Row, c: Chunk) -> None:
-        """The encoded user turn of tool responses (+ the forced-answer message once the budget is spent) after the
-        turn's last token -> ready; a row past max_context ends truncated."""
-        forced = r.forced = self.spent(r)
-        c = Chunk(torch.cat([torch.tensor(r.pending), c.ids]),
-                  torch.cat([torch.zeros(len(r.pending), dtype=torch.int32), c.mm_types]), c.pixels, c.grid)
-        r.traj.token_ids += c.ids[len(r.pending):].tolist()
-        r.traj.roles += [ENV] * (len(c.ids) - len(r.pending))
-        if c.pixels is not None:
-            r.traj.videos.append((c.pixels, c.grid))
+        """The encoded tool responses -> ready (a row past max_context ends truncated). Its worst case tightens, and
+        its grant comes down to the blocks it holds: the next turn's is asked for at admit."""
+        c = r.responded(c)
         if len(r.traj.token_ids) >= self.cfg.max_context:
             r.traj.truncated = True
             return self.retire(r)
-        # the worst case tightens now that this turn's length and its response are known, and the grant comes down
-        # to the blocks the row holds (its sub-agents are done): what is left goes back to the scheduler, and the
-        # next turn's grant is asked for at admit
-        r.left = 1 if forced else assistant_turns(self.cfg) - len(r.traj.turns)
-        prompt_len = self.kv.prompts[r.prompt].length
-        r.reserve = min(r.reserve, row_blocks(self.cfg, prompt_len, self.factor,
+        r.left = 1 if r.forced else assistant_turns(self.cfg) - len(r.traj.turns)
+        r.reserve = min(r.reserve, row_blocks(self.cfg, self.kv.prompts[r.prompt].length, self.factor,
                                               self.kv.rows[r.kv].length + len(c.ids), r.left))
-        hold = len(self.kv.rows[r.kv].blocks) if self.cfg.continuous else r.reserve
+        hold = len(self.kv.rows[r.kv].blocks)
         self.kv.release(r.grant - hold)
         r.grant = hold
         self.ready.append((r, c))
@@ -805,7 +787,7 @@ def run_agent(model, processor, records: list[dict], video_root: str, cfg: Rollo
         prefix = encode_chunk(processor, THINK_PREFIX)
         rows = []
         for i, rec, path, duration, c, n in prompts:
-            c = engine.stored(Chunk(torch.cat([c.ids, prefix.ids]), torch.cat([c.mm_types, prefix.mm_types]),
+            c = engine.env.stored(Chunk(torch.cat([c.ids, prefix.ids]), torch.cat([c.mm_types, prefix.mm_types]),
                                     c.pixels, c.grid))
             reserve = row_blocks(cfg, len(c.ids), factor)
             group = [_Row(Trajectory(str(rec.get("id", i)), s, c.ids.tolist(), [ENV] * len(c.ids),
@@ -844,7 +826,7 @@ def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = Fa
     """Right-padded model inputs for whole trajectories: input_ids / attention_mask / mm_token_type_ids
     (B, L), position_ids (3, B, L) from get_rope_index over each full sequence, the videos of all rows
     concatenated in row order, and `roles` (B, L) (ENV, POLICY; pads are ENV).
-    share_videos=True (for `shared_video_hidden_states`): pixel_values_videos / video_grid_thw hold each distinct
+    share_videos=True (for `policy.shared_video_hidden_states`): pixel_values_videos / video_grid_thw hold each distinct
     video ONCE (the G samples of a prompt share its overview tensor) and `video_index` (n_videos,) gives,
     for every video in row order (one per grid row: a turn's parallel clips are one entry of several
     videos), its index among the distinct ones."""
@@ -898,27 +880,3 @@ def behaviour_logprobs(trajs: list[Trajectory], batch: dict) -> torch.Tensor:
     return out
 
 
-def shared_video_hidden_states(model, batch: dict) -> torch.Tensor:
-    """(B, L, D) last hidden states of a `collate(..., share_videos=True)` batch (without `roles`): the
-    vision tower runs once per DISTINCT video (once per prompt, not G times), and its features (and
-    deepstack features) are handed to every row that shows that video. The same numbers as
-    `model.model(**batch).last_hidden_state` on the unshared batch; gradients of a shared video sum
-    over its rows, as they would for G separate copies."""
-    kw = dict(batch)
-    index = kw.pop("video_index", None)
-    if index is None or "pixel_values_videos" not in kw:
-        return model.model(**kw, use_cache=False).last_hidden_state
-    order = index.tolist()
-    inner = model.model.get_video_features
-
-    def shared(pixel_values_videos, video_grid_thw=None, **k):     # runs inside model.model's forward (FSDP hooks)
-        feats = inner(pixel_values_videos, video_grid_thw, **k)
-        feats.pooler_output = tuple(feats.pooler_output[j] for j in order)
-        feats.deepstack_features = [tuple(layer[j] for j in order) for layer in feats.deepstack_features]
-        return feats
-
-    model.model.get_video_features = shared
-    try:
-        return model.model(**kw, use_cache=False).last_hidden_state
-    finally:
-        del model.model.get_video_features

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import model as model_lib
+import recipes
 import rollout
 
 # -----------------------------------------------------------------------------
@@ -55,14 +56,15 @@ class Run:
 
     def __init__(self, run_dir: str, rank: int, world: int, seed: int, save_every: int, keep_last: int,
                  strict: bool, max_bad_fraction: float, report_to: str = "none", export_dtype: torch.dtype | None = None,
-                 group=None):
+                 group=None, max_grad_norm: float = recipes.TINY["max_grad_norm"]):
         self.run_dir, self.rank, self.world, self.seed = run_dir, rank, world, seed
         self.group = group                           # the ranks that train and save (None: all; async_rl.py's trainers)
         self.export_dtype = export_dtype             # the Hugging Face export's dtype (None: the parameters')
         self.save_every, self.keep_last, self.strict = save_every, keep_last, strict
-        self.max_bad_fraction = max_bad_fraction
+        self.max_bad_fraction, self.max_grad_norm = max_bad_fraction, max_grad_norm
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self.counters = {"skipped_steps": 0, "bad_samples": 0}
+        self.failed = 0                              # RL samples failed since this process started (`sampled`)
         self.static, self.best, self.warned, self.processor = {}, None, set(), None
         self.tracker = make_tracker(report_to, run_dir) if rank == 0 else None
         os.makedirs(run_dir, exist_ok=True)
@@ -77,9 +79,9 @@ class Run:
             self.tracker(stage, step, row)
 
     def optimizer_step(self, model, optimizer, loss: torch.Tensor, stage: str, step: int, sample_ids: list) -> float:
-        """Clip to norm 1 and step; a non-finite loss or gradient skips the step (counted), or raises with --strict.
-        Returns the gradient norm (nan when skipped)."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        """Clip to norm max_grad_norm and step; a non-finite loss or gradient skips the step (counted), or raises
+        with --strict. Returns the gradient norm (nan when skipped)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
         if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
             msg = f"non-finite loss/grad at {stage} step {step} (samples {sample_ids[:8]})"
             if self.strict:
@@ -97,17 +99,18 @@ class Run:
             self.warned.add(traj.record_id)
             tqdm.write(f"skipped sample {traj.record_id} (rl step {step}, rank {self.rank}): {traj.error}")
 
-    def failed_samples(self, trajs: list, step: int, start: int, failed: int, group_size: int) -> int:
-        """The RL samples failed since `start` after this step's `trajs` (`failed` before them): each group's first
-        failure warned once; past max_bad_fraction of the samples (after 5 steps) a RuntimeError, so a run never
-        dies on one bad sample nor goes on when most fail. Both RL loops (train.run_rl, async_rl.rollout_loop)."""
-        failed += sum(t.error is not None for t in trajs)
+    def sampled(self, trajs: list, step: int, start: int, group_size: int) -> None:
+        """Count an RL step's failed samples (bad_samples; `failed` since `start`): each group's first failure
+        warned once; past max_bad_fraction of the samples (after 5 steps) a RuntimeError, so a run never dies on
+        one bad sample nor goes on when most fail. Both RL loops (train.run_rl, async_rl.rollout_loop)."""
+        n_bad = sum(t.error is not None for t in trajs)
+        self.counters["bad_samples"] += n_bad
+        self.failed += n_bad
         for t in trajs[::group_size]:
             self.warn_sample(t, step)
-        if failed > self.max_bad_fraction * (step - start) * max(1, len(trajs)) and step - start > 5:
+        if self.failed > self.max_bad_fraction * (step - start) * max(1, len(trajs)) and step - start > 5:
             raise RuntimeError(f"more than {self.max_bad_fraction:.0%} of samples failed by step {step}: "
                                f"see the skipped-sample messages above")
-        return failed
 
     def save(self, stage: str, step: int, model, optimizer) -> str:
         path = save_checkpoint(self.run_dir, step, model, self.processor, optimizer,
@@ -470,10 +473,7 @@ def setup_distributed(rank: int, gpus: int | None, device: str, threads: int,
 
 
 def process_group_backend(use_cuda: bool) -> str:
-    """The process group's device map: NCCL for CUDA tensors alone on GPUs, gloo for CPU tensors alone on CPU.
-    Each group serves one device type, as NCCL does, so a CPU run on gloo refuses a tensor on the wrong device
-    just as a GPU run would (a plain "gloo" group serves CPU and CUDA tensors alike, and hid collectives that
-    handed NCCL CPU tensors)."""
+    """The process group's device map: NCCL for CUDA tensors on GPUs, gloo for CPU tensors alone on CPU."""
     return "cuda:nccl" if use_cuda else "cpu:gloo"
 
 
@@ -616,6 +616,16 @@ def all_sum_float(value: float, group=None) -> float:
 
 def all_max(value: int, group=None) -> int:
     return int(_all_reduce([value], dist.ReduceOp.MAX, group)[0])
+
+
+def rank_totals(n_tokens: int, n_batches: int, world: int, group=None) -> tuple[int, int]:
+    """The policy tokens of all ranks (a step's loss is their token mean) and the zero-weight passes this rank owes:
+    the most micro-batches any rank runs, less its own, so every rank joins the same FSDP collectives. Both are
+    collectives themselves: every rank calls this at the same point, before its forwards."""
+    if world == 1:
+        return n_tokens, 0
+    return all_sum(n_tokens, group), all_max(n_batches, group) - n_batches
+
 
 
 def all_sums(values: list[float], world: int) -> list[float]:

@@ -1,31 +1,45 @@
 """
-The SFT warm start's data: the trajectories it trains on and TDAM's spans in them (docs/method.md §6).
+The SFT warm start (docs/method.md §6): the trajectories it trains on, TDAM's rules, and the SFT step.
 
-    encode_messages  a recorded trajectory's messages -> a rollout.Trajectory, through the rollout's own pieces
-                   (the prompt, the tool's crops, rollout.tool_response_parts), so SFT trains on what a rollout sees
-    sft_examples   recorded (--sft-data) or oracle (the synthetic task) trajectories, each encoded so, checked
-                   once, bad ones counted and skipped
-    SFTItems       those trajectories, re-encoded on demand and kept while their pixels fit --set sft_cache_gb
-    tdam_spans     the overview, call, observation and answer spans of one trajectory, found from its text
-    tdam_spec      a batch's TdamSpec (ops.tdam_attention's block-sparse mask), tdam_batch_mask its dense form
+    1. data        encode_messages (a recorded trajectory -> a rollout.Trajectory, through the rollout's own pieces,
+                   so SFT trains on what a rollout sees), sft_examples (recorded or oracle trajectories, bad ones
+                   counted and skipped), SFTItems (re-encoded on demand while their pixels fit sft_cache_gb)
+    2. TDAM        tdam_rects (Video-o3's two rules, as rectangles a query may not see), tdam_spans (the overview,
+                   call, observation and answer spans of a trajectory), tdam_spec (a batch's TdamSpec for
+                   ops.tdam_attention); tdam_mask / tdam_batch_mask, their dense forms
+    3. the step    sft_token_loss (cross-entropy through ops.token_logprobs), sft_loss, sft_micro_batches,
+                   sft_backward (TDAM on a fraction of batches, the token mean over all ranks), sft_draw, run_sft
 
-train.py's run_sft / sft_backward / sft_loss train on them. Shapes: a batch is rollout.collate's dict
-(input_ids, attention_mask, roles (B, L), the vision inputs); a TdamSpec holds lengths (B,) and rects (B, R, 4).
+From run_sft, TDAM's rules are three calls: run_sft -> sft_backward -> tdam_spec -> tdam_rects. Shapes: a batch is
+rollout.collate's dict (input_ids, attention_mask, roles (B, L), the vision inputs); a TdamSpec holds lengths (B,)
+and rects (B, R, 4).
 """
+import dataclasses
+import random
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from tqdm import tqdm
 
 import data
 import model as model_lib
+import policy
+import recipes
 import rollout
 import video
 from data import content_text, message_text
 from model import decode_with_offsets
-from ops import TdamSpec, tdam_rects, to_additive_mask
+from ops import TdamSpec, policy_rows, to_additive_mask, token_logprobs
 from rewards import extract_answer, parse_tool_calls
+from runtime import Run, all_mean, print0, rank_totals
 
+T, CPU = recipes.TINY, recipes.ON_DEVICE["cpu"]     # the settings' defaults: what `python train.py` runs
+
+
+# -----------------------------------------------------------------------------
+# 1. Data: recorded or oracle trajectories, encoded as a rollout would
 
 def _tool_results(message: dict) -> list | None:
     """The results a message carries back to the policy: a `tool` message is one result (text, or a video item
@@ -57,7 +71,7 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
     tok = processor.tokenizer
     add = lambda ids, role: (t.token_ids.extend(ids), t.roles.extend([role] * len(ids)))
     add(rollout.encode_chunk(processor, rollout.THINK_PREFIX).ids.tolist(), rollout.ENV)
-    i = 0
+    i, sent = 0, False                     # sent: the forced-answer message is in the trajectory
     while i < len(messages) and messages[i]["role"] in ("system", "user") and _tool_results(messages[i]) is None:
         i += 1                             # a recorded prompt: the record's own fields rebuild it
     while i < len(messages):
@@ -82,6 +96,7 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
         t.turns.append(turn)
         calls = parse_tool_calls(turn)
         t.calls.append(calls)
+        out = rollout.turn_outcome(calls, t.n_tool_turns, sent, False, cfg.max_turns, cfg.max_calls_per_turn)
         j, results = i + 1, []
         while j < len(messages) and (r := _tool_results(messages[j])) is not None:
             results += r
@@ -96,17 +111,19 @@ def encode_messages(processor, record: dict, messages: list[dict], video_root: s
                 parts, clips = rollout.tool_response_parts(ran)
                 t.tool_failures += sum(err is not None for _, _, err in ran)
                 t.windows += [w for w, _, err in ran if err is None]
-            # the forced-answer request only where a rollout would send it: the limit reached and the recording
-            # ends with the next turn (a longer recorded trajectory, e.g. Video-o3's 8 turns, goes on as recorded)
+            # the forced-answer message where the rollout's rules put it (turn_outcome), unless the recording goes on
+            # past it: a longer recorded trajectory (e.g. Video-o3's 8 turns at a budget of 6) goes on as recorded
             goes_on = any(_tool_results(x) is not None for x in messages[j:])
-            forced = t.n_tool_turns >= cfg.max_turns and not goes_on
+            forced = out.forced and not goes_on
             rc = rollout.encode_chunk(processor, rollout.response_chunk_text(parts, forced), clips)
             add(rc.ids.tolist(), rollout.ENV)
             if rc.pixels is not None:
                 t.videos.append((rc.pixels, rc.grid))
-        elif calls and j < len(messages) and t.n_tool_turns >= cfg.max_turns:
-            # calls with the budget spent and an answer recorded after them: the rollout's forced-answer message
+            sent |= forced
+        elif out.forced and not out.executes and j < len(messages):
+            # calls with the budget spent and an answer recorded after them: the forced-answer message alone
             add(rollout.encode_chunk(processor, rollout.response_chunk_text([], True)).ids.tolist(), rollout.ENV)
+            sent = True
         i = j
     t.text = tok.decode(t.token_ids[t.prompt_len:], skip_special_tokens=False)
     t.answer = extract_answer(t.turns[-1]) if t.turns else None
@@ -174,10 +191,9 @@ class SFTItems:
 
 
 def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.RolloutConfig, *,
-                 sft_data: str | None, seed: int, gated_choices: list[int], always_call: bool = False,
-                 direct_crop: float = 0.0, budget_fraction: float = 0.0, tool_free: float = 0.0,
-                 keep_bad_calls: bool = False, max_bad_fraction: float = 0.2, workers: int = 1,
-                 cache_bytes: float = float("inf"), log=print) -> tuple[SFTItems, int]:
+                 sft_data: str | None, seed: int, gated_choices: list[int], always_call: bool, direct_crop: float,
+                 budget_fraction: float, tool_free: float, keep_bad_calls: bool, max_bad_fraction: float,
+                 workers: int = 1, cache_bytes: float = float("inf"), log=print) -> tuple[SFTItems, int]:
     """(the SFT trajectories, number skipped). From `sft_data` (trajectory records, docs/data.md), or the
     synthetic task's oracle: each record with the evaluation overview, and once more with a K drawn from
     `gated_choices` when given; with probability `budget_fraction` a trajectory that calls the tool is also
@@ -192,8 +208,9 @@ def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.R
         found, errors = data.sft_pairs(sft_data)
         pairs = [(rec, msgs, where, None, cfg) for rec, msgs, where in found]
     else:
-        pairs, errors = data.oracle_sft_pairs(records, cfg, seed, gated_choices, always_call, direct_crop,
-                                              budget_fraction, tool_free)
+        pairs, errors = data.oracle_sft_pairs(records, cfg, seed, gated_choices, always_call=always_call,
+                                              direct_crop=direct_crop, budget_fraction=budget_fraction,
+                                              tool_free=tool_free)
 
     def encode(pair):                        # k: the overview's frame count (None: the rollout's own rule)
         rec, msgs, where, k, c = pair
@@ -229,6 +246,50 @@ def sft_examples(records: list[dict], processor, video_root: str, cfg: rollout.R
     if not good or len(errors) > max_bad_fraction * (len(good) + len(errors)):
         raise ValueError(f"{len(errors)} of {len(good) + len(errors)} SFT records are bad; first: {errors[:3]}")
     return items, len(errors)
+
+
+# -----------------------------------------------------------------------------
+# 2. TDAM: the spans of a trajectory and the two rules over them
+
+def tdam_rects(seq_len: int, overview_span: tuple[int, int] | None, answer_span: tuple[int, int] | None,
+               call_spans: list[tuple[int, int]], obs_spans: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """
+    Video-o3's Task-Decoupled Attention Masking (arXiv 2601.23224, on a fraction of SFT batches), as the rectangles
+    (q0, q1, k0, k1) of queries [q0, q1) that may not see keys [k0, k1), on top of the causal mask M[i, j] = j <= i:
+      (1) the final answer span may not see the overview video span, when the sequence holds more than one video
+          (obs_spans non-empty), so the answer must rest on the cropped evidence;
+      (2) every tool-call span after the first may not see the observation video spans that end before it
+          starts, so each new call plans from the overview rather than copying the last crop.
+    Spans are [start, end) token indices; `answer_span` is the text after `<answer>`. O(#rules): the blocked
+    attention (ops.tdam_attention) reads the rectangles and never builds L x L; `tdam_mask` is the dense form.
+    """
+    obs = [_check_span("obs_span", s, seq_len) for s in obs_spans]
+    calls = sorted(_check_span("call_span", s, seq_len) for s in call_spans)
+    rects = []
+    if overview_span is not None and answer_span is not None and obs:
+        v0, v1 = _check_span("overview_span", overview_span, seq_len)
+        a0, a1 = _check_span("answer_span", answer_span, seq_len)
+        if a0 < v1 and a1 > v0:
+            raise ValueError(f"tdam_mask: answer_span {answer_span} overlaps overview_span {overview_span}")
+        rects.append((a0, a1, v0, v1))                            # rule (1)
+    rects += [(c0, c1, o0, o1) for c0, c1 in calls[1:] for o0, o1 in obs if o1 <= c0]   # rule (2)
+    return rects
+
+
+def _check_span(name: str, span: tuple[int, int], seq_len: int) -> tuple[int, int]:
+    start, end = span
+    if not 0 <= start <= end <= seq_len:
+        raise ValueError(f"tdam_mask: {name} {span} is not a [start, end) span inside a sequence of {seq_len} tokens")
+    return start, end
+
+
+def tdam_mask(seq_len: int, overview_span: tuple[int, int] | None, answer_span: tuple[int, int] | None,
+              call_spans: list[tuple[int, int]], obs_spans: list[tuple[int, int]]) -> torch.Tensor:
+    """(L, L) bool, True = query i may attend to key j: the causal mask less `tdam_rects`' rectangles."""
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()  # (L, L) causal
+    for q0, q1, k0, k1 in tdam_rects(seq_len, overview_span, answer_span, call_spans, obs_spans):
+        mask[q0:q1, k0:k1] = False
+    return mask
 
 
 def tdam_spans(ids: list[int], roles: list[int], tokenizer, video_id: int) -> dict:
@@ -288,3 +349,114 @@ def tdam_batch_mask(batch: dict, tokenizer, video_id: int, counts: dict | None =
     and tests that take a 4-D mask. Training uses the spec itself (`tdam_attention`), which never builds it."""
     L = batch["input_ids"].shape[1]
     return to_additive_mask(tdam_spec(batch, tokenizer, video_id, counts).allowed(0, L, L, "cpu")[:, 0])
+
+
+# -----------------------------------------------------------------------------
+# 3. The SFT step: the loss, micro-batches and their backward, the loop
+
+def sft_token_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *,
+                   compile: bool, chunk_size: int | None = None, num_tokens: float | torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, int]:
+    """Cross-entropy on the policy's tokens through the fused `ops.token_logprobs` (T = 1), token mean:
+    loss = -sum_it m_it log_softmax(h_it W^T)[t_it] / num_tokens (default sum(m); micro-batches pass the batch's).
+    hidden (B, L, D), lm_head_weight (V, D), targets, mask (B, L) -> (loss, this call's token count)."""
+    h, t, mask, _ = policy_rows("sft_token_loss", hidden, targets, mask)
+    n_tokens = h.shape[0]
+    logp = token_logprobs(h, lm_head_weight, t, chunk_size, compile=compile, temperature=1.0)   # (N,) fp32, T = 1
+    return -logp.sum() / (max(n_tokens, 1) if num_tokens is None else num_tokens), n_tokens
+
+
+@dataclasses.dataclass
+class SFTSettings:
+    """The SFT warm start's knobs (flags or --set keys sft_steps, sft_batch, ...); defaults: recipes.TINY."""
+    steps: int = T["sft_steps"]
+    batch: int = T["sft_batch"]
+    micro_batch: int = T["sft_micro_batch"]
+    micro_batch_tokens: int = T["micro_batch_tokens"]    # ... and rows x longest row at most: the RL update's budget
+    lr: float = T["sft_lr"]
+    warmup_steps: int | None = None                  # None: recipes.sft_warmup's rule for these steps
+    min_lr_ratio: float = T["min_lr_ratio"]
+    tdam_ratio: float = T["tdam_ratio"]
+    loss_chunk: int = T["loss_chunk"]                # token_logprobs' chunk in the loss; 0: its own rule
+    compile: bool = CPU["compile"]                   # resolve: on with CUDA (recipes.ON_DEVICE)
+    precision: str = CPU["precision"]                # fp32 | bf16: the forward passes' compute dtype (policy.autocast)
+
+    def __post_init__(self):
+        if self.warmup_steps is None:
+            self.warmup_steps = recipes.sft_warmup({"sft_steps": self.steps, "sft_warmup_steps": None})
+
+
+def sft_loss(model, batch: dict, s: SFTSettings, tdam: TdamSpec | None = None) -> tuple[torch.Tensor, int]:
+    """Cross-entropy on assistant (POLICY) tokens only, token mean, through the fused `sft_token_loss`; the forward
+    in the compute dtype of s.precision (`policy.policy_head`), each layer's attention under TDAM's `tdam` spec."""
+    hidden, weight, targets, mask = policy.policy_head(model, batch, s.precision, tdam)
+    return sft_token_loss(hidden, weight, targets, mask, chunk_size=s.loss_chunk or None, compile=s.compile)
+
+
+def sft_micro_batches(items: list, model, pad_id: int, s: SFTSettings):
+    """Collated micro-batches, shortest first (rows of like length share a pad length), of at most s.micro_batch
+    trajectories and (rows x longest) <= s.micro_batch_tokens padded tokens, a longer row alone (policy.micro_batches)."""
+    items = sorted(items, key=lambda t: len(t.token_ids))
+    for sl in policy.micro_batches([len(t.token_ids) for t in items], max(1, s.micro_batch), s.micro_batch_tokens):
+        yield rollout.collate(items[sl], model, pad_id)
+
+
+def sft_backward(model, items: list, s: SFTSettings, pad_id: int, tdam_tokenizer=None, counts: dict | None = None,
+                 world: int = 1, filler=None) -> tuple[torch.Tensor, int]:
+    """Backward of the batch's SFT loss, a token mean over the policy tokens of every rank, through micro-batches
+    (`sft_micro_batches`): each micro-batch's token mean weighted by n_i / (N / world), N the tokens of all ranks
+    (FSDP averages the ranks' gradients), so the gradients add up to one forward over the global batch. A rank with
+    fewer micro-batches than another runs zero-weight passes (on its last micro-batch, or on `filler`), so every
+    rank joins the same collectives. tdam_tokenizer: TDAM on (`tdam_spec`; rows without an answer counted in
+    `counts`). Returns (this rank's part of the batch loss, detached: the ranks' mean is the batch loss; N)."""
+    batches = list(sft_micro_batches(items, model, pad_id, s))
+    n_local = sum(int(policy.policy_mask(b["roles"]).sum()) for b in batches)   # sft_loss's own token count
+    n_tok, n_pad = rank_totals(n_local, len(batches), world)
+    n_tok = max(1, n_tok)
+    norm = n_tok / world
+    parts = []
+    for batch in batches:
+        spec = tdam_spec(batch, tdam_tokenizer, model.config.video_token_id, counts) if tdam_tokenizer else None
+        micro, n = sft_loss(model, batch, s, spec)
+        (micro * (n / norm)).backward()
+        parts.append(micro.detach() * (n / norm))
+    fill = (batches[-1] if batches else rollout.collate([filler], model, pad_id)) if n_pad else None
+    for _ in range(n_pad):                            # zero-weight passes: no gradient, matching collectives
+        (sft_loss(model, fill, s)[0] * 0.0).backward()
+    return (torch.stack(parts).sum() if parts else torch.zeros(())), n_tok
+
+
+def sft_draw(seed: int, step: int, rank: int, world: int, n: int, s: SFTSettings) -> tuple[list[int], bool]:
+    """A step's SFT batch on a rank (indices into the items) and whether it runs TDAM: one global draw of s.batch
+    seeded by (seed, step), dealt round-robin over the ranks, as RL's prompts are (grpo.draw_prompts)."""
+    rng = random.Random(f"sft:{seed}:{step}:0")
+    idx = [rng.randrange(n) for _ in range(s.batch)]
+    return idx[rank::world], rng.random() < s.tdam_ratio
+
+
+def run_sft(run: Run, model, items: list, optimizer, s: SFTSettings, tokenizer, start: int = 0) -> None:
+    """SFT steps start+1 .. s.steps: a global batch drawn per step (`sft_draw`, its share on each rank), TDAM on a
+    fraction of batches, AdamW with warmup + cosine, a checkpoint every run.save_every steps and at the end."""
+    model.train()
+    for step in tqdm(range(start + 1, s.steps + 1), desc="sft", disable=run.rank != 0, initial=start, total=s.steps):
+        t0 = time.time()
+        lr = policy.set_lr(optimizer, policy.get_lr(step - 1, s.steps, s.lr, s.warmup_steps, s.min_lr_ratio))
+        idx, tdam = sft_draw(run.seed, step, run.rank, run.world, len(items), s)
+        if step < s.steps and hasattr(items, "prefetch"):   # the next step's trajectories, encoded meanwhile
+            items.prefetch(sft_draw(run.seed, step + 1, run.rank, run.world, len(items), s)[0])
+        batch = [items[i] for i in idx]
+        loss, n_tok = sft_backward(model, batch, s, tokenizer.pad_token_id, tokenizer if tdam else None, run.counters,
+                                   run.world, None if idx else items[0])
+        if tdam and run.counters.get("tdam_no_answer") and "tdam" not in run.warned:
+            run.warned.add("tdam")
+            print0(run.rank, "TDAM: a trajectory has no <answer> after its prompt, so it keeps the causal mask "
+                             "(counted as tdam_no_answer in metrics.jsonl)")
+        gn = run.optimizer_step(model, optimizer, loss.detach(), "sft", step, [t.record_id for t in batch])
+        row = all_mean({"loss": float(loss), "grad_norm": gn, "lr": lr, "tokens_per_s": n_tok / (time.time() - t0),
+                        "step_time": time.time() - t0, "tdam": float(tdam)}, run.world)
+        run.log("sft", step, row)
+        if run.rank == 0 and (step % 25 == 0 or step == s.steps):
+            tqdm.write(f"sft {step}/{s.steps} | loss {row['loss']:.4f} | lr {lr:.2e} | {row['step_time']:.2f}s")
+        if step % run.save_every == 0 or step == s.steps:
+            run.save("sft", step, model, optimizer)
+    model.eval()

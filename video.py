@@ -28,6 +28,8 @@ per task, so a bad or stuck video is an error naming the file, never a hang.
 Crop budgets follow Video-o3 (arXiv 2601.23224), ported to Qwen3-VL: clip at 2 fps, level quotas
 coarse/medium/fine = 1024/2048/3072 visual tokens, per-frame tokens = min(quota // (T // 2), 768).
 ParaVT (arXiv 2605.20342) sub-agent crops use fps=1, max_frames=16, max_pixels=224*224, level=None.
+The sampling rates and frame caps are the caller's (recipes.py: overview_fps, crop_fps, crop_max_frames, ...):
+nothing here defaults them.
 """
 import contextlib
 import hashlib
@@ -52,8 +54,6 @@ import torch.nn.functional as F
 
 LEVEL_TOKENS = {"coarse": 1024, "medium": 2048, "fine": 3072}  # visual-token quota per clip (Qwen3-VL)
 MAX_TOKENS_PER_FRAME = 768       # per temporal patch of 2 frames, docs/method.md §3
-CLIP_FPS = 2.0                   # Video-o3 samples crops at 2 fps
-CLIP_MAX_FRAMES = 128            # default crop cap: keeps >= 16 tokens per frame pair at the coarse quota
 OPEN_TIMEOUT_S = 10.0            # av.open timeout (matters for network-backed paths), so nothing hangs
 TIME_TOL = 1e-6                  # seconds; times closer than this count as equal (window edges, ties)
 SEEK_COST_FRAMES = 12            # a seek (demuxer seek + decoder flush and refill) costs about this many decoded frames
@@ -142,7 +142,7 @@ def sample_frame_indices(frame_times: np.ndarray, targets: np.ndarray) -> np.nda
     return np.searchsorted(mid, np.asarray(targets, dtype=np.float64), side="left")
 
 
-def crop_budget(window: float, level: str | None, fps: float = CLIP_FPS, max_frames: int = CLIP_MAX_FRAMES,
+def crop_budget(window: float, level: str | None, fps: float, max_frames: int,
                 tokens_per_pixel_area: int = 32 * 32) -> tuple[int, int | None]:
     """(n_frames, per-frame max pixels) for a window: n = even(window * fps) <= max_frames,
     tokens = min(LEVEL_TOKENS[level] // (n // 2), 768) (at least 1), pixels = tokens * tokens_per_pixel_area.
@@ -459,21 +459,28 @@ def _seeks(method: str, n_targets: int, span_frames: float) -> bool:
     return method == "seek" or method == "auto" and span_frames > 2 * SEEK_COST_FRAMES * n_targets
 
 
-def sample_overview(path, fps: float = 2.0, max_frames: int = 768, nframes: int | None = None,
+def _check_rule(fps: float | None, max_frames: int | None, nframes: int | None) -> None:
+    """An overview's frame rule: exactly nframes = K (even, >= 2), or the fps rule (fps > 0, max_frames >= 2)."""
+    if nframes is not None and (nframes < 2 or nframes % 2):
+        raise ValueError(f"nframes must be an even number >= 2, got {nframes}")
+    if nframes is None and not (fps is not None and max_frames is not None and fps > 0 and max_frames >= 2):
+        raise ValueError(f"an overview needs nframes, or fps > 0 and max_frames >= 2 (the fps rule), got fps={fps}, "
+                         f"max_frames={max_frames}")
+
+
+def sample_overview(path, fps: float | None = None, max_frames: int | None = None, nframes: int | None = None,
                     max_pixels: int | None = None, stream: int | None = None, factor: int = 32,
                     method: str = "auto", cache: "FrameCache | None" = None) -> Clip:
-    """Uniform overview of the whole video: exactly nframes=K frames, or min(max_frames, round(duration * fps))
-    made even. Targets are bin centres (`uniform_targets`), at most one per real frame; each gets its nearest frame.
+    """Uniform overview of the whole video: exactly nframes=K frames, or (the fps rule, fps and max_frames given)
+    min(max_frames, round(duration * fps)) made even. Targets are bin centres (`uniform_targets`), at most one per
+    real frame; each gets its nearest frame.
 
     method: "sequential" decodes from the start until the last target is served; "seek" seeks to the keyframe
     before far-apart targets (`_pick_sparse`, same frames); "auto" seeks when the targets are sparse.
     cache: a `FrameCache` to read the overview from and store it in (the returned tensors are shared: do
     not modify them in place)."""
     path = str(path)
-    if nframes is not None and (nframes < 2 or nframes % 2):
-        raise ValueError(f"nframes must be an even number >= 2, got {nframes}")
-    if nframes is None and not (fps > 0 and max_frames >= 2):
-        raise ValueError(f"need fps > 0 and max_frames >= 2, got fps={fps}, max_frames={max_frames}")
+    _check_rule(fps, max_frames, nframes)
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if cache is not None:
@@ -495,13 +502,14 @@ def sample_overview(path, fps: float = 2.0, max_frames: int = 768, nframes: int 
     return _clip(path, chosen, targets, info.fps, n_out, count[0])
 
 
-def crop(path, start: float, end: float, level: str | None = "medium", fps: float | None = None,
-         max_frames: int | None = None, max_pixels: int | None = None, min_length: float = 0.0,
-         stream: int | None = None, tokens_per_pixel_area: int = 32 * 32, method: str = "auto") -> Clip:
+def crop(path, start: float, end: float, level: str | None = "medium", *, fps: float, max_frames: int,
+         max_pixels: int | None = None, min_length: float = 0.0, stream: int | None = None,
+         tokens_per_pixel_area: int = 32 * 32, method: str = "auto") -> Clip:
     """Frames of [start, end] only: seek to the keyframe before start, decode until the window is covered
     (or, when the targets are sparse, seek between them as `sample_overview` does; same frames).
 
-    Frame count and pixel budget come from `crop_budget`; explicit fps / max_frames / max_pixels override it.
+    Frame count and pixel budget come from `crop_budget` (the caller's fps and max_frames, e.g. RolloutConfig's
+    crop_fps and crop_max_frames); an explicit max_pixels overrides the level's budget.
     Only frames with start <= time <= end are used; a window holding no frame gets the frame nearest its centre.
     """
     path = str(path)
@@ -511,8 +519,7 @@ def crop(path, start: float, end: float, level: str | None = "medium", fps: floa
     except ValueError as e:
         raise VideoError(path, str(e)) from None
     factor = round(math.sqrt(tokens_per_pixel_area))  # 32 for Qwen3-VL, 28 for Qwen2.5-VL
-    n_out, budget = crop_budget(end - start, level, fps or CLIP_FPS, max_frames or CLIP_MAX_FRAMES,
-                                tokens_per_pixel_area)
+    n_out, budget = crop_budget(end - start, level, fps, max_frames, tokens_per_pixel_area)
     max_pixels = max_pixels or budget
     n_real = max(1, round((end - start) * info.fps))  # about how many real frames the window holds
     targets = uniform_targets(start, end, min(n_out, n_real))
@@ -558,8 +565,9 @@ class FrameCache:
         self._stats = dict(hits=0, disk_hits=0, misses=0, decode_seconds=0.0, seconds_saved=0.0)
 
     @staticmethod
-    def key(path, fps: float = 2.0, max_frames: int = 768, nframes: int | None = None,
+    def key(path, fps: float | None = None, max_frames: int | None = None, nframes: int | None = None,
             max_pixels: int | None = None, stream: int | None = None, factor: int = 32) -> tuple:
+        _check_rule(fps, max_frames, nframes)
         rule = ("K", nframes) if nframes is not None else ("fps", float(fps), max_frames)
         return (*file_key(path), stream, rule, max_pixels, factor)
 
@@ -571,7 +579,7 @@ class FrameCache:
         asked = out["hits"] + out["disk_hits"] + out["misses"]
         return out | dict(hit_rate=(out["hits"] + out["disk_hits"]) / asked if asked else 0.0)
 
-    def overview(self, path, fps: float = 2.0, max_frames: int = 768, nframes: int | None = None,
+    def overview(self, path, fps: float | None = None, max_frames: int | None = None, nframes: int | None = None,
                  max_pixels: int | None = None, stream: int | None = None, factor: int = 32,
                  method: str = "auto") -> Clip:
         """`sample_overview` through the cache (a hit's Clip has decoded=0)."""
@@ -707,7 +715,7 @@ class DecodePool:
 
     GRACE_S = 5.0   # extra seconds `result` allows past a task's own deadline before giving up on it
 
-    def __init__(self, workers: int = 2, timeout: float = 120.0, cache: FrameCache | None = None):
+    def __init__(self, workers: int, timeout: float, cache: FrameCache | None = None):
         if workers < 1 or not timeout > 0:
             raise ValueError(f"need workers >= 1 and timeout > 0, got workers={workers}, timeout={timeout}")
         self.workers, self.timeout, self.cache = workers, timeout, cache

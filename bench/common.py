@@ -15,6 +15,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))   # run from anywhere: the modules are one folder up
+if str(ROOT / "tests") not in sys.path:
+    sys.path.append(str(ROOT / "tests"))   # the tests' oracles (tests/oracles.py), the naive references
 
 
 def checkpoint_dir(path: str, script: str) -> str:

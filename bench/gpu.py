@@ -29,6 +29,7 @@ import time
 
 import torch
 from common import ROOT  # the repo root (bench/common.py also puts it on sys.path)
+from engines import STATS, Timed, swapped  # bench/engines.py: the engine counting its decode steps
 
 import data
 import kvcache
@@ -111,10 +112,10 @@ def section_rollout(model, processor, root, recs, args, device) -> dict:
         try:
             s, out = timed_on(device, lambda: rollout.run_agent(model, processor, recs[:args.prompts], root, cfg, seed=0))
             # host syncs as they happen (HostSyncCounter hooks every torch call: not timed), one prompt, group 2
-            counted = rollout.STATS["decode_steps"]
-            with runtime.HostSyncCounter(device) as syncs:
+            counted = STATS["decode_steps"]
+            with runtime.HostSyncCounter(device) as syncs, swapped(Timed):
                 rollout.run_agent(model, processor, recs[:1], root, dataclasses.replace(cfg, group_size=2), seed=0)
-            counted = rollout.STATS["decode_steps"] - counted
+            counted = STATS["decode_steps"] - counted
         finally:
             rollout.sample_tokens = rollout.sample_tokens.sample
         sampled = sum(t.draws + sum(st.draws for st in t.subagents) for t in out)
@@ -154,7 +155,7 @@ def main() -> None:
     out = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", dry_run=small)
     model, processor = build(args, device)
     with tempfile.TemporaryDirectory() as root:
-        recs = data.make_split(root, max(args.prompts, 1), seed=0)
+        recs = data.make_split(root, max(args.prompts, 1), seed=0, duration=64.0)
         out["prefill"] = section_prefill(model, processor, root, recs[0], args, device)
         print("prefill", json.dumps(out["prefill"]), flush=True)
         out["rollout"] = section_rollout(model, processor, root, recs, args, device)

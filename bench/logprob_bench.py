@@ -30,18 +30,19 @@ import torch.nn.functional as F
 from common import median  # bench/common.py (puts the repo on sys.path)
 
 import grpo
+import oracles   # tests/oracles.py: the naive loss the fused one is held to (common puts tests/ on sys.path)
 import ops
 
 METHODS = ("naive", "rowwise", "fused", "fused_liger")
 TEMPERATURE = 0.7
-GRPO = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.01, kl_estimator="k3")
+GRPO = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.01, kl_estimator="k3", behav_cap=5.0)
 GB = 1024 ** 3
 
 
 def grpo_loss(logp, problem):
     """The GRPO loss on (N,) log-probs, the batch as (rows, N / rows)."""
     old, adv, ref, mask = problem
-    return grpo.grpo_loss_on_logprobs(logp.view(mask.shape), old, adv, mask, ref_logprobs=ref, **GRPO)[0]
+    return oracles.grpo_loss_on_logprobs(logp.view(mask.shape), old, adv, mask, ref_logprobs=ref, **GRPO)[0]
 
 
 def naive(hidden, weight, targets, problem, chunk_size, use_compile):

@@ -1,5 +1,5 @@
 """
-The RL update with each shared prompt once (--set pack_prompts=1, grpo.pack_prompts: one packed row per micro-batch,
+The RL update with each shared prompt once (--set pack_prompts=1, policy.pack_prompts: one packed row per micro-batch,
 prompt | suffix | suffix | ...) against a padded row per sample (--set pack_prompts=0), on the same trajectories:
 one RL step's groups of the embedded default, sampled by a warm-started policy.
 
@@ -30,6 +30,7 @@ import data
 import grpo
 import recipes
 import train
+import policy
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
     set_threads(a.threads)
     args = recipes.parse_train_args(["--device", "cpu", "--seed", str(a.seed)])
     s, cfg = train.grpo_settings(args), train.rollout_config_of_args(args)
-    model, processor = grpo.policy_model(checkpoint_dir(a.model, "pack_bench"), "cpu", "fp32", 1, a.seed)
+    model, processor = policy.policy_model(checkpoint_dir(a.model, "pack_bench"), "cpu", "fp32", 1, a.seed)
     pad = processor.tokenizer.pad_token_id
     recs, _, root = data.synthetic_data(a.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                         os.environ.get("PARAVT_CACHE", "cache"))
@@ -64,9 +65,10 @@ def main() -> None:
     def update(pack: bool):
         grads = []
         model.zero_grad(set_to_none=True)
-        _, stats = grpo.policy_update(model, None, None, items, dataclasses.replace(s, pack_prompts=pack), pad,
-                                      processor.tokenizer, 1, step_fn=lambda loss: grads.append(
-                                          [None if p.grad is None else p.grad.clone() for p in params]) or 0.0)
+        spy = types.SimpleNamespace(world=1, group=None, rank=0, optimizer_step=lambda *a: grads.append(
+            [None if p.grad is None else p.grad.clone() for p in params]) or 0.0)
+        job = grpo.RLJob([], "", cfg, dataclasses.replace(s, pack_prompts=pack))
+        _, stats = grpo.policy_update(spy, model, None, None, items, job, 1, processor)
         return stats["loss"], grads[0]
 
     wall, cpu = ab_times({"packed": lambda: update(True), "unpacked": lambda: update(False)}, a.repeats)
@@ -80,7 +82,7 @@ def main() -> None:
                     for gp, gu in zip(grads_p, grads_u) if gu is not None)
     video_id, merge = model.config.video_token_id, model.config.vision_config.spatial_merge_size
     trajs = [t for t, _, _ in items]
-    prompts = grpo.shared_prompts(trajs, video_id, merge)
+    prompts = policy.shared_prompts(trajs, video_id, merge)
     lengths = [len(t.token_ids) for t in trajs]
     tokens = sum(lengths)
     # what the packed forwards run: per micro-batch (as policy_update forms them) each distinct prompt once

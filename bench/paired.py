@@ -98,7 +98,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, required=True, help="the split's seed (eval.py --synthetic-seed)")
     p.add_argument("--nframes", type=int, default=8, help="the evaluation overview's K (the tiny model's: 8)")
     args = p.parse_args(argv)
-    records = benchmarks.synthetic_records(synthetic_root(), n=args.n, seed=args.seed)
+    records = benchmarks.synthetic_records(synthetic_root(), n=args.n, seed=args.seed,
+                                           duration=recipes.TINY["task_duration"])
     try:
         result = compare(records, evaluation.read_predictions(args.a), evaluation.read_predictions(args.b),
                          args.nframes, (args.a, args.b))

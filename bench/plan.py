@@ -11,7 +11,7 @@ measurements): the fp32 master weights sharded by FSDP, the rollout's all-gather
 reference, AdamW's two fp32 moments, fp32 gradient shards; the K/V in pool blocks of kvcache.BLOCK tokens (144 KiB
 a token on 8B; with the shared prompt cache a group stores its prompt once, each row its suffix; a ParaVT sub-agent
 is a sequence pair of its own); what a training forward keeps for backward under gradient checkpointing, for the
-micro-batch grpo.micro_batches forms at the recipe's lengths (`update_rows`: one unpadded row by default); the
+micro-batch policy.micro_batches forms at the recipe's lengths (`update_rows`: one unpadded row by default); the
 backward's peak (the gradient shards and the largest of a recomputed decoder layer, a recomputed vision block and
 FSDP2's root reduce-scatter, or the lm_head's backward if larger: the fused gather's grad W in fp32 beside a chunk's
 buffers, then the gradient FSDP2 reduce-scatters); the loss's forward (one (V, C) logits buffer, ops' chunk rule).
@@ -28,7 +28,7 @@ GPUs (docs/method.md §5); efficiencies are assumptions, printed with the table.
 Beside the colocated synchronous step (rollout on all 8 GPUs, then the update on all 8), each recipe's asynchronous
 layout (`project(..., layout=(R, T))`, RECIPES' `layout`): the same prompts' groups over R rollout GPUs (more groups
 a GPU: more waves under the same budget), the same tokens' update over T FSDP2 GPUs. A rollout GPU holds the
-sampler's weights (ROLES: 2 bytes a parameter, grpo.sampler_model) and its K/V, and where the KL is in the reward
+sampler's weights (ROLES: 2 bytes a parameter, policy.sampler_model) and its K/V, and where the KL is in the reward
 (ParaVT) the bf16 reference and its k1 forwards over every row (collect_groups), which the trainers then skip; no
 fp32 shards, AdamW or gradients; its default budget is HBM - what it holds - workspace. Rank 0 deals each trainer
 its share of the step's items over gloo (ROLES' bytes a visual token) before their update. In steady state with staleness >= 1, step t+1's rollout runs
@@ -48,10 +48,10 @@ import math
 
 from common import table  # bench/common.py (puts the repo on sys.path: kvcache's block, ops' chunk rule)
 
-import grpo
 import kvcache
 import ops
 import recipes
+import policy
 
 QWEN3VL_8B = dict(layers=36, d_model=4096, q_dim=32 * 128, kv_dim=8 * 128, mlp=12288, vocab=151936,
                   params=8.2e9, text_params=7.6e9, params_head=151936 * 4096, params_root=151936 * 4096 + 0.6e9,
@@ -71,7 +71,7 @@ GLOO_NOTE = ("measured 12-07 by bench/async_bench.py's gloo_weights on this proj
 # figures of 12-07 (2-core CPU, torch 2.14.1, --precision bf16), printed as fallbacks. tests/test_plan.py fails when
 # the code's measurement and these differ by more than 15 %.
 ROLES = dict(
-    rollout_bytes_per_param=2.0,       # a rollout rank's resident weights (grpo.sampler_model: bf16, no autocast copies)
+    rollout_bytes_per_param=2.0,       # a rollout rank's resident weights (policy.sampler_model: bf16, no autocast copies)
     trainer_bytes_per_param=16.0,      # a trainer's fp32 weights, gradients, AdamW moments (/ T under FSDP2)
     send_copy_bytes_per_param=2.0,     # what crosses to rank 0's host a version (async_rl.full_state: cast on device)
     send_host_bytes_per_param=2.0,     # one version's host buckets in flight (async_rl.broadcast_weights)
@@ -152,9 +152,9 @@ def memory_parts(m: dict, gpus: int, prompts: float, rows: float, overview_token
 
 
 def update_rows(lengths: list[int], micro_batch: int, micro_batch_tokens: int) -> int:
-    """Rows in flight in the RL update: the largest micro-batch grpo.micro_batches forms from rows of these
+    """Rows in flight in the RL update: the largest micro-batch policy.micro_batches forms from rows of these
     lengths (in order) under --micro-batch and --micro-batch-tokens."""
-    return max([sl.stop - sl.start for sl in grpo.micro_batches(lengths, micro_batch, micro_batch_tokens)] + [0])
+    return max([sl.stop - sl.start for sl in policy.micro_batches(lengths, micro_batch, micro_batch_tokens)] + [0])
 
 
 def waves(groups_gpu: float, group_kv: float, budget: float) -> tuple[int, int]:
@@ -210,7 +210,7 @@ def project(name: str, r: dict, shared: bool, mfu: float, hbm_eff: float, decode
     # memory per GPU, part by part (memory_parts): the rollout holds the resident state, the full bf16 weights and
     # the K/V of the groups in flight (a rollout GPU of a layout: the bf16 weights and K/V alone, no fp32 shards,
     # AdamW, gradients or reference); the update the resident state and one micro-batch in flight: the rows
-    # grpo.micro_batches forms from this GPU's rows (all of length seq: no padding), a prompt's rows sharing its
+    # policy.micro_batches forms from this GPU's rows (all of length seq: no padding), a prompt's rows sharing its
     # overview's vision pass (collate share_videos)
     prompt_copies = concurrency if shared else concurrency * G
     sub = r["subagent_calls"] * concurrency * G if r["subagent_tokens"] else 0   # one turn's sub-agents, every row

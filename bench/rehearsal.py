@@ -11,7 +11,7 @@ checkpointing, FSDP2 on 2 gloo ranks; each part's peak memory measured beside be
 
 RL step: grpo.collect_groups in each tool mode, G = 2 rows a rank, a scripted policy (the real sampler runs, its
 draws replaced by two rounds of two parallel crops, then A or B), then grpo.policy_update. SFT step:
-train.sft_backward with TDAM, then AdamW. Video-o3: grpo.policy_update on 8 recorded episodes (the 12,288-token
+sft.sft_backward with TDAM, then AdamW. Video-o3: grpo.policy_update on 8 recorded episodes (the 12,288-token
 overview, two rounds of two fine crops), one row a micro-batch: no dense SDPA mask (counted). Measured per rank
 (CPU: live tensor bytes, common.LiveTensors; CUDA: the allocator): weights, reference, AdamW's moments, gradients;
 kv, the most pool blocks in use at once; activations, backward and loss of the largest micro-batch. Last line: one
@@ -25,6 +25,7 @@ import os
 import resource
 import tempfile
 import time
+import types
 
 import torch
 from common import LiveTensors, Script, print_json, rss_mb, table  # bench/common.py (puts the repo on sys.path)
@@ -40,6 +41,7 @@ import runtime
 import sft
 import train
 import video
+import policy
 
 RECORD = {"id": "rehearsal", "video": "rehearsal.mp4", "question": "Which colour fills the frame first?",
           "options": ["red", "green", "blue", "yellow"], "task": "mcq", "answer": "A"}
@@ -77,7 +79,7 @@ def write_video(root: str, size: tuple[int, int], duration: float) -> None:
 
 
 def build_checkpoint(path: str, args) -> None:
-    """The cut Qwen3-VL-8B (random weights, fp32) and its processor, saved where grpo.policy_model loads it."""
+    """The cut Qwen3-VL-8B (random weights, fp32) and its processor, saved where policy.policy_model loads it."""
     text = dict(hidden_size=args.hidden, intermediate_size=args.mlp, num_attention_heads=args.heads)
     vision = dict(hidden_size=args.vision_width, intermediate_size=args.vision_mlp) if args.vision_width else None
     config = model_lib.qwen3vl_config("8b", text_layers=args.text_layers, vision_depth=args.vision_depth,
@@ -160,9 +162,9 @@ def pool_bytes(pool) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def phases(meter: Meter, out: dict):
-    """Per training micro-batch, the largest: activations (kept by grpo.hidden_and_targets), loss (the fused loss's
+    """Per training micro-batch, the largest: activations (kept by policy.hidden_and_targets), loss (the fused loss's
     peak) and backward (its peak); the most rows in a forward, and the SDPA calls handed a dense mask."""
-    saved = grpo.hidden_and_targets, grpo.grpo_loss, train.sft_token_loss, torch.Tensor.backward
+    saved = policy.hidden_and_targets, grpo.grpo_loss, sft.sft_token_loss, torch.Tensor.backward
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out.setdefault("dense_masks", 0)
 
@@ -194,14 +196,14 @@ def phases(meter: Meter, out: dict):
         saved[3](tensor, *a, **k)
         out["backward"] = max(out.get("backward", 0), meter.peak_since(start))
 
-    grpo.hidden_and_targets, torch.Tensor.backward = hidden_and_targets, backward
-    grpo.grpo_loss, train.sft_token_loss = measured(saved[1], 5), measured(saved[2], 3)   # the args' masks
+    policy.hidden_and_targets, torch.Tensor.backward = hidden_and_targets, backward
+    grpo.grpo_loss, sft.sft_token_loss = measured(saved[1], 5), measured(saved[2], 3)   # the args' masks
     torch.nn.functional.scaled_dot_product_attention = attention
     try:
         with meter.counting():
             yield
     finally:
-        grpo.hidden_and_targets, grpo.grpo_loss, train.sft_token_loss, torch.Tensor.backward = saved
+        policy.hidden_and_targets, grpo.grpo_loss, sft.sft_token_loss, torch.Tensor.backward = saved
         torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
@@ -239,7 +241,10 @@ def measured_update(model, ref, optimizer, items: list, s, tok, world: int, run,
     model.train()
     t0 = time.time()
     with phases(meter, out):
-        norm, _ = grpo.policy_update(model, ref, optimizer, items, s, tok.pad_token_id, tok, world, items[0][0], step)
+        spy = types.SimpleNamespace(world=world, group=None, rank=run.rank,
+                                    optimizer_step=lambda model_, optimizer_, loss, *a: step(loss))
+        job = grpo.RLJob([], "", None, s, spare=items[0][0])     # the filler: a zero-weight row
+        norm, _ = grpo.policy_update(spy, model, ref, optimizer, items, job, 1, types.SimpleNamespace(tokenizer=tok))
     seconds = time.time() - t0
     out["optimizer"] = tensor_bytes(v for st in optimizer.state.values() for v in st.values()
                                     if torch.is_tensor(v) and v.dim())
@@ -274,7 +279,7 @@ def videoo3_update(rank: int, world: int, args, ckpt: str, root: str, out_dir: s
                  planned_rows=plan.update_rows(lengths, s.micro_batch, s.micro_batch_tokens))
     run = runtime.Run(vargs.run_dir, rank, world, SAMPLE_SEED, 10 ** 6, 0, False, 1.0)
     run.processor = processor
-    optimizer = grpo.make_optimizer(model, vargs.lr, vargs.vision_lr_scale)
+    optimizer = policy.make_optimizer(model, vargs.lr, vargs.vision_lr_scale)
     measured, timing = {"weights_shard": tensor_bytes(model.parameters())}, {"encode_s": time.time() - t0}
     sizes["grad_norm"], timing["update_s"] = measured_update(model, None, optimizer, items, s, tok, world, run, meter,
                                                              measured)
@@ -326,14 +331,14 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     targs = train_args(args, ckpt, device, os.path.join(out_dir, "run"), "--preset", "paravt", "--group-size", str(GROUP),
                        "--prompts-per-step", str(world), "--gating", "0", "--micro-batch", str(GROUP))
     m, t0 = {}, time.time()
-    model, processor = grpo.policy_model(ckpt, device, targs.precision, world, 0, targs.grad_checkpointing)
+    model, processor = policy.policy_model(ckpt, device, targs.precision, world, 0, targs.grad_checkpointing)
     meter = Meter(device, model)
     tok, pad_id = processor.tokenizer, processor.tokenizer.pad_token_id
     m["weights_shard"] = tensor_bytes(model.parameters())
     if args.steps == "videoo3":
         vo3 = videoo3_update(rank, world, args, ckpt, root, out_dir, model, processor, meter, device)
         return save_rank(out_dir, rank, world, model, dict(rank=rank, videoo3=vo3, timing={"build_s": time.time() - t0}))
-    ref = runtime.reference_model(targs.run_dir, ckpt, False, device, 0, grpo.PRECISION[targs.precision])
+    ref = runtime.reference_model(targs.run_dir, ckpt, False, device, 0, policy.PRECISION[targs.precision])
     m["reference"] = tensor_bytes(ref.parameters())
     run = runtime.Run(targs.run_dir, rank, world, SAMPLE_SEED, 10 ** 6, 0, False, 1.0)
     run.processor = processor
@@ -345,7 +350,7 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
                 for g in range(s.group_size)}
     sub = [enc("A plain coloured frame.")]                      # what each sub-agent writes
     script = Script(lambda row: scripted.get(row, sub), rollout.sample_tokens)   # the real sampler runs, then the script
-    optimizer = grpo.make_optimizer(model, targs.lr, targs.vision_lr_scale)
+    optimizer = policy.make_optimizer(model, targs.lr, targs.vision_lr_scale)
     items, sizes, timing = [], {}, {"build_s": time.time() - t0}
     think = len(tok(rollout.THINK_PREFIX, add_special_tokens=False)["input_ids"])   # in the prompt's chunk
     m["kv"], m["kv_pool"] = 0, 0
@@ -384,12 +389,12 @@ def rank_main(rank: int, world: int, port: int, args, ckpt: str, root: str, out_
     sft_items = [sft.encode_messages(processor, rec, sft_messages(args.duration, rec["video"]), root,
                                          dataclasses.replace(cfg, tool_mode="interleaved"))]
     del optimizer
-    sft_opt = grpo.make_optimizer(model, targs.sft_lr, targs.vision_lr_scale)
+    sft_opt = policy.make_optimizer(model, targs.sft_lr, targs.vision_lr_scale)
     sft_parts = {}
     t0 = time.time()
     with phases(meter, sft_parts):
-        loss, n_tok = train.sft_backward(model, sft_items, 1, pad_id, None, tok, False,
-                                         run.counters, targs.precision, world=world)     # as run_sft: all ranks' tokens
+        loss, n_tok = sft.sft_backward(model, sft_items, sft.SFTSettings(micro_batch=1, precision=targs.precision,
+                                                         compile=False), pad_id, tok, run.counters, world)   # as run_sft
     run.optimizer_step(model, sft_opt, loss, "sft", 1, [])
     timing["sft_step_s"] = time.time() - t0
     sizes.update(sft_tokens=len(sft_items[0].token_ids), sft_policy_tokens=n_tok // world,     # one rank's episode
@@ -433,7 +438,7 @@ def project(r: dict, args, world: int) -> dict:
 
 def project_videoo3(r: dict, args, world: int) -> dict:
     """plan.memory_parts for the Video-o3 update at this run's sizes: the micro-batch in flight as measured (one row
-    at the real lengths: grpo.micro_batches, as plan.update_rows counts it), no reference model."""
+    at the real lengths: policy.micro_batches, as plan.update_rows counts it), no reference model."""
     z = r["videoo3"]["sizes"]
     parts = plan.memory_parts(shape(r, args), world, prompts=1, rows=1, overview_tokens=z["overview_tokens"],
                               suffix_tokens=0, flight_tokens=z["flight_tokens"], flight_patches=z["flight_patches"],

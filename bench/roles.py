@@ -8,9 +8,9 @@ tests/test_plan.py fails when the code's measured coefficient and the plan's dif
     python bench/roles.py --out roles.json && python bench/plan.py --roles roles.json
 
 Each role is built by the function the run builds it with, at --precision bf16:
-  rollout_bytes_per_param    a rollout rank (grpo.sampler_model): its weights plus the weight casts autocast keeps
+  rollout_bytes_per_param    a rollout rank (policy.sampler_model): its weights plus the weight casts autocast keeps
                              through a forward, a parameter (a trainer's fp32 policy used so: policy_as_sampler)
-  trainer_bytes_per_param    one trainer (grpo.policy_model, unsharded): weights, gradients and AdamW's state after an
+  trainer_bytes_per_param    one trainer (policy.policy_model, unsharded): weights, gradients and AdamW's state after an
                              update, a parameter (FSDP2 divides it by the trainers)
   send_copy_bytes_per_param  rank 0 as sender: the bytes a parameter that cross to its host (async_rl.full_state)
   send_host_bytes_per_param  ... and one version's host buckets in flight (async_rl.broadcast_weights), a parameter
@@ -41,6 +41,7 @@ import recipes
 import rehearsal
 import runtime
 import train
+import policy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -86,16 +87,16 @@ def resident(model, precision: str) -> float:
     casts autocast keeps until the region ends."""
     ids = torch.randint(300, model.get_input_embeddings().weight.shape[0], (1, 32))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    with torch.no_grad(), grpo.autocast(precision, model), KeptCasts() as kept:
+    with torch.no_grad(), policy.autocast(precision, model), KeptCasts() as kept:
         model(input_ids=ids)
         return (weights + kept.alive) / n_params(model)
 
 
 def trainer_state(model, precision: str) -> float:
     """Bytes a parameter of one trainer after an update: weights, gradients, AdamW's moments."""
-    optimizer = grpo.make_optimizer(model, 1e-6, 1.0)
+    optimizer = policy.make_optimizer(model, 1e-6, 1.0)
     ids = torch.randint(300, model.get_input_embeddings().weight.shape[0], (1, 32))
-    with grpo.autocast(precision, model):
+    with policy.autocast(precision, model):
         loss = model(input_ids=ids).logits.float().mean()
     loss.backward()
     optimizer.step()
@@ -125,7 +126,7 @@ def message(cache: str) -> float:
     RL step of the tiny model sampled by a bf16 rollout rank."""
     args = recipes.parse_train_args(["--precision", "bf16", "--group-size", "4", "--prompts-per-step", "2",
                                      "--max-new-tokens", "48", "--n-train", "8"])
-    model, processor = grpo.sampler_model("tiny", "cpu", "bf16")
+    model, processor = policy.sampler_model("tiny", "cpu", "bf16")
     records, _, root = data.synthetic_data(0, 8, 2, args.task_duration, args.task_mix, cache)
     cfg, s = train.rollout_config_of_args(args), train.grpo_settings(args)
     share = types.SimpleNamespace(seed=0, rank=0, world=1)
@@ -193,15 +194,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt")
         rehearsal.build_checkpoint(ckpt, shape)
-        sampler, _ = grpo.sampler_model(ckpt, "cpu", "bf16")
+        sampler, _ = policy.sampler_model(ckpt, "cpu", "bf16")
         out["params"] = n_params(sampler)
         out["rollout_bytes_per_param"] = resident(sampler, "bf16")
         del sampler
-        policy, _ = grpo.policy_model(ckpt, "cpu", "bf16", 1)
-        out["policy_as_sampler_bytes_per_param"] = resident(policy, "bf16")
-        out["send_copy_bytes_per_param"], out["send_host_bytes_per_param"] = sender(policy, torch.bfloat16)
-        out["trainer_bytes_per_param"] = trainer_state(policy, "bf16")
-        del policy
+        trainer, _ = policy.policy_model(ckpt, "cpu", "bf16", 1)
+        out["policy_as_sampler_bytes_per_param"] = resident(trainer, "bf16")
+        out["send_copy_bytes_per_param"], out["send_host_bytes_per_param"] = sender(trainer, torch.bfloat16)
+        out["trainer_bytes_per_param"] = trainer_state(trainer, "bf16")
+        del trainer
         out["message_bytes_per_visual_token"] = message(os.path.join(tmp, "cache"))
     out["kv_written_per_read"] = kv_written(args.prompt)
     out.update(ci=args.ci, hidden=args.hidden, text_layers=args.text_layers, precision="bf16")

@@ -35,6 +35,7 @@ import time
 
 import torch
 from common import LiveTensors, PeakRSS, Script, ab_times, median, print_json, set_threads, table  # bench/common.py
+from engines import STATS, Timed, Waves, swapped  # bench/engines.py: the engine clocked, and in fixed waves
 from transformers import DynamicCache
 
 import kvcache
@@ -306,11 +307,11 @@ def scale_side(side: str, args) -> dict:
         t0 = time.perf_counter()
         toks = fn()
         secs = time.perf_counter() - t0
-    before = rollout.STATS["decode_steps"]
+    before = STATS["decode_steps"]
     # the memory run: live tensor bytes, and the host syncs as they happen (both hooks slow: not the timed run)
-    with LiveTensors() as live, runtime.HostSyncCounter("cpu") as syncs:
+    with LiveTensors() as live, runtime.HostSyncCounter("cpu") as syncs, swapped(Timed):
         fn()
-    steps = rollout.STATS["decode_steps"] - before
+    steps = STATS["decode_steps"] - before
     return dict(prompt_tokens=len(chunk.ids), peak_mb=live.mb, rss_mb=rss.mb, seconds=secs, tokens=sum(len(t) for t in toks),
                 host_syncs_per_step=syncs.in_steps / steps if steps else None,
                 host_syncs_outside_steps=syncs.count - syncs.in_steps if steps else None,
@@ -378,9 +379,10 @@ class Planned:
 
 
 def engine_memory(fn):
-    """(fn's result, peak MB of the tensors the engine allocates, decode steps): LiveTensors over Engine.admit and
-    Engine.step, not over the tools and the processor (the pixels the trajectories keep for training)."""
-    live, saved, steps = LiveTensors(), (rollout.Engine.admit, rollout.Engine.step), rollout.STATS["decode_steps"]
+    """(fn's result, peak MB of the tensors the engine allocates, decode steps of a Timed engine): LiveTensors over
+    Engine.admit and Engine.step, not over the tools and the processor (the pixels the trajectories keep for
+    training)."""
+    live, saved, steps = LiveTensors(), (rollout.Engine.admit, rollout.Engine.step), STATS["decode_steps"]
 
     def counted(method):
         def inside(self, *a):
@@ -390,14 +392,15 @@ def engine_memory(fn):
 
     rollout.Engine.admit, rollout.Engine.step = counted(saved[0]), counted(saved[1])
     try:
-        return fn(), live.mb, rollout.STATS["decode_steps"] - steps
+        return fn(), live.mb, STATS["decode_steps"] - steps
     finally:
         rollout.Engine.admit, rollout.Engine.step = saved
 
 
 def bench_budget(args) -> dict:
     """--budget-prompts x --budget-group rows of a 1-tool-turn interleaved rollout: unbounded, then under a quarter of
-    that peak (`engine_memory`) by continuous batching and by fixed waves (a turn waits for the wave's longest row).
+    that peak (`engine_memory`) by continuous batching and by fixed waves (engines.Waves: a turn waits for the wave's
+    longest row).
     kvcache's working sizes and block shrink with the budget (--budget-scores / -prefill / -join / -block /
     -gather), so they stay the share of it they are of a real one. `decode_steps`: the decode forwards of each schedule."""
     from model import build_tiny
@@ -421,14 +424,16 @@ def bench_budget(args) -> dict:
                         temperature=1.0, group_size=args.budget_group, overview_nframes=args.budget_frames,
                         overview_max_pixels=64 * 64, crop_fps=1.0, crop_max_frames=4, crop_max_pixels=64 * 64,
                         tools_block=False, record_logprobs=True)
-            run = lambda **kw: rollout.run_agent(model, processor, recs, root, rollout.RolloutConfig(**base, **kw), seed=0)
+            def run(engine=Timed, **kw):
+                with swapped(engine):
+                    return rollout.run_agent(model, processor, recs, root, rollout.RolloutConfig(**base, **kw), seed=0)
             rollout.sample_tokens = planned
             ref, unbounded_mb, _ = engine_memory(lambda: run(memory_budget_bytes=1 << 40))
             budget = int(unbounded_mb * 2 ** 20) // 4
             cont, peak_mb, steps["continuous"] = engine_memory(lambda: run(memory_budget_bytes=budget))
-            static, static_mb, steps["static"] = engine_memory(lambda: run(memory_budget_bytes=budget, continuous=False))
+            static, static_mb, steps["static"] = engine_memory(lambda: run(Waves, memory_budget_bytes=budget))
             wall, cpu = ab_times({"continuous": lambda: run(memory_budget_bytes=budget),
-                                "static": lambda: run(memory_budget_bytes=budget, continuous=False)}, args.budget_repeats)
+                                "static": lambda: run(Waves, memory_budget_bytes=budget)}, args.budget_repeats)
     finally:
         kvcache.SCORES_BUDGET, kvcache.PREFILL_TOKENS, kvcache.BLOCK, kvcache.JOIN_PROMPT, kvcache.GATHER_BUDGET = saved
         rollout.sample_tokens = planned.sample
@@ -463,7 +468,7 @@ def bench_gpu_shape(model, processor, args) -> dict:
     """--shape-prompts groups of --shape-group rows, each crops a 1280x720 H.264 file in its first turn. Fixed waves
     (every tool turn waits for the batch, then its responses join at once): the first decode step of every row after
     its first turn, its torch ops and attention kernels per decoder layer (runtime.step_ops: a TorchFunctionMode).
-    Continuous batching: the tools run beside the decoding (rollout.STATS' decode_s, tool_s, wall_s), and its
+    Continuous batching: the tools run beside the decoding (engines.STATS' decode_s, tool_s, wall_s), and its
     trajectories equal the waves' token for token (`exact`)."""
     tok = processor.tokenizer
     call = tok("\n</think>\n<tool_call>\n{\"name\": \"crop_video\", \"arguments\": {\"start_time\": 4.0, "
@@ -489,18 +494,20 @@ def bench_gpu_shape(model, processor, args) -> dict:
                    temperature=1.0, group_size=args.shape_group, overview_nframes=8, overview_max_pixels=64 * 64,
                    crop_fps=2.0, crop_max_frames=8, crop_max_pixels=64 * 64, tools_block=False,
                    memory_budget_bytes=1 << 40)
-        run = lambda **kw: rollout.run_agent(model, processor, recs, root, rollout.RolloutConfig(**cfg, **kw), seed=0)
+        def run(engine):
+            with swapped(engine):
+                return rollout.run_agent(model, processor, recs, root, rollout.RolloutConfig(**cfg), seed=0)
         extend = kvcache.GroupKV.extend
         kvcache.GroupKV.extend = lambda kv, m, rows, *a: (seen.update(rows), extend(kv, m, rows, *a))[1]
         kvcache.GroupKV.step = watched
         rollout.sample_tokens = planned
         try:
-            waves = run(continuous=False)
+            waves = run(Waves)
         finally:
             kvcache.GroupKV.extend, kvcache.GroupKV.step = extend, step
-        before = dict(rollout.STATS)
-        overlapped = run()
-    d = {k: rollout.STATS[k] - before[k] for k in ("decode_s", "tool_s", "wall_s")}
+        before = dict(STATS)
+        overlapped = run(Timed)
+    d = {k: STATS[k] - before[k] for k in ("decode_s", "tool_s", "wall_s")}
     d["overlap"] = (d["decode_s"] + d["tool_s"] - d["wall_s"]) / min(d["decode_s"], d["tool_s"])
     return dict(measured, tool_overlap=d, exact=all(a.token_ids == b.token_ids and a.windows == b.windows
                                                      for a, b in zip(waves, overlapped)),

@@ -23,6 +23,7 @@ from common import PeakRSS, median, print_json, set_threads, table  # bench/comm
 
 import model as model_lib
 import ops
+import sft
 
 SIDES = ("causal", "dense", "tdam")
 
@@ -42,12 +43,12 @@ def side(name: str, L: int, layers: int, block: int, grad_file: str | None) -> d
     lm = model.model.language_model
     sp = layout(L)
     ids = torch.randint(0, 1000, (1, L))
-    rects = ops.tdam_rects(L, sp["overview"], sp["answer"], sp["calls"], sp["obs"])
+    rects = sft.tdam_rects(L, sp["overview"], sp["answer"], sp["calls"], sp["obs"])
 
     def step():
         kw = dict(input_ids=ids, use_cache=False)
         if name == "dense":            # built in the step: the dense path builds its mask every batch
-            kw["attention_mask"] = ops.to_additive_mask(ops.tdam_mask(L, sp["overview"], sp["answer"], sp["calls"],
+            kw["attention_mask"] = ops.to_additive_mask(sft.tdam_mask(L, sp["overview"], sp["answer"], sp["calls"],
                                                                       sp["obs"]))
         elif name == "tdam":
             kw["tdam"] = ops.TdamSpec(torch.tensor([L]), torch.tensor([rects]), block=block)

@@ -19,6 +19,7 @@ from common import checkpoint_dir, synthetic_right, synthetic_root  # bench/comm
 
 import benchmarks
 import eval as evaluation
+import recipes
 
 KINDS = ("single_clue", "multi_clue", "search", "direct")
 
@@ -62,7 +63,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     ckpt = checkpoint_dir(args.model, "turn_budget.py")
     root = synthetic_root()
-    records = benchmarks.synthetic_records(root, n=args.n, seed=args.seed)
+    records = benchmarks.synthetic_records(root, n=args.n, seed=args.seed, duration=recipes.TINY["task_duration"])
     os.makedirs(args.out, exist_ok=True)
     results = {}
     for b in args.budgets:

@@ -87,7 +87,8 @@ def main():
     side_by_side("overview_K64", ov("auto", nframes=64), ov("sequential", nframes=64), out)
     if not args.skip_768:
         px = min(768, 16384 // 384) * 32 * 32  # rollout's budget at 768 frames
-        side_by_side("overview_2fps_768", ov("auto", max_pixels=px), ov("sequential", max_pixels=px), out)
+        fps768 = dict(fps=2.0, max_frames=768, max_pixels=px)  # Video-o3's overview: 2 fps, at most 768 frames
+        side_by_side("overview_2fps_768", ov("auto", **fps768), ov("sequential", **fps768), out)
 
     # 8 overviews (no cache), serial vs pooled
     ks = [dict(nframes=args.pool_k, max_pixels=mp // (1 + i % 2)) for i in range(8)]  # two sizes: 8 distinct jobs

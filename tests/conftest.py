@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -23,6 +24,17 @@ import train
 # turn, overviews gated to 4 or 8 frames.
 SMOKE = ["--sft-steps", "2", "--rl-steps", "2", "--n-train", "8", "--set", "n_rl=4", "--n-eval", "4", "--group-size", "2",
          "--prompts-per-step", "2", "--max-new-tokens", "12", "--sft-batch", "4", "--gating-choices", "4,8"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """gpu and soak tests stay deselected unless -m names them: pytest.ini's addopts deselect them, but a -m on the
+    command line (`pytest -m "not slow"`) replaces that one."""
+    expr = config.getoption("markexpr") or ""
+    off = [m for m in ("gpu", "soak") if not re.search(rf"\b{m}\b", expr)]
+    drop = {item for item in items if any(item.get_closest_marker(m) for m in off)}
+    if drop:
+        config.hook.pytest_deselected(items=[item for item in items if item in drop])
+        items[:] = [item for item in items if item not in drop]
 
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -43,6 +55,28 @@ def bench_module(name: str):
 # The tiny model's rollout as the engine tests drive it: its 64 x 64 frames, one sample at T = 1, 256 new tokens a
 # turn (a test sets what it checks; a run's settings come from recipes.PRESETS).
 TEST_ROLLOUT = {**recipes.TINY_FRAMES, "group_size": 1, "temperature": 1.0, "max_new_tokens": 256}
+
+
+# The synthetic oracle as the tests record it (data.oracle_turns takes each explicitly): the tiny model's K = 8
+# overview and crop sampling, every tool-calling answer cropped (a direct glyph read off the overview).
+ORACLE = dict(nframes=recipes.TINY["overview_nframes"], crop_fps=recipes.TINY["crop_fps"],
+              crop_max_frames=recipes.TINY["crop_max_frames"], always_call=False, direct_crop=0.0)
+# ... and the SFT mix around it (sft.sft_examples): the oracle alone, no budget recordings or tool-free twins.
+SFT_MIX = dict(always_call=False, direct_crop=0.0, budget_fraction=0.0, tool_free=0.0, keep_bad_calls=False,
+               max_bad_fraction=recipes.TINY["max_bad_fraction"])
+
+
+def oracle_turns(record: dict, rng, **kw) -> list[dict]:
+    """data.oracle_turns under ORACLE, `kw` over it."""
+    import data
+    return data.oracle_turns(record, rng, **{**ORACLE, **kw})
+
+
+def score_with(monkeypatch, score, recipe: str = "para_grpo") -> None:
+    """The recipe's reward replaced by `score(traj, record, anchoring, released_scoring) -> (total, components)`
+    for the test (recipes.Recipe.score: what grpo.collect_groups calls)."""
+    import dataclasses
+    monkeypatch.setitem(recipes.RECIPES, recipe, dataclasses.replace(recipes.RECIPES[recipe], score=score))
 
 
 # torch's compiled CPU flex_attention (Inductor's C++ template, torch 2.14.1) differs from its own eager kernel at
@@ -99,6 +133,23 @@ def assert_flex_close(call, ref: torch.Tensor) -> None:
     if error is not None:
         pytest.skip(f"torch {torch.__version__}'s compiled CPU flex_attention differs from its eager kernel on this "
                     f"CPU ({cpu_isa()}) at q {tuple(ref.shape)}: {error}")
+
+
+class SpyRun:
+    """The Run that grpo.policy_update steps the optimizer through, outside a run: `optimizer_step` hands the loss
+    to the test's `step(loss)` (which may read the gradients) and returns what it returns."""
+
+    def __init__(self, step, world: int = 1, group=None, rank: int = 0):
+        self.step, self.world, self.group, self.rank = step, world, group, rank
+
+    def optimizer_step(self, model, optimizer, loss, stage, step, sample_ids):
+        return self.step(loss)
+
+
+def rl_job(s, filler=None):
+    """A grpo.RLJob around settings `s` for a lone policy_update (no records: `filler` is the zero-weight row)."""
+    import grpo
+    return grpo.RLJob([], "", rollout.RolloutConfig(), s, spare=filler)
 
 
 def smoke_argv(run_dir, *extra) -> list[str]:
@@ -186,3 +237,15 @@ def small_thresholds(request, monkeypatch) -> dict:
 def shrunk_thresholds(monkeypatch) -> dict:
     """Every SMALL_THRESHOLDS constant shrunk for the whole test (tests of the small-size paths themselves)."""
     return _shrink(monkeypatch)
+
+
+@pytest.fixture
+def decode_steps(monkeypatch):
+    """A spy on rollout.Engine.step: decode_steps() is the number of decode steps every engine has made so far."""
+    count, step = [0], rollout.Engine.step
+
+    def counted(self):
+        count[0] += 1
+        return step(self)
+    monkeypatch.setattr(rollout.Engine, "step", counted)
+    return lambda: count[0]

@@ -10,7 +10,7 @@ range (`check_all`). Not collected by pytest (no test_ prefix): a helper module,
 import math
 import random
 
-from rewards import (DATA_TYPES, ToolCall, call_window, extract_answer, extract_letter, extract_time_range,
+from rewards import (ANCHOR_WEIGHT, DATA_TYPES, ToolCall, call_window, extract_answer, extract_letter, extract_time_range,
                      format_anchor, format_compliant, format_reward, grounding_format_reward, parse_tool_calls,
                      paravt_reward, vtgr_reward)
 
@@ -115,7 +115,7 @@ def _task(text: str) -> str:
 
 
 def _paravt(text: str) -> tuple:
-    return paravt_reward(text, TARGETS[_task(text)], _task(text))
+    return paravt_reward(text, TARGETS[_task(text)], _task(text), ANCHOR_WEIGHT)
 
 
 def _check_paravt(result) -> None:
@@ -161,7 +161,7 @@ CHECKS = {
     "extract_answer": (extract_answer, _check_optional_str),
     "extract_letter": (lambda t: extract_letter(extract_answer(t)), _check_letter),
     "extract_time_range": (extract_time_range, _check_range),
-    "format_reward": (format_reward, lambda r: _in(r, -0.15, 1.0, "format_reward")),
+    "format_reward": (lambda t: format_reward(t, ANCHOR_WEIGHT), lambda r: _in(r, -0.15, 1.0, "format_reward")),
     "format_anchor": (format_anchor, lambda r: _in(r, -0.3, 0.7, "format_anchor")),
     "format_compliant": (format_compliant, _check_bool),
     "grounding_format_reward": (lambda t: grounding_format_reward(split_turns(t)),

@@ -21,6 +21,8 @@ import data
 import grpo
 import rollout
 import runtime
+import policy
+import oracles
 from conftest import TEST_ROLLOUT, metrics, run, smoke_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +40,7 @@ def test_decoupled_loss_equals_a_hand_computed_example():
     behav = torch.tensor([[-1.6, -4.3, 0.2]])
     adv = torch.tensor([[1.0, -1.0, 1.0]])
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, stats = grpo.grpo_loss_on_logprobs(logp, prox, adv, mask, 0.2, 0.2, behav_logprobs=behav, behav_cap=5.0)
+    loss, stats = oracles.grpo_loss_on_logprobs(logp, prox, adv, mask, 0.2, 0.2, behav_logprobs=behav, behav_cap=5.0)
     r0, r2 = math.exp(0.1), math.exp(0.3)
     by_hand = (-math.exp(0.5) * r0 * 1.0 + 0.0 - math.exp(-1.0) * 1.2 * 1.0) / 3
     assert loss.item() == pytest.approx(by_hand, rel=1e-6)
@@ -65,14 +67,14 @@ def test_decoupled_loss_is_ppo_clip_when_behaviour_is_proximal():
     for behav in (None, prox):
         h = hidden.clone().requires_grad_(True)
         loss, _ = grpo.grpo_loss(h, weight, targets, prox, adv, mask, clip_low=0.2, clip_high=0.3, temperature=0.7,
-                                  compile=False, behav_logprobs=behav)
+                                  compile=False, behav_logprobs=behav, kl_coef=0.0, kl_estimator="k3", behav_cap=5.0)
         loss.backward()
         out.append((loss.detach(), h.grad))
     torch.testing.assert_close(out[0][0], out[1][0], rtol=0, atol=0)
     torch.testing.assert_close(out[0][1], out[1][1], rtol=0, atol=0)
     behav = prox - 0.2            # a staler behaviour policy: w = e^0.2 on every token scales the loss by it
     loss, _ = grpo.grpo_loss(hidden, weight, targets, prox, adv, mask, clip_low=0.2, clip_high=0.3, temperature=0.7,
-                              compile=False, behav_logprobs=behav)
+                              compile=False, behav_logprobs=behav, kl_coef=0.0, kl_estimator="k3", behav_cap=5.0)
     assert loss.item() == pytest.approx(math.exp(0.2) * out[0][0].item(), rel=1e-5)
 
 
@@ -81,7 +83,7 @@ def test_behaviour_logprobs_are_the_training_forwards_at_the_sampling_temperatur
     where the loss reads them, and a training forward of the same weights gives the same numbers: at staleness 0
     the decoupled weight is 1."""
     model, processor = tiny
-    recs = data.make_split(str(tmp_path), 2, seed=0)
+    recs = data.make_split(str(tmp_path), 2, seed=0, duration=64.0)
     cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "temperature": 0.7, "group_size": 2, "max_new_tokens": 64,
                                    "record_logprobs": True})
     trajs = rollout.run_agent(model, processor, recs, str(tmp_path), cfg, seed=3)
@@ -89,8 +91,8 @@ def test_behaviour_logprobs_are_the_training_forwards_at_the_sampling_temperatur
     batch = rollout.collate(trajs, model, pad, share_videos=True)
     behav = rollout.behaviour_logprobs(trajs, batch)
     with torch.no_grad():
-        prox = grpo.forward_logprobs(model, batch, 1024, temperature=0.7, compile=False)
-    mask = grpo.policy_mask(batch["roles"])
+        prox = policy.forward_logprobs(model, batch, 1024, 0.7, False, "fp32")
+    mask = policy.policy_mask(batch["roles"])
     assert mask.sum() > 20 and torch.all(behav[~mask] == 0)
     torch.testing.assert_close(behav[mask], prox[mask], atol=1e-4, rtol=0)
     trajs[0].logprobs.pop()
@@ -125,7 +127,7 @@ def _broadcast_rank(rank: int, port: int, out: str, dtype_name: str) -> None:
     rank, world, device = runtime.setup_distributed(rank, 3, "cpu", threads=1)
     layout = async_rl.make_layout(world, 1)
     dtype, sent_mark = getattr(torch, dtype_name), Path(out) / "sent"
-    model, _ = grpo.policy_model("tiny", device, "fp32", 1, seed=0 if rank < 2 else 1)   # the rollout's differ
+    model, _ = policy.policy_model("tiny", device, "fp32", 1, seed=0 if rank < 2 else 1)   # the rollout's differ
     if not layout.is_rollout(rank):
         from torch.distributed.device_mesh import DeviceMesh
         runtime.shard_model(model, None, DeviceMesh.from_group(layout.trainers, "cpu"))
@@ -156,6 +158,7 @@ def _broadcast_rank(rank: int, port: int, out: str, dtype_name: str) -> None:
     runtime.finish(world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_after_the_broadcast_the_rollout_ranks_weights_are_the_trainers(tmp_path, dtype):
     """fp32 buckets: bit for bit; bf16 buckets (the GPU default): the trainers' weights rounded to bf16, and half the
@@ -193,6 +196,7 @@ def _mail_rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_rollout_rank_sends_its_steps_without_waiting_for_rank_0(tmp_path):
     """A rollout rank's step goes out while the rank samples on: three sends return before rank 0 receives any,
     and rank 0 receives them whole and in order."""
@@ -232,6 +236,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_three_rank_async_run_keeps_the_bound_carries_versions_and_resumes(tmp_path, cache):
     """--gpus 3 --rollout-ranks 1 --async-staleness 1 on gloo: SFT on all ranks, then 2 trainers beside 1 rollout
     rank. No rank holds the SFT stage's AdamW when RL starts (before: every rank did, ~13 GB a GPU at 8B on 8).
@@ -258,6 +263,7 @@ def test_three_rank_async_run_keeps_the_bound_carries_versions_and_resumes(tmp_p
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["policy_version"] == 2 and rows[-1]["staleness"] == 0
 
 
+@pytest.mark.slow
 def test_eta_zero_is_the_synchronous_loop_byte_for_byte(tmp_path, cache_env):
     """--async-staleness 0 (the default) runs train.run_rl: the same checkpoint bytes as a run without the flag."""
     out = {}
@@ -289,6 +295,7 @@ def _dying_rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_dead_rollout_rank_is_named_not_waited_on(tmp_path):
     ctx = torch.multiprocessing.get_context("spawn")
     port, out = runtime.find_free_port(), str(tmp_path / "error.txt")

@@ -72,6 +72,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     runtime.finish(world)
 
 
+@pytest.mark.slow
 def test_every_collective_on_two_ranks_of_a_one_device_type_group(tmp_path):
     torch.multiprocessing.spawn(_rank, args=(2, runtime.find_free_port(), str(tmp_path)), nprocs=2)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -126,6 +127,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_launched_rank_leaves_at_finish(tmp_path):
     """A rank that `launch` spawned (torch.multiprocessing.spawn) leaves in runtime.finish, after the barrier and
     the group's teardown, by os._exit(0): the interpreter's teardown, where a gloo rank at times aborted (SIGABRT)

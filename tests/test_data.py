@@ -13,7 +13,7 @@ import data
 import video
 from data import PALETTE, RecordError
 from rewards import call_window, extract_answer, extract_time_range, parse_tool_calls
-from conftest import TEST_ROLLOUT
+from conftest import ORACLE, TEST_ROLLOUT, oracle_turns
 
 ONE_ROUND_MIX = {"single_clue": 0.5, "multi_clue": 0.2, "direct": 0.2, "grounding": 0.1}
 
@@ -23,7 +23,7 @@ def split(tmp_path_factory):
     """8 records of the four one-round kinds: 4 single_clue, 2 multi_clue, 1 direct, 1 grounding (largest
     remainder). The search kind (two rounds) is tested in tests/test_turn_budget.py."""
     root = str(tmp_path_factory.mktemp("syn"))
-    return root, data.make_split(root, 8, seed=0, mix=ONE_ROUND_MIX)
+    return root, data.make_split(root, 8, seed=0, mix=ONE_ROUND_MIX, duration=64.0)
 
 
 def _mark_on(frame) -> bool:
@@ -76,7 +76,7 @@ def test_symlinked_dataset_layout_is_followed(tmp_path):
     path = tmp_path / "records.jsonl"
     path.write_text(json.dumps(_good(id="a")) + "\n" + json.dumps(_good(id="b", video="clips/b.mp4")) + "\n"
                     + json.dumps(_good(id="c", video="../store/a.mp4")) + "\n", encoding="utf-8")
-    records, errors = data.read_valid_records(str(path), str(root))
+    records, errors = data.read_valid_records(str(path), str(root), max_bad_fraction=0.5)
     assert [r["id"] for r in records] == ["a", "b"]
     assert len(errors) == 1 and errors[0].startswith(f"{path}:3:") and "'..' component" in errors[0]
 
@@ -150,7 +150,7 @@ def test_read_valid_records_keeps_good_lines_and_lists_errors(tmp_path):
              json.dumps(_good(id="g4")), json.dumps(_good(id="g5")), json.dumps(_good(id="g6"))]  # 11-13
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    records, errors = data.read_valid_records(str(path), str(tmp_path))
+    records, errors = data.read_valid_records(str(path), str(tmp_path), max_bad_fraction=0.5)
     assert [r["id"] for r in records] == ["g1", "g2", "g3", "g4", "g5", "g6"]
     assert [e.split(": ")[0] for e in errors] == [f"{path}:{n}" for n in (2, 3, 5, 7, 8, 9)]
     for e, why in zip(errors, ["not valid JSON", "missing field", "not a letter", "duration", "not found",
@@ -162,20 +162,20 @@ def test_read_valid_records_too_many_bad_lines(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(_good()) + "\n[]\n{\n")
     with pytest.raises(ValueError, match=r"2 of 3 lines are bad.*bad.jsonl:2: a record must be a JSON object"):
-        data.read_valid_records(str(path))
+        data.read_valid_records(str(path), max_bad_fraction=0.5)
     assert len(data.read_valid_records(str(path), max_bad_fraction=0.7)[1]) == 2  # a looser limit passes
     with pytest.raises(ValueError, match="missing.jsonl: cannot read"):
-        data.read_valid_records(str(tmp_path / "missing.jsonl"))
+        data.read_valid_records(str(tmp_path / "missing.jsonl"), max_bad_fraction=0.5)
 
 
 def test_write_records_round_trip_and_atomic(tmp_path):
     path = str(tmp_path / "out" / "r.jsonl")
     recs = [data.validate_record(_good(id=f"r{i}", question="Qué color? ✓"), None, "x") for i in range(3)]
     data.write_records(path, recs)
-    assert data.read_valid_records(path) == (recs, [])
+    assert data.read_valid_records(path, max_bad_fraction=0.5) == (recs, [])
     with pytest.raises(TypeError):               # unserialisable record: the old file must survive
         data.write_records(path, [{"id": {1, 2}}])
-    assert data.read_valid_records(path) == (recs, [])
+    assert data.read_valid_records(path, max_bad_fraction=0.5) == (recs, [])
     assert os.listdir(tmp_path / "out") == ["r.jsonl"]  # no temp file left behind
 
 
@@ -234,14 +234,14 @@ def test_make_split_deterministic_and_cached(split, tmp_path):
     """Same seed -> same records and the same video BYTES. Regression: letting PyAV convert rgb24 to
     yuv420p implicitly inside encode() made some videos differ run to run (x264 got different input)."""
     root, recs = split
-    again = data.make_split(str(tmp_path), 8, seed=0, mix=ONE_ROUND_MIX)
+    again = data.make_split(str(tmp_path), 8, seed=0, mix=ONE_ROUND_MIX, duration=64.0)
     assert again == recs
     for r in recs:
         assert (tmp_path / r["video"]).read_bytes() == open(os.path.join(root, r["video"]), "rb").read()
     mtimes = [os.stat(tmp_path / r["video"]).st_mtime_ns for r in recs]
-    assert data.make_split(str(tmp_path), 8, seed=0, mix=ONE_ROUND_MIX) == recs
+    assert data.make_split(str(tmp_path), 8, seed=0, mix=ONE_ROUND_MIX, duration=64.0) == recs
     assert [os.stat(tmp_path / r["video"]).st_mtime_ns for r in recs] == mtimes  # cache hit: not rewritten
-    assert data.make_split(str(tmp_path), 8, seed=1) != recs                     # another seed differs
+    assert data.make_split(str(tmp_path), 8, seed=1, duration=64.0) != recs                     # another seed differs
 
 
 def test_make_split_cache_follows_content(tmp_path):
@@ -300,7 +300,7 @@ def test_crop_of_mark_window_shows_glyph_and_overview_shows_mark(split):
     for r in recs:
         path = os.path.join(root, r["video"])
         for (s, e), colour in zip(r["clues"], r["meta"]["colours"]):
-            clip = video.crop(path, s, e, level="medium")            # 2 fps clip of the mark window
+            clip = video.crop(path, s, e, level="medium", fps=2.0, max_frames=128)   # 2 fps clip of the mark window
             assert colour in [_glyph(f) for f in clip.frames], (r["id"], s)
         ov = video.sample_overview(path, nframes=16, max_pixels=32 * 32)   # sparse, 32x32 overview
         assert ov.frames.shape[-2:] == (32, 32)
@@ -352,9 +352,11 @@ def test_glyphs_seen_counts_the_frames_a_crop_samples_not_its_span():
     rec = next(r for r in recs if data.tool_needed(r, 8))
     (g0, g1), duration = rec["meta"]["glyph_windows"][0], rec["duration"]
     assert data.glyphs_seen(rec, 8, None) is False
-    assert data.glyphs_seen(rec, 8, [(max(0.0, g0 - 2), min(duration, g1 + 2))]) is True
+    assert data.glyphs_seen(rec, 8, [(max(0.0, g0 - 2), min(duration, g1 + 2))], 1.0, 16) is True
     far = (0.0, 8.0) if g0 > 20 else (duration - 8.0, duration)
-    assert data.glyphs_seen(rec, 8, [far]) is False
+    assert data.glyphs_seen(rec, 8, [far], 1.0, 16) is False
+    with pytest.raises(ValueError, match="crop_fps"):                    # a crop's frames need its sampling
+        data.glyphs_seen(rec, 8, [far])
     wide = (0.0, duration)
     frames = [f for _, f0, f1 in data.crop_patch_times(*wide, duration, 1.0, 16) for f in (f0, f1)]
     assert data.glyphs_seen(rec, 8, [wide], 1.0, 16) == any(g0 <= f < g1 for f in frames)
@@ -366,7 +368,7 @@ def test_oracle_turns_by_kind(split):
     rng = np.random.default_rng(0)
     for r in recs:
         kind = r["data_type"]
-        msgs = data.oracle_turns(r, rng)
+        msgs = oracle_turns(r, rng)
         answer = extract_answer(msgs[-1]["content"])
         if kind == "grounding":   # no crop; the 8 s window centred on the overview frame inside the mark
             _check_oracle(r, msgs, 0)
@@ -380,7 +382,7 @@ def test_oracle_turns_by_kind(split):
             assert windows == sorted(windows)                                       # calls in time order
             assert all(c in msgs[-1]["content"] for c in r["meta"]["colours"])      # final think names colours
         if kind == "direct":
-            _check_oracle(r, data.oracle_turns(r, rng, always_call=True), 1)       # always_call: one crop
+            _check_oracle(r, oracle_turns(r, rng, always_call=True), 1)       # always_call: one crop
 
 
 @pytest.mark.parametrize("nframes", [4, 8, 16, 32, 64])
@@ -397,7 +399,7 @@ def test_oracle_acts_on_what_a_k_frame_overview_shows(split, nframes):
         seen = [data.seen_at(c, patches) for c in r["clues"]]
         assert nframes == 4 or None not in seen
         for direct_crop in (0.0, 1.0):
-            msgs = data.oracle_turns(r, rng, nframes=nframes, direct_crop=direct_crop)
+            msgs = oracle_turns(r, rng, nframes=nframes, direct_crop=direct_crop)
             assert extract_answer(msgs[-1]["content"]) == r["answer"]
             calls = [call_window(c) for c in parse_tool_calls(msgs[0]["content"])]
             if r["data_type"] == "direct" and seen[0] is not None and direct_crop == 0.0:
@@ -419,14 +421,14 @@ def test_grounding_oracle_answers_what_the_overview_shows(nframes, worst_iou):
     for s in range(0, 57):
         r = {"id": "g", "video": "v.mp4", "data_type": "grounding", "task": "tvg", "clues": [[s, s + 8.0]],
              "answer": [s, s + 8.0], "duration": 64.0, "meta": {"colours": [], "glyph_windows": []}}
-        msgs = data.oracle_turns(r, np.random.default_rng(0), nframes=nframes)
+        msgs = oracle_turns(r, np.random.default_rng(0), nframes=nframes)
         a, b = extract_time_range(extract_answer(msgs[0]["content"]))
         iou = max(0.0, min(b, s + 8) - max(a, s)) / (max(b, s + 8) - min(a, s))
         assert len(msgs) == 1 and 0 <= a < b <= 64 and iou >= worst_iou - 1e-9, (s, a, b, iou)
     patches4 = data.overview_patch_times(64.0, 4)
     missed = next(s for s in range(57) if data.seen_at([s, s + 8.0], patches4) is None)
     r["clues"] = [[missed, missed + 8.0]]
-    assert extract_answer(data.oracle_turns(r, np.random.default_rng(0), nframes=4)[0]["content"]) == "[0.0, 64.0]"
+    assert extract_answer(oracle_turns(r, np.random.default_rng(0), nframes=4)[0]["content"]) == "[0.0, 64.0]"
 
 
 def test_oracle_windows_clamped_to_the_video():
@@ -434,17 +436,17 @@ def test_oracle_windows_clamped_to_the_video():
          "answer": "A", "meta": {"colours": ["red"], "glyph_windows": [[2.0, 6.0]]}}
     rng = np.random.default_rng(1)
     for _ in range(50):
-        (a, b), = _check_oracle(r, data.oracle_turns(r, rng, window_noise=3.0), 1, noise=3.0)
+        (a, b), = _check_oracle(r, oracle_turns(r, rng, window_noise=3.0), 1, noise=3.0)
         assert 0.0 <= a < b <= 8.0
 
 
 def test_write_sft_records(split, tmp_path):
     _, recs = split
     path = str(tmp_path / "sft.jsonl")
-    data.write_sft_records(path, recs, seed=4)
+    data.write_sft_records(path, recs, seed=4, **ORACLE)
     rows = [json.loads(line) for line in open(path)]
     rng = np.random.default_rng(4)
-    assert rows == [{"id": r["id"], "video": r["video"], "prompt": r, "messages": data.oracle_turns(r, rng)}
+    assert rows == [{"id": r["id"], "video": r["video"], "prompt": r, "messages": oracle_turns(r, rng)}
                     for r in recs]
 
 
@@ -480,8 +482,8 @@ def test_call_prior_leaves_when_to_call_to_a_coin():
     big = _needle("d", "direct", [shown])
     for prior in (0.0, 1.0):
         for r in needs + [big]:
-            msgs = data.oracle_turns(r, np.random.default_rng(0), nframes=4, call_prior=prior)
-            oracle = data.oracle_turns(r, np.random.default_rng(0), nframes=4)
+            msgs = oracle_turns(r, np.random.default_rng(0), nframes=4, call_prior=prior)
+            oracle = oracle_turns(r, np.random.default_rng(0), nframes=4)
             if prior == 0.0 and r is not big:
                 assert len(msgs) == 1 and not parse_tool_calls(msgs[0]["content"]), r["id"]
                 said, did = msgs[0]["content"].split("</think>")[0], oracle[0]["content"].split("</think>")[0]
@@ -491,13 +493,13 @@ def test_call_prior_leaves_when_to_call_to_a_coin():
                 assert msgs == oracle, (r["id"], prior)
     for r in needs[1:2] + needs[3:]:  # prior 1 draws no coin (a whole-video search draws nothing at all)
         rng = np.random.default_rng(3)
-        data.oracle_turns(r, rng, nframes=4, call_prior=1.0)
+        oracle_turns(r, rng, nframes=4, call_prior=1.0)
         assert rng.random() == np.random.default_rng(3).random()
     rng, n = np.random.default_rng(1), 400
     for r in needs:
-        called = sum(len(data.oracle_turns(r, rng, nframes=4, call_prior=0.4)) > 1 for _ in range(n))
+        called = sum(len(oracle_turns(r, rng, nframes=4, call_prior=0.4)) > 1 for _ in range(n))
         assert abs(called / n - 0.4) < 0.08, (r["id"], called)
-    letters = Counter(extract_answer(data.oracle_turns(needs[0], rng, nframes=4, call_prior=0.0)[0]["content"])
+    letters = Counter(extract_answer(oracle_turns(needs[0], rng, nframes=4, call_prior=0.0)[0]["content"])
                       for _ in range(n))
     assert set(letters) == set("ABCD") and min(letters.values()) > n / 8             # a guess, not the answer
 
@@ -509,9 +511,9 @@ def test_tool_free_recordings_beside_the_oracles():
     import rollout
     cfg = rollout.RolloutConfig(**TEST_ROLLOUT)
     recs = [_needle(f"n{i}", kind, [float(8 * i % 48)]) for i, kind in enumerate(["single_clue", "search", "direct"] * 8)]
-    base, _ = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8])
-    assert data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], tool_free=0.0)[0] == base
-    pairs, errors = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], tool_free=1.0)
+    mix = dict(always_call=False, direct_crop=0.0, budget_fraction=0.0)
+    base, _ = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], **mix, tool_free=0.0)
+    pairs, errors = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], **mix, tool_free=1.0)
     twins = [(r, msgs, k) for r, msgs, where, k, _ in pairs if where.endswith("(tool-free)")]
     callers = [p for p in pairs if not p[2].endswith("(tool-free)") and data.oracle_rounds(p[1])]
     assert not errors and len(twins) == len(callers) > 0
@@ -520,7 +522,8 @@ def test_tool_free_recordings_beside_the_oracles():
         big = r["data_type"] == "direct" and data.seen_at(r["clues"][0], data.overview_patch_times(64.0, k)) is not None
         assert msgs[0]["content"].split("</think>")[0].endswith(".\n") and ("I will guess." in msgs[0]["content"]) != big
         assert not big or extract_answer(msgs[0]["content"]) == r["answer"]
-    always = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], always_call=True, tool_free=1.0)[0]
+    always = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], **dict(mix, always_call=True),
+                                   tool_free=1.0)[0]
     assert not any(p[2].endswith("(tool-free)") for p in always)          # a teacher that always calls has no twin
-    some = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], tool_free=0.5)[0]
+    some = data.oracle_sft_pairs(recs, cfg, seed=0, gated_choices=[4, 8], **mix, tool_free=0.5)[0]
     assert 0 < sum(p[2].endswith("(tool-free)") for p in some) < len(twins)

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.bench                 # bench/gpu.py's JSON contract, bench/logprob_bench.py's ratios
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_gpu_script_dry_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARAVT_CACHE": str(tmp_path)}
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--out", str(tmp_path / "gpu.json")],

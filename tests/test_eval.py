@@ -80,7 +80,7 @@ def test_predict_lets_programming_errors_through():
     def broken(batch):
         raise TypeError("bug in the runner")
     with pytest.raises(TypeError):
-        ev.predict(five_records(), broken, None)
+        ev.predict(five_records(), broken, None, 1)
 
 
 def test_error_reasons_fold_paths():
@@ -162,7 +162,8 @@ def test_evaluate_reports_official_metrics_and_agent_figures(monkeypatch, tmp_pa
     configs = []
     monkeypatch.setitem(sys.modules, "rollout", fake_rollout(configs))
     train_cfg = FakeConfig(tool_mode="interleaved", temperature=1.0, group_size=4)   # as a trainer builds it
-    m = ev.evaluate(None, FAKE_PROCESSOR, figure_records(), "videos", train_cfg, out_path=tmp_path / "p.jsonl")
+    m = ev.evaluate(None, FAKE_PROCESSOR, figure_records(), "videos", train_cfg, batch_size=8,
+                    out_path=tmp_path / "p.jsonl")
     assert configs[0].temperature == 0.0 and configs[0].group_size == 1 and configs[0].tool_mode == "interleaved"
     assert m["bench"] == "records" and m["n"] == 4 and m["n_error"] == 1
     assert m["accuracy"] == pytest.approx(100 / 3) and m["miou"] == pytest.approx(50.0)   # official, in %
@@ -312,6 +313,20 @@ def test_synthetic_seed_picks_another_split(tmp_path, monkeypatch, cache_env):
     assert ran == [f"syn-2000-{i:05d}" for i in range(4)] + [f"syn-3000-{i:05d}" for i in range(4)]
 
 
+def test_synthetic_defaults_are_train_py_held_out_split(monkeypatch):
+    """`python eval.py --model runs/default` scores the split train.py --seed 0 holds out: its size (n_eval), seed,
+    duration and mix, read from recipes.py and data.SPLIT_SEEDS; the batch is the preset's eval_batch."""
+    asked = {}
+    monkeypatch.setattr(ev, "synthetic_records", lambda root, **kw: asked.update(kw) or [])
+    job = ev.job_of(ev.parse_args([]))
+    train_args = recipes.parse_train_args([])
+    assert asked == dict(n=train_args.n_eval, seed=data.SPLIT_SEEDS["held_out"] + train_args.seed,
+                         duration=train_args.task_duration, mix=train_args.task_mix)
+    assert (job.preset, job.batch_size) == ("tiny", train_args.eval_batch)
+    assert ev.preset_defaults(ev.parse_args(["--preset", "paravt"])).batch_size == recipes.PRESETS["paravt"]["eval_batch"]
+    assert ev.preset_defaults(ev.parse_args(["--batch-size", "3"])).batch_size == 3
+
+
 def test_synthetic_default_out_names_the_split(tmp_path, monkeypatch, cache_env):
     """The default predictions file of a synthetic split names its size and seed: split 4 and split 6 share
     ids with different questions, so resuming one from the other's file would score stale answers."""
@@ -334,7 +349,7 @@ def test_own_records_through_a_symlinked_root(tmp_path, capsys, one_thread):
     with its reason, counted at the end; once the video is there, re-running with the same --out runs
     that row again and keeps only answered rows."""
     store, root = tmp_path / "store", tmp_path / "root"
-    recs = data.make_split(str(store), 3, seed=5, mix={"single_clue": 1})
+    recs = data.make_split(str(store), 3, seed=5, mix={"single_clue": 1}, duration=64.0)
     root.mkdir()
     os.symlink(store / "videos", root / "clips")          # a folder link, pointing outside the root
     mine = [{k: r[k] for k in ("id", "question", "options", "answer", "task", "clues", "duration")}
@@ -368,6 +383,7 @@ REPO = Path(__file__).resolve().parents[1]
 needs_real = pytest.mark.skipif(not NASA.is_file(), reason="needs the shared real_videos folder")
 
 
+@pytest.mark.slow
 @needs_real
 def test_ask_a_real_video_end_to_end(tmp_path, cache_env):
     """`python eval.py --model tiny --video FILE --question ... --options ... --report DIR`: exit 0, the turns

@@ -21,7 +21,10 @@ import model as model_lib
 import rollout
 import runtime
 import train
+import policy
 from conftest import TEST_ROLLOUT
+
+pytestmark = pytest.mark.slow               # every test here starts processes (subprocess or spawned ranks)
 
 REPO = Path(__file__).resolve().parents[1]
 N = 7                                   # questions: rank 0 gets 4, rank 1 gets 3
@@ -36,7 +39,7 @@ def _same(rows: list[dict]) -> list[dict]:
 def records_file(tmp_path_factory):
     """N synthetic questions as the user's own records; the last one's video is missing (an error row)."""
     root = tmp_path_factory.mktemp("videos")
-    recs = data.make_split(str(root), N, seed=5)
+    recs = data.make_split(str(root), N, seed=5, duration=64.0)
     mine = [{k: r[k] for k in ("id", "video", "question", "options", "answer", "task", "clues", "duration")} for r in recs]
     mine[-1]["video"] = "videos/missing.mp4"
     path = root / "mine.jsonl"
@@ -159,7 +162,7 @@ def _held_out_rank(rank: int, world: int, port: int, run_dir: str, cache: str) -
     if world > 1:
         _init(rank, world, port)
     model, processor = _tiny_sharded(world)
-    records = data.make_split(cache, 5, seed=11)
+    records = data.make_split(cache, 5, seed=11, duration=64.0)
     ran, real = [], ev.agent_runner
 
     def runner(*a, **k):
@@ -170,12 +173,12 @@ def _held_out_rank(rank: int, world: int, port: int, run_dir: str, cache: str) -
     cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 12})
     ev.agent_runner = runner
     try:
-        metrics = ev.evaluate_held_out(model, processor, records, cache, cfg, run, "final", report_questions=2)
+        metrics = ev.evaluate_held_out(model, processor, records, cache, cfg, run, "final", batch_size=8, report_questions=2)
     finally:
         ev.agent_runner = real                      # (world 1 runs in the test process)
     trained = None
     if world > 1:                                   # one question: rank 1 runs no forward, then both train
-        ev.evaluate_held_out(model, processor, records[:1], cache, cfg, run, "one", report_questions=0)
+        ev.evaluate_held_out(model, processor, records[:1], cache, cfg, run, "one", batch_size=8, report_questions=0)
         ids = torch.arange(16).view(1, 16)
         for _ in range(2):
             model(input_ids=ids).logits.float().sum().backward()
@@ -215,16 +218,15 @@ def _best_rank(rank: int, world: int, port: int, run_dir: str) -> None:
     fake = grpo.Groups(trajs=[], comps=[], rewards=torch.zeros(1), seq_kl=torch.zeros(1), items=[], n_groups=0,
                         draws=1, zero_var_frac=0.0)
     grpo.collect_groups = lambda *a, **k: fake
-    grpo.filler_trajectory = lambda *a, **k: None          # the update is stubbed: no zero-weight pass to feed
-    grpo.policy_update = lambda *a, **k: (None, {"clip_frac": 0.0, "kl": 0.0})
-    grpo.rollout_metrics = lambda *a, **k: {"accuracy": 0.0, "format_compliance": 0.0, "tool_call_ratio": 0.0,
+    grpo.policy_update = lambda *a, **k: (None, {"clip_frac": 0.0, "kl": 0.0})   # stubbed: no zero-weight pass
+    ev.rollout_metrics = lambda *a, **k: {"accuracy": 0.0, "format_compliance": 0.0, "tool_call_ratio": 0.0,
                                              "turns": 0.0, "mean_k": 8.0}
     scores = {0: [0.5, 0.7, 0.6], 1: [0.5, 0.1, 0.1]}[rank]
     evaluate = lambda m, name: {"r_acc": scores[int(name.split("-")[1]) - 1]}
-    optimizer = grpo.make_optimizer(model, 1e-4, 0.0)
-    settings = type("S", (), dict(group_size=2))
-    train.run_rl(run, model, None, processor, optimizer, [], "", rollout.RolloutConfig(), settings, steps=3, lr=1e-4,
-                 warmup_steps=0, pad_id=0, eval_every=1, evaluate=evaluate)
+    optimizer = policy.make_optimizer(model, 1e-4, 0.0)
+    settings = grpo.GRPOSettings(group_size=2, rl_steps=3, lr=1e-4, warmup_steps=0, eval_every=1)
+    train.run_rl(run, model, None, processor, optimizer, grpo.RLJob([], "", rollout.RolloutConfig(), settings,
+                                                                    evaluate=evaluate))
     Path(run_dir, f"best{rank}.json").write_text(json.dumps(run.best))
     runtime.finish(world)
 

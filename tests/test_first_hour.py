@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics, run, smoke_argv
+from conftest import SFT_MIX, metrics, oracle_turns, run, smoke_argv
 
 import data
 import recipes
@@ -38,6 +38,7 @@ def test_a_second_run_on_the_same_dir_is_refused_with_the_holders_pid(tmp_path):
     runtime.RunLock(str(tmp_path)).release()          # free again once the holder is gone
 
 
+@pytest.mark.slow
 def test_spawned_rank_dies_with_its_launcher(tmp_path):
     """The launcher is SIGKILLed; its child (a rank) must not run on as an orphan."""
     script = textwrap.dedent(f"""
@@ -91,7 +92,7 @@ def test_held_out_records_are_never_drawn_for_training(tmp_path):
 def _sft_file(tmp_path, records, window) -> str:
     rec = records[0]
     call = json.dumps({"name": "crop_video", "arguments": {"start_time": window[0], "end_time": window[1]}})
-    good = data.oracle_turns(rec, __import__("numpy").random.default_rng(0), always_call=True, nframes=8)
+    good = oracle_turns(rec, __import__("numpy").random.default_rng(0), always_call=True, nframes=8)
     bad = [{"role": "assistant", "content": f"<think>\nlook\n</think>\n<tool_call>\n{call}\n</tool_call>"},
            {"role": "tool", "content": "Error"},
            {"role": "assistant", "content": "<think>\nok then\n</think>\n<answer>A</answer>"}]
@@ -109,14 +110,15 @@ def test_sft_trajectories_with_calls_the_environment_refuses_are_reported_and_sk
     cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
     logged = []
     items, bad = sft.sft_examples(records, processor, root, cfg, sft_data=path, seed=0, gated_choices=[],
-                                    max_bad_fraction=0.5, log=logged.append)
+                                    **dict(SFT_MIX, max_bad_fraction=0.5), log=logged.append)
     assert len(items) == 2 and bad == 1
     assert any(f"{path}:2" in m and "past the end" in m for m in logged), logged
     items, bad = sft.sft_examples(records, processor, root, cfg, sft_data=path, seed=0, gated_choices=[],
-                                    keep_bad_calls=True, max_bad_fraction=0.5, log=logged.append)
+                                    **dict(SFT_MIX, keep_bad_calls=True, max_bad_fraction=0.5), log=logged.append)
     assert len(items) == 3 and bad == 0
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_not_a_traceback(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "train.py", "--data", str(tmp_path / "missing.jsonl"), "--video-root", str(tmp_path),
@@ -159,12 +161,14 @@ def test_resumed_run_keeps_the_best_checkpoint_until_a_better_one(tmp_path, monk
     assert runtime.read_best(str(tmp_path)) is None
 
 
+@pytest.mark.slow
 def test_keep_last_in_a_run(tmp_path):
     run(smoke_argv(tmp_path, "--stage", "rl", "--rl-steps", "4", "--save-every", "1", "--keep-last", "2",
                    "--mask-truncated", "0", "--prompts-per-step", "1"))
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt-rl-000003", "ckpt-rl-000004"]
 
 
+@pytest.mark.slow
 def test_evaluation_only_run_prints_its_result(tmp_path, cache, capsys):
     """`--stage rl --rl-steps 0 --final-eval` evaluates and prints the summary (it crashed drawing curves)."""
     root = os.path.join(cache, "synthetic")
@@ -177,6 +181,7 @@ def test_evaluation_only_run_prints_its_result(tmp_path, cache, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["after"] == summary["after"]
 
 
+@pytest.mark.slow
 def test_videoo3_preset_on_a_saved_checkpoint_samples_a_2fps_overview(tmp_path, cache, tiny):
     """`--preset videoo3 --model CKPT --data ... --stage rl`: the overview follows Video-o3's 2 fps rule (a 64 s
     video: 128 frames) on a saved tiny checkpoint, and the preset's recipe and sampling are in effect."""

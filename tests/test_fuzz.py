@@ -1,7 +1,7 @@
 """Fuzz the reward parsers: random and mutated model outputs never raise and stay in range.
 
     python -m pytest tests/test_fuzz.py -q            # 2,000 seeded cases
-    python -m pytest tests/test_fuzz.py -q -m slow    # 100,000 cases
+    python -m pytest tests/test_fuzz.py -q -m soak    # 100,000 cases (a soak test, not in CI)
 
 The generator and the per-parser range checks live in tests/fuzzing.py.
 """
@@ -15,7 +15,7 @@ from fuzzing import CHECKS, check_all, fuzz, huge, random_output, trajectory
 
 @pytest.mark.parametrize("n", [
     2_000,                                     # default run: seconds
-    pytest.param(100_000, marks=pytest.mark.slow),  # the full count (docs/experiments.md's figure)
+    pytest.param(100_000, marks=pytest.mark.soak),  # the full count (docs/experiments.md's figure)
 ])
 def test_fuzz_never_raises_and_stays_in_range(n):
     assert fuzz(n, seed=0) == n                # raises AssertionError naming the parser and the input

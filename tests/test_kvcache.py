@@ -1,7 +1,7 @@
 """Tests for the rollout engine's machinery: the paged, shared-prompt cache (kvcache.py: BlockPool, GroupKV, one
 K/V copy per prompt, each row holding only its suffix's blocks, cascade attention in fp32 with bounded working
 tensors), the decode step and batched on-device sampling (rollout.Engine.step, rollout.sample_tokens), and the
-training forward that runs the vision tower once per distinct video (rollout.shared_video_hidden_states).
+training forward that runs the vision tower once per distinct video (policy.shared_video_hidden_states).
 
 The end-to-end exactness of rollouts (recorded log-probs == full recompute) is in tests/test_rollout.py.
 """
@@ -12,11 +12,12 @@ import data
 import kvcache
 import layers
 import ops
+import policy
 import rollout
 import sft
 import runtime
 import video
-from conftest import TEST_ROLLOUT
+from conftest import TEST_ROLLOUT, oracle_turns
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +28,7 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("engine"))
-    return root, data.make_split(root, 2, seed=0)
+    return root, data.make_split(root, 2, seed=0, duration=64.0)
 
 
 def draw(logits, seeds, counters, t=1.0, top_p=1.0):
@@ -145,7 +146,7 @@ def test_host_sync_counter_counts_reads():
     assert c.count == 2, c.sites
 
 
-def test_decode_step_one_host_sync(tiny, split, monkeypatch):
+def test_decode_step_one_host_sync(tiny, split, monkeypatch, decode_steps):
     """Measured, not counted by construction: HostSyncCounter over a rollout sees one host sync per decode step
     inside Engine.step (the sampled tokens and log-probs, read for the stop check), the prefills' reads apart; a
     sampler that also reads a value (a deliberate .item()) makes it two per step."""
@@ -155,10 +156,10 @@ def test_decode_step_one_host_sync(tiny, split, monkeypatch):
                                    "temperature": 1.0})
 
     def measured():
-        before = rollout.STATS["decode_steps"]
+        before = decode_steps()
         with runtime.HostSyncCounter("cpu") as syncs:
             rollout.run_agent(model, processor, recs[:1], root, cfg, seed=0)
-        return rollout.STATS["decode_steps"] - before, syncs
+        return decode_steps() - before, syncs
 
     steps, syncs = measured()
     assert steps >= 1 and syncs.in_steps == steps, syncs.sites
@@ -573,7 +574,7 @@ def test_shared_video_hidden_states_shares_videos_and_matches_plain_forward(tiny
     with torch.no_grad():
         ref = model.model(**plain, use_cache=False).last_hidden_state
         n_plain = len(calls)
-        out = rollout.shared_video_hidden_states(model, shared)
+        out = policy.shared_video_hidden_states(model, shared)
     assert n_plain == 1 and calls == [3 * len(a.pixels), len(a.pixels)]   # the vision tower sees the overview once, not G times
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
@@ -586,7 +587,7 @@ def test_shared_video_hidden_states_with_parallel_clips_in_one_turn(tiny, split)
     root, recs = split
     rec = next(r for r in recs if len(r.get("clues") or []) >= 2)
     cfg = rollout.RolloutConfig(**TEST_ROLLOUT)
-    msgs = data.oracle_turns(rec, __import__("numpy").random.default_rng(0), always_call=True, nframes=8)
+    msgs = oracle_turns(rec, __import__("numpy").random.default_rng(0), always_call=True, nframes=8)
     t = sft.encode_messages(processor, rec, msgs, root, cfg, nframes=8)
     assert any(len(g) >= 2 for _, g in t.videos)                   # one entry holds two clips
     twin = rollout.Trajectory(t.record_id, 1, list(t.token_ids), list(t.roles), t.prompt_len, list(t.videos))
@@ -597,7 +598,7 @@ def test_shared_video_hidden_states_with_parallel_clips_in_one_turn(tiny, split)
     plain.pop("roles"), shared.pop("roles")
     with torch.no_grad():
         ref = model.model(**plain, use_cache=False).last_hidden_state
-        out = rollout.shared_video_hidden_states(model, shared)
+        out = policy.shared_video_hidden_states(model, shared)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 

@@ -60,7 +60,7 @@ def saved(tiny, tmp_path_factory):
 
 def inputs(processor, clip: video.Clip) -> dict:
     """Model kwargs for the full agent prompt (system + tools + video + question) around `clip`."""
-    c = rollout.encode_chunk(processor, rollout.prompt_text(processor, RECORD), [clip])
+    c = rollout.encode_chunk(processor, rollout.prompt_text(processor, RECORD, tools_block=True), [clip])
     return dict(input_ids=c.ids[None], attention_mask=torch.ones_like(c.ids)[None],
                 mm_token_type_ids=c.mm_types[None], pixel_values_videos=c.pixels, video_grid_thw=c.grid)
 
@@ -161,7 +161,7 @@ def test_chat_template_without_tools(tiny):
     got = tiny[1].tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
     assert got == "<|im_start|>system\nSYS<|im_end|>\n" + TURNS
     # the agent prompt ends on the assistant tag and holds exactly one video placeholder
-    prompt = rollout.prompt_text(tiny[1], RECORD)
+    prompt = rollout.prompt_text(tiny[1], RECORD, tools_block=True)
     assert prompt.endswith("<|im_start|>assistant\n") and prompt.count("<|video_pad|>") == 1
 
 
@@ -220,7 +220,7 @@ def test_forward_and_generate_with_video(tiny, clip):
 def test_processor_timestamps_are_absolute(tiny, video_path, kind, lo, hi):
     processor = tiny[1]
     if kind == "crop":
-        c = video.crop(video_path, lo, hi, level="medium", max_pixels=SIDE * SIDE)
+        c = video.crop(video_path, lo, hi, level="medium", fps=2.0, max_frames=128, max_pixels=SIDE * SIDE)
     else:
         c = video.sample_overview(video_path, nframes=8)
     chunk = rollout.encode_chunk(processor, VIDEO_TEXT, [c])
@@ -329,6 +329,7 @@ def test_check_transformers_at_or_above_floor_passes(version):
     model_lib.check_transformers(version)
 
 
+@pytest.mark.slow
 def test_import_model_below_floor_fails(tmp_path):
     """Importing model.py under an older transformers (its version as importlib.metadata reports it,
     faked here in a fresh interpreter) fails at once with one line naming both versions."""

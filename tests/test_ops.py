@@ -1,7 +1,7 @@
 """
 Tests for ops.py: the fused log-prob gather (ops.token_logprobs: chunked logits, a hand-written backward) alone
-and inside the two losses that read it, grpo.grpo_loss and train.sft_token_loss, against the naive path
-log_softmax(h W^T / T).gather then the loss (grpo.grpo_loss_on_logprobs), in value and gradient; TDAM's dense mask (ops.tdam_mask, to_additive_mask) and its
+and inside the two losses that read it, grpo.grpo_loss and sft.sft_token_loss, against the naive path
+log_softmax(h W^T / T).gather then the loss (oracles.grpo_loss_on_logprobs), in value and gradient; TDAM's dense mask (sft.tdam_mask, to_additive_mask) and its
 block-sparse attention (ops.tdam_tiles, the blocked and flex kernels of ops.tdam_attention) against that mask.
 
     python -m pytest tests/test_ops.py -q          # CPU, about a minute (the flex kernel compiles once)
@@ -19,9 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import ops
-from ops import tdam_mask, to_additive_mask, token_logprobs
-from grpo import grpo_loss, grpo_loss_on_logprobs
-from train import sft_token_loss
+import sft
+from grpo import grpo_loss
+from oracles import grpo_loss_on_logprobs
+from ops import to_additive_mask, token_logprobs
+from sft import sft_token_loss, tdam_mask
 from conftest import assert_flex_close, cpu_flex_probe, cpu_isa
 
 
@@ -82,7 +84,7 @@ def test_fused_grpo_loss_matches_naive(case):
     hidden, weight, targets, mask, old, ref, adv = make_batch(per_token_adv=case["per_token_adv"], seed=1)
     old = old if case["old"] else None
     kw = dict(clip_low=0.2, clip_high=0.3, kl_coef=case["kl_coef"], ref_logprobs=ref,
-              kl_estimator=case["kl_estimator"])
+              kl_estimator=case["kl_estimator"], behav_cap=5.0)
     T = case["temperature"]
 
     def naive(h, w):
@@ -111,7 +113,8 @@ def test_fused_grpo_loss_matches_naive(case):
 def test_fused_grpo_loss_global_normaliser_adds_up():
     """Two micro-batches with num_tokens = the whole batch's count sum to one call over the whole batch."""
     hidden, weight, targets, mask, old, ref, adv = make_batch(B=4, seed=2)
-    kw = dict(clip_low=0.2, clip_high=0.2, temperature=0.7, chunk_size=4, compile=False)
+    kw = dict(clip_low=0.2, clip_high=0.2, temperature=0.7, chunk_size=4, compile=False, kl_coef=0.0,
+              kl_estimator="k3", behav_cap=5.0)
     full, _ = grpo_loss(hidden, weight, targets, old, adv, mask, **kw)
     total = int(mask.sum())
     parts = [grpo_loss(hidden[s], weight, targets[s], old[s], adv[s], mask[s], num_tokens=total, **kw)[0]
@@ -119,21 +122,17 @@ def test_fused_grpo_loss_global_normaliser_adds_up():
     assert (parts[0] + parts[1]).item() == pytest.approx(full.item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("temperature, chunk_size", [
-    (1.0, 4),       # SFT at T = 1, chunks split the sequences
-    (0.7, 1024),    # a temperature, N smaller than the chunk
-])
-def test_sft_token_loss_matches_naive(temperature, chunk_size):
+@pytest.mark.parametrize("chunk_size", [4, 1024])      # chunks split the sequences; N smaller than the chunk
+def test_sft_token_loss_matches_naive(chunk_size):
     hidden, weight, targets, mask, *_ = make_batch(seed=3)
     n_total = int(mask.sum()) + 5     # a micro-batch of a bigger batch: the caller's normaliser
 
     def naive(h, w):
-        lp = naive_logprobs(h, w, targets, temperature)
+        lp = naive_logprobs(h, w, targets, 1.0)            # SFT: T = 1
         return -(lp * mask).sum() / n_total, int(mask.sum())
 
     def ours(h, w):
-        return sft_token_loss(h, w, targets, mask, num_tokens=n_total, temperature=temperature,
-                              chunk_size=chunk_size, compile=False)
+        return sft_token_loss(h, w, targets, mask, num_tokens=n_total, chunk_size=chunk_size, compile=False)
 
     ref_loss, ref_gh, ref_gw, ref_n = value_and_grads(naive, hidden, weight)
     loss, gh, gw, n = value_and_grads(ours, hidden, weight)
@@ -205,7 +204,7 @@ def test_compiled_kernels_sft_then_rl_never_fall_back(monkeypatch, device):
                 assert ops._auto_chunk(n, dim, vocab) == {40: 8, 100: 16, 300: 64, 700: 128}[n]
                 both(loss_grads(lambda h, w, **kw: sft_token_loss(h, w, targets, mask, **kw)), hidden, weight)
             with torch.no_grad():
-                both(lambda h, w, compile: (token_logprobs(h, w, targets, compile=compile),), hidden, weight)
+                both(lambda h, w, compile: (token_logprobs(h, w, targets, compile=compile, temperature=1.0),), hidden, weight)
             for n in (1, 40, 300):                                                    # RL, T = 0.7
                 hidden, weight, targets, mask = problem(n, dtype, n + 1)
                 with torch.no_grad():
@@ -216,7 +215,8 @@ def test_compiled_kernels_sft_then_rl_never_fall_back(monkeypatch, device):
                 adv = torch.randn(1, generator=torch.Generator().manual_seed(n)).to(device)
                 both(loss_grads(lambda h, w, **kw: grpo_loss(h, w, targets, old + 0.1, adv, mask, clip_low=0.2,
                                                              clip_high=0.3, kl_coef=0.05, ref_logprobs=ref,
-                                                             temperature=0.7, **kw)), hidden, weight)
+                                                             temperature=0.7, kl_estimator="k3", behav_cap=5.0,
+                                                             **kw)), hidden, weight)
     assert set(ops._compiled_kernels) == {ops._chunk_logprobs, ops._chunk_grad_logits_}
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == 4, f"{graphs} graphs compiled, expected one per kernel and dtype (2 x 2)"
@@ -227,7 +227,7 @@ def test_token_logprobs_auto_chunk_takes_the_fused_path(monkeypatch):
     fused Function, the same values and gradients."""
     hidden, weight, targets, *_ = make_batch(B=1, L=40, vocab=1000, seed=5)
     h2, t2 = hidden[0], targets[0]
-    loss = lambda h, w: (-token_logprobs(h, w, t2, None, compile=False).sum() / 40, None)   # noqa: E731
+    loss = lambda h, w: (-token_logprobs(h, w, t2, None, compile=False, temperature=1.0).sum() / 40, None)   # noqa: E731
     plain = value_and_grads(loss, h2, weight)
     assert "TokenLogprobs" not in type(plain[0].grad_fn).__name__ + type(plain[0].grad_fn.next_functions[0][0]).__name__
     monkeypatch.setattr(ops, "_MIN_CHUNK_LOGITS", 4000)            # chunks of 8 rows: 5 of them (at most 8)
@@ -272,7 +272,7 @@ def test_token_logprobs_one_gemm_forward_three_backward():
     hidden, weight, targets, *_ = make_batch(B=1, L=20, vocab=300, seed=6)
     h, w = hidden[0].clone().requires_grad_(), weight.clone().requires_grad_()
     with CountGemms() as fwd:
-        loss = -token_logprobs(h, w, targets[0], chunk_size=8, compile=False).sum()
+        loss = -token_logprobs(h, w, targets[0], chunk_size=8, compile=False, temperature=1.0).sum()
     with CountGemms() as bwd:
         (2.5 * loss).backward()
     assert fwd.count == 3 and bwd.count == 3 * 3      # 20 rows in chunks of 8: 3 chunks
@@ -291,7 +291,8 @@ def test_token_logprobs_one_gemm_forward_three_backward():
 def test_fused_grpo_loss_rejects_bad_input(kwargs, message):
     hidden, weight, targets, mask, old, ref, adv = make_batch(seed=8)
     args = dict(hidden=hidden, lm_head_weight=weight, targets=targets, old_logprobs=old, advantages=adv, mask=mask,
-                clip_low=0.2, clip_high=0.2, ref_logprobs=ref, compile=False)
+                clip_low=0.2, clip_high=0.2, ref_logprobs=ref, compile=False, kl_coef=0.0, kl_estimator="k3",
+                temperature=1.0, behav_cap=5.0)
     with pytest.raises(ValueError, match=message):
         grpo_loss(**{**args, **kwargs})
 
@@ -301,7 +302,8 @@ def test_fused_grpo_loss_no_policy_tokens():
     hidden, weight, targets, mask, old, ref, adv = make_batch(seed=9)
     w = weight.clone().requires_grad_()
     loss, stats = grpo_loss(hidden, w, targets, old, adv, torch.zeros_like(mask), clip_low=0.2,
-                                  clip_high=0.2, chunk_size=4, compile=False)
+                            clip_high=0.2, chunk_size=4, compile=False, kl_coef=0.0, kl_estimator="k3",
+                            temperature=1.0, behav_cap=5.0)
     loss.backward()
     assert loss.item() == 0.0 and stats["n_tokens"] == 0 and stats["clip_frac"] == 0.0
     assert w.grad is not None and torch.equal(w.grad, torch.zeros_like(w))
@@ -315,7 +317,7 @@ def test_fused_grpo_loss_under_gradient_checkpointing(use_reentrant):
     head = torch.nn.Linear(16, 400, bias=False)
     x = torch.randn(3, 7, 16, requires_grad=True)
     _, _, targets, mask, old, ref, adv = make_batch(seed=10, vocab=400)
-    kw = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.05, ref_logprobs=ref)
+    kw = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.05, ref_logprobs=ref, kl_estimator="k3", behav_cap=5.0)
 
     def run(fused: bool):
         for p in (*block.parameters(), *head.parameters(), x):
@@ -365,7 +367,7 @@ def check_bf16(device: str, use_compile: bool) -> None:
     near, sign = torch.rand(lp32.shape, generator=gen) < 0.5, torch.randn(lp32.shape, generator=gen).sign()
     log_ratio = torch.where(near, 0.02 * sign, 0.6 * sign).to(device)     # |log r| 0.02, or 0.6 past the clip
     old = lp32 - log_ratio
-    kw = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.05, ref_logprobs=ref)
+    kw = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.05, ref_logprobs=ref, kl_estimator="k3", behav_cap=5.0)
 
     def naive(h, w):   # fp32 on the bf16-rounded inputs
         lp = F.log_softmax(h.float() @ w.float().T / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
@@ -440,7 +442,7 @@ def qwen_vocab_problem():
 def test_token_logprobs_matches_naive(qwen_vocab_problem, use_compile):
     hidden, weight, targets, grad_out, (ref, ref_gh, ref_gw) = qwen_vocab_problem
     out, grad_h, grad_w = value_and_grads_t1(
-        lambda h, w, t: token_logprobs(h, w, t, chunk_size=16, compile=use_compile),
+        lambda h, w, t: token_logprobs(h, w, t, chunk_size=16, compile=use_compile, temperature=1.0),
         hidden, weight, targets, grad_out, torch.float32)
     assert out.dtype == torch.float32 and out.shape == (40,)
     # log-probs near -15: fp32 holds them to ~1e-6, and the compiled logsumexp's summation order follows the
@@ -456,7 +458,7 @@ def test_token_logprobs_fp32_agrees_with_fp32_naive():
     """At a unit logit scale the fp32 naive path is itself accurate, so the two agree within 1e-5."""
     hidden, weight, targets, grad_out = make_problem(40, scale=32 ** -0.5, seed=1)
     ref = value_and_grads_t1(naive_logprobs_t1, hidden, weight, targets, grad_out, torch.float32)
-    ours = value_and_grads_t1(lambda h, w, t: token_logprobs(h, w, t, chunk_size=16, compile=False),
+    ours = value_and_grads_t1(lambda h, w, t: token_logprobs(h, w, t, chunk_size=16, compile=False, temperature=1.0),
                            hidden, weight, targets, grad_out, torch.float32)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
@@ -473,7 +475,7 @@ def test_token_logprobs_shapes(shape, chunk_size):
     hidden, weight, targets, grad_out = make_problem(n, vocab=1000, seed=2)
     hidden, targets, grad_out = hidden.reshape(*shape, 32), targets.reshape(shape), grad_out.reshape(shape)
     ref = value_and_grads_t1(naive_logprobs_t1, hidden, weight, targets, grad_out, torch.float64)
-    ours = value_and_grads_t1(lambda h, w, t: token_logprobs(h, w, t, chunk_size=chunk_size, compile=False),
+    ours = value_and_grads_t1(lambda h, w, t: token_logprobs(h, w, t, chunk_size=chunk_size, compile=False, temperature=1.0),
                            hidden, weight, targets, grad_out, torch.float32)
     assert ours[0].shape == shape
     for a, b in zip(ours, ref):
@@ -484,7 +486,7 @@ def test_token_logprobs_frozen_head():
     """Only the hidden states need a gradient (frozen or tied lm_head): no weight gradient is made."""
     hidden, weight, targets, grad_out = make_problem(20, vocab=500, seed=3)
     h = hidden.clone().requires_grad_()
-    token_logprobs(h, weight, targets, chunk_size=8, compile=False).backward(grad_out)
+    token_logprobs(h, weight, targets, chunk_size=8, compile=False, temperature=1.0).backward(grad_out)
     h_ref = hidden.double().requires_grad_()
     naive_logprobs_t1(h_ref, weight.double(), targets).backward(grad_out.double())
     assert weight.grad is None
@@ -499,7 +501,7 @@ def test_token_logprobs_rejects_out_of_range_targets(bad_target):
     hidden, weight, targets, _ = make_problem(6, vocab=500, seed=4)
     targets[2] = bad_target
     with pytest.raises(ValueError, match="targets must lie in"):
-        token_logprobs(hidden, weight, targets, compile=False)
+        token_logprobs(hidden, weight, targets, compile=False, temperature=1.0)
 
 
 def test_token_logprobs_env_disables_compile(monkeypatch):
@@ -528,7 +530,7 @@ def test_token_logprobs_temperature(temperature):
                            hidden, weight, targets, grad_out, torch.float32)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=0)
-    at_one = token_logprobs(hidden, weight, targets, chunk_size=8, compile=False)
+    at_one = token_logprobs(hidden, weight, targets, chunk_size=8, compile=False, temperature=1.0)
     assert (ours[0] - at_one).abs().max() > 0.1   # the temperature really changes the log-probs
 
 
@@ -541,7 +543,7 @@ def test_token_logprobs_bf16_cuda(use_compile):
     ref = value_and_grads_t1(naive_logprobs_t1, hidden.bfloat16().float(), weight.bfloat16().float(),
                           targets, grad_out, torch.float32)
     out, grad_h, grad_w = value_and_grads_t1(
-        lambda h, w, t: token_logprobs(h, w, t, chunk_size=128, compile=use_compile),
+        lambda h, w, t: token_logprobs(h, w, t, chunk_size=128, compile=use_compile, temperature=1.0),
         hidden, weight, targets, grad_out, torch.bfloat16)
     assert out.dtype == torch.float32 and grad_h.dtype == grad_w.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref[0], atol=0.05, rtol=0)
@@ -632,8 +634,8 @@ def test_to_additive_mask_batched():
 
 def two_row_spec(block: int, kernel: str = "auto") -> ops.TdamSpec:
     """Two rows, the second padded (57 of 70 tokens), whose rectangles cross tile edges at every block used here."""
-    r0 = ops.tdam_rects(70, (3, 21), (60, 70), [(22, 25), (33, 36), (48, 50)], [(25, 31), (36, 45), (50, 56)])
-    r1 = ops.tdam_rects(57, (2, 14), (50, 57), [(15, 17), (28, 30)], [(17, 27)])
+    r0 = sft.tdam_rects(70, (3, 21), (60, 70), [(22, 25), (33, 36), (48, 50)], [(25, 31), (36, 45), (50, 56)])
+    r1 = sft.tdam_rects(57, (2, 14), (50, 57), [(15, 17), (28, 30)], [(17, 27)])
     m = max(len(r0), len(r1))
     rects = torch.tensor([r + [(0, 0, 0, 0)] * (m - len(r)) for r in (r0, r1)])
     return ops.TdamSpec(torch.tensor([70, 57]), rects, block=block, kernel=kernel)
@@ -706,7 +708,7 @@ def test_blocked_tdam_attention_bf16():
 
 def test_blocked_tdam_attention_saves_no_square_tensor():
     """Nothing the blocked kernel keeps for backward has L x L elements (the dense mask keeps one)."""
-    L, spec = 256, ops.TdamSpec(torch.tensor([256]), torch.tensor([ops.tdam_rects(
+    L, spec = 256, ops.TdamSpec(torch.tensor([256]), torch.tensor([sft.tdam_rects(
         256, (10, 90), (230, 256), [(100, 104), (150, 154)], [(104, 140), (154, 200)])]), block=32, kernel="blocked")
     sizes = {}
     for name, fn in (("dense", dense_attention), ("blocked", tdam_call)):
@@ -812,7 +814,7 @@ def test_tdam_kernel_choice(monkeypatch):
 @pytest.mark.parametrize("L", [300, 2048])
 def test_flex_tdam_attention_cuda(L):
     """The flex kernel on CUDA, forward and backward, against the dense mask (fp32), at its default tile size."""
-    spec = ops.TdamSpec(torch.tensor([L, L - 37]), torch.tensor([ops.tdam_rects(
+    spec = ops.TdamSpec(torch.tensor([L, L - 37]), torch.tensor([sft.tdam_rects(
         L, (5, L // 3), (L - 20, L), [(L // 3 + 4, L // 3 + 9), (L // 2, L // 2 + 7)], [(L // 3 + 9, L // 2)]),
         [(0, 0, 0, 0)]]), kernel="flex")
     q, k, v = (x.detach().cuda().requires_grad_() for x in qkv(L=L, dim=64))

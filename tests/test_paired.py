@@ -10,6 +10,8 @@ import pytest
 
 import data
 
+pytestmark = [pytest.mark.bench, pytest.mark.slow]   # each test runs bench/paired.py in a process
+
 ROOT = Path(__file__).resolve().parent.parent
 N, SEED = 24, 7                          # the split: 22 MCQs of the four kinds, 2 grounding questions
 
@@ -18,7 +20,7 @@ N, SEED = 24, 7                          # the split: 22 MCQs of the four kinds,
 def split(tmp_path_factory):
     """(PARAVT_CACHE for paired.py, the split's records): the videos rendered once, where paired.py finds them."""
     cache = tmp_path_factory.mktemp("cache")
-    return cache, data.make_split(str(cache / "synthetic"), N, seed=SEED)
+    return cache, data.make_split(str(cache / "synthetic"), N, seed=SEED, duration=64.0)
 
 
 def wrong(r: dict) -> str:

@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-import grpo
+import policy
 from conftest import BENCH, bench_module
+
+pytestmark = [pytest.mark.bench, pytest.mark.slow]   # each test runs bench/plan.py, roles.py or rehearsal.py in a process
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,12 +132,12 @@ def test_async_speedup_follows_the_rollout_waves():
 
 
 def rows_in_flight(lengths: list[int], micro_batch: int, micro_batch_tokens: int) -> int:
-    """The largest micro-batch grpo.micro_batches forms from rows of these lengths."""
-    return max([sl.stop - sl.start for sl in grpo.micro_batches(lengths, micro_batch, micro_batch_tokens)] + [0])
+    """The largest micro-batch policy.micro_batches forms from rows of these lengths."""
+    return max([sl.stop - sl.start for sl in policy.micro_batches(lengths, micro_batch, micro_batch_tokens)] + [0])
 
 
 def test_the_update_holds_the_micro_batch_train_py_forms():
-    """The update's memory counts the rows grpo.micro_batches puts in one micro-batch at the recipe's lengths:
+    """The update's memory counts the rows policy.micro_batches puts in one micro-batch at the recipe's lengths:
     under train.py's defaults (--micro-batch 8, --micro-batch-tokens 16,384) one row at both recipes' lengths (17k
     and 36k tokens), so no row is padded; a budget that lets rows share a forward puts more rows in flight and the
     update needs more memory."""
@@ -194,7 +196,7 @@ def test_rehearsal_ci_runs_every_step_and_reports_every_part(tmp_path):
     assert z["subagents_per_turn"] == 2 and z["subagent_tokens"] > 0     # two parallel crops, each a sub-agent
     assert z["sft_policy_tokens"] > 0 and z["tdam_no_answer"] == 0 and all(v > 0 for v in out["sft_gb"].values())
     # the Video-o3 update (issue 54, item 4): 8 rows over the ranks, one unpadded row a micro-batch as
-    # grpo.micro_batches forms them (no dense mask reaches SDPA), every part within 25 % of the plan
+    # policy.micro_batches forms them (no dense mask reaches SDPA), every part within 25 % of the plan
     vo3 = out["videoo3"]
     assert vo3["rows"] == [4, 4] and vo3["dense_masks"] == 0
     assert vo3["sizes"]["flight_rows"] == vo3["sizes"]["planned_rows"] == 1

@@ -155,7 +155,7 @@ def test_same_prompts_on_both_tokenizers(tiny_tok, qwen):
     """The project's chat template on both: the prompt text (system, Hermes tools block, video, question)
     and a rendered trajectory with tool calls and tool results are identical strings."""
     processors = [model_lib.build_processor(t, model_lib.ModelConfig()) for t in (tiny_tok, qwen)]
-    a, b = (rollout.prompt_text(p, RECORD) for p in processors)
+    a, b = (rollout.prompt_text(p, RECORD, tools_block=True) for p in processors)
     assert a == b and "<tools>" in a and a.endswith("<|im_start|>assistant\n")
     messages = [{"role": "user", "content": "q"},
                 {"role": "assistant", "content": None, "tool_calls": [
@@ -251,7 +251,7 @@ def test_video_pad_runs_from_text(tok):
     processor = model_lib.build_processor(tok, model_lib.ModelConfig())
     frames = video.synthetic_frames(8, 64, 64, seed=3)
     clip = video.Clip(frames, np.arange(8) * 0.5 + 10.0, "clip.mp4", 8)
-    c = rollout.encode_chunk(processor, rollout.prompt_text(processor, RECORD), [clip])
+    c = rollout.encode_chunk(processor, rollout.prompt_text(processor, RECORD, tools_block=True), [clip])
     ids = c.ids.tolist()
     text, offsets = model_lib.decode_with_offsets(tok, ids)
     pads = model_lib.text_spans_to_token_spans(offsets, model_lib.find_text(text, "<|video_pad|>"))
@@ -306,7 +306,7 @@ def test_tiny_qwen_model_runs_the_prompt():
     assert encode(processor.tokenizer, "Hello, world!") == [9707, 11, 1879, 0]
     frames = video.synthetic_frames(8, 64, 64, seed=3)
     clip = video.Clip(frames, np.arange(8) * 0.5 + 10.0, "clip.mp4", 8)
-    c = rollout.encode_chunk(processor, rollout.prompt_text(processor, RECORD), [clip])
+    c = rollout.encode_chunk(processor, rollout.prompt_text(processor, RECORD, tools_block=True), [clip])
     assert int((c.ids == 151656).sum()) == 16
     assert processor.tokenizer.decode(c.ids, skip_special_tokens=False).count(" seconds><|vision_start|>") == 4
     with torch.no_grad():
@@ -326,4 +326,4 @@ def test_qwen_processor_saves_and_reloads(qwen, tmp_path):
     assert encode(back.tokenizer, text) == encode(qwen, text)
     assert back.tokenizer.decode(encode(qwen, TRAJ), skip_special_tokens=True) == \
         qwen.decode(encode(qwen, TRAJ), skip_special_tokens=True)
-    assert rollout.prompt_text(back, RECORD) == rollout.prompt_text(processor, RECORD)
+    assert rollout.prompt_text(back, RECORD, tools_block=True) == rollout.prompt_text(processor, RECORD, tools_block=True)

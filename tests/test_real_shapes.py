@@ -4,7 +4,7 @@ Real shapes, real tokenizer, real video: a Qwen3-VL built from the published Qwe
 a real mp4 from ../shared/real_videos at ParaVT's 64-frame overview, through the code paths a real run
 takes: prompt + overview prefill, one scripted turn with a parallel crop_video call in each tool mode
 (interleaved: clips in context; subagent: a sub-agent summary per call), the answer turn, one GRPO
-loss forward/backward (grpo.forward_logprobs + grpo_loss) and one SFT step under a TDAM mask.
+loss forward/backward (policy.forward_logprobs + grpo_loss) and one SFT step under a TDAM mask.
 
     python -m pytest tests/test_real_shapes.py -q
 
@@ -30,9 +30,10 @@ import ops
 import rollout
 import recipes
 import sft
-import grpo
 import train
 import video
+import policy
+import oracles
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "real_videos"
 VIDEO = "nasa_13013.mp4"                          # 13 s of NASA footage, 320x180 / 480x270 streams
@@ -176,7 +177,7 @@ def text_tdam(tok, ids: list[int], prompt_len: int) -> torch.Tensor:
            if 151656 in ids[o[0]:o[1]]]
     answer = (spans(answers[-1:])[0][0], len(ids)) if answers else None
     assert overview[1] <= prompt_len
-    return ops.tdam_mask(len(ids), overview, answer, spans(calls), obs)
+    return sft.tdam_mask(len(ids), overview, answer, spans(calls), obs)
 
 
 def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
@@ -188,7 +189,7 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     batch = rollout.collate(trajs, model, tok.pad_token_id)
     B, L = batch["input_ids"].shape
     model.train()
-    lp = grpo.forward_logprobs(model, batch, chunk_size=64, compile=False)          # (B, L-1) fp32
+    lp = policy.forward_logprobs(model, batch, 64, 1.0, False, "fp32")             # (B, L-1) fp32
     mask = batch["roles"][:, 1:] == rollout.POLICY
     assert lp.dtype == torch.float32 and lp.shape == (B, L - 1)
     for b, t in enumerate(trajs):                   # the sampling-time log-probs (KV cache, bf16) agree
@@ -197,7 +198,7 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
 
     # one GRPO step: on-policy ratio 1, advantages +1 / -1 on the two rows' policy tokens
     adv = torch.tensor([[1.0], [-1.0]]).expand_as(lp)
-    loss, _ = grpo.grpo_loss_on_logprobs(lp, lp.detach(), adv, mask.float(), clip_low=0.2, clip_high=0.28)
+    loss, _ = oracles.grpo_loss_on_logprobs(lp, lp.detach(), adv, mask.float(), clip_low=0.2, clip_high=0.28)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert torch.isfinite(loss) and all(torch.isfinite(g.float()).all() for g in grads.values())
@@ -224,7 +225,7 @@ def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     assert not tdam[-1, pads].any()                                            # as the text-built reference says
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     before = model.lm_head.weight.detach().clone()
-    sft_loss, n = train.sft_loss(model, one, chunk_size=64, attn_mask_4d=mask4, compile=False)
+    sft_loss, n = sft.sft_loss(model, dict(one, attention_mask=mask4), sft.SFTSettings(loss_chunk=64))
     sft_loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -22,6 +22,7 @@ import data
 import grpo
 import runtime
 import train
+import sft
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,11 +48,12 @@ def nan_on_first_call(fn):
 
 
 STAGES = [  # (stage flags, the module and its loss function made to return NaN once)
-    (["--stage", "sft", "--sft-batch", "2", "--n-train", "4"], "train.sft_loss"),
+    (["--stage", "sft", "--sft-batch", "2", "--n-train", "4"], "sft.sft_loss"),
     (["--stage", "rl", "--mask-truncated", "0", "--prompts-per-step", "1"], "grpo.grpo_loss"),
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, loss_fn", STAGES)
 def test_non_finite_loss_is_skipped_counted_and_logged(flags, loss_fn, tmp_path, capsys, monkeypatch, tiny):
     stage = flags[1]
@@ -78,8 +80,9 @@ def test_non_finite_loss_is_skipped_counted_and_logged(flags, loss_fn, tmp_path,
         assert [(r["step"], r["skipped_steps"]) for r in metrics(tmp_path)] == [(1, 1), (2, 1), (3, 1)]
 
 
+@pytest.mark.slow
 def test_non_finite_loss_raises_with_strict(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "sft_loss", nan_on_first_call(train.sft_loss))
+    monkeypatch.setattr(train, "sft_loss", nan_on_first_call(sft.sft_loss))
     with pytest.raises(FloatingPointError, match="sft step 1"):
         run(smoke_argv(tmp_path, "--stage", "sft", "--sft-batch", "2", "--n-train", "4", "--strict"))
 
@@ -91,7 +94,7 @@ def test_non_finite_loss_raises_with_strict(tmp_path, monkeypatch):
 def records_file(tmp_path):
     """A JSONL of 8 good records and 6 bad ones, each bad kind once; returns (path, root, where)."""
     root = tmp_path / "root"
-    good = data.make_split(str(root), 8, seed=7)
+    good = data.make_split(str(root), 8, seed=7, duration=64.0)
     (root / "videos" / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + os.urandom(2048))
     (root / "videos" / "empty.mp4").write_bytes(b"")
     (tmp_path / "outside.mp4").write_bytes((root / good[0]["video"]).read_bytes())   # exists, outside the root
@@ -113,6 +116,7 @@ def records_file(tmp_path):
     return path, root, where
 
 
+@pytest.mark.slow
 def test_bad_records_are_reported_and_bad_videos_counted(records_file, tmp_path, capsys):
     path, root, where = records_file
     run(smoke_argv(tmp_path / "run", "--stage", "sft", "--sft-steps", "1", "--sft-batch", "2", "--data", path,
@@ -128,6 +132,7 @@ def test_bad_records_are_reported_and_bad_videos_counted(records_file, tmp_path,
     assert row["bad_samples"] == 2 and math.isfinite(row["loss"])  # ... and counted; the run trained on the rest
 
 
+@pytest.mark.slow
 def test_too_many_bad_records_stop_the_run(records_file, tmp_path):
     path, root, _ = records_file                                   # 4 of 14 lines bad > the default 20%
     with pytest.raises(ValueError, match=r"train.jsonl: 4 of 14 lines are bad \(more than 20%\)"):
@@ -135,6 +140,7 @@ def test_too_many_bad_records_stop_the_run(records_file, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()       # stopped before any step
 
 
+@pytest.mark.slow
 def test_undecodable_videos_in_rl_are_counted_then_stop_the_run(records_file, tmp_path, capsys):
     """RL rollouts of records whose video fails to decode: counted every step, each warned once, and past
     --max-bad-fraction (checked from step 6 on) the run stops with a clear message."""
@@ -152,6 +158,7 @@ def test_undecodable_videos_in_rl_are_counted_then_stop_the_run(records_file, tm
 # -----------------------------------------------------------------------------
 # crash and resume
 
+@pytest.mark.slow
 def test_sigkill_then_resume_loses_and_repeats_nothing(tmp_path, cache, capsys):
     run_dir = tmp_path / "run"
     flags = ["--stage", "rl", "--save-every", "1", "--mask-truncated", "0", "--prompts-per-step", "1"]

@@ -209,7 +209,7 @@ def test_recomputed_rewards_match_rewards_py(demo):
                                                        multi_clue=rec["data_type"] == "multi_clue"), "recomputed")
     assert comps["turn_decay"] == (rewards.turn_decay(2), "recomputed")
     assert comps["acc"] == (1.0, "recomputed") and report.reward_components(records[2], rows[2])["acc"][0] == 0.0
-    assert comps["format"][0] == rewards.format_reward(row["text"])
+    assert comps["format"][0] == rewards.format_reward(row["text"], rewards.ANCHOR_WEIGHT)
     # logged components win over recomputed ones
     logged = report.reward_components(rec, {**row, "rewards": {"acc": 0.25, "tool": 0.5}})
     assert logged["acc"] == (0.25, "logged") and logged["tool"] == (0.5, "logged")

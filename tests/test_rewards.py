@@ -10,7 +10,9 @@ import random
 import pytest
 import torch
 
+from recipes import GATING_CHOICES
 from rewards import (
+    ANCHOR_WEIGHT,
     accuracy_reward,
     call_window,
     clue_terms,
@@ -28,6 +30,7 @@ from rewards import (
     merge_windows,
     paravt_reward,
     parse_tool_calls,
+    shape_reward,
     temporal_iou,
     tool_reward,
     turn_decay,
@@ -214,8 +217,8 @@ def test_released_quirk_generated_tokens_only():
     fires (0), the think-before-tool bonus is lost and the think tags look unbalanced. Scoring the
     trajectory as seen (our default) gives the full 1.0; the released view gives 0.5.
     """
-    assert (format_reward(PERFECT), format_anchor(PERFECT)) == (1.0, pytest.approx(0.7))
-    assert (format_reward(GENERATED), format_anchor(GENERATED)) == (0.5, 0.0)
+    assert (format_reward(PERFECT, ANCHOR_WEIGHT), format_anchor(PERFECT)) == (1.0, pytest.approx(0.7))
+    assert (format_reward(GENERATED, ANCHOR_WEIGHT), format_anchor(GENERATED)) == (0.5, 0.0)
     assert format_compliant(PERFECT) and not format_compliant(GENERATED)
 
 
@@ -256,16 +259,16 @@ def test_tool_reward(text, acc, expected):
 
 
 def test_paravt_reward_composes_and_degenerate_rule():
-    total, parts = paravt_reward(PERFECT, "B", "mcq")
+    total, parts = paravt_reward(PERFECT, "B", "mcq", ANCHOR_WEIGHT)
     assert set(parts) == {"acc", "format", "anchor", "tool", "degenerate"}
     assert total == pytest.approx(parts["acc"] + parts["format"] + parts["tool"]) == pytest.approx(2.8)
-    total, parts = paravt_reward(PERFECT, "B", "mcq", w_fmt=0.5)           # weight applies to R_fmt only
+    total, parts = paravt_reward(PERFECT, "B", "mcq", ANCHOR_WEIGHT, w_fmt=0.5)   # weight applies to R_fmt only
     assert total == pytest.approx(2.3)
     degenerate = "<|im_start|>" * 5 + "<answer>B</answer>"                 # 5 markers in < 300 chars
-    assert paravt_reward(degenerate, "B", "mcq") == (0.0, {"acc": 0.0, "format": 0.0, "anchor": 0.0,
+    assert paravt_reward(degenerate, "B", "mcq", ANCHOR_WEIGHT) == (0.0, {"acc": 0.0, "format": 0.0, "anchor": 0.0,
                                                            "tool": 0.0, "degenerate": 1.0})
     long_enough = degenerate + " " * 300                                   # same markers, >= 300 chars
-    assert paravt_reward(long_enough, "B", "mcq")[1]["acc"] == 1.0
+    assert paravt_reward(long_enough, "B", "mcq", ANCHOR_WEIGHT)[1]["acc"] == 1.0
 
 
 # ---- Video-o3 VTGR ----------------------------------------------------------------------------------
@@ -430,11 +433,11 @@ def test_infer_data_type_rejects_unknown():
 
 # ---- token masks, gating, advantages --------------------------------------------------------------
 def test_gate_same_k_within_group_and_deterministic():
-    ks = [gate_nframes("video_17.mp4#q3", step=5) for _ in range(8)]  # one group's 8 samples
+    ks = [gate_nframes("video_17.mp4#q3", 5, GATING_CHOICES) for _ in range(8)]  # one group's 8 samples
     assert len(set(ks)) == 1 and ks[0] in (4, 8, 16, 32, 64)
-    per_step = {gate_nframes("video_17.mp4#q3", step=s) for s in range(50)}
+    per_step = {gate_nframes("video_17.mp4#q3", s, GATING_CHOICES) for s in range(50)}
     assert len(per_step) > 1                                        # redrawn across steps
-    assert gate_nframes("p", 1, seed=0) == gate_nframes("p", 1, seed=0)
+    assert gate_nframes("p", 1, GATING_CHOICES, seed=0) == gate_nframes("p", 1, GATING_CHOICES, seed=0)
 
 
 def test_gate_uniform_over_prompts():
@@ -447,10 +450,7 @@ def test_gate_uniform_over_prompts():
     assert min(counts.values()) > 0 and chi2 < 25.0                # 4 dof: p(chi2 > 25) ~ 5e-5
 
 
-def test_gate_schedule():
-    stages = [(0, (4,)), (100, (64,))]                              # warm up on 4 frames, then 64
-    assert (gate_nframes("p", 50, schedule=stages), gate_nframes("p", 150, schedule=stages)) == (4, 64)
-    assert gate_nframes("p", 7, schedule=lambda step: (step * 2,)) == 14   # callable schedule
+def test_gate_needs_a_choice():
     with pytest.raises(ValueError):
         gate_nframes("p", 0, choices=())
 
@@ -460,9 +460,9 @@ def test_gate_does_not_use_python_hash(monkeypatch):
     different K. Replacing builtins.hash must leave every K unchanged."""
     import builtins
     keys = [f"clip-{i}" for i in range(40)]
-    before = [gate_nframes(k, 2) for k in keys]
+    before = [gate_nframes(k, 2, GATING_CHOICES) for k in keys]
     monkeypatch.setattr(builtins, "hash", lambda obj: 0)
-    assert [gate_nframes(k, 2) for k in keys] == before and len(set(before)) > 1
+    assert [gate_nframes(k, 2, GATING_CHOICES) for k in keys] == before and len(set(before)) > 1
 
 
 def test_group_advantages_properties():
@@ -488,9 +488,9 @@ def test_group_advantages_hand_values_and_constant_group():
 def test_group_advantages_shaping():
     # inside the clip, 10 (R - 0.2) is affine, and normalisation removes it: same advantages
     r = torch.tensor([0.0, 0.5, 1.0, 1.5])
-    assert torch.allclose(group_advantages(r, 4, shaping=True), group_advantages(r, 4), atol=1e-5)
+    assert torch.allclose(group_advantages(shape_reward(r), 4), group_advantages(r, 4), atol=1e-5)
     # the clip at +20 ties rewards 3 and 5 (both shape to 20), so they share one advantage
-    adv = group_advantages(torch.tensor([0.0, 3.0, 5.0, 1.0]), 4, shaping=True)
+    adv = group_advantages(shape_reward(torch.tensor([0.0, 3.0, 5.0, 1.0])), 4)
     assert adv[1] == adv[2] and adv[0] < adv[3] < adv[1]
 
 
@@ -513,11 +513,11 @@ def test_never_raises_and_stays_in_range(text):
     assert extract_answer(text) is None or isinstance(extract_answer(text), str)
     assert extract_letter(extract_answer(text)) in (None, *"ABCDEFGHIJ")
     assert extract_time_range(text) is None or len(extract_time_range(text)) == 2
-    assert -0.15 <= format_reward(text) <= 1.0 and -0.3 <= format_anchor(text) <= 0.7
+    assert -0.15 <= format_reward(text, ANCHOR_WEIGHT) <= 1.0 and -0.3 <= format_anchor(text) <= 0.7
     assert isinstance(format_compliant(text), bool)
     assert 0.0 <= grounding_format_reward(text.split("<|im_start|>assistant\n")) <= 1.0
     for task, target in (("mcq", "B"), ("oe", "red car"), ("tvg", [1, 2])):
-        assert -0.15 <= paravt_reward(text, target, task)[0] <= 2.8
+        assert -0.15 <= paravt_reward(text, target, task, ANCHOR_WEIGHT)[0] <= 2.8
 
 
 def test_rewards_in_range_seeded_loop():
@@ -529,11 +529,11 @@ def test_rewards_in_range_seeded_loop():
         turns = text.split("<|im_start|>assistant\n")
         windows = [(rng.uniform(0, 50), rng.uniform(0, 50)) for _ in range(rng.randint(0, 4))]  # some reversed
         clues = [[10.0, 20.0]] * rng.randint(0, 2)
-        assert -0.15 <= format_reward(text) <= 1.0
+        assert -0.15 <= format_reward(text, ANCHOR_WEIGHT) <= 1.0
         assert -0.3 <= format_anchor(text) <= 0.7
         assert 0.0 <= tool_reward(text, rng.random()) <= 1.0
         assert 0.0 <= grounding_format_reward(turns) <= 1.0
         assert 0.0 <= hybrid_clue_score(windows, clues, multi_clue=rng.random() < 0.5) <= 1.0
-        assert -0.15 <= paravt_reward(text, "B", "mcq")[0] <= 2.8
+        assert -0.15 <= paravt_reward(text, "B", "mcq", ANCHOR_WEIGHT)[0] <= 2.8
         total, parts = vtgr_reward(turns, text, "B", "mcq", None, windows, clues, len(turns) - 1)
         assert 0.0 <= total <= 3.0 and all(0.0 <= v <= 1.0 for v in parts.values())

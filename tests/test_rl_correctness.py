@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import set_thresholds
+from conftest import SpyRun, oracle_turns, rl_job, score_with, set_thresholds
 
 import data
 import model as model_lib
@@ -23,6 +23,7 @@ import runtime
 import sft
 import grpo
 import train
+import policy
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +41,7 @@ def test_forced_answer_message_is_not_the_policys_answer():
     env = rollout.response_chunk_text(["Clip 1.0-5.0 s: a red square."], forced=True)
     assert "<answer></answer>" in env                     # the environment text holds the literal tags
     text = turn1 + env + "The square is red, option B.\n</think>\n<answer>B</answer><|im_end|>"
-    total, parts = rewards.paravt_reward(text, "B", "mcq")
+    total, parts = rewards.paravt_reward(text, "B", "mcq", rewards.ANCHOR_WEIGHT)
     assert parts["acc"] == 1.0 and rewards.extract_answer(text) == "B"
     assert rewards.format_compliant(text)
     assert parts["format"] == pytest.approx(1.0)
@@ -49,7 +50,7 @@ def test_forced_answer_message_is_not_the_policys_answer():
 def test_answer_body_anywhere_as_released():
     """An unclosed <think> followed by an answer: 0.2 think + 0.5 answer - 0.15 anchor = 0.55 (the release)."""
     text = "<think>\nthe shape is red so B" + "<answer>B</answer>"
-    assert rewards.format_reward(text) == pytest.approx(0.55)
+    assert rewards.format_reward(text, rewards.ANCHOR_WEIGHT) == pytest.approx(0.55)
 
 
 # ----------------------------------------------------------------------------- flags
@@ -82,7 +83,7 @@ def encoded(tiny, cache):
     recs = data.make_split(os.path.join(cache, "synthetic"), 4, seed=77, duration=64.0)
     cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
     rng = __import__("numpy").random.default_rng(0)
-    trajs = [sft.encode_messages(processor, r, data.oracle_turns(r, rng, always_call=True, nframes=8),
+    trajs = [sft.encode_messages(processor, r, oracle_turns(r, rng, always_call=True, nframes=8),
                                      os.path.join(cache, "synthetic"), cfg, nframes=8) for r in recs[:2]]
     return trajs, rollout.collate(trajs, model, processor.tokenizer.pad_token_id)
 
@@ -91,13 +92,13 @@ def test_logprobs_in_the_loss_use_the_sampling_temperature(tiny, encoded):
     model, _ = tiny
     trajs, batch = encoded
     with torch.no_grad():
-        got = grpo.forward_logprobs(model, batch, 64, temperature=0.7, compile=False)
+        got = policy.forward_logprobs(model, batch, 64, 0.7, False, "fp32")
         logits = model(**{k: v for k, v in batch.items() if k != "roles"}).logits[:, :-1].float()
         want = F.log_softmax(logits / 0.7, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-    mask = grpo.policy_mask(batch["roles"])
+    mask = policy.policy_mask(batch["roles"])
     assert mask.any()
     torch.testing.assert_close(got[mask], want[mask], atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(got[mask], grpo.forward_logprobs(model, batch, 64, compile=False)[mask])
+    assert not torch.allclose(got[mask], policy.forward_logprobs(model, batch, 64, 1.0, False, "fp32")[mask])
 
 
 def test_kl_in_the_reward_is_subtracted_after_shaping(monkeypatch):
@@ -113,7 +114,7 @@ def test_kl_in_the_reward_is_subtracted_after_shaping(monkeypatch):
         return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, []) for r in recs for s in range(G)]
 
     monkeypatch.setattr(rollout, "run_agent", fake_agent)
-    monkeypatch.setattr(rewards, "score_trajectory", lambda t, *a: (float(t.sample == 0), {"acc": 0.0, "anchor": 0.0}))
+    score_with(monkeypatch, lambda t, *a: (float(t.sample == 0), {"acc": 0.0, "anchor": 0.0}))
     monkeypatch.setattr(grpo, "sequence_kl", lambda model, ref, trajs, s, pad: [100.0 * (t.sample == 1) for t in trajs])
     model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
     s = grpo.GRPOSettings(group_size=G, prompts_per_step=1, shaping=True, kl_coef=0.01, kl_in_reward=True,
@@ -132,9 +133,9 @@ def test_sequence_kl_is_the_sum_of_k1_over_policy_tokens(tiny, encoded):
     s = grpo.GRPOSettings(temperature=0.7, micro_batch=1)
     got = grpo.sequence_kl(model, ref, trajs, s, model.config.text_config.pad_token_id or 0)
     with torch.no_grad():
-        lp = grpo.forward_logprobs(model, batch, 64, 0.7, compile=False)
-        rp = grpo.forward_logprobs(ref, batch, 64, 0.7, compile=False)
-    want = ((lp - rp) * grpo.policy_mask(batch["roles"])).sum(1)
+        lp = policy.forward_logprobs(model, batch, 64, 0.7, False, "fp32")
+        rp = policy.forward_logprobs(ref, batch, 64, 0.7, False, "fp32")
+    want = ((lp - rp) * policy.policy_mask(batch["roles"])).sum(1)
     assert got == pytest.approx(want.tolist(), rel=1e-4, abs=1e-4) and abs(want).sum() > 0
 
 
@@ -160,7 +161,7 @@ def test_update_micro_batches_by_tokens_keep_the_flash_path_and_the_batch_gradie
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
 
     def update(tokens: int) -> tuple[dict, dict, list]:
-        model, processor = grpo.policy_model("tiny", torch.device("cpu"), "fp32", 1)
+        model, processor = policy.policy_model("tiny", torch.device("cpu"), "fp32", 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         grads = {}
         step = lambda loss: (grads.update({n: p.grad.clone() for n, p in model.named_parameters()
@@ -168,8 +169,7 @@ def test_update_micro_batches_by_tokens_keep_the_flash_path_and_the_batch_gradie
         s = grpo.GRPOSettings(micro_batch=8, micro_batch_tokens=tokens, temperature=0.7,
                               pack_prompts=False)   # a padded row per sample (packed rows never pad)
         masks.clear()
-        grpo.policy_update(model, None, optimizer, items, s, processor.tokenizer.pad_token_id, processor.tokenizer,
-                            1, step_fn=step)
+        grpo.policy_update(SpyRun(step), model, None, optimizer, items, rl_job(s), 1, processor)
         return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, list(masks)
 
     big_grads, big_params, big_masks = update(10 ** 6)
@@ -180,7 +180,7 @@ def test_update_micro_batches_by_tokens_keep_the_flash_path_and_the_batch_gradie
     assert small_grads.keys() == big_grads.keys() and len(small_grads) > 0
     for n in big_grads:
         torch.testing.assert_close(small_grads[n], big_grads[n], atol=1e-6, rtol=1e-5, msg=n)
-    start = dict(grpo.policy_model("tiny", torch.device("cpu"), "fp32", 1)[0].named_parameters())
+    start = dict(policy.policy_model("tiny", torch.device("cpu"), "fp32", 1)[0].named_parameters())
     assert any(not torch.equal(big_params[n], start[n]) for n in big_params)     # the step moved the weights
     for n in big_params:
         torch.testing.assert_close(small_params[n], big_params[n], atol=1e-6, rtol=1e-5, msg=n)
@@ -202,7 +202,7 @@ def test_dynamic_sampling_draws_until_the_batch_holds_groups_with_signal(monkeyp
         return (0.0 if t.text == "draw1" else float(t.sample)), {"acc": 0.0, "anchor": 0.0}
 
     monkeypatch.setattr(rollout, "run_agent", fake_agent)
-    monkeypatch.setattr(rewards, "score_trajectory", fake_score)
+    score_with(monkeypatch, fake_score)
     model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
     records = [{"id": f"r{i}"} for i in range(10)]
     run = SimpleNamespace(seed=0, rank=0, world=1)
@@ -231,7 +231,7 @@ def test_placebo_deals_each_groups_advantages_to_its_samples_at_random(monkeypat
         return [float(t.sample), 1.0, float(3 - t.sample)][int(t.text)], {"acc": 0.0, "anchor": 0.0}
 
     monkeypatch.setattr(rollout, "run_agent", fake_agent)
-    monkeypatch.setattr(rewards, "score_trajectory", score)
+    score_with(monkeypatch, score)
     model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
     run, records = SimpleNamespace(seed=0, rank=0, world=1), [{"id": "r0"}]
 
@@ -319,7 +319,7 @@ def test_dynamic_sampling_fills_the_ranks_share(world, rank, prompts, share, mon
         return [rollout.Trajectory(r["id"], s, [1, 2, 3], [0, 1, 1], 1, []) for r in recs for s in range(G)]
 
     monkeypatch.setattr(rollout, "run_agent", fake_agent)
-    monkeypatch.setattr(rewards, "score_trajectory", lambda t, *a: (float(t.sample), {"acc": 0.0, "anchor": 0.0}))
+    score_with(monkeypatch, lambda t, *a: (float(t.sample), {"acc": 0.0, "anchor": 0.0}))
     model = SimpleNamespace(config=SimpleNamespace(video_token_id=999))
     s = grpo.GRPOSettings(group_size=G, prompts_per_step=prompts, dynamic_sampling=True, max_draws=4,
                            mask_truncated=False)
@@ -336,12 +336,12 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
       loss_chunk  0 (default): token_logprobs' own rule (the tiny model's logits are small: its plain path); > 0: the
                   fused chunks of that size
       precision   --precision (bf16: fp32 master weights, bf16 compute, fp32 gradient reduction)
-      adamw_lr    AdamW (grpo.make_optimizer) at that rate instead of SGD at lr 1
+      adamw_lr    AdamW (policy.make_optimizer) at that rate instead of SGD at lr 1
       tied        lm_head shares the embedding's parameter (tie_word_embeddings, as Qwen3-VL-2B/4B), tied before
                   sharding as a checkpoint loads
       thresholds  module constants to set first (conftest.SMALL_THRESHOLDS: a spawned rank does not inherit the
                   test's monkeypatches)
-      sft         train.sft_backward (micro-batches of one row) instead of policy_update: the SFT step"""
+      sft         sft.sft_backward (micro-batches of one row) instead of policy_update: the SFT step"""
     loss_chunk, precision, adamw_lr = opts.get("loss_chunk", 0), opts.get("precision", "fp32"), opts.get("adamw_lr")
     tied, kl_coef = opts.get("tied", False), opts.get("kl_coef", 0.0)
     set_thresholds(opts.get("thresholds", {}))
@@ -355,9 +355,9 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
         model.tie_weights()
         assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
         if world > 1:
-            runtime.shard_model(model, grpo.PRECISION[precision])
+            runtime.shard_model(model, policy.PRECISION[precision])
     else:
-        model, processor = grpo.policy_model("tiny", torch.device("cpu"), precision, world)
+        model, processor = policy.policy_model("tiny", torch.device("cpu"), precision, world)
     seen = {"mlp": set(), "all_gather": set(), "reduce_scatter": set()}
     hook = model.model.language_model.layers[0].mlp.down_proj.register_forward_hook(
         lambda m, i, o: seen["mlp"].add((str(i[0].dtype), str(m.weight.dtype))))
@@ -371,7 +371,7 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
     trajs = torch.load(items_of_rank["trajs"], weights_only=False)
     mine = [(trajs[i], adv, {"anchor": 0.0}) for i, adv in items_of_rank[rank]]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0) if adamw_lr is None else \
-        grpo.make_optimizer(model, adamw_lr, vision_lr_scale=1.0)
+        policy.make_optimizer(model, adamw_lr, vision_lr_scale=1.0)
     s = grpo.GRPOSettings(micro_batch=1, temperature=0.7, loss_chunk=loss_chunk, precision=precision,
                            kl_coef=kl_coef, kl_estimator="k3", kl_in_reward=False)
     ref_model = None                   # a KL loss term: a frozen reference other than the initial policy
@@ -383,12 +383,11 @@ def _rank_update(rank: int, world: int, port: int, items_of_rank: dict, out: str
     step = lambda loss: (grads.update({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}),
                          optimizer.step(), optimizer.zero_grad())
     if opts.get("sft"):
-        loss, _ = train.sft_backward(model, [t for t, _, _ in mine], 1, processor.tokenizer.pad_token_id, compile=False,
-                                     world=world, filler=trajs[0])
+        loss, _ = sft.sft_backward(model, [t for t, _, _ in mine], sft.SFTSettings(micro_batch=1),
+                                   processor.tokenizer.pad_token_id, world=world, filler=trajs[0])
         step(loss)
     else:
-        grpo.policy_update(model, ref_model, optimizer, mine, s, processor.tokenizer.pad_token_id, processor.tokenizer,
-                           world, filler=trajs[0], step_fn=step)
+        grpo.policy_update(SpyRun(step, world), model, ref_model, optimizer, mine, rl_job(s, trajs[0]), 1, processor)
     hook.remove()
     for name, real in collectives.items():
         if real is not None:
@@ -410,6 +409,7 @@ def _run_ranks(world: int, items_of_rank: dict, out: str, **opts) -> dict:
     return torch.load(out, weights_only=True)
 
 
+@pytest.mark.slow
 def test_two_rank_update_with_a_kl_loss_term_where_one_rank_keeps_nothing(encoded, tmp_path):
     """A k3 KL loss term (--kl-coef 0.1 --kl-in-reward 0) on 2 gloo ranks, rank 1 holding no trajectory (ParaVT's 7
     prompts on 8 GPUs leave rank 7 none): rank 1's zero-weight filler pass takes the filler's own reference
@@ -426,6 +426,7 @@ def test_two_rank_update_with_a_kl_loss_term_where_one_rank_keeps_nothing(encode
         torch.testing.assert_close(two[n], one[n], atol=2e-5, rtol=1e-4, msg=n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["both_ranks_learn", "rank1_idle"])
 def test_two_rank_update_equals_one_process(split, encoded, tmp_path, small_thresholds, monkeypatch):
     """FSDP2 on 2 gloo ranks: the update equals one process's on the union of the ranks' trajectories (token-mean
@@ -448,6 +449,7 @@ def test_two_rank_update_equals_one_process(split, encoded, tmp_path, small_thre
         torch.testing.assert_close(two[n], one[n], atol=2e-5, rtol=1e-4, msg=n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [([0, 1], [1]), ([0, 1], [])])
 def test_two_rank_sft_step_equals_one_process(split, encoded, tmp_path):
     """--sft-batch is the global batch: an SFT step on 2 gloo ranks, their shares of the batch unequal (2 micro-batches
@@ -470,9 +472,9 @@ def test_two_rank_sft_step_equals_one_process(split, encoded, tmp_path):
 def test_sft_draw_deals_one_global_batch_over_ranks(world):
     """The ranks' SFT draws are one rank's draw dealt out round-robin, with one TDAM choice for the step; the
     one-rank draw is the one runs made before the batch was global (so `python train.py` is unchanged)."""
-    s = train.SFTSettings(batch=10, tdam_ratio=0.5)
-    one = train.sft_draw(0, 7, 0, 1, 100, s)
-    ranks = [train.sft_draw(0, 7, r, world, 100, s) for r in range(world)]
+    s = sft.SFTSettings(batch=10, tdam_ratio=0.5)
+    one = sft.sft_draw(0, 7, 0, 1, 100, s)
+    ranks = [sft.sft_draw(0, 7, r, world, 100, s) for r in range(world)]
     assert sorted(i for idx, _ in ranks for i in idx) == sorted(one[0])
     assert [len(idx) for idx, _ in ranks] == [grpo.rank_share(10, r, world) for r in range(world)]
     assert {tdam for _, tdam in ranks} == {one[1]}
@@ -480,6 +482,7 @@ def test_sft_draw_deals_one_global_batch_over_ranks(world):
     assert one[0] == [rng.randrange(100) for _ in range(10)]
 
 
+@pytest.mark.slow
 def test_two_rank_update_through_the_fused_chunks_equals_the_plain_loss(encoded, tmp_path, monkeypatch):
     """The RL step through token_logprobs' fused chunks (--loss-chunk 16: chunk boundaries inside every sequence),
     on 2 FSDP2 gloo ranks, equals one process's update through the plain loss (log_softmax over all logits): the
@@ -501,6 +504,7 @@ def test_two_rank_update_through_the_fused_chunks_equals_the_plain_loss(encoded,
         torch.testing.assert_close(two_fused[n], one_plain[n], atol=2e-5, rtol=1e-4, msg=n)
 
 
+@pytest.mark.slow
 def test_two_rank_bf16_update_keeps_fp32_master_weights(encoded, tmp_path):
     """--precision bf16 on 2 FSDP2 gloo ranks: the parameters (each rank's shard, what AdamW updates) stay fp32,
     the forward computes in bf16 (the shards all-gathered in bf16, a decoder layer's weight and input bf16) and
@@ -527,6 +531,7 @@ def test_two_rank_bf16_update_keeps_fp32_master_weights(encoded, tmp_path):
     assert float(a @ b / (a.norm() * b.norm())) > 0.999 and float((a - b).norm() / b.norm()) < 0.05   # measured 0.014
 
 
+@pytest.mark.slow
 def test_two_rank_update_keeps_tied_embeddings_tied(encoded, tmp_path):
     """Tied checkpoints (Qwen3-VL-2B/4B: tie_word_embeddings, lm_head and embed_tokens one parameter) on 2 FSDP2
     gloo ranks: the embeddings are sharded in the lm_head's unit, so the two stay one parameter and one step keeps

@@ -24,7 +24,9 @@ import rollout
 import sft
 import video
 from model import load_model
-from conftest import TEST_ROLLOUT
+from conftest import TEST_ROLLOUT, bench_module
+
+SCHEDULES = bench_module("engines")   # bench/engines.py: fixed waves (Waves), the engine's clock (Timed, STATS)
 
 SEED = 0
 
@@ -45,7 +47,7 @@ def tiny():
 def split(tmp_path_factory):
     """4 synthetic 64 s videos: [multi_clue, single_clue, single_clue, direct] for seed 0."""
     root = str(tmp_path_factory.mktemp("rollout"))
-    return root, data.make_split(root, 4, seed=0)
+    return root, data.make_split(root, 4, seed=0, duration=64.0)
 
 
 def config(**kw) -> rollout.RolloutConfig:
@@ -249,14 +251,14 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
         return add_prompts(self, model, chunks, pad_id)
 
     def watched_step(self):                            # groups in flight; every row within its grant
-        side_by_side.append((self.cfg.continuous, len({r.prompt for r in self.active if r.tools})))
+        side_by_side.append((not isinstance(self, SCHEDULES.Waves), len({r.prompt for r in self.active if r.tools})))
         assert all(len(self.kv.rows[r.kv].blocks) <= r.grant for r in self.active if r.tools)
         assert self.kv.reserved <= self.kv.pool.n_blocks
         return step(self)
 
     def watched_grant(self, who, blocks):              # under the budget, the first row to ask for its next turn
-        if (self.cfg.continuous and self.kv.pool.n_blocks < self.need and isinstance(who[0], int) and blocks > 0
-                and not refused):                      # is refused once: it waits while the others decode
+        if (not isinstance(self, SCHEDULES.Waves) and self.kv.pool.n_blocks < self.need and isinstance(who[0], int)
+                and blocks > 0 and not refused):                      # is refused once: it waits while the others decode
             refused.append(len(self.active))
             return False
         return grant(self, who, blocks)
@@ -265,11 +267,12 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
     monkeypatch.setattr(rollout.Engine, "step", watched_step)
     monkeypatch.setattr(rollout.Engine, "grant", watched_grant)
     runs = {}
-    for name, kw in [("unbounded", {}), ("budget", dict(memory_budget_bytes=budget)),
-                     ("waves", dict(memory_budget_bytes=budget, continuous=False))]:
+    for name, kw, engine in [("unbounded", {}, rollout.Engine), ("budget", dict(memory_budget_bytes=budget), rollout.Engine),
+                             ("waves", dict(memory_budget_bytes=budget), SCHEDULES.Waves)]:
         script(BUDGET_SCRIPTS, sub="A blue square.")
         first = len(engines)
-        runs[name] = rollout.run_agent(model, processor, recs[:3], root, config(**{**cfg.__dict__, **kw}), seed=SEED)
+        with SCHEDULES.swapped(engine):
+            runs[name] = rollout.run_agent(model, processor, recs[:3], root, config(**{**cfg.__dict__, **kw}), seed=SEED)
         pool = engines[first].kv.pool
         assert pool.peak <= pool.n_blocks
         if name != "unbounded":
@@ -351,11 +354,11 @@ def test_engine_grants_only_what_keeps_it_safe(tiny, continuous):
     """Engine.grant on a hand-made state: a pool of 10 blocks, group 1 holding 3 of a worst case of 10, group 2
     holding 2 of 5, 5 free. Continuous batching grants group 1 two more blocks (group 2 can still finish with the
     3 left, and its 5 then carry group 1 to its end) but not three (then neither can finish: a deadlock could
-    come), and group 2 three; a new group only where the engine stays safe. Waves grant whole worst cases side by
-    side and nothing past the pool."""
+    come), and group 2 three; a new group only where the engine stays safe. Fixed waves (bench/engines.py) grant
+    whole worst cases side by side and nothing past the pool."""
     model, processor = tiny
-    cfg = config(continuous=continuous)
-    engine = rollout.Engine(model, processor, cfg, rollout.special_token_ids(processor))
+    engine = (rollout.Engine if continuous else SCHEDULES.Waves)(model, processor, config(),
+                                                                 rollout.special_token_ids(processor))
     engine.kv = kvcache.GroupKV(model, "cpu", 10)
 
     def state():
@@ -669,16 +672,16 @@ def test_target_chars_leaves_the_rest_of_a_turn_as_context(tiny, split, tokenize
 
 # ----------------------------------------------------------------------------- tools beside the decoding
 
-def _slow_tools(monkeypatch, seconds: float) -> list:
+def _slow_tools(monkeypatch, seconds: float, decode_steps) -> list:
     """rollout.run_calls made slow (`seconds` a turn, before the real work); returns a list that gets, per turn's
-    tool work, the decode steps the engine made while it ran."""
+    tool work, the decode steps the engine made while it ran (`decode_steps`: conftest's spy)."""
     during, run_calls = [], rollout.run_calls
 
     def slow(*a, **kw):
-        before = rollout.STATS["decode_steps"]
+        before = decode_steps()
         time.sleep(seconds)
         out = run_calls(*a, **kw)
-        during.append(rollout.STATS["decode_steps"] - before)
+        during.append(decode_steps() - before)
         return out
     monkeypatch.setattr(rollout, "run_calls", slow)
     return during
@@ -697,29 +700,29 @@ TOOL_S = 0.15     # a tool turn's work: shorter than the other rows' decoding, w
 
 
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
-def test_tools_run_beside_the_decoding(tiny, split, script, mode, monkeypatch):
+def test_tools_run_beside_the_decoding(tiny, split, script, mode, monkeypatch, decode_steps):
     """Slow tool work (TOOL_S a turn) on the rows that call: with continuous batching the other rows decode
-    meanwhile (the engine's steps go on during the tool work), the overlap of STATS' decode_s and tool_s
-    ((decode_s + tool_s - wall_s) / min(decode_s, tool_s)) is large,
-    and the listener hears each trajectory's turns in the same order; fixed waves run the tools in the loop (no
-    step during them, no overlap). The trajectories are the same either way."""
+    meanwhile (the engine's steps go on during the tool work), the overlap of the bench clock's (bench/engines.py)
+    decode_s and tool_s ((decode_s + tool_s - wall_s) / min(decode_s, tool_s)) is large, and the listener hears each
+    trajectory's turns in the same order; fixed waves run the tools in the loop (no step during them, no overlap).
+    The trajectories are the same either way."""
     model, processor = tiny
     root, recs = split
-    during = _slow_tools(monkeypatch, TOOL_S)
+    during = _slow_tools(monkeypatch, TOOL_S, decode_steps)
     runs, heard, overlap, steps_during = {}, {}, {}, {}
-    for name, continuous in [("overlapped", True), ("waves", False)]:
+    for name, engine in [("overlapped", SCHEDULES.Timed), ("waves", SCHEDULES.Waves)]:
         script(BUDGET_SCRIPTS, sub="A blue square.")
         during.clear()
         heard[name] = {}
         listen = lambda t, parts, h=heard[name]: h.setdefault((t.record_id, t.sample), []).append((t.turns[-1], parts))
-        before = dict(rollout.STATS)
-        runs[name] = rollout.run_agent(model, processor, recs[:3], root,
-                                       config(tool_mode=mode, group_size=2, continuous=continuous), seed=SEED,
-                                       on_turn=listen)
-        d = {k: rollout.STATS[k] - before[k] for k in ("decode_s", "tool_s", "wall_s")}
+        before = dict(SCHEDULES.STATS)
+        with SCHEDULES.swapped(engine):
+            runs[name] = rollout.run_agent(model, processor, recs[:3], root, config(tool_mode=mode, group_size=2),
+                                           seed=SEED, on_turn=listen)
+        d = {k: SCHEDULES.STATS[k] - before[k] for k in ("decode_s", "tool_s", "wall_s")}
         overlap[name] = (d["decode_s"] + d["tool_s"] - d["wall_s"]) / min(d["decode_s"], d["tool_s"])
         assert len(during) == 4                                           # 4 tool turns (BUDGET_SCRIPTS)
-        assert d["tool_s"] >= TOOL_S * (1 if continuous else 4)          # side by side, tool work counts once
+        assert d["tool_s"] >= TOOL_S * (1 if name == "overlapped" else 4)   # side by side, tool work counts once
         steps_during[name] = list(during)
     assert max(steps_during["overlapped"]) > 0 and max(steps_during["waves"]) == 0
     assert overlap["overlapped"] > 0.5 and overlap["waves"] < 0.1, overlap
@@ -739,12 +742,13 @@ def test_overlapped_tools_exact_across_budgets_and_waves(tiny, split, script, mo
     delays = iter([0.2, 0.0, 0.1, 0.05] * 20)
     monkeypatch.setattr(rollout, "run_calls", lambda *a, **kw: (time.sleep(next(delays)), run_calls(*a, **kw))[1])
     runs = {}
-    for name, kw in [("unbounded", dict(memory_budget_bytes=1 << 40)), ("budget", {}),
-                     ("waves", dict(continuous=False)), ("no_logprobs", dict(record_logprobs=False))]:
+    for name, kw in [("unbounded", dict(memory_budget_bytes=1 << 40)), ("budget", {}), ("waves", {}),
+                     ("no_logprobs", dict(record_logprobs=False))]:
         script(BUDGET_SCRIPTS, sub="A blue square.")
         first = len(engines)
-        runs[name] = rollout.run_agent(model, processor, recs[:3], root, config(tool_mode=mode, group_size=2, **kw),
-                                       seed=SEED)
+        with SCHEDULES.swapped(SCHEDULES.Waves if name == "waves" else rollout.Engine):
+            runs[name] = rollout.run_agent(model, processor, recs[:3], root, config(tool_mode=mode, group_size=2, **kw),
+                                           seed=SEED)
         kv = engines[first].kv
         assert kv.reserved == 0 and not kv.rows and not kv.prompts and kv.pool.peak <= kv.pool.n_blocks
         assert not engines[first].away and engines[first].tools is None
@@ -756,7 +760,7 @@ def test_overlapped_tools_exact_across_budgets_and_waves(tiny, split, script, mo
         assert t.logprobs == [] and t.draws == len(r.logprobs) == sum(r.roles) and t.token_ids == r.token_ids
 
 
-def test_tool_responses_keep_call_order(tiny, split, script, monkeypatch):
+def test_tool_responses_keep_call_order(tiny, split, script, monkeypatch, decode_steps):
     """A turn's crops decode in parallel in a DecodePool and finish in reverse call order (the first call's crop is
     the slowest): the responses, windows and clips still come in call order; the one row's engine waits on its
     tool work without spinning (a few loop turns, not one per millisecond)."""
@@ -774,10 +778,10 @@ def test_tool_responses_keep_call_order(tiny, split, script, monkeypatch):
     body = "\n".join(call(s, s + 4.0) for s in (10.0, 20.0, 30.0))
     script({(0, 0): [turn("three", body), ANSWER]})
     with video.DecodePool(workers=3, timeout=60) as pool:
-        before = rollout.STATS["decode_steps"]
+        before = decode_steps()
         [t] = rollout.run_agent(model, processor, recs[1:2], root, config(max_new_tokens=400), seed=SEED,
                                        pool=pool)
-        steps = rollout.STATS["decode_steps"] - before
+        steps = decode_steps() - before
     assert finished == [30.0, 20.0, 10.0]
     assert t.windows == [(10.0, 14.0), (20.0, 24.0), (30.0, 34.0)] and t.answer == "B"
     assert [p.split(" s:")[0] for p in responses(t.text)] == ["Clip 10.0-14.0", "Clip 20.0-24.0", "Clip 30.0-34.0"]

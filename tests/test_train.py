@@ -19,7 +19,8 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import assert_flex_close, metrics, run, smoke_argv  # shared with the other training tests
+from conftest import (SFT_MIX, SpyRun, assert_flex_close, metrics, oracle_turns, rl_job, run, score_with,
+                      smoke_argv)  # shared with the other training tests
 from safetensors.torch import load_file
 
 import data
@@ -31,10 +32,14 @@ import rollout
 import recipes
 import runtime
 import sft
+import eval as evaluation
 import grpo
 import train
 import video
-from grpo import get_lr, grpo_loss_on_logprobs, kl_penalty
+import policy
+from grpo import kl_penalty
+from oracles import grpo_loss_on_logprobs
+from policy import get_lr
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,6 +62,7 @@ def _setup(cache_env, one_thread):
 # -----------------------------------------------------------------------------
 # smoke runs
 
+@pytest.mark.slow
 def test_smoke_stage_all(tmp_path, capsys, tiny):
     """The default pipeline end to end: SFT, RL with every metric logged, evaluation, curves, summary line."""
     run(smoke_argv(tmp_path, "--stage", "all", "--mask-truncated", "0", "--set", "eval_before=1"))
@@ -122,6 +128,7 @@ def test_the_default_cold_start_leaves_when_to_call_to_rl(capsys):
     assert "sft_tool_free is a probability" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
     """The 1-minute version of the default run (the embedded default visibly learns): a smaller task
     (16 s videos, direct questions only: a big glyph the overview shows), 100 SFT steps, then greedy
@@ -139,6 +146,7 @@ def test_one_minute_sft_reads_colours_above_chance(tmp_path, capsys, tiny):
     assert summary["after"]["accuracy"] >= 50.0, summary                    # MCQ accuracy in %; chance: 25
 
 
+@pytest.mark.slow
 def test_rl_decodes_in_the_pool_and_reuses_cached_overviews(tmp_path):
     """The RL loop decodes through the decode pool and its frame cache: the next step's overviews are decoded
     while a step trains, and prompts drawn again hit the cache (two RL prompts, so every step repeats)."""
@@ -149,6 +157,7 @@ def test_rl_decodes_in_the_pool_and_reuses_cached_overviews(tmp_path):
     assert rows[-1]["frame_cache_hit_rate"] > 0.5                    # later steps: the same two videos, cached
 
 
+@pytest.mark.slow
 def test_stage_rl_alone(tmp_path):
     """`--stage rl` straight from the tiny default: two steps, the whole metrics row, a checkpoint."""
     run(smoke_argv(tmp_path, "--stage", "rl", "--mask-truncated", "0"))
@@ -170,11 +179,12 @@ def test_sft_examples_overview_sizes(tmp_path, tiny, extra, ks):
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
     items, bad = sft.sft_examples(records, processor, root, train.rollout_config_of_args(args), sft_data=None, seed=args.seed,
-                                    gated_choices=args.gating_choices if args.sft_gated_overviews else [])
+                                    gated_choices=args.gating_choices if args.sft_gated_overviews else [], **SFT_MIX)
     assert bad == 0 and len(items) == len(records) * len(ks)
     assert {t.nframes for t in items} == ks and [t.record_id for t in items[::len(ks)]] == [r["id"] for r in records]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_rl, split", [(4, "syn-4000-"), (0, "syn-1000-")])
 def test_rl_draws_its_own_prompts(tmp_path, monkeypatch, n_rl, split):
     """`--n-rl N`: the synthetic RL stage samples prompts of its own split (seed 4000 + s), never the SFT split's
@@ -204,7 +214,7 @@ def test_sft_examples_in_threads_are_the_serial_ones(tmp_path, tiny, name):
     args = recipes.parse_train_args(smoke_argv(tmp_path))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
-    kw = dict(sft_data=None, seed=0, gated_choices=args.gating_choices, direct_crop=0.5, budget_fraction=0.5)
+    kw = dict(SFT_MIX, sft_data=None, seed=0, gated_choices=args.gating_choices, direct_crop=0.5, budget_fraction=0.5)
     one, _ = sft.sft_examples(records, processor, root, train.rollout_config_of_args(args), workers=1, **kw)
     two, _ = sft.sft_examples(records, processor, root, train.rollout_config_of_args(args), workers=2, **kw)
     assert len(one) == len(two) > len(records)
@@ -223,7 +233,7 @@ def test_sft_items_keep_at_most_their_budget_of_pixels_and_train_the_same(tmp_pa
     args = recipes.parse_train_args(smoke_argv(tmp_path))
     records, _, root = data.synthetic_data(args.seed, args.n_train, args.n_eval, args.task_duration, args.task_mix,
                                             os.environ["PARAVT_CACHE"])
-    kw = dict(sft_data=None, seed=0, gated_choices=[])
+    kw = dict(SFT_MIX, sft_data=None, seed=0, gated_choices=[])
     whole, _ = sft.sft_examples(records, processor, root, train.rollout_config_of_args(args), **kw)
     budget = 2 * max(sft.SFTItems._size(t) for t in whole) + 1
     held, _ = sft.sft_examples(records, processor, root, train.rollout_config_of_args(args), cache_bytes=budget, **kw)
@@ -234,19 +244,19 @@ def test_sft_items_keep_at_most_their_budget_of_pixels_and_train_the_same(tmp_pa
         assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a.videos, b.videos))
         assert held.held <= budget
     assert held.encodes >= len(whole) - 2 and whole.encodes == 0          # re-encoded when drawn; never, unbounded
-    s = train.SFTSettings(steps=3, batch=4, micro_batch=2, lr=1e-3, tdam_ratio=0.0)
+    s = sft.SFTSettings(steps=3, batch=4, micro_batch=2, lr=1e-3, tdam_ratio=0.0)
     out = {}
     for name, items in (("whole", whole), ("held", held)):
         m = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
         run_ = runtime.Run(str(tmp_path / name), 0, 1, 0, 100, 0, False, 1.0)
         run_.processor = processor
-        train.run_sft(run_, m, items, grpo.make_optimizer(m, s.lr, 0.0), s, processor.tokenizer.pad_token_id,
-                      processor.tokenizer)
+        sft.run_sft(run_, m, items, policy.make_optimizer(m, s.lr, 0.0), s, processor.tokenizer)
         out[name] = {n: p.detach().clone() for n, p in m.named_parameters()}
         assert items.held <= (budget if name == "held" else float("inf")) and not items.pending
     assert all(torch.equal(out["whole"][n], out["held"][n]) for n in out["whole"])
 
 
+@pytest.mark.slow
 def test_held_out_batch_size_reaches_the_rollout(tmp_path, monkeypatch):
     """--set eval_batch: the tiny model's default 64, a real checkpoint's 8 (its overviews stay in memory for the
     whole batch), and the held-out evaluation rolls out that many questions at a time."""
@@ -266,6 +276,7 @@ def test_held_out_batch_size_reaches_the_rollout(tmp_path, monkeypatch):
     assert sizes == [3]
 
 
+@pytest.mark.slow
 def test_sampled_video_placeholder_is_left_out_of_the_update(tmp_path, monkeypatch):
     """Regression: a random policy samples <|video_pad|> now and then (1 in ~40 trajectories of the tiny
     model). `collate` took it for a video placeholder without frames and the update crashed
@@ -291,16 +302,17 @@ class Interrupted(Exception):
     pass
 
 
-def varied_reward(traj, record, recipe, anchoring, released_scoring):
+def varied_reward(traj, record, anchoring, released_scoring):
     """A reward that differs between samples of a group (a function of the sampled tokens), so
     advantages are non-zero and every step really moves the weights; the real components are kept."""
-    total, parts = SCORE(traj, record, recipe, anchoring, released_scoring)
+    total, parts = SCORE(traj, record, anchoring, released_scoring)
     return total + (sum(traj.token_ids) % 7) / 7.0 + traj.sample / 8.0, parts   # samples of a group always differ
 
 
-SCORE = rewards.score_trajectory
+SCORE = recipes.RECIPES["para_grpo"].score
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_is_exact(tmp_path, monkeypatch, precision):
     """Stopped after step 2 and resumed to step 4 == 4 steps in one go, bit for bit (CPU, fixed seeds).
@@ -308,7 +320,7 @@ def test_resume_is_exact(tmp_path, monkeypatch, precision):
     cosine schedule depends on --rl-steps, so a 2-step run is a different run. bf16 (--device cpu --precision
     bf16, the GPU's arithmetic): the checkpoints' exports are bf16, and the resumed run takes the fp32 master
     weights from train_state (from the bf16 export, steps 3-4 would start from rounded weights)."""
-    monkeypatch.setattr(rewards, "score_trajectory", varied_reward)
+    score_with(monkeypatch, varied_reward)
     argv = lambda d: smoke_argv(d, "--stage", "rl", "--rl-steps", "4", "--save-every", "1", "--mask-truncated", "0",
                                 "--prompts-per-step", "1", "--device", "cpu", "--precision", precision)
     run(argv(tmp_path / "straight"))
@@ -344,6 +356,7 @@ def test_resume_is_exact(tmp_path, monkeypatch, precision):
 # -----------------------------------------------------------------------------
 # several processes, launcher
 
+@pytest.mark.slow
 def test_fsdp_two_cpu_processes(tmp_path, cache):
     """`--gpus 2 --device cpu`: FSDP2 over gloo trains (SFT and RL steps) end to end, evaluates, and the checkpoint
     rank 0 gathered moved every parameter (their gradients arrived through the shards). The 2-rank update equals
@@ -366,6 +379,7 @@ def test_fsdp_two_cpu_processes(tmp_path, cache):
     assert sorted(os.listdir(tmp_path / "ckpt-rl-000002" / "train_state")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
+@pytest.mark.slow
 def test_fsdp_kill_and_resume_equals_an_uninterrupted_run(tmp_path, cache):
     """--gpus 2 on gloo: SIGKILL the launcher after a checkpoint (its ranks die with it), resume from the
     distributed checkpoint (model and AdamW state), and the weights at the end equal an uninterrupted run's.
@@ -490,9 +504,9 @@ def tdam_batch(tiny, tmp_path_factory):
     """A collated batch of an oracle trajectory with one crop and a two-tool-turn trajectory (padded)."""
     model, processor = tiny
     root = str(tmp_path_factory.mktemp("tdam"))
-    recs = [r for r in data.make_split(root, 8, seed=5) if r["data_type"] == "single_clue"][:2]
+    recs = [r for r in data.make_split(root, 8, seed=5, duration=64.0) if r["data_type"] == "single_clue"][:2]
     cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
-    oracle = data.oracle_turns(recs[0], np.random.default_rng(0))
+    oracle = oracle_turns(recs[0], np.random.default_rng(0))
     assert any(m["role"] == "tool" for m in oracle)            # the oracle crops
     trajs = [sft.encode_messages(processor, recs[0], oracle, root, cfg),
              sft.encode_messages(processor, recs[1], two_tool_turns(recs[1]), root, cfg)]
@@ -532,15 +546,16 @@ def test_tdam_mask_reaches_attention(tiny, tdam_batch):
     trajs, batch = tdam_batch
     L = batch["input_ids"].shape[1]
     with torch.no_grad():
-        plain, _ = train.sft_loss(model, batch, 1024, None, compile=False)
+        s = sft.SFTSettings(loss_chunk=1024)
+        plain, _ = sft.sft_loss(model, batch, s)
         causal = torch.zeros(len(trajs), L, L, dtype=torch.bool)
         for i, t in enumerate(trajs):
             n = len(t.token_ids)
             causal[i, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
             causal[i, range(n, L), range(n, L)] = True
-        same, _ = train.sft_loss(model, batch, 1024, ops.to_additive_mask(causal), compile=False)
-        tdam, _ = train.sft_loss(model, batch, 1024, sft.tdam_batch_mask(batch, processor.tokenizer, model.config.video_token_id),
-                                 compile=False)
+        same, _ = sft.sft_loss(model, dict(batch, attention_mask=ops.to_additive_mask(causal)), s)   # a 4-D mask
+        tdam, _ = sft.sft_loss(model, dict(batch, attention_mask=sft.tdam_batch_mask(
+            batch, processor.tokenizer, model.config.video_token_id)), s)
     assert math.isfinite(float(tdam))
     assert abs(float(same) - float(plain)) < 1e-5
     assert abs(float(tdam) - float(plain)) > 1e-6
@@ -556,9 +571,9 @@ def test_blocked_tdam_attention_equals_the_dense_mask(tiny, tdam_batch):
     assert spec.rects.shape[1] >= 1 and (spec.rects[:, :, 1] > spec.rects[:, :, 0]).any()
     dense = sft.tdam_batch_mask(batch, processor.tokenizer, model.config.video_token_id)
     losses, grads = [], []
-    for kw in (dict(attn_mask_4d=dense), dict(tdam=spec)):
+    for b, spec_ in ((dict(batch, attention_mask=dense), None), (batch, spec)):
         model.zero_grad(set_to_none=True)
-        loss, _ = train.sft_loss(model, batch, None, compile=False, **kw)
+        loss, _ = sft.sft_loss(model, b, sft.SFTSettings(), spec_)
         loss.backward()
         losses.append(float(loss.detach()))
         grads.append(torch.cat([p.grad.flatten() for p in model.model.language_model.parameters() if p.grad is not None]))
@@ -580,10 +595,10 @@ def test_tdam_attention_is_reached_by_keyword_in_plain_calls(tiny, tdam_batch, m
     monkeypatch.setattr(layers, "tdam_attention", lambda *a: (calls.append(a[3]), tdam(*a))[1])
     spec = sft.tdam_spec(batch, processor.tokenizer, model.config.video_token_id)
     with torch.no_grad():
-        before = train.sft_loss(model, batch, None, compile=False)[0]
+        before = sft.sft_loss(model, batch, sft.SFTSettings())[0]
         assert not calls
-        train.sft_loss(model, batch, None, compile=False, tdam=spec)
-        after = train.sft_loss(model, batch, None, compile=False)[0]
+        sft.sft_loss(model, batch, sft.SFTSettings(), tdam=spec)
+        after = sft.sft_loss(model, batch, sft.SFTSettings())[0]
     assert len(calls) == len(lm.layers) and all(c is spec for c in calls)
     assert lm.config._attn_implementation == impl and torch.equal(before, after)
 
@@ -602,7 +617,7 @@ def test_tdam_gradients_equal_with_gradient_checkpointing(tiny, tdam_batch):
             if checkpointing:
                 model.gradient_checkpointing_enable()                  # as train.main does
             model.zero_grad(set_to_none=True)
-            loss, _ = train.sft_loss(model, batch, None, compile=False, tdam=spec)
+            loss, _ = sft.sft_loss(model, batch, sft.SFTSettings(), tdam=spec)
             loss.backward()
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     finally:
@@ -614,6 +629,7 @@ def test_tdam_gradients_equal_with_gradient_checkpointing(tiny, tdam_batch):
         assert torch.allclose(grads[1][name], g, rtol=1e-5, atol=1e-5), name
 
 
+@pytest.mark.slow
 def test_sft_step_with_tdam_on_every_batch(tmp_path):
     """`--tdam-ratio 1.0`: the SFT step trains through the 4-D mask with a finite loss."""
     run(smoke_argv(tmp_path, "--stage", "sft", "--sft-steps", "1", "--sft-batch", "2", "--tdam-ratio", "1.0",
@@ -655,7 +671,8 @@ def _rank_metrics(rank: int, world: int, port: int, out: str) -> None:
     mine = RANK_TRAJS[rank] if world > 1 else RANK_TRAJS[0] + RANK_TRAJS[1]
     trajs = [_traj(rid, calls, err) for rid, calls, _, err in mine]
     comps = [{"acc": acc, "format": 1.0} for _, _, acc, _ in mine]
-    m = grpo.reduce_metrics(grpo.rollout_metrics(trajs, comps, _need_records()), len(trajs), world, {"kept": 1})
+    shares = runtime.all_gather_objects((len(trajs), evaluation.rollout_metrics(trajs, comps, _need_records())), world)
+    m = evaluation.step_row(shares, runtime.all_mean({"kept": 1}, world), 0)      # as the RL loop builds its row
     if rank == 0:
         json.dump(m, open(out, "w"))
     if world > 1:
@@ -663,8 +680,9 @@ def _rank_metrics(rank: int, world: int, port: int, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_tool_use_split_by_need_reduced_over_two_ranks_as_sums_and_counts(tmp_path):
-    """The metrics row on 2 gloo ranks, reduced as the RL loop reduces it (grpo.reduce_metrics): accuracy and
+    """The metrics row on 2 gloo ranks, reduced as the RL loop reduces it (evaluation.step_row): accuracy and
     tool-call ratio on the questions that need the tool and on those that do not are all-rank hits / n and calls /
     n (rank 0: 1 of 1 needed question called, rank 1: 0 of 3, one of them an error, which counts as no call: 1 / 4,
     where a mean of the ranks' ratios would say 1 / 2), the same as one process on all the trajectories. (The
@@ -680,22 +698,22 @@ def test_tool_use_split_by_need_reduced_over_two_ranks_as_sums_and_counts(tmp_pa
 
 
 def test_merge_figures_weighs_shares_by_their_counts():
-    """grpo.merge_figures, the one weighting of the sync ranks' rows and the async rollout ranks' messages: a mean
+    """evaluation.merge_figures, the one weighting of the sync ranks' rows and the async rollout ranks' messages: a mean
     weighs each share by its trajectory count (1 and 3: (1 * 1.0 + 3 * 0.0) / 4), a key one share lacks weighs 0
     there, the per-need sums are summed before split_accuracy divides, and a lone share's figures come back as
     they are (no n * v / n rounding)."""
     a = {"accuracy": 1.0, "only_a": 0.7, "tool_needed_hits": 1.0, "tool_needed_calls": 1, "tool_needed_n": 1}
     b = {"accuracy": 0.0, "tool_needed_hits": 0.0, "tool_needed_calls": 0, "tool_needed_n": 3}
-    m = grpo.merge_figures([(1, a), (3, b)])
+    m = evaluation.merge_figures([(1, a), (3, b)])
     assert m["accuracy"] == 0.25 and m["only_a"] == 0.7
     assert m["acc_tool_needed"] == 0.25 and m["tool_call_ratio_needed"] == 0.25
-    assert not any(k.endswith(grpo.SUMMED) for k in m)
-    assert grpo.merge_figures([(3, {"accuracy": 0.1})])["accuracy"] == 0.1
+    assert not any(k.endswith(evaluation.SUMMED) for k in m)
+    assert evaluation.merge_figures([(3, {"accuracy": 0.1})])["accuracy"] == 0.1
 
 
 def test_tool_use_split_left_out_where_no_question_was():
     trajs, comps = [_traj("easy", 1)], [{"acc": 1.0}]
-    m = grpo.split_accuracy(grpo.rollout_metrics(trajs, comps, _need_records()))
+    m = evaluation.split_accuracy(evaluation.rollout_metrics(trajs, comps, _need_records()))
     assert m["tool_call_ratio_not_needed"] == 1.0 and m["acc_tool_not_needed"] == 1.0
     assert "tool_call_ratio_needed" not in m and "acc_tool_needed" not in m
 
@@ -721,7 +739,7 @@ def test_curves_show_accuracy_and_tool_use_split_by_need(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# score_trajectory: the reward of each recipe
+# Recipe.score: the reward of each recipe
 
 THINK = rollout.THINK_PREFIX
 CALL_TURN = f"{THINK}I see a mark near 12 seconds, let me crop it.\n</think>\n{_call(12.0, 20.0)}"
@@ -743,19 +761,24 @@ RECORD = {"answer": "A", "task": "mcq", "options": ["red", "green", "blue", "yel
 NO_CLUES = {**RECORD, "clues": None, "data_type": None}
 
 
+def score(recipe: str, traj, record: dict, anchoring: str, released_scoring: bool = False):
+    """The recipe's reward of a trajectory, as grpo.collect_groups takes it."""
+    return recipes.RECIPES[recipe].score(traj, record, anchoring, released_scoring)
+
+
 def test_combined_uses_vtgr_tool_term_when_clues_exist():
     t = hand_trajectory()
     assert rewards.grounding_format_reward(t.turns) == 1.0   # strict format holds, so the VTGR term is live
-    total, parts = rewards.score_trajectory(t, RECORD, "combined", "sequence", False)
+    total, parts = score("combined", t, RECORD, "sequence")
     vtgr_tool = rewards.vtgr_tool_term("single_clue", rewards.hybrid_clue_score(t.windows, RECORD["clues"]),
                                        rewards.turn_decay(1), 1, True, True)
-    paravt_total, paravt_parts = rewards.paravt_reward(t.text, "A", "mcq", anchor_weight=0.5)
+    paravt_total, paravt_parts = rewards.paravt_reward(t.text, "A", "mcq", anchor_weight=rewards.ANCHOR_WEIGHT)
     assert vtgr_tool != paravt_parts["tool"]                 # the two tool terms differ here
     assert parts["tool"] == pytest.approx(vtgr_tool)
     assert total == pytest.approx(paravt_total - paravt_parts["tool"] + vtgr_tool)
     assert parts["clue"] == pytest.approx(rewards.hybrid_clue_score(t.windows, RECORD["clues"]))
     # without clue windows, combined is ParaVT's reward unchanged
-    total, parts = rewards.score_trajectory(t, NO_CLUES, "combined", "sequence", False)
+    total, parts = score("combined", t, NO_CLUES, "sequence")
     assert total == pytest.approx(paravt_total) and parts["tool"] == paravt_parts["tool"]
 
 
@@ -767,15 +790,16 @@ def test_anchor_by_recipe_and_anchoring(turns, windows, why):
     t = hand_trajectory(turns, windows)
     anchor = rewards.format_anchor(t.text)
     assert anchor != 0, why
-    seq, parts = rewards.score_trajectory(t, RECORD, "paravt", "sequence", False)
-    tok, tok_parts = rewards.score_trajectory(t, RECORD, "paravt", "token", False)
-    vanilla, _ = rewards.score_trajectory(t, RECORD, "vanilla", "none", False)
+    seq, parts = score("para_grpo", t, RECORD, "sequence")
+    tok, tok_parts = score("para_grpo", t, RECORD, "token")
+    vanilla, _ = score("vanilla", t, RECORD, "none")
     acc = rewards.accuracy_reward(t.text, "A", "mcq")
     plain = acc + rewards.format_reward(t.text, anchor_weight=0.0) + rewards.tool_reward(t.text, acc)
     assert vanilla == pytest.approx(plain)                   # vanilla: no anchor at all
     assert tok == pytest.approx(plain)                       # token anchoring: the anchor leaves the sequence reward
     assert tok_parts["anchor"] == pytest.approx(anchor)      # ... and is handed on for the closing tags
     assert seq == pytest.approx(acc + rewards.format_reward(t.text, anchor_weight=0.5) + rewards.tool_reward(t.text, acc))
+    assert rewards.ANCHOR_WEIGHT == 0.5                      # lambda of ParaVT's exploration anchoring
     assert seq != pytest.approx(plain)                       # sequence anchoring: 0.5 * anchor inside R_fmt
     assert parts["anchor"] == pytest.approx(anchor)
 
@@ -783,18 +807,20 @@ def test_anchor_by_recipe_and_anchoring(turns, windows, why):
 def test_released_scoring_scores_policy_text():
     """The release scored generated tokens only: no forced "<think>\\n", no tool responses."""
     t = hand_trajectory()
-    ours, _ = rewards.score_trajectory(t, RECORD, "paravt", "sequence", False)
-    released, _ = rewards.score_trajectory(t, RECORD, "paravt", "sequence", True)
-    assert released == pytest.approx(rewards.paravt_reward(t.policy_text, "A", "mcq", anchor_weight=0.5)[0])
-    assert ours == pytest.approx(rewards.paravt_reward(t.text, "A", "mcq", anchor_weight=0.5)[0])
+    ours, _ = score("para_grpo", t, RECORD, "sequence", False)
+    released, _ = score("para_grpo", t, RECORD, "sequence", True)
+    assert released == pytest.approx(rewards.paravt_reward(t.policy_text, "A", "mcq", rewards.ANCHOR_WEIGHT)[0])
+    assert ours == pytest.approx(rewards.paravt_reward(t.text, "A", "mcq", rewards.ANCHOR_WEIGHT)[0])
     assert released < ours                                   # the forced prefix and the tool response go unseen
 
 
 def test_vtgr_recipe_is_video_o3_reward():
     t = hand_trajectory()
-    total, parts = rewards.score_trajectory(t, RECORD, "vtgr", "none", False)
+    total, parts = score("vtgr", t, RECORD, "none")
     want, _ = rewards.vtgr_reward(t.turns, t.text, "A", "mcq", "single_clue", t.windows, RECORD["clues"], 1)
     assert total == pytest.approx(want) and total > 2.0      # right answer, strict format, a good crop
+    with pytest.raises(ValueError, match="no sequence-level anchor"):    # its strict format has no anchor term
+        score("vtgr", t, RECORD, "sequence")
     assert parts["anchor"] == pytest.approx(rewards.format_anchor(t.text))
 
 
@@ -810,10 +836,10 @@ def test_a_bare_run_is_the_tiny_literal_and_the_settings_defaults_are_what_runs(
         want = {"sft_gated_overviews": True}.get(key, value)
         assert got == want, key
     assert train.grpo_settings(args) == grpo.GRPOSettings()
-    assert train.sft_settings(args) == train.SFTSettings()
+    assert train.sft_settings(args) == sft.SFTSettings()
     assert train.rollout_config_of_args(args) == rollout.RolloutConfig.of(recipes.TINY)
     assert rollout.RolloutConfig() == rollout.RolloutConfig.of(recipes.TINY_PROTOCOL)
-    assert rollout.RolloutConfig().crop_max_frames == video.CLIP_MAX_FRAMES
+    assert rollout.RolloutConfig().crop_max_frames == recipes.COMMON["crop_max_frames"]
     para = recipes.RECIPES["para_grpo"]
     assert (args.anchoring, args.gating) == (para.anchoring, para.gating)
     assert (args.kl_coef, args.shaping, tuple(args.gating_choices)) == (0.0, False, (4, 8, 16, 32)) != \
@@ -869,7 +895,8 @@ def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam, small
 
     def grads(rows, loss_chunk=None):
         model.zero_grad(set_to_none=True)
-        loss, n = train.sft_backward(model, items, rows, pad_id, loss_chunk, tdam_tok, compile=False)
+        loss, n = sft.sft_backward(model, items, sft.SFTSettings(micro_batch=rows, loss_chunk=loss_chunk or 0), pad_id,
+                                   tdam_tok)
         return float(loss), n, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     (l4, n4, g4), (l2, n2, g2), (l1, n1, g1) = grads(4), grads(2), grads(1)
@@ -880,7 +907,7 @@ def test_sft_micro_batches_give_the_batch_gradient(tiny, tdam_batch, tdam, small
     assert abs(l2 - l4) < 1e-5 and abs(l1 - l4) < 1e-5 and abs(lf - l4) < 1e-5 and g4.norm() > 0
     for g in (g2, g1, gf):
         assert float((g - g4).norm() / g4.norm()) < 1e-5
-    shapes = [b["input_ids"].shape for b in train.sft_micro_batches(items, 2, model, pad_id)]
+    shapes = [b["input_ids"].shape for b in sft.sft_micro_batches(items, model, pad_id, sft.SFTSettings(micro_batch=2))]
     short, long_ = sorted(len(t.token_ids) for t in trajs)
     assert shapes == [(2, short), (2, long_)]            # like lengths together: the short pair pads to `short`
 
@@ -904,10 +931,11 @@ def test_sft_micro_batches_keep_the_token_budget(tiny, tdam_batch, monkeypatch):
     monkeypatch.setattr(cls, "forward", spy)
     for tokens, want in ((2 * long_, [(2, 1, long_, long_)]), (2 * long_ - 1, [None, None])):
         masks.clear()
-        batches = list(train.sft_micro_batches(trajs, 2, model, pad_id, tokens))
+        s = sft.SFTSettings(micro_batch=2, micro_batch_tokens=tokens)
+        batches = list(sft.sft_micro_batches(trajs, model, pad_id, s))
         assert [b["input_ids"].shape[0] for b in batches] == ([2] if want[0] else [1, 1])
         model.zero_grad(set_to_none=True)
-        train.sft_backward(model, trajs, 2, pad_id, compile=False, tokens=tokens)
+        sft.sft_backward(model, trajs, s, pad_id)
         n_layers = len(model.model.language_model.layers)
         assert masks == [w for w in want for _ in range(n_layers)]
     model.zero_grad(set_to_none=True)
@@ -920,8 +948,8 @@ def test_vision_lr_scale(scale):
     """make_optimizer: the vision tower at scale x lr (the merger included), every other parameter at lr; 0 freezes
     the tower (no gradient, no optimizer state) and one step moves every other parameter."""
     model = model_lib.load_model("tiny", device="cpu", seed=0, tiny_corpus=rollout.prompt_corpus())[0]
-    opt = grpo.make_optimizer(model, 1e-3, scale)
-    grpo.set_lr(opt, 2e-3)
+    opt = policy.make_optimizer(model, 1e-3, scale)
+    policy.set_lr(opt, 2e-3)
     vision = {id(p) for n, p in model.named_parameters() if n.startswith("model.visual.")}
     assert vision and any("merger" in n for n, _ in model.named_parameters() if n.startswith("model.visual."))
     lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
@@ -948,7 +976,7 @@ def one_step(model, optimizer, items: list, pad_id: int, precision: str) -> tupl
     seen = set()
     hook = model.model.language_model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
     model.train()
-    train.sft_backward(model, items, 2, pad_id, compile=False, precision=precision)
+    sft.sft_backward(model, items, sft.SFTSettings(micro_batch=2, precision=precision), pad_id)
     hook.remove()
     has_grad = {n: p.grad != 0 for n, p in model.named_parameters() if p.grad is not None}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -963,10 +991,10 @@ def test_bf16_step_moves_the_fp32_master_weights(tdam_batch):
     have a gradient. The control: pure-bf16 parameters under a bf16 AdamW (the model loaded bf16, as CUDA runs
     trained before) move a few percent, since an update of 1e-6 is below half a bf16 ulp of almost every weight."""
     trajs, _ = tdam_batch
-    model, processor = grpo.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    model, processor = policy.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
     pad_id = processor.tokenizer.pad_token_id
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    optimizer = grpo.make_optimizer(model, 1e-6, vision_lr_scale=1.0)
+    optimizer = policy.make_optimizer(model, 1e-6, vision_lr_scale=1.0)
     moved, dtypes = one_step(model, optimizer, trajs, pad_id, "bf16")
     assert dtypes == {torch.bfloat16} and moved > 0.99, (dtypes, moved)
     assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {torch.float32}
@@ -974,7 +1002,7 @@ def test_bf16_step_moves_the_fp32_master_weights(tdam_batch):
     moved_pure, _ = one_step(pure, torch.optim.AdamW(pure.parameters(), lr=1e-6, weight_decay=0.0), trajs, pad_id, "bf16")
     assert moved_pure < 0.1, moved_pure
     with pytest.raises(ValueError, match="fp32"):            # never an AdamW step on bf16 parameters
-        grpo.make_optimizer(pure, 1e-6)
+        policy.make_optimizer(pure, 1e-6, vision_lr_scale=1.0)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -984,17 +1012,17 @@ def test_training_forward_hands_the_model_pixels_in_the_compute_dtype(tdam_batch
     dtype, a bf16 run's (patches, 1536) pixels went to the device in fp32, twice their size. The hidden states
     are the same as with fp32 pixels, bit for bit: the tower's first matmul rounds them to bf16 under autocast."""
     _, batch = tdam_batch
-    model, _ = grpo.policy_model("tiny", torch.device("cpu"), precision, world=1, seed=0)
+    model, _ = policy.policy_model("tiny", torch.device("cpu"), precision, world=1, seed=0)
     seen = []
     hook = model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["pixel_values_videos"].dtype),
                                                  with_kwargs=True)
-    with torch.no_grad(), grpo.autocast(precision, model):
-        hidden = grpo.hidden_and_targets(model, batch)[0]
+    with torch.no_grad(), policy.autocast(precision, model):
+        hidden = policy.hidden_and_targets(model, batch)[0]
     hook.remove()
     assert seen == [{"fp32": torch.float32, "bf16": torch.bfloat16}[precision]]
-    with torch.no_grad(), grpo.autocast(precision, model), \
+    with torch.no_grad(), policy.autocast(precision, model), \
             mock.patch.object(model_lib, "compute_dtype", lambda m: torch.float32):
-        assert torch.equal(grpo.hidden_and_targets(model, batch)[0], hidden)
+        assert torch.equal(policy.hidden_and_targets(model, batch)[0], hidden)
 
 
 def test_bf16_tdam_sft_step_on_one_process(tdam_batch):
@@ -1003,17 +1031,17 @@ def test_bf16_tdam_sft_step_on_one_process(tdam_batch):
     the TDAM kernel takes in autocast's dtype as SDPA does; the loss is finite, every decoder weight gets a gradient,
     and it equals the dense-mask SDPA run's (the same TDAM mask as a 4-D tensor) to bf16 rounding."""
     trajs, batch = tdam_batch
-    model, processor = grpo.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    model, processor = policy.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
     pad_id, tok = processor.tokenizer.pad_token_id, processor.tokenizer
     model.train()
-    loss, n = train.sft_backward(model, trajs, 2, pad_id, tdam_tokenizer=tok, compile=False, precision="bf16")
+    loss, n = sft.sft_backward(model, trajs, sft.SFTSettings(micro_batch=2, precision="bf16"), pad_id, tdam_tokenizer=tok)
     assert torch.isfinite(loss) and n > 0
     layer = model.model.language_model.layers[0]
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
     mask = sft.tdam_batch_mask(batch, tok, model.config.video_token_id)
-    fresh, _ = grpo.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    fresh, _ = policy.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
     with torch.no_grad():
-        dense, _ = train.sft_loss(fresh, batch, None, mask, False, None, "bf16")
+        dense, _ = sft.sft_loss(fresh, dict(batch, attention_mask=mask), sft.SFTSettings(precision="bf16"))
     assert float(loss) == pytest.approx(float(dense), rel=2e-2)
 
 
@@ -1022,8 +1050,8 @@ def test_bf16_checkpoint_exports_bf16_and_resumes_the_fp32_master_weights(tmp_pa
     serving stack loads; its train_state keeps the fp32 master weights and fp32 AdamW moments, and a resumed run
     takes its weights from there (exactly), not from the bf16 export."""
     trajs, _ = tdam_batch
-    model, processor = grpo.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
-    optimizer = grpo.make_optimizer(model, 1e-3, vision_lr_scale=1.0)
+    model, processor = policy.policy_model("tiny", torch.device("cpu"), "bf16", world=1, seed=0)
+    optimizer = policy.make_optimizer(model, 1e-3, vision_lr_scale=1.0)
     one_step(model, optimizer, trajs, processor.tokenizer.pad_token_id, "bf16")
     run_ = runtime.Run(str(tmp_path), 0, 1, 0, 50, 3, False, 0.2, export_dtype=torch.bfloat16)
     run_.processor = processor
@@ -1033,11 +1061,11 @@ def test_bf16_checkpoint_exports_bf16_and_resumes_the_fp32_master_weights(tmp_pa
     assert json.load(open(os.path.join(ckpt, "config.json")))["dtype"] == "bfloat16"
     master = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert any(not torch.equal(master[n], export[n].float()) for n in master)   # the export is rounded
-    fresh, _ = grpo.policy_model(ckpt, torch.device("cpu"), "bf16", world=1, seed=0)
+    fresh, _ = policy.policy_model(ckpt, torch.device("cpu"), "bf16", world=1, seed=0)
     assert {p.dtype for p in fresh.parameters()} == {torch.float32}
     runtime.Run(str(tmp_path), 0, 1, 0, 50, 3, False, 0.2).resume(ckpt, fresh)
     assert all(torch.equal(p.detach(), master[n]) for n, p in fresh.named_parameters())
-    opt2 = grpo.make_optimizer(fresh, 1e-3, vision_lr_scale=1.0)
+    opt2 = policy.make_optimizer(fresh, 1e-3, vision_lr_scale=1.0)
     runtime.load_train_state(ckpt, fresh, opt2)
     assert {s["exp_avg"].dtype for s in opt2.state.values()} == {torch.float32}
 
@@ -1160,9 +1188,9 @@ def test_grpo_loss_micro_batches_add_up_with_global_normaliser():
     ([], 8, 100, []),
 ])
 def test_micro_batches_are_consecutive_within_rows_and_padded_tokens(lengths, rows, tokens, expected):
-    """grpo.micro_batches: consecutive items in their order, at most `rows` a micro-batch and items x its longest
+    """policy.micro_batches: consecutive items in their order, at most `rows` a micro-batch and items x its longest
     <= `tokens`; an item longer than `tokens` alone (the update's micro-batches and sequence_kl's)."""
-    got = grpo.micro_batches(lengths, rows, tokens)
+    got = policy.micro_batches(lengths, rows, tokens)
     assert [(s.start, s.stop) for s in got] == expected
     assert [i for s in got for i in range(len(lengths))[s]] == list(range(len(lengths)))
 
@@ -1178,10 +1206,10 @@ def test_micro_batch_tokens_flag_is_the_settings_default_and_one_row_at_video_o3
     with pytest.raises(SystemExit):
         recipes.parse_train_args(["--micro-batch-tokens", "0"])
     s = train.grpo_settings(recipes.parse_train_args(["--preset", "videoo3"]))
-    assert [sl.stop - sl.start for sl in grpo.micro_batches([27000, 31000, 26500, 32000], s.micro_batch,
+    assert [sl.stop - sl.start for sl in policy.micro_batches([27000, 31000, 26500, 32000], s.micro_batch,
                                                              s.micro_batch_tokens)] == [1, 1, 1, 1]
     tiny = [400, 560, 812, 386] * 16                      # a step of the default: 4 prompts x 16 rows
-    assert grpo.micro_batches(tiny, 8, args.micro_batch_tokens) == [slice(i, i + 8) for i in range(0, 64, 8)]
+    assert policy.micro_batches(tiny, 8, args.micro_batch_tokens) == [slice(i, i + 8) for i in range(0, 64, 8)]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -1211,7 +1239,7 @@ def test_get_lr_endpoints(step, warmup, expected):
 
 
 def test_get_lr_decreases_after_warmup():
-    lrs = [get_lr(s, 50, 3e-6, warmup_steps=5) for s in range(5, 60)]
+    lrs = [get_lr(s, 50, 3e-6, warmup_steps=5, min_lr_ratio=0.1) for s in range(5, 60)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:])) and lrs[0] > lrs[-1]
 
 
@@ -1221,7 +1249,7 @@ def test_get_lr_decreases_after_warmup():
 ])
 def test_get_lr_rejects_bad_schedule(total, warmup):
     with pytest.raises(ValueError, match="get_lr"):
-        get_lr(0, total, 1.0, warmup_steps=warmup)
+        get_lr(0, total, 1.0, warmup_steps=warmup, min_lr_ratio=0.1)
 
 
 # -----------------------------------------------------------------------------
@@ -1234,17 +1262,17 @@ def packed_rows(tiny, tmp_path_factory):
     group's samples do. Returns (trajs, the collated batch, shared_prompts' keys)."""
     model, processor = tiny
     root = str(tmp_path_factory.mktemp("packed"))
-    a, b, c = [r for r in data.make_split(root, 8, seed=5) if r["data_type"] == "single_clue"][:3]
+    a, b, c = [r for r in data.make_split(root, 8, seed=5, duration=64.0) if r["data_type"] == "single_clue"][:3]
     cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
     enc = lambda rec, msgs: sft.encode_messages(processor, rec, msgs, root, cfg)
-    oracle = lambda rec, seed, call: data.oracle_turns(rec, np.random.default_rng(seed), always_call=call)
+    oracle = lambda rec, seed, call: oracle_turns(rec, np.random.default_rng(seed), always_call=call)
     trajs = [enc(a, oracle(a, 0, True)), enc(a, oracle(a, 1, False)), enc(b, oracle(b, 0, True)),
              enc(a, two_tool_turns(a)), enc(b, two_tool_turns(b)), enc(c, oracle(c, 0, True))]
     for t in trajs:                              # train every token after the prompt, crops included
         t.roles = [rollout.POLICY if i >= t.prompt_len else rollout.ENV for i in range(len(t.token_ids))]
     for i, j in [(1, 0), (3, 0), (4, 2)]:        # one overview tensor per record
         trajs[i].videos[0] = trajs[j].videos[0]
-    prompts = grpo.shared_prompts(trajs, model.config.video_token_id, model.config.vision_config.spatial_merge_size)
+    prompts = policy.shared_prompts(trajs, model.config.video_token_id, model.config.vision_config.spatial_merge_size)
     assert [p is not None for p in prompts] == [True] * 6
     assert prompts[0][0] == prompts[1][0] == prompts[3][0] != prompts[2][0] == prompts[4][0] != prompts[5][0]
     assert len({len(t.token_ids) for t in trajs}) >= 3 and any(len(t.videos) > 2 for t in trajs)   # ragged
@@ -1257,16 +1285,16 @@ def test_packed_prompts_equal_one_row_per_sample(tiny, packed_rows):
     row holds 3 prompts + 6 suffixes, no more), suffixes with crops of their own, keys interleaved (A A B A B C)."""
     model, _ = tiny
     trajs, batch, prompts = packed_rows
-    packed = grpo.pack_prompts(batch, trajs, prompts, model.config.video_token_id)
+    packed = policy.pack_prompts(batch, trajs, prompts, model.config.video_token_id)
     size = sum(len(t.token_ids) - t.prompt_len for t in trajs) + sum(trajs[i].prompt_len for i in (0, 2, 5))
     assert packed["input_ids"].shape == (1, size) and packed["tdam"].lengths.tolist() == [size]
     params = [p for p in model.parameters() if p.requires_grad]
 
     def loss_and_grads(b):
-        hidden, weight, targets, mask = grpo.policy_head(model, b, "fp32")
+        hidden, weight, targets, mask = policy.policy_head(model, b, "fp32")
         adv = torch.linspace(-1, 1, len(trajs))
         loss, _ = grpo.grpo_loss(hidden, weight, targets, None, adv, mask, clip_low=0.2, clip_high=0.3,
-                                 compile=False)
+                                 compile=False, kl_coef=0.0, kl_estimator="k3", temperature=1.0, behav_cap=5.0)
         return hidden[mask].detach(), loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
 
     h_plain, _, g_plain = loss_and_grads(batch)       # (the on-policy loss is -mean A whatever the forward: not
@@ -1284,11 +1312,11 @@ def test_packed_prompts_in_bf16_add_no_error_of_their_own(tiny, packed_rows):
     other's error)."""
     model, _ = tiny
     trajs, batch, prompts = packed_rows
-    packed = {**batch, "packed": grpo.pack_prompts(batch, trajs, prompts, model.config.video_token_id)}
+    packed = {**batch, "packed": policy.pack_prompts(batch, trajs, prompts, model.config.video_token_id)}
     with torch.no_grad():
-        ref, _, _, mask = grpo.policy_head(model, batch, "fp32")
-        plain = grpo.policy_head(model, batch, "bf16")[0]
-        pack = grpo.policy_head(model, packed, "bf16")[0]
+        ref, _, _, mask = policy.policy_head(model, batch, "fp32")
+        plain = policy.policy_head(model, batch, "bf16")[0]
+        pack = policy.policy_head(model, packed, "bf16")[0]
     assert pack.dtype == plain.dtype == torch.bfloat16
     err = lambda h: float((h[mask].float() - ref[mask]).abs().max())
     scale = float(ref[mask].abs().max())
@@ -1302,7 +1330,7 @@ def test_packed_spec_plan_and_rectangles_are_one_mask(tiny, packed_rows):
     segments': a suffix sees its prompt and itself, causally, nothing else."""
     model, _ = tiny
     trajs, batch, prompts = packed_rows
-    spec = grpo.pack_prompts(batch, trajs, prompts, model.config.video_token_id)["tdam"]
+    spec = policy.pack_prompts(batch, trajs, prompts, model.config.video_token_id)["tdam"]
     L = int(spec.lengths[0])
     allowed = spec.allowed(0, L, L, "cpu")[0, 0]
     from_plan = torch.zeros(L, L, dtype=torch.bool)
@@ -1343,10 +1371,10 @@ def test_packed_spec_plan_and_rectangles_are_one_mask(tiny, packed_rows):
     ([], "", 8, 100, []),
 ])
 def test_micro_batches_count_each_packed_prompt_once(lengths, prompts, rows, tokens, expected):
-    """grpo.micro_batches with shared_prompts' keys: a micro-batch is one packed row, its size each distinct
+    """policy.micro_batches with shared_prompts' keys: a micro-batch is one packed row, its size each distinct
     prompt (90 tokens here) once plus every item's suffix, at most `tokens`; at most `rows` items."""
     keys = [((k, ()), 90, 1) if k != "-" else None for k in prompts]
-    got = grpo.micro_batches(lengths, rows, tokens, keys)
+    got = policy.micro_batches(lengths, rows, tokens, keys)
     assert [(s.start, s.stop) for s in got] == expected
 
 
@@ -1363,8 +1391,7 @@ def test_policy_update_packed_equals_unpacked(tiny, packed_rows):
         model.zero_grad()
         grads = []
         step = lambda loss: grads.append([None if p.grad is None else p.grad.clone() for p in params]) or 1.0
-        _, stats = grpo.policy_update(model, None, None, items, s, processor.tokenizer.pad_token_id,
-                                      processor.tokenizer, world=1, step_fn=step)
+        _, stats = grpo.policy_update(SpyRun(step), model, None, None, items, rl_job(s), 1, processor)
         out[pack] = stats["loss"], grads[0]
     model.zero_grad()
     for gp, gq in zip(out[False][1], out[True][1]):

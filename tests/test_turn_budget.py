@@ -16,7 +16,7 @@ import rollout
 import sft
 import video
 from tests.test_rollout import Scripted, call, responses, tiny, turn, user_messages  # noqa: F401 (tiny: a fixture)
-from conftest import TEST_ROLLOUT, bench_module
+from conftest import SFT_MIX, TEST_ROLLOUT, bench_module, oracle_turns
 
 CROP = dict(level="medium", fps=1.0, max_frames=16, max_pixels=64 * 64)   # the tiny rollout's crops
 
@@ -24,7 +24,7 @@ CROP = dict(level="medium", fps=1.0, max_frames=16, max_pixels=64 * 64)   # the 
 @pytest.fixture(scope="module")
 def search(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("search"))
-    return root, data.make_split(root, 24, seed=5, mix={"search": 1.0})
+    return root, data.make_split(root, 24, seed=5, mix={"search": 1.0}, duration=64.0)
 
 
 def has_colour(frames: torch.Tensor, colour: str) -> bool:
@@ -50,7 +50,7 @@ def test_search_oracle_acts_on_what_its_crops_show(search):
     root, recs = search
     rounds = []
     for rec in recs:
-        msgs = data.oracle_turns(rec, np.random.default_rng(0))
+        msgs = oracle_turns(rec, np.random.default_rng(0))
         windows = crops(msgs)
         rounds.append(data.oracle_rounds(msgs))
         assert rounds[-1] == len(windows) and 1 <= len(windows) <= 2
@@ -79,13 +79,13 @@ def test_a_whole_video_crop_prints_every_search_mark_near_its_time():
 def test_budget_limited_recordings_answer_from_what_was_seen(search, tiny):
     root, recs = search
     _, processor = tiny
-    rec = next(r for r in recs if data.oracle_rounds(data.oracle_turns(r, np.random.default_rng(0))) == 2)
-    full = data.oracle_turns(rec, np.random.default_rng(0))
-    assert data.oracle_turns(rec, np.random.default_rng(0), budget=2) == full
-    assert data.oracle_turns(rec, np.random.default_rng(0), budget=4) == full
+    rec = next(r for r in recs if data.oracle_rounds(oracle_turns(r, np.random.default_rng(0))) == 2)
+    full = oracle_turns(rec, np.random.default_rng(0))
+    assert oracle_turns(rec, np.random.default_rng(0), budget=2) == full
+    assert oracle_turns(rec, np.random.default_rng(0), budget=4) == full
     cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96})
     for budget in (0, 1):
-        msgs = data.oracle_turns(rec, np.random.default_rng(0), budget=budget)
+        msgs = oracle_turns(rec, np.random.default_rng(0), budget=budget)
         assert data.oracle_rounds(msgs) == budget
         assert "guess" in msgs[-1]["content"]          # the glyph was in no frame seen: a guessed letter
         t = sft.encode_messages(processor, rec, msgs, root, rollout.RolloutConfig(**{**vars(cfg), "max_turns": budget}))
@@ -94,10 +94,10 @@ def test_budget_limited_recordings_answer_from_what_was_seen(search, tiny):
         assert len(responses(t.text)) == budget and t.n_tool_turns == budget
         assert t.answer == rewards.extract_answer(msgs[-1]["content"]) and t.answer in "ABCD"
     # a question the wide crop answers: at budget 1 nothing is guessed
-    rec1 = next(r for r in recs if data.oracle_rounds(data.oracle_turns(r, np.random.default_rng(0))) == 1
-                and crops(data.oracle_turns(r, np.random.default_rng(0)))[0] == (0.0, 64.0))
-    assert data.oracle_turns(rec1, np.random.default_rng(0), budget=1) == data.oracle_turns(rec1, np.random.default_rng(0))
-    msgs = data.oracle_turns(rec1, np.random.default_rng(0), budget=0)
+    rec1 = next(r for r in recs if data.oracle_rounds(oracle_turns(r, np.random.default_rng(0))) == 1
+                and crops(oracle_turns(r, np.random.default_rng(0)))[0] == (0.0, 64.0))
+    assert oracle_turns(rec1, np.random.default_rng(0), budget=1) == oracle_turns(rec1, np.random.default_rng(0))
+    msgs = oracle_turns(rec1, np.random.default_rng(0), budget=0)
     assert len(msgs) == 2 and "<tool_call>" in msgs[0]["content"] and "<tool_call>" not in msgs[1]["content"]
 
 
@@ -105,9 +105,9 @@ def test_sft_examples_add_budget_limited_copies(search, tiny):
     root, recs = search
     model, processor = tiny
     cfg = rollout.RolloutConfig(**{**TEST_ROLLOUT, "max_new_tokens": 96})
-    plain, _ = sft.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[])
+    plain, _ = sft.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[], **SFT_MIX)
     more, _ = sft.sft_examples(recs[:6], processor, root, cfg, sft_data=None, seed=0, gated_choices=[],
-                                 budget_fraction=1.0)
+                                 **dict(SFT_MIX, budget_fraction=1.0))
     assert len(plain) == 6 and len(more) == 12                     # every search question calls the tool
     assert sum(rollout.FORCED_ANSWER in t.text for t in plain) == 0
     assert sum(rollout.FORCED_ANSWER in t.text for t in more) == 6
@@ -156,7 +156,7 @@ def test_tool_needed_agrees_with_the_decoded_overview(tmp_path, nframes):
     """data.tool_needed says a question needs the tool exactly when some glyph its answer reads is in no frame
     of the real K-frame overview (decoded by video.py, as the rollout samples it)."""
     root = str(tmp_path)
-    recs = data.make_split(root, 24, seed=9)
+    recs = data.make_split(root, 24, seed=9, duration=64.0)
     seen = []
     for rec in recs:
         need = data.tool_needed(rec, nframes)
@@ -173,6 +173,8 @@ def test_tool_needed_agrees_with_the_decoded_overview(tmp_path, nframes):
         assert not any(seen)                 # 32 frames, 2 s apart: every glyph is in some frame
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 def test_turn_budget_bench_names_a_path_without_a_checkpoint(tmp_path):
     """`bench/turn_budget.py --model DIR` on a folder that is neither a checkpoint nor a run dir exits at once,
     naming the script and the path (bench/common.checkpoint_or_exit)."""
@@ -184,6 +186,7 @@ def test_turn_budget_bench_names_a_path_without_a_checkpoint(tmp_path):
     assert r.returncode == 1 and "turn_budget.py: " in r.stderr and "neither a checkpoint dir" in r.stderr
 
 
+@pytest.mark.bench
 def test_turn_budget_bench_scores_as_eval_py(search):
     """bench/turn_budget.py's accuracy is eval.py's: a letter inside a wordy answer span ("... I guess I D") is right,
     as benchmarks.judge reads it; an errored row and a wrong letter are wrong."""

@@ -24,6 +24,8 @@ from video import VideoError
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "real_videos"
 NASA = REAL / "nasa_13013.mp4"
+CLIP = dict(fps=2.0, max_frames=128)          # Video-o3's crops (recipes.COMMON's crop_fps, crop_max_frames)
+OVERVIEW = dict(fps=2.0, max_frames=768)      # ... and its overview's fps rule (overview_fps, overview_max_frames)
 FPS, SECONDS, GOP = 10, 60, 20
 
 
@@ -113,10 +115,19 @@ def test_overview_rejects_bad_nframes(long_video, nframes):
         video.sample_overview(long_video, nframes=nframes)
 
 
+@pytest.mark.parametrize("kwargs", [{}, dict(fps=2.0), dict(max_frames=768), dict(fps=0.0, max_frames=768)])
+def test_overview_needs_a_frame_rule(long_video, kwargs):
+    """No default rule: K frames, or the caller's fps and max_frames (recipes.py's overview_fps, ...)."""
+    with pytest.raises(ValueError, match="fps rule"):
+        video.sample_overview(long_video, **kwargs)
+    with pytest.raises(ValueError, match="fps rule"):
+        video.FrameCache().overview(long_video, **kwargs)
+
+
 @pytest.mark.parametrize("num_frames, kwargs, expected", [
     (5, dict(nframes=8), [0, 1, 2, 3, 4, 4, 4, 4]),   # K > real frames: all frames, last one repeated
-    (3, dict(fps=10.0), [0, 1, 2, 2]),               # 3 frames at 10 fps: odd, last repeated to 4
-    (2, dict(fps=2.0), [0, 1]),                      # round(0.2 s * 2) = 0 -> the minimum of 2
+    (3, dict(fps=10.0, max_frames=768), [0, 1, 2, 2]),   # 3 frames at 10 fps: odd, last repeated to 4
+    (2, dict(fps=2.0, max_frames=768), [0, 1]),          # round(0.2 s * 2) = 0 -> the minimum of 2
 ])
 def test_overview_short_video_repeats_last(tmp_path, num_frames, kwargs, expected):
     clip = video.sample_overview(write_short(tmp_path, num_frames), **kwargs)
@@ -127,14 +138,14 @@ def test_overview_short_video_repeats_last(tmp_path, num_frames, kwargs, expecte
 # ----------------------------------------------------------------------------- crop
 
 def test_crop_decodes_only_the_window(long_video):
-    clip = video.crop(long_video, 20.0, 24.0)
+    clip = video.crop(long_video, 20.0, 24.0, **CLIP)
     window = 4 * FPS
     assert clip.decoded <= window + GOP + 2, clip.decoded  # pre-roll from a keyframe + the frame past the end
     assert clip.decoded < FPS * SECONDS // 5
     assert np.all((clip.times >= 20.0) & (clip.times <= 24.0)), clip.times
     assert indices(clip) == [round(t * FPS) for t in clip.times]
     all_times = np.arange(FPS * SECONDS) / FPS
-    n, _ = video.crop_budget(4.0, "medium")
+    n, _ = video.crop_budget(4.0, "medium", **CLIP)
     want = all_times[video.sample_frame_indices(all_times, video.uniform_targets(20.0, 24.0, n))]
     np.testing.assert_allclose(clip.times, want, atol=1e-9)
 
@@ -149,7 +160,7 @@ def test_crop_paravt_subagent_settings(long_video):
 
 def test_crop_window_shorter_than_a_frame(long_video):
     """No frame inside [20.01, 20.05]: the frame nearest the centre (20.0 s), twice (T even)."""
-    clip = video.crop(long_video, 20.01, 20.05)
+    clip = video.crop(long_video, 20.01, 20.05, **CLIP)
     assert indices(clip) == [200, 200] and clip.decoded <= GOP + 2
 
 
@@ -180,8 +191,8 @@ def test_inexact_seek_falls_back_to_the_start():
 @pytest.mark.parametrize("level", ["coarse", "medium", "fine"])
 def test_crop_levels_respect_pixel_budget(level):
     """nasa stream 1 is 480x270; a 10 s window at 2 fps = 20 frames, budget per level from crop_budget."""
-    clip = video.crop(NASA, 2.0, 12.0, level=level, stream=1)
-    n, max_pixels = video.crop_budget(10.0, level)
+    clip = video.crop(NASA, 2.0, 12.0, level=level, stream=1, **CLIP)
+    n, max_pixels = video.crop_budget(10.0, level, **CLIP)
     h, w = clip.frames.shape[2:]
     assert len(clip.frames) == n and h * w <= max_pixels and h % 32 == 0 and w % 32 == 0
     assert abs(w / h - 480 / 270) < 0.25  # aspect ratio kept (up to rounding to 32)
@@ -198,12 +209,12 @@ def test_crop_levels_respect_pixel_budget(level):
     (40.0, "medium", dict(fps=1.0, max_frames=16), (16, 256 * 1024)),      # explicit fps and cap
 ])
 def test_crop_budget(window, level, kw, expected):
-    assert video.crop_budget(window, level, **kw) == expected
+    assert video.crop_budget(window, level, **{**CLIP, **kw}) == expected
 
 
 def test_crop_budget_unknown_level():
     with pytest.raises(ValueError, match="coarse, medium, fine"):
-        video.crop_budget(4.0, "ultra")
+        video.crop_budget(4.0, "ultra", **CLIP)
 
 
 # ----------------------------------------------------------------------------- real files
@@ -219,7 +230,7 @@ def test_nasa_streams_match_ffmpeg_times(stream, json_stream, fps, num_frames):
     clip = video.sample_overview(NASA, nframes=16, stream=stream)
     want = truth[video.sample_frame_indices(truth, video.uniform_targets(0, info.duration, 16))]
     np.testing.assert_allclose(clip.times, want, atol=1e-6)
-    crop = video.crop(NASA, 5.0, 7.0, stream=stream)
+    crop = video.crop(NASA, 5.0, 7.0, stream=stream, **CLIP)
     assert np.all(np.abs(crop.times[:, None] - truth[None]).min(1) < 1e-6)  # every time is a real frame time
     assert np.all((crop.times >= 5.0) & (crop.times <= 7.0)) and crop.decoded < num_frames
 
@@ -345,9 +356,9 @@ def test_bad_files_raise_video_error(tmp_path, kind, reason, call):
     path = make_bad(kind, tmp_path)
     with pytest.raises(VideoError, match=reason) as e:
         if call == "overview":
-            video.sample_overview(path)
+            video.sample_overview(path, **OVERVIEW)
         else:
-            video.crop(path, 3.0, 9.0)
+            video.crop(path, 3.0, 9.0, **CLIP)
     assert str(path) in str(e.value) and e.value.path == str(path)
 
 
@@ -371,7 +382,7 @@ def test_missing_video_stream_index():
 ])
 def test_crop_bad_window_names_file(long_video, start, end, reason):
     with pytest.raises(VideoError, match=reason) as e:
-        video.crop(long_video, start, end)
+        video.crop(long_video, start, end, **CLIP)
     assert str(long_video) in str(e.value) and str(long_video) not in e.value.reason
 
 

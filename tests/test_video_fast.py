@@ -75,8 +75,9 @@ def test_seek_overview_equals_sequential_generated(request, which, k):
                                           (REAL / "h265_video.mp4", None), (REAL / "h264_10bits.mp4", None)])
 @pytest.mark.parametrize("k", [2, 4, 8, 64, None])  # None: the 2 fps rule
 def test_seek_overview_equals_sequential_real(path, stream, k):
-    seq = video.sample_overview(path, nframes=k, stream=stream, method="sequential")
-    fast = video.sample_overview(path, nframes=k, stream=stream, method="seek")
+    rule = dict(nframes=k, fps=2.0, max_frames=768)
+    seq = video.sample_overview(path, **rule, stream=stream, method="sequential")
+    fast = video.sample_overview(path, **rule, stream=stream, method="seek")
     same(seq, fast)
 
 
@@ -124,7 +125,7 @@ def test_keyframe_times_bframes_are_presentation_times():
 @pytest.mark.parametrize("start, end, kw", [
     (0.0, 120.0, dict(level=None, fps=1, max_frames=4)),     # 4 frames 30 s apart: seeks
     (7.9, 100.0, dict(level=None, fps=1, max_frames=16)),    # ParaVT sub-agent crop of a long window
-    (20.0, 24.0, dict()),                                    # a short dense window
+    (20.0, 24.0, dict(fps=2.0, max_frames=128)),             # a short dense window (Video-o3's crop)
 ])
 def test_seek_crop_equals_sequential(long_gop, start, end, kw):
     seq = video.crop(long_gop, start, end, method="sequential", **kw)
@@ -135,8 +136,8 @@ def test_seek_crop_equals_sequential(long_gop, start, end, kw):
 
 def test_seek_crop_equals_sequential_nasa():
     for stream in (None, 1):
-        same(video.crop(NASA, 1.0, 12.5, level=None, fps=0.2, stream=stream, method="sequential"),
-             video.crop(NASA, 1.0, 12.5, level=None, fps=0.2, stream=stream, method="seek"))
+        same(video.crop(NASA, 1.0, 12.5, level=None, fps=0.2, max_frames=128, stream=stream, method="sequential"),
+             video.crop(NASA, 1.0, 12.5, level=None, fps=0.2, max_frames=128, stream=stream, method="seek"))
 
 
 def test_bad_method():
@@ -310,12 +311,12 @@ def test_cache_missing_file_is_a_video_error(tmp_path):
 def test_pool_results_equal_direct_calls(long_gop):
     with video.DecodePool(workers=2, timeout=60) as pool:
         futs = [pool.submit_overview(long_gop, nframes=k) for k in (4, 8)]
-        futs.append(pool.submit_crop(long_gop, 30.0, 34.0, level="coarse"))
+        futs.append(pool.submit_crop(long_gop, 30.0, 34.0, level="coarse", fps=2.0, max_frames=128))
         got = [pool.result(f) for f in futs]
         s = pool.stats()
     same(got[0], video.sample_overview(long_gop, nframes=4))
     same(got[1], video.sample_overview(long_gop, nframes=8))
-    same(got[2], video.crop(long_gop, 30.0, 34.0, level="coarse"))
+    same(got[2], video.crop(long_gop, 30.0, 34.0, level="coarse", fps=2.0, max_frames=128))
     assert s["tasks"] == 3 and s["errors"] == 0 and s["decode_seconds"] > 0
 
 
@@ -329,7 +330,7 @@ def test_pool_bad_video_is_an_error_naming_the_file(tmp_path, long_gop):
         assert e.value.path == str(bad)
         assert len(pool.result(f_ok).times) == 4  # one bad file does not spoil the others
         with pytest.raises(VideoError, match="past the end"):
-            pool.result(pool.submit_crop(long_gop, 500.0, 510.0))
+            pool.result(pool.submit_crop(long_gop, 500.0, 510.0, fps=2.0, max_frames=128))
         assert pool.stats()["errors"] == 2
 
 
@@ -365,7 +366,7 @@ def test_prefetch_fills_the_cache(long_gop):
         clip = pool.result(pool.submit_overview(long_gop, nframes=8))
     assert clip.decoded == 0 and cache.stats()["hits"] == 1 and cache.stats()["misses"] == 2
     with pytest.raises(ValueError, match="needs a DecodePool with a cache"):
-        video.DecodePool(1).prefetch_overviews([(long_gop, {})])
+        video.DecodePool(1, timeout=60).prefetch_overviews([(long_gop, {})])
 
 
 def test_concurrent_requests_for_one_key_decode_once(long_gop):
