@@ -447,9 +447,7 @@ def load_charades_sta(path) -> list[dict]:
 
 
 def synthetic_records(video_root: str, n: int, seed: int, duration: float, mix: str | None = None) -> list[dict]:
-    """The generated needle-in-a-long-video task (data.py); seed data.SPLIT_SEEDS["held_out"] + s with n_eval
-    questions = the held-out split of train.py --seed s. mix: "kind=weight,..." (data.parse_mix), None =
-    data.DEFAULT_MIX."""
+    """The generated task's records (data.make_split; seed SPLIT_SEEDS["held_out"] + s: train.py's held-out split)."""
     return data.make_split(video_root, n, seed=seed, mix=data.parse_mix(mix), duration=duration)
 
 

@@ -451,9 +451,8 @@ def glyphs_seen(record: dict, nframes: int, windows, crop_fps: float | None = No
 
 
 def tool_needed(record: dict, nframes: int) -> bool | None:
-    """Whether a synthetic colour question needs the tool under a K-frame overview: some glyph its answer reads
-    lies in no overview frame (a needle between frames, a mark the overview misses). None for a question this
-    cannot tell (grounding, or a record without the synthetic task's glyph windows, e.g. real data)."""
+    """Whether a synthetic colour question needs the tool under a K-frame overview (a glyph its answer reads is in no
+    overview frame); None where it cannot tell (grounding, real data)."""
     seen = glyphs_seen(record, nframes, None)
     return None if seen is None else not seen
 

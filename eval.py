@@ -312,11 +312,9 @@ def report(bench: str, records: list[dict], rows: list[dict], extract: str | Non
 def evaluate(model, processor, records: list[dict], video_root: str, cfg, *, batch_size: int, bench: str = "records",
              out_path=None, seed: int = 0, extract: str | None = None, random_fallback: int | None = None,
              rank: int = 0, world: int = 1) -> dict:
-    """Run the agent greedily (cfg with temperature 0, one sample per question) on `records`, `batch_size`
-    questions a batched rollout (the preset's eval_batch), resuming from out_path, and return report(): the
-    official-style metrics plus the agent figures. A record
-    whose run fails is an error row with its reason, scored wrong. With `world` processes each rank runs
-    its share (predict()); rank 0 scores the merged rows once and every rank returns its metrics."""
+    """The agent, greedy, on `records` (`batch_size` questions a rollout, resuming from out_path): report()'s
+    official-style metrics and agent figures; a failed record is an error row scored wrong. Each of `world` ranks
+    runs its share (predict); rank 0 scores the merged rows, every rank returns the metrics."""
     greedy = dataclasses.replace(cfg, temperature=0.0, group_size=1)
     rows = predict(records, agent_runner(model, processor, video_root, greedy, seed), out_path, batch_size, rank, world)
     metrics = report(bench, records, rows, extract=extract, random_fallback=random_fallback) if rank == 0 else None

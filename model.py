@@ -598,10 +598,8 @@ QWEN3VL_SHAPES = {        # what the two sizes share above; what differs here
 
 
 def cut_deepstack(indexes: list[int], depth: int, new_depth: int, text_layers: int) -> list[int]:
-    """Deepstack taps of a `depth`-block vision tower moved to a `new_depth`-block one at the same relative
-    depth (floor(i * new_depth / depth), duplicates dropped). Qwen3-VL adds tap k to the output of decoder
-    layer k, so a tap on the last layer would only change the visual positions' own outputs and get no
-    gradient from a text loss: at most text_layers - 1 taps are kept (one when text_layers is 1)."""
+    """Deepstack taps moved from a `depth`-block vision tower to a `new_depth`-block one (floor(i * new_depth /
+    depth), duplicates dropped), at most text_layers - 1 of them (a tap on the last layer gets no gradient)."""
     moved = sorted({min(new_depth - 1, i * new_depth // depth) for i in indexes})
     return moved[:max(1, text_layers - 1)]
 

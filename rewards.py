@@ -117,12 +117,8 @@ def iter_tool_calls(text: str) -> Iterator[ToolCall]:
 
 
 def parse_tool_calls(text: str, max_calls: int | None = None) -> list[ToolCall]:
-    """Every `<tool_call>` / `<grounding>` block in order of appearance; never raises, linear time.
-
-    JSON only (json.loads, nothing evaluated). A block with no closing tag is an error call and ends
-    the scan. Calls beyond `max_calls` are dropped silently: count them with max_calls=None.
-    Window order (start < end) and the video's duration are checked by the executor, not here.
-    """
+    """Every `<tool_call>` / `<grounding>` block in order (iter_tool_calls: JSON only, never raises, linear time);
+    an unclosed block is an error call and ends the scan; calls past `max_calls` dropped (None: all)."""
     return list(itertools.islice(iter_tool_calls(text), max_calls))
 
 

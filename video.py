@@ -249,11 +249,8 @@ _LOCAL = threading.local()  # per thread: .deadline (DecodePool), .rgb (the reus
 
 
 def to_rgb(frame: av.VideoFrame) -> np.ndarray:
-    """(H, W, 3) uint8: the pixels of `frame.to_ndarray(format="rgb24")`, through this thread's one converter.
-    PyAV's own call makes a new swscale context for every frame, and since PyAV 17 (`sws_scale_frame`, threads
-    chosen automatically) its worker threads too: ~0.2 ms a 64x64 frame on an idle machine and ~5 ms while the
-    model keeps the cores busy, most of the synthetic task's decoding time. One reused single-threaded context
-    gives the same pixels in ~0.01 ms (measured: docs/experiments.md); parallel decoding is `DecodePool`'s threads."""
+    """(H, W, 3) uint8 rgb24 pixels through this thread's one single-threaded converter: PyAV's own call makes a
+    swscale context (and its threads) per frame, 20-500x slower here (docs/experiments.md)."""
     conv = getattr(_LOCAL, "rgb", None)
     if conv is None:
         conv = _LOCAL.rgb = VideoReformatter()

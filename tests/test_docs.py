@@ -160,3 +160,41 @@ def test_no_import_cycle():
     """The modules form layers: no module imports (even lazily) one that imports it back."""
     assert cycle(imports()) is None, " -> ".join(cycle(imports()))
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]     # the check can fail
+
+
+HISTORY = re.compile(r"since removed|issue [0-9]|defect [0-9]|2026-|Before,")
+
+
+def test_modules_do_not_narrate_history():
+    """Docstrings and comments state the formula, the shapes and the source; measurements and history live in docs/."""
+    hits = [f"{p.name}:{i}: {line.strip()}" for p in sorted(ROOT.glob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not hits, "\n".join(hits)
+    assert HISTORY.search("# measured 2026-12-01, since removed")          # the pattern finds what it names
+
+
+def longer_docstrings(tree: ast.AST, lines: list[str]) -> list[str]:
+    """Functions whose docstring has more lines than their code (blank and comment-only lines not counted)."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(n) is not None and n.body[1:]:
+            doc = n.body[0].end_lineno - n.body[0].lineno + 1
+            code = sum(1 for i in range(n.body[1].lineno, n.end_lineno + 1)
+                       if lines[i - 1].strip() and not lines[i - 1].strip().startswith("#"))
+            if doc > code:
+                out.append(n.name)
+    return out
+
+
+def test_few_docstrings_are_longer_than_their_code():
+    """At most 15 (a formula on a one-line reward is the point; prose on the reading path is not)."""
+    longer = [f"{mod}.{name}" for mod, tree in MODULES.items()
+              for name in longer_docstrings(tree, (ROOT / f"{mod}.py").read_text().splitlines())]
+    assert len(longer) <= 15, longer
+    planted = 'def f(x):\n    """One.\n    Two."""\n    return x\n'
+    assert longer_docstrings(ast.parse(planted), planted.splitlines()) == ["f"]
+
+
+def test_no_module_over_950_lines():
+    sizes = {p.name: len(p.read_text().splitlines()) for p in ROOT.glob("*.py")}
+    assert max(sizes.values()) <= 950, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
