@@ -12,12 +12,16 @@ import warnings
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 
+import data
 import model as model_lib
+import policy
 import recipes
 import rollout
+import sft
 import train
 
 # The fast smoke configuration: tiny default model, 8 SFT prompts and 4 RL prompts, groups of 2, 12 new tokens a
@@ -249,3 +253,63 @@ def decode_steps(monkeypatch):
         return step(self)
     monkeypatch.setattr(rollout.Engine, "step", counted)
     return lambda: count[0]
+
+
+# -----------------------------------------------------------------------------
+# encoded trajectories shared by test_sft.py, test_policy.py and test_grpo.py
+
+def _call(a: float, b: float) -> str:
+    args = {"start_time": a, "end_time": b}
+    return f"<tool_call>\n{json.dumps({'name': 'crop_video', 'arguments': args})}\n</tool_call>"
+
+
+def two_tool_turns(rec: dict) -> list[dict]:
+    """Crop the clue, look at the clip, crop again, look again, answer: two observations, two call turns."""
+    (s, e), = rec["clues"]
+    tool = lambda a, b: {"role": "tool", "content": [{"type": "video", "video": rec["video"], "video_start": a,
+                                                      "video_end": b}]}
+    return [{"role": "assistant", "content": f"<think>\nI see a mark, let me crop it.\n</think>\n{_call(s, e)}"},
+            tool(s, e),
+            {"role": "assistant", "content": f"<think>\nThe start again.\n</think>\n{_call(0.0, 8.0)}"},
+            tool(0.0, 8.0),
+            {"role": "assistant", "content": "<think>\nIt is red.\n</think>\n<answer>A</answer>"}]
+
+
+@pytest.fixture(scope="module")
+def tdam_batch(tiny, tmp_path_factory):
+    """A collated batch of an oracle trajectory with one crop and a two-tool-turn trajectory (padded)."""
+    model, processor = tiny
+    root = str(tmp_path_factory.mktemp("tdam"))
+    recs = [r for r in data.make_split(root, 8, seed=5, duration=64.0) if r["data_type"] == "single_clue"][:2]
+    cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
+    oracle = oracle_turns(recs[0], np.random.default_rng(0))
+    assert any(m["role"] == "tool" for m in oracle)            # the oracle crops
+    trajs = [sft.encode_messages(processor, recs[0], oracle, root, cfg),
+             sft.encode_messages(processor, recs[1], two_tool_turns(recs[1]), root, cfg)]
+    assert len(trajs[0].token_ids) != len(trajs[1].token_ids)
+    assert [len(t.videos) for t in trajs] == [2, 3]            # overview + one / two observations
+    return trajs, rollout.collate(trajs, model, processor.tokenizer.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def packed_rows(tiny, tmp_path_factory):
+    """Six encoded trajectories: record A three times (the oracle calling, not calling, two tool turns), record B
+    twice, record C once, interleaved A A B A B C; the rows of a record share its overview tensor, as a rollout
+    group's samples do. Returns (trajs, the collated batch, shared_prompts' keys)."""
+    model, processor = tiny
+    root = str(tmp_path_factory.mktemp("packed"))
+    a, b, c = [r for r in data.make_split(root, 8, seed=5, duration=64.0) if r["data_type"] == "single_clue"][:3]
+    cfg = train.rollout_config_of_args(recipes.parse_train_args([]))
+    enc = lambda rec, msgs: sft.encode_messages(processor, rec, msgs, root, cfg)
+    oracle = lambda rec, seed, call: oracle_turns(rec, np.random.default_rng(seed), always_call=call)
+    trajs = [enc(a, oracle(a, 0, True)), enc(a, oracle(a, 1, False)), enc(b, oracle(b, 0, True)),
+             enc(a, two_tool_turns(a)), enc(b, two_tool_turns(b)), enc(c, oracle(c, 0, True))]
+    for t in trajs:                              # train every token after the prompt, crops included
+        t.roles = [rollout.POLICY if i >= t.prompt_len else rollout.ENV for i in range(len(t.token_ids))]
+    for i, j in [(1, 0), (3, 0), (4, 2)]:        # one overview tensor per record
+        trajs[i].videos[0] = trajs[j].videos[0]
+    prompts = policy.shared_prompts(trajs, model.config.video_token_id, model.config.vision_config.spatial_merge_size)
+    assert [p is not None for p in prompts] == [True] * 6
+    assert prompts[0][0] == prompts[1][0] == prompts[3][0] != prompts[2][0] == prompts[4][0] != prompts[5][0]
+    assert len({len(t.token_ids) for t in trajs}) >= 3 and any(len(t.videos) > 2 for t in trajs)   # ragged
+    return trajs, rollout.collate(trajs, model, processor.tokenizer.pad_token_id, share_videos=True), prompts

@@ -14,7 +14,7 @@ from fuzzing import CHECKS, check_all, fuzz, huge, random_output, trajectory
 
 
 @pytest.mark.parametrize("n", [
-    2_000,                                     # default run: seconds
+    pytest.param(2_000, marks=pytest.mark.slow),    # the default count: seconds
     pytest.param(100_000, marks=pytest.mark.soak),  # the full count (docs/experiments.md's figure)
 ])
 def test_fuzz_never_raises_and_stays_in_range(n):

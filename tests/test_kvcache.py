@@ -94,6 +94,7 @@ def _qwen_rows(counters):
         yield torch.arange(64), torch.full((64,), c)
 
 
+@pytest.mark.slow
 def test_uniform_noise_open_interval_at_qwen_vocab():
     """Noise lies strictly inside (0, 1) in fp32 and its Gumbel term is finite, on 1,024 rows of 151,936:
     the old 24-bit form rounded (2**24 - 0.5) / 2**24 up to 1.0 (5 of these rows), making -log(-log u) = +inf."""
@@ -103,6 +104,7 @@ def test_uniform_noise_open_interval_at_qwen_vocab():
         assert torch.isfinite(-torch.log(-torch.log(u))).all()
 
 
+@pytest.mark.slow
 def test_sample_near_certain_token_always_drawn_at_qwen_vocab():
     """A token 30 nats above every other (miss probability ~ V e^-30 ~ 1e-8 per draw) is drawn on every one
     of 256 rows at the real vocabulary: an infinite Gumbel term on another token must never outbid it."""
@@ -112,6 +114,7 @@ def test_sample_near_certain_token_always_drawn_at_qwen_vocab():
         assert rollout.sample_tokens(logits, seeds, counters, 1.0, 1.0).tolist() == [1234] * 64
 
 
+@pytest.mark.slow
 def test_sample_never_draws_banned_token_at_qwen_vocab():
     """A banned token (logit -inf, or outside the top-p nucleus) is never drawn, on 256 rows at the real
     vocabulary: -inf + noise stays -inf (with u == 1.0 it was -inf + inf = NaN, and argmax picks NaN)."""

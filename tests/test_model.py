@@ -387,6 +387,7 @@ def test_linear_patch_embed_equals_conv3d():
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, msg=name)
 
 
+@pytest.mark.slow
 def test_models_run_the_linear_patch_embed(tiny, saved):
     """Built and loaded models (tiny; a checkpoint through load_model; Qwen3-VL at published shapes) run
     the patch embedding as a matmul, and their state dict keeps the Hugging Face layout (a 5-D Conv3d weight

@@ -142,6 +142,7 @@ def test_sft_token_loss_matches_naive(chunk_size):
     assert_rel_close(gw, ref_gw)
 
 
+@pytest.mark.slow
 def test_token_logprobs_compiled_gradient_matches_naive():
     """The compiled chunk kernels (forward and the hand-written backward), at a temperature, on a ragged last chunk,
     under any per-token weights of log p."""
@@ -160,6 +161,7 @@ def test_token_logprobs_compiled_gradient_matches_naive():
     assert ops._chunk_grad_logits_ in ops._compiled_kernels   # the compiled path really ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_compiled_kernels_sft_then_rl_never_fall_back(monkeypatch, device):
@@ -437,7 +439,7 @@ def qwen_vocab_problem():
 
 @pytest.mark.parametrize("use_compile", [
     False,  # eager chunk kernels: the math itself
-    True,   # torch.compile(dynamic=False) kernels on the padded chunk shape
+    pytest.param(True, marks=pytest.mark.slow),   # torch.compile(dynamic=False) kernels on the padded chunk shape
 ])
 def test_token_logprobs_matches_naive(qwen_vocab_problem, use_compile):
     hidden, weight, targets, grad_out, (ref, ref_gh, ref_gw) = qwen_vocab_problem
@@ -743,6 +745,7 @@ def test_tdam_block_mask_is_the_dense_mask(block):
     assert torch.equal(seen, allowed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dim", [16, 64])
 @pytest.mark.parametrize("L", [70, 64])
 def test_flex_tdam_attention_equals_the_dense_mask_on_cpu(L, dim):
@@ -758,6 +761,7 @@ def test_flex_tdam_attention_equals_the_dense_mask_on_cpu(L, dim):
     assert_flex_close(lambda: tdam_call(q, k, v, spec), ref)
 
 
+@pytest.mark.slow
 def test_cpu_flex_template_reproducer():
     """torch 2.14.1's compiled CPU flex_attention against its eager kernel on torch's own causal mask, none of our
     code: B 2, 4 query and 2 K/V heads, 64 positions, head dim 16, 8-position blocks (the shapes test_ops used). The

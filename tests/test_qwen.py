@@ -128,6 +128,7 @@ def test_merges_recovered_from_ranks():
         model_lib.bpe_merges_from_ranks({b"a": 0, b"b": 1, b"c": 2, b"abc": 3})
 
 
+@pytest.mark.slow
 def test_qwen_merge_count_and_disk_cache(tmp_path, monkeypatch):
     """151,387 merges as in Qwen's tokenizer.json; the built tokenizer is written once under cache_dir
     and read back (same vocabulary and merges) when the in-process cache is empty."""
@@ -295,6 +296,7 @@ def test_text_spans_to_token_spans_by_hand():
 
 # ----------------------------------------------------------------------------- tiny model on Qwen's tokenizer
 
+@pytest.mark.slow
 def test_tiny_qwen_model_runs_the_prompt():
     """load_model("tiny-qwen"): the tiny architecture with Qwen's tokenizer and the 151,936-row vocab; the
     processor path (timestamps, video placeholders) works as on the tiny model and a forward runs."""

@@ -132,6 +132,7 @@ def trajectories(real_8b_cut):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
 def test_rollout_turn_at_real_shapes(real_8b_cut, trajectories, mode):
     """Prefill of the prompt + 64-frame real overview, the parallel call executed in `mode`, the answer."""
@@ -180,6 +181,7 @@ def text_tdam(tok, ids: list[int], prompt_len: int) -> torch.Tensor:
     return sft.tdam_mask(len(ids), overview, answer, spans(calls), obs)
 
 
+@pytest.mark.slow
 def test_rl_and_sft_step_at_real_shapes(real_8b_cut, trajectories):
     """Both episodes in one batch: recorded log-probs = a full forward, one GRPO backward; then one SFT step
     under TDAM (the answer's rows blind to the overview) on the interleaved episode."""
@@ -245,6 +247,7 @@ def worst_frames(n: int, max_pixels: int, factor: int) -> torch.Tensor:
     return frames
 
 
+@pytest.mark.slow
 def test_videoo3_full_protocol_fits_its_context():
     """Defect 9 of issue 54: the Video-o3 preset holds its own protocol (docs/method.md §5). At the real Qwen3-VL
     processor settings (patch 16, merge 2, temporal patch 2, Qwen's tokenizer) a full-length trajectory: the prompt

@@ -225,6 +225,8 @@ BUDGET_SCRIPTS = {
 }
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
 def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, mode, shrunk_thresholds, monkeypatch):
     """The same trajectories (tokens, roles, answers, windows, recorded log-probs) with an unbounded budget, with
@@ -293,6 +295,7 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
         torch.testing.assert_close(torch.tensor(t.logprobs), full, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
 def test_a_budget_below_one_group_holds_one_group(tiny, split, script, mode, shrunk_thresholds, monkeypatch):
     """A budget below one group's worst case: the group runs as parts of its rows that fit, each with its own copy
@@ -349,6 +352,7 @@ def test_safe_is_the_bankers_rule():
     assert rollout.safe([(3, 10), (2, 5)], 5) and not rollout.safe([(6, 10), (2, 5)], 2)
 
 
+@pytest.mark.bench
 @pytest.mark.parametrize("continuous", [True, False])
 def test_engine_grants_only_what_keeps_it_safe(tiny, continuous):
     """Engine.grant on a hand-made state: a pool of 10 blocks, group 1 holding 3 of a worst case of 10, group 2
@@ -699,6 +703,8 @@ def _same(runs: dict, ref: str) -> None:
 TOOL_S = 0.15     # a tool turn's work: shorter than the other rows' decoding, which then covers it
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
 def test_tools_run_beside_the_decoding(tiny, split, script, mode, monkeypatch, decode_steps):
     """Slow tool work (TOOL_S a turn) on the rows that call: with continuous batching the other rows decode
@@ -730,6 +736,8 @@ def test_tools_run_beside_the_decoding(tiny, split, script, mode, monkeypatch, d
     _same(runs, "waves")
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["interleaved", "subagent"])
 def test_overlapped_tools_exact_across_budgets_and_waves(tiny, split, script, mode, shrunk_thresholds, monkeypatch):
     """Tool work of uneven length (rows come back out of the order they left) under an unbounded budget, a budget
