@@ -78,6 +78,7 @@ def test_decoupled_loss_is_ppo_clip_when_behaviour_is_proximal():
     assert loss.item() == pytest.approx(math.exp(0.2) * out[0][0].item(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_behaviour_logprobs_are_the_training_forwards_at_the_sampling_temperature(tiny, tmp_path):
     """The rollout records log p_T of each sampled token (T = 0.7 here); collated, `behaviour_logprobs` puts them
     where the loss reads them, and a training forward of the same weights gives the same numbers: at staleness 0

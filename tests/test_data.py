@@ -267,8 +267,8 @@ def test_make_split_mix_proportions(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"mix": {"bogus": 1.0}}, "mix must map"),                      # unknown kind
-    ({"mix": {"direct": 0.0}}, "mix must map"),                     # no positive weight
+    ({"mix": {"bogus": 1.0}, "duration": 64.0}, "mix must map"),     # unknown kind
+    ({"mix": {"direct": 0.0}, "duration": 64.0}, "mix must map"),    # no positive weight
     ({"mix": {"multi_clue": 1.0}, "duration": 16.0}, "cannot hold 2 mark"),  # 2 marks + gap need 20 s
 ])
 def test_make_split_bad_arguments(tmp_path, kwargs, match):

@@ -275,6 +275,7 @@ def fake_runner_factory(seen: dict, ran: list):
     return fake_runner
 
 
+@pytest.mark.slow
 def test_synthetic_end_to_end_on_the_tiny_model(tmp_path, capsys, cache_env, one_thread):
     """`python eval.py` path: synthetic records -> tiny model -> rollout -> predictions -> score."""
     out = tmp_path / "preds.jsonl"

@@ -185,6 +185,7 @@ def test_chat_template_tool_call_edge_cases(tiny, content, arguments, expected):
 
 # ----------------------------------------------------------------------------- forward / generate
 
+@pytest.mark.slow
 def test_forward_and_generate_with_video(tiny, clip):
     model, processor = tiny
     kw = inputs(processor, clip)
