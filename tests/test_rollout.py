@@ -26,7 +26,9 @@ import video
 from model import load_model
 from conftest import TEST_ROLLOUT, bench_module
 
-SCHEDULES = bench_module("engines")   # bench/engines.py: fixed waves (Waves), the engine's clock (Timed, STATS)
+def schedules():
+    """bench/engines.py (fixed waves: Waves; the engine's clock: Timed, STATS), for the tests marked bench only."""
+    return bench_module("engines")
 
 SEED = 0
 
@@ -253,13 +255,13 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
         return add_prompts(self, model, chunks, pad_id)
 
     def watched_step(self):                            # groups in flight; every row within its grant
-        side_by_side.append((not isinstance(self, SCHEDULES.Waves), len({r.prompt for r in self.active if r.tools})))
+        side_by_side.append((not isinstance(self, schedules().Waves), len({r.prompt for r in self.active if r.tools})))
         assert all(len(self.kv.rows[r.kv].blocks) <= r.grant for r in self.active if r.tools)
         assert self.kv.reserved <= self.kv.pool.n_blocks
         return step(self)
 
     def watched_grant(self, who, blocks):              # under the budget, the first row to ask for its next turn
-        if (not isinstance(self, SCHEDULES.Waves) and self.kv.pool.n_blocks < self.need and isinstance(who[0], int)
+        if (not isinstance(self, schedules().Waves) and self.kv.pool.n_blocks < self.need and isinstance(who[0], int)
                 and blocks > 0 and not refused):                      # is refused once: it waits while the others decode
             refused.append(len(self.active))
             return False
@@ -270,10 +272,10 @@ def test_budget_and_schedule_leave_trajectories_unchanged(tiny, split, script, m
     monkeypatch.setattr(rollout.Engine, "grant", watched_grant)
     runs = {}
     for name, kw, engine in [("unbounded", {}, rollout.Engine), ("budget", dict(memory_budget_bytes=budget), rollout.Engine),
-                             ("waves", dict(memory_budget_bytes=budget), SCHEDULES.Waves)]:
+                             ("waves", dict(memory_budget_bytes=budget), schedules().Waves)]:
         script(BUDGET_SCRIPTS, sub="A blue square.")
         first = len(engines)
-        with SCHEDULES.swapped(engine):
+        with schedules().swapped(engine):
             runs[name] = rollout.run_agent(model, processor, recs[:3], root, config(**{**cfg.__dict__, **kw}), seed=SEED)
         pool = engines[first].kv.pool
         assert pool.peak <= pool.n_blocks
@@ -361,7 +363,7 @@ def test_engine_grants_only_what_keeps_it_safe(tiny, continuous):
     come), and group 2 three; a new group only where the engine stays safe. Fixed waves (bench/engines.py) grant
     whole worst cases side by side and nothing past the pool."""
     model, processor = tiny
-    engine = (rollout.Engine if continuous else SCHEDULES.Waves)(model, processor, config(),
+    engine = (rollout.Engine if continuous else schedules().Waves)(model, processor, config(),
                                                                  rollout.special_token_ids(processor))
     engine.kv = kvcache.GroupKV(model, "cpu", 10)
 
@@ -716,16 +718,16 @@ def test_tools_run_beside_the_decoding(tiny, split, script, mode, monkeypatch, d
     root, recs = split
     during = _slow_tools(monkeypatch, TOOL_S, decode_steps)
     runs, heard, overlap, steps_during = {}, {}, {}, {}
-    for name, engine in [("overlapped", SCHEDULES.Timed), ("waves", SCHEDULES.Waves)]:
+    for name, engine in [("overlapped", schedules().Timed), ("waves", schedules().Waves)]:
         script(BUDGET_SCRIPTS, sub="A blue square.")
         during.clear()
         heard[name] = {}
         listen = lambda t, parts, h=heard[name]: h.setdefault((t.record_id, t.sample), []).append((t.turns[-1], parts))
-        before = dict(SCHEDULES.STATS)
-        with SCHEDULES.swapped(engine):
+        before = dict(schedules().STATS)
+        with schedules().swapped(engine):
             runs[name] = rollout.run_agent(model, processor, recs[:3], root, config(tool_mode=mode, group_size=2),
                                            seed=SEED, on_turn=listen)
-        d = {k: SCHEDULES.STATS[k] - before[k] for k in ("decode_s", "tool_s", "wall_s")}
+        d = {k: schedules().STATS[k] - before[k] for k in ("decode_s", "tool_s", "wall_s")}
         overlap[name] = (d["decode_s"] + d["tool_s"] - d["wall_s"]) / min(d["decode_s"], d["tool_s"])
         assert len(during) == 4                                           # 4 tool turns (BUDGET_SCRIPTS)
         assert d["tool_s"] >= TOOL_S * (1 if name == "overlapped" else 4)   # side by side, tool work counts once
@@ -754,7 +756,7 @@ def test_overlapped_tools_exact_across_budgets_and_waves(tiny, split, script, mo
                      ("no_logprobs", dict(record_logprobs=False))]:
         script(BUDGET_SCRIPTS, sub="A blue square.")
         first = len(engines)
-        with SCHEDULES.swapped(SCHEDULES.Waves if name == "waves" else rollout.Engine):
+        with schedules().swapped(schedules().Waves if name == "waves" else rollout.Engine):
             runs[name] = rollout.run_agent(model, processor, recs[:3], root, config(tool_mode=mode, group_size=2, **kw),
                                            seed=SEED)
         kv = engines[first].kv
