@@ -122,12 +122,12 @@ def main(rank: int, args) -> dict:
         summary["before"] = evaluate(model, "before")
     if args.stage in ("all", "sft") and stage0 != "rl":
         items, n_bad = sft.sft_examples(train_recs, processor, video_root, cfg, sft_data=args.sft_data, seed=args.seed,
-                                    gated_choices=args.gating_choices if args.sft_gated_overviews else [],
-                                    always_call=args.always_call, direct_crop=args.direct_crop,
-                                    tool_free=args.sft_tool_free,
-                                    budget_fraction=args.sft_budget_fraction, keep_bad_calls=args.keep_bad_calls, max_bad_fraction=args.max_bad_fraction,
-                                    workers=torch.get_num_threads(), cache_bytes=args.sft_cache_gb * 2 ** 30,
-                                    log=lambda m: print0(rank, m))
+                                        gated_choices=args.gating_choices if args.sft_gated_overviews else [],
+                                        always_call=args.always_call, direct_crop=args.direct_crop,
+                                        tool_free=args.sft_tool_free, budget_fraction=args.sft_budget_fraction,
+                                        keep_bad_calls=args.keep_bad_calls, max_bad_fraction=args.max_bad_fraction,
+                                        workers=torch.get_num_threads(), cache_bytes=args.sft_cache_gb * 2 ** 30,
+                                        log=lambda m: print0(rank, m))
         run.counters["bad_samples"] += 0 if state else n_bad          # a resumed run counted them before
         optimizer = policy.make_optimizer(model, args.sft_lr, args.vision_lr_scale)
         run.load_optimizer(ckpt, model, optimizer, state, "sft")

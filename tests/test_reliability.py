@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 import data
 import grpo
 import runtime
-import train
 import sft
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +57,7 @@ STAGES = [  # (stage flags, the module and its loss function made to return NaN 
 def test_non_finite_loss_is_skipped_counted_and_logged(flags, loss_fn, tmp_path, capsys, monkeypatch, tiny):
     stage = flags[1]
     module, name = loss_fn.split(".")
-    module = {"train": train, "grpo": grpo}[module]
+    module = {"sft": sft, "grpo": grpo}[module]
     monkeypatch.setattr(module, name, nan_on_first_call(getattr(module, name)))
     run(smoke_argv(tmp_path, *flags, "--save-every", "1"))
     rows = metrics(tmp_path)
@@ -82,7 +81,7 @@ def test_non_finite_loss_is_skipped_counted_and_logged(flags, loss_fn, tmp_path,
 
 @pytest.mark.slow
 def test_non_finite_loss_raises_with_strict(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "sft_loss", nan_on_first_call(sft.sft_loss))
+    monkeypatch.setattr(sft, "sft_loss", nan_on_first_call(sft.sft_loss))
     with pytest.raises(FloatingPointError, match="sft step 1"):
         run(smoke_argv(tmp_path, "--stage", "sft", "--sft-batch", "2", "--n-train", "4", "--strict"))
 
