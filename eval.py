@@ -610,8 +610,7 @@ def run(args: argparse.Namespace):
     each rank runs rank_main on job_of(args): the records are loaded, and synthetic videos rendered, once)."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible (use --device cpu, or leave --device auto)")
-    preset_defaults(args)
-    if args.video is not None:
+    if args.video is not None:                     # load_agent picks the preset (recipes.model_preset)
         record, root = ask_record(args.video, args.question, args.options)     # before the model loads
         if args.threads:
             torch.set_num_threads(args.threads)

@@ -40,7 +40,6 @@ T, CPU = recipes.TINY, recipes.ON_DEVICE["cpu"]     # the settings' defaults: wh
 # -----------------------------------------------------------------------------
 # 1. The PARA-GRPO objective (docs/method.md §4-§5): the equations, and the loss training runs
 
-
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """
     Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (same shape as the inputs).

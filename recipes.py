@@ -154,14 +154,13 @@ def preset_values(preset: str, recipe: str | None = None, tiny: bool = False) ->
 ON_DEVICE = {"cpu": dict(compile=0, precision="fp32"), "cuda": dict(compile=1, precision="bf16")}
 
 
-def sft_warmup(values: dict) -> int:
+def sft_warmup(sft_steps: int, sft_warmup_steps: int | None) -> int:
     """The SFT warmup: sft_warmup_steps, else min(10, sft_steps // 10)."""
-    w = values["sft_warmup_steps"]
-    return min(10, values["sft_steps"] // 10) if w is None else w
+    return min(10, sft_steps // 10) if sft_warmup_steps is None else sft_warmup_steps
 
 
 TINY = preset_values("tiny", tiny=True)          # what `python train.py` runs: the settings dataclasses' defaults
-TINY["sft_warmup_steps"] = sft_warmup(TINY)
+TINY["sft_warmup_steps"] = sft_warmup(TINY["sft_steps"], TINY["sft_warmup_steps"])
 TINY_PROTOCOL = preset_values("tiny")             # ... but the frames: RolloutConfig's defaults (TINY_FRAMES on top)
 
 
@@ -352,7 +351,7 @@ def resolve(args) -> None:
     for key, value in ON_DEVICE["cuda" if on_cuda else "cpu"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.sft_warmup_steps = sft_warmup(vars(args))
+    args.sft_warmup_steps = sft_warmup(args.sft_steps, args.sft_warmup_steps)
     for flag in ("kl_in_reward", "shaping", "dynamic_sampling", "mask_truncated", "gating", "pack_prompts"):
         setattr(args, flag, bool(getattr(args, flag)))
     if not 0.0 <= args.sft_tool_free <= 1.0:

@@ -383,7 +383,7 @@ class SFTSettings:
 
     def __post_init__(self):
         if self.warmup_steps is None:
-            self.warmup_steps = recipes.sft_warmup({"sft_steps": self.steps, "sft_warmup_steps": None})
+            self.warmup_steps = recipes.sft_warmup(self.steps, None)
 
 
 def sft_loss(model, batch: dict, s: SFTSettings, tdam: TdamSpec | None = None) -> tuple[torch.Tensor, int]:

@@ -26,6 +26,16 @@ import rollout
 STATS = {"decode_steps": 0, "decode_s": 0.0, "tool_s": 0.0, "wall_s": 0.0}
 
 
+@contextmanager
+def clock(key: str):
+    """The seconds spent inside, added to STATS[key]."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        STATS[key] += time.perf_counter() - t
+
+
 class Timed(rollout.Engine):
     """rollout.Engine counting into STATS (the module docstring)."""
 
@@ -34,24 +44,17 @@ class Timed(rollout.Engine):
         self.busy = [threading.Lock(), 0, 0.0]   # tool jobs running: (lock, how many, since when)
 
     def run(self) -> None:
-        t = time.perf_counter()
-        try:
+        with clock("wall_s"):
             super().run()
-        finally:
-            STATS["wall_s"] += time.perf_counter() - t
 
     def admit(self) -> None:
-        t = time.perf_counter()
-        try:
+        with clock("decode_s"):
             super().admit()
-        finally:
-            STATS["decode_s"] += time.perf_counter() - t
 
     def step(self) -> list:
-        t = time.perf_counter()
-        ended = super().step()
+        with clock("decode_s"):
+            ended = super().step()
         STATS["decode_steps"] += 1
-        STATS["decode_s"] += time.perf_counter() - t
         return ended
 
     def send(self, r, work, then) -> None:
