@@ -1,7 +1,8 @@
 """
 Rollout and training side by side: the asynchronous mode of the papers' releases (ParaVT trains with AReaL's, rollout
 on 1 GPU beside FSDP2 on 7; Video-o3 with verl's asynchronous multi-turn rollout), with a staleness bound and
-AReaL's decoupled PPO objective (grpo.grpo_token_terms; docs/method.md §5.1).
+AReaL's decoupled PPO objective (grpo.grpo_token_terms; docs/method.md §5.1), or its weight truncated (--set
+rollout_correction=tis) or masked by sequence (mis) instead (§5.2).
 
     python train.py --gpus 8 --async-staleness 1 --rollout-ranks 1 --model CKPT ...   # 1 rollout rank, 7 trainers
     python train.py --gpus 3 --device cpu --async-staleness 1 --rollout-ranks 1      # the same on CPU (gloo)

@@ -31,6 +31,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -771,6 +772,93 @@ def decode_figures(pool: video.DecodePool | None) -> dict:
     ps = pool.stats(reset=True)
     return dict(decode_s=ps["decode_seconds"], decode_wait_s=ps["wait_seconds"],
                 frame_cache_hit_rate=pool.cache.stats()["hit_rate"] if pool.cache else 0.0)
+
+
+# The update's mismatch figures (grpo.policy_update): the trainer's log-probs of the sampled tokens against the
+# sampler's. A class '' is every token the figures see; the rest split them (mismatch_classes):
+#     sub / main    the tokens of sub-agent rows (Trajectory.parent set) / of the others
+#     early / late  early: a policy token with at most EARLY_TOKENS policy tokens (itself included) since the last
+#                   ENV token before it (the prompt, the forced "<think>\n", a tool response, inserted frames, the
+#                   forced answer), i.e. each turn's first 8 sampled tokens; late: the policy tokens after them
+#     low_p         behaviour probability exp(logp_behav) < LOW_P
+MISMATCH_CLASSES = ("", "sub", "main", "early", "late", "low_p")
+EARLY_TOKENS = 8            # a turn's first policy tokens after an ENV span (mismatch_classes)
+LOW_P = 1e-3                # behaviour probability below which a token is low_p
+RATIO_BAND = (0.8, 1.25)    # r = pi_train / pi_behav outside it counts in ratio_out
+
+
+def mismatch_classes(policy: torch.Tensor, sub: torch.Tensor, behav_lp: torch.Tensor) -> dict:
+    """The classes (above) of (B, L-1) target positions, each (B, L-1) bool: policy, the next token is the
+    policy's; sub (B,), the row is a sub-agent's; behav_lp the behaviour log-probs."""
+    idx = torch.arange(policy.shape[1]).expand(policy.shape)
+    last_env = torch.where(policy, -1, idx).cummax(1).values     # the last ENV target at or before (-1: token 0)
+    early = policy & (idx - last_env <= EARLY_TOKENS)
+    sub = sub.bool()[:, None].expand(policy.shape)
+    return {"sub": policy & sub, "main": policy & ~sub, "early": early, "late": policy & ~early,
+            "low_p": policy & (behav_lp < math.log(LOW_P))}
+
+
+def _p99_tail(n: int) -> tuple[float, int]:
+    """For n values: the linear-interpolation quantile's position h = 0.99 (n - 1) (numpy's default) and the
+    k = n - floor(h) largest values that hold the sorted values at floor(h) and floor(h) + 1."""
+    h = 0.99 * (n - 1)
+    return h, n - math.floor(h)
+
+
+def mismatch_figures(train_lp: torch.Tensor, behav_lp: torch.Tensor, mask: torch.Tensor, classes: dict | None = None,
+                     world: int = 1, group=None) -> dict:
+    """
+    The trainer's log-probs of the sampled tokens against the sampler's, over the tokens of `mask` (any shape; the
+    inputs and each class mask of `classes`, MISMATCH_CLASSES, that shape). With d = logp_train - logp_behav and
+    r = exp(d), per class c ('' = all; keys mismatch/{c/}NAME):
+        abs_diff_mean, abs_diff_p99, abs_diff_max   of |d| (p99: the linear-interpolation quantile, numpy's default)
+        k3          mean of r - 1 - log r: the k3 estimate of KL(pi_behav || pi_train) from behaviour samples
+                    (Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html)
+        ratio_out   the fraction of tokens with r outside RATIO_BAND
+        tokens      the count; a class without tokens reports 0 everywhere
+    world > 1: over the tokens of every rank of `group`, exactly (one all-reduce of the sums, one all-gather of each
+    class's largest |d|, the n - floor(0.99 (n - 1)) that decide p99 and the max).
+    """
+    m, classes = mask.bool(), classes or {}
+    d = (train_lp.double() - behav_lp.double())[m]
+    sel = {c: classes[c].bool()[m] if c in classes else torch.full_like(d, not c, dtype=torch.bool)
+           for c in MISMATCH_CLASSES}                                # a class not given: none of the tokens
+    ad, k3 = d.abs(), torch.expm1(d) - d
+    out_band = (d < math.log(RATIO_BAND[0])) | (d > math.log(RATIO_BAND[1]))
+    sums = torch.tensor([[float(s.sum()), float(ad[s].sum()), float(k3[s].sum()), float(out_band[s].sum())]
+                         for s in sel.values()], dtype=torch.float64)
+    if world > 1:
+        import torch.distributed as dist
+        device = runtime.collective_device(dist.get_backend_config(group))
+        sums = sums.to(device)
+        dist.all_reduce(sums, group=group)
+        sums = sums.cpu()
+    ks = [_p99_tail(int(n))[1] if n > 0 else 0 for n in sums[:, 0].tolist()]
+    tails = [torch.full((k,), float("-inf"), dtype=torch.float64) for k in ks]
+    for tail, s, k in zip(tails, sel.values(), ks):
+        top = ad[s].topk(min(k, int(s.sum()))).values
+        tail[:len(top)] = top
+    tails = torch.cat(tails)
+    if world > 1 and len(tails):
+        parts = [torch.empty_like(tails, device=device) for _ in range(world)]
+        dist.all_gather(parts, tails.to(device), group=group)
+        tails = torch.stack(parts).cpu()                                       # (world, sum k)
+    tails = tails[None] if tails.dim() == 1 else tails
+    out, start = {}, 0
+    for c, (n, s_abs, s_k3, s_out), k in zip(MISMATCH_CLASSES, sums.tolist(), ks):
+        key = f"mismatch/{c + '/' if c else ''}"
+        top = tails[:, start:start + k].flatten().topk(k).values.tolist()      # the k largest |d|, descending
+        start += k
+        p99 = mx = 0.0
+        if n:
+            h, _ = _p99_tail(int(n))
+            lo = top[k - 1]                                         # sorted ascending, index floor(h)
+            p99 = lo + (h - math.floor(h)) * (top[k - 2] - lo) if k >= 2 else lo
+            mx = top[0]
+        n_ = max(n, 1)
+        out.update({f"{key}abs_diff_mean": s_abs / n_, f"{key}abs_diff_p99": p99, f"{key}abs_diff_max": mx,
+                    f"{key}k3": s_k3 / n_, f"{key}ratio_out": s_out / n_, f"{key}tokens": int(n)})
+    return out
 
 
 def rollout_figures(g, records: dict) -> tuple[int, dict]:

@@ -17,11 +17,13 @@ out G samples per prompt, score each under the recipe, optionally shape the rewa
 at the sampling temperature. The forward passes and the optimizer are policy.py's.
 """
 import dataclasses
+import math
 import random
 from typing import Callable
 
 import torch
 
+import eval as evaluation
 import model as model_lib
 import policy
 import recipes
@@ -59,7 +61,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 def grpo_token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, clip_low: float,
                      clip_high: float, kl_coef: float, ref_logprobs: torch.Tensor | None, kl_estimator: str,
-                     behav_logprobs: torch.Tensor | None, behav_cap: float
+                     behav_logprobs: torch.Tensor | None, behav_cap: float, *, correction: str | None = None,
+                     correction_cap: float | None = None, seq_index: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """
     The PPO-clip surrogate with group advantages (GRPO, arXiv 2402.03300), per token, elementwise:
@@ -67,17 +70,16 @@ def grpo_token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: to
         r_it = exp(log pi_theta(o_it) - log pi_old(o_it))
         l_it = -w_it min(r_it A_it, clip(r_it, 1 - eps_low, 1 + eps_high) A_it) + beta KL_it
 
-    w_it = 1, or with behav_logprobs AReaL's decoupled objective (arXiv 2505.24298; docs/method.md §5.1): pi_old is
-    the proximal policy and w_it = pi_old(o_it) / pi_behav(o_it), tokens with w > behav_cap dropped (w = 0).
-    eps_low / eps_high = clip_low / clip_high; KL_it = kl_penalty(logprobs, ref_logprobs, kl_estimator), weighted
-    by beta = kl_coef (0 without a reference). Any shape. Returns (l, r, KL, clipped): clipped = the tokens whose
-    gradient the clip cuts off.
+    w_it = 1 without behav_logprobs; with them `behaviour_weight` (AReaL's decoupled objective, or by `correction`
+    tis / mis, with correction_cap and seq_index; docs/method.md §5.1-§5.2). eps_low / eps_high = clip_low /
+    clip_high; KL_it = kl_penalty(logprobs, ref_logprobs, kl_estimator), weighted by beta = kl_coef (0 without a
+    reference). Any shape. Returns (l, r, KL, clipped): clipped = the tokens whose gradient the clip cuts off.
     """
     ratio = torch.exp(logprobs - old_logprobs)
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
     if behav_logprobs is not None:
-        w = torch.exp(old_logprobs.detach() - behav_logprobs)
-        per_token = per_token * torch.where(w <= behav_cap, w, 0.0)
+        per_token = per_token * behaviour_weight(old_logprobs.detach() - behav_logprobs, behav_cap, correction,
+                                                 correction_cap, seq_index)
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
@@ -88,11 +90,38 @@ def grpo_token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: to
     return per_token, ratio, kl, clipped
 
 
+def behaviour_weight(log_u: torch.Tensor, behav_cap: float, correction: str | None, cap: float | None,
+                     seq_index: torch.Tensor | None) -> torch.Tensor:
+    """grpo_token_terms' weight w_it from log u_it, u_it = pi_old(o_it) / pi_behav(o_it) (pi_old detached), by
+    `correction`, C = cap:
+        None / "none"  AReaL's decoupled objective (arXiv 2505.24298): w_it = u_it, 0 where u_it > behav_cap
+        "tis"          truncated IS (Yao et al. 2025, fengyao.notion.site/off-policy-rl): w_it = min(u_it, C)
+        "mis"          sequence-level masked IS (Liu et al. 2025, "When Speed Kills Stability"):
+                       rho_i = exp(sum_t log u_it) over sequence i's tokens, w_it = rho_i 1[rho_i <= C]
+    seq_index: each token's sequence (None: the last dimension is one; masked-out tokens must carry log u = 0)."""
+    u = torch.exp(log_u)
+    if correction in (None, "none"):
+        return torch.where(u <= behav_cap, u, 0.0)
+    if correction == "tis":
+        return u.clamp(max=cap)
+    if correction != "mis":
+        raise ValueError(f"rollout_correction must be one of {recipes.ROLLOUT_CORRECTIONS}, got {correction!r}")
+    if seq_index is None:
+        log_rho = log_u.sum(-1, keepdim=True).expand(log_u.shape)
+    else:
+        seqs, at = torch.unique(seq_index, return_inverse=True)
+        log_rho = torch.zeros(len(seqs), dtype=log_u.dtype, device=log_u.device).index_add_(
+            0, at.flatten(), log_u.flatten())[at]
+    return torch.where(log_rho <= math.log(cap), torch.exp(log_rho), 0.0)
+
+
 def grpo_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
               old_logprobs: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor, *,
               clip_low: float, clip_high: float, kl_coef: float, kl_estimator: str, temperature: float, compile: bool,
               behav_cap: float, ref_logprobs: torch.Tensor | None = None, behav_logprobs: torch.Tensor | None = None,
-              num_tokens: float | torch.Tensor | None = None, chunk_size: int | None = None) -> tuple[torch.Tensor, dict]:
+              num_tokens: float | torch.Tensor | None = None, chunk_size: int | None = None,
+              correction: str | None = None, correction_cap: float | None = None,
+              logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """
     The loss the RL step runs: `grpo_token_terms`, token-mean over the policy's tokens of the whole batch (DAPO,
     arXiv 2503.14476), from the final hidden states through the fused `ops.token_logprobs`, never (B, L, V) logits:
@@ -102,24 +131,32 @@ def grpo_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch
 
     Shapes: hidden (B, L, D), lm_head_weight (V, D), targets, mask (B, L); old / ref / behav log-probs (B, L);
     advantages (B,) or (B, L). old_logprobs None: one on-policy epoch, ratio exp(logp - logp.detach()) = 1.
-    T is the sampling temperature: every log-prob is of the tempered distribution that sampled. Returns (loss,
-    stats: clip_frac, kl, n_tokens, ratio_mean).
+    T is the sampling temperature: every log-prob is of the tempered distribution that sampled. behav_logprobs:
+    weighted by `correction` (grpo_token_terms; mis: each row a sequence). Returns (loss, stats: clip_frac, kl,
+    n_tokens, ratio_mean, logprobs: the (N,) detached logp_it of the mask's tokens in row-major order).
+    `logprobs` (B, L): the exact mode's, computed by the caller (policy.exact_logprobs, differentiable); hidden and
+    lm_head_weight are then unused.
     """
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("grpo_loss: kl_coef != 0 needs ref_logprobs")
-    h, t, mask, rows = policy_rows("grpo_loss", hidden, targets, mask, old_logprobs=old_logprobs,
-                                   advantages=advantages, ref_logprobs=ref_logprobs, behav_logprobs=behav_logprobs)
-    logp = token_logprobs(h, lm_head_weight, t, chunk_size, compile=compile, temperature=temperature)   # (N,) fp32
+    h, t, mask, rows = policy_rows("grpo_loss", hidden if logprobs is None else logprobs[..., None], targets, mask,
+                                   old_logprobs=old_logprobs, advantages=advantages, ref_logprobs=ref_logprobs,
+                                   behav_logprobs=behav_logprobs)
+    logp = token_logprobs(h, lm_head_weight, t, chunk_size, compile=compile, temperature=temperature) \
+        if logprobs is None else h[:, 0]                                   # (N,) fp32
     old = logp.detach() if rows["old_logprobs"] is None else rows["old_logprobs"]
+    seq = mask.nonzero()[:, 0] if correction == "mis" else None            # (N,) each token's row
     per_token, ratio, kl, clipped = grpo_token_terms(logp, old, rows["advantages"], clip_low, clip_high, kl_coef,
                                                      rows["ref_logprobs"], kl_estimator, rows["behav_logprobs"],
-                                                     behav_cap)
+                                                     behav_cap, correction=correction, correction_cap=correction_cap,
+                                                     seq_index=seq)
     n_tokens = h.shape[0]
     loss = per_token.sum() / (max(n_tokens, 1) if num_tokens is None else num_tokens)
     denom = max(n_tokens, 1)
     with torch.no_grad():   # summed on the device; one host sync
         sums = torch.stack([clipped.float().sum(), kl.float().sum(), ratio.float().sum()]).tolist()
-    stats = {"clip_frac": sums[0] / denom, "kl": sums[1] / denom, "n_tokens": n_tokens, "ratio_mean": sums[2] / denom}
+    stats = {"clip_frac": sums[0] / denom, "kl": sums[1] / denom, "n_tokens": n_tokens, "ratio_mean": sums[2] / denom,
+             "logprobs": logp.detach()}
     return loss, stats
 
 
@@ -166,6 +203,9 @@ class GRPOSettings:
     precision: str = CPU["precision"]                # fp32 | bf16 (resolve: bf16 on CUDA): the compute dtype
     async_staleness: int = T["async_staleness"]      # >= 1: rollout beside training (async_rl.py), the decoupled loss
     behav_weight_cap: float = T["behav_weight_cap"]  # the decoupled loss's cap on pi_prox / pi_behav
+    rollout_correction: str = T["rollout_correction"]    # none | tis | mis: the sampler/trainer gap's weight (§5.2)
+    rollout_correction_cap: float = T["rollout_correction_cap"]   # its C
+    exact_policy: bool = T["exact_policy"]           # the loss's log-probs the rollout's bit for bit (ops.py §4)
     pack_prompts: bool = T["pack_prompts"]            # the update runs each shared prompt once (`pack_prompts`)
     rl_steps: int = T["rl_steps"]
     lr: float = T["lr"]                              # peak rate: warmup_steps linear, then cosine (policy.get_lr)
@@ -347,11 +387,14 @@ def policy_update(run: Run, model, ref_model, optimizer, items: list, job: RLJob
     s.async_staleness: the decoupled loss, with the behaviour log-probs the rollout recorded. A rank with fewer
     micro-batches than another runs zero-weight passes (on its last one, or on `job.filler`), so every rank joins
     the same collectives; the step is skipped only when no rank has a token. `run.group`: the ranks that train.
+    With the rollout's log-probs recorded (record_logprobs, always in the asynchronous loop) the stats carry the
+    mismatch figures of the trainer's first forward of the step (the no-grad pi_old with ppo_epochs > 1, else the
+    loss's own) against them (`update_mismatch`); s.rollout_correction tis / mis weighs the loss by them.
     Returns (gradient norm, stats); the norm is None when skipped, nan when the step was not finite."""
     s, world, group, pad_id = job.s, run.world, run.group, processor.tokenizer.pad_token_id
     video_id = model.config.video_token_id
     prompts = policy.shared_prompts([t for t, _, _ in items], video_id, model.config.vision_config.spatial_merge_size) \
-        if s.pack_prompts else None
+        if s.pack_prompts and not s.exact_policy else None
     slices = update_micro_batches([len(t.token_ids) for t, _, _ in items], s, prompts)
     chunks = [items[sl] for sl in slices]
     batches = [rollout.collate([t for t, _, _ in c], model, pad_id, share_videos=True) for c in chunks]
@@ -366,15 +409,20 @@ def policy_update(run: Run, model, ref_model, optimizer, items: list, job: RLJob
         advs.append(a)
     n_local = sum(int(policy_mask(b["roles"]).sum()) for b in batches)
     n_global, n_pad = rank_totals(n_local, len(batches), world, group)
+    measure = job.cfg.record_logprobs or s.async_staleness > 0          # the same on every rank
     if n_global == 0:                                   # no rank has a token to learn from: skip, all together
-        return None, {"clip_frac": 0.0, "kl": 0.0, "loss": 0.0}
+        return None, {"clip_frac": 0.0, "kl": 0.0, "loss": 0.0, **(update_mismatch([], 1, None) if measure else {})}
     use_ref = ref_model is not None and s.kl_coef > 0 and not s.kl_in_reward
     logprobs = lambda m, b: forward_logprobs(m, b, s.logprob_chunk, s.temperature, s.compile, s.precision)
-    with torch.no_grad(), runtime.full_weights(model):
-        old = [logprobs(model, b) if s.ppo_epochs > 1 else None for b in batches]
+    with torch.no_grad(), runtime.full_weights(model):     # the exact mode's pi_old: what the rollout recorded
+        old = [(rollout.behaviour_logprobs([t for t, _, _ in c], b) if s.exact_policy else logprobs(model, b))
+               if s.ppo_epochs > 1 else None for c, b in zip(chunks, batches)]
         ref = [logprobs(ref_model, b) if use_ref else None for b in batches]
-    behav = [rollout.behaviour_logprobs([t for t, _, _ in c], b) if s.async_staleness else None
-             for c, b in zip(chunks, batches)]
+    weigh = s.async_staleness > 0 or s.rollout_correction != "none"     # the loss reads the behaviour log-probs
+    behav = [rollout.behaviour_logprobs([t for t, _, _ in c], b) if weigh else None for c, b in zip(chunks, batches)]
+    recorded = [None if not measure else (w, policy_mask(b["roles"])) if w is not None else
+                recorded_logprobs([t for t, _, _ in c], b) for c, b, w in zip(chunks, batches, behav)]
+    seen = []                                           # per micro-batch: (train, behav, policy mask, sub rows)
     if n_pad and not batches:                           # nothing kept here: zero-weight passes on a filler row
         fb = rollout.collate([job.filler(processor)], model, pad_id)
         with torch.no_grad():                           # a KL loss term needs the filler's reference log-probs
@@ -385,24 +433,69 @@ def policy_update(run: Run, model, ref_model, optimizer, items: list, job: RLJob
     gn, stats = None, {"clip_frac": 0.0, "kl": 0.0}
     terms = dict(clip_low=s.clip_low, clip_high=s.clip_high, kl_coef=0.0 if s.kl_in_reward else s.kl_coef,
                  kl_estimator=s.kl_estimator, num_tokens=n_global / world, temperature=s.temperature,
-                 chunk_size=s.loss_chunk or None, compile=s.compile, behav_cap=s.behav_weight_cap)
+                 chunk_size=s.loss_chunk or None, compile=s.compile, behav_cap=s.behav_weight_cap,
+                 correction=s.rollout_correction, correction_cap=s.rollout_correction_cap)
     for epoch in range(s.ppo_epochs):
         total = torch.zeros(())
-        for b, o, a, r, w in zip(batches, old, advs, ref, behav):
-            hidden, weight, targets, mask = policy_head(model, b, s.precision)
-            loss, st = grpo_loss(hidden, weight, targets, o, a, mask, ref_logprobs=r, behav_logprobs=w, **terms)
+        for b, o, a, r, w, c, rec in zip(batches, old, advs, ref, behav, chunks, recorded):
+            loss, st, mask = update_loss(model, b, o, a, r, w, s, terms)
+            if epoch == 0 and rec is not None:          # the step's first forward: pi_old, else the loss's own
+                train = o if o is not None and not s.exact_policy else torch.zeros(mask.shape, device=mask.device).masked_scatter(
+                    mask.bool(), st["logprobs"])
+                seen.append((train.float().cpu(), *rec, torch.tensor([t.parent is not None for t, _, _ in c])))
             loss.backward()
             total = total + loss.detach().cpu()
             for k in stats:
                 stats[k] += float(st.get(k, 0.0)) * st["n_tokens"] / max(1, n_local) / s.ppo_epochs
         for _ in range(n_pad):                          # zero-weight passes: no gradient, matching collectives
             b, o, a, r, w = fill
-            hidden, weight, targets, mask = policy_head(model, b, s.precision)
-            (grpo_loss(hidden, weight, targets, o, a, mask, ref_logprobs=r, behav_logprobs=w, **terms)[0] * 0.0).backward()
+            (update_loss(model, b, o, a, r, w, s, terms)[0] * 0.0).backward()
         total = all_sum_float(float(total), group) / world if world > 1 else float(total)
         gn = run.optimizer_step(model, optimizer, torch.tensor(total), "rl", step, [t.record_id for t, _, _ in items])
         stats["loss"] = total                           # the last epoch's token-mean loss, all ranks
+    if measure:
+        stats.update(update_mismatch(seen, world, group))
     return gn, stats
+
+
+def recorded_logprobs(trajs: list, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(behaviour log-probs (B, L-1) as rollout.behaviour_logprobs, and the (B, L-1) policy mask of the rows that
+    recorded theirs): a row without recorded log-probs (not one per policy token) is left out, not an error."""
+    policy = policy_mask(batch["roles"])
+    keep = [i for i, t in enumerate(trajs) if len(t.logprobs) == int(policy[i].sum())]
+    out, has = torch.zeros(policy.shape), torch.zeros(len(trajs), dtype=torch.bool)
+    if keep:
+        out[keep] = rollout.behaviour_logprobs([trajs[i] for i in keep], {"roles": batch["roles"][keep]})
+        has[keep] = True
+    return out, policy & has[:, None]
+
+
+def update_mismatch(seen: list, world: int, group) -> dict:
+    """The step's mismatch figures over every rank's micro-batches (eval.mismatch_figures, eval.mismatch_classes):
+    seen holds (train (B, L-1), behav (B, L-1), policy mask of the rows with recorded log-probs, sub-agent rows
+    (B,)) per micro-batch. A collective when world > 1: every rank calls it, with or without micro-batches."""
+    train, behav, mask, classes = [], [], [], []
+    for t, b, m, sub in seen:
+        cls = evaluation.mismatch_classes(m, sub, b)
+        train.append(t[m])
+        behav.append(b[m])
+        classes.append({k: v[m] for k, v in cls.items()})
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)
+    flat = {k: cat([c[k] for c in classes]).bool() for k in evaluation.MISMATCH_CLASSES if k}
+    t, b = cat(train), cat(behav)
+    return evaluation.mismatch_figures(t, b, torch.ones(t.shape, dtype=torch.bool), flat, world, group)
+
+
+def update_loss(model, b: dict, old, adv, ref, behav, s: GRPOSettings, terms: dict) -> tuple:
+    """(loss, stats, policy mask) of micro-batch b: grpo_loss over the fused head (`policy_head`), or in the exact
+    mode over the exact forward's log-probs (`policy.exact_logprobs`: the rollout's bits for the same policy)."""
+    if s.exact_policy:
+        lp, mask = policy.exact_logprobs(model, b, s.temperature, s.precision)
+        loss, st = grpo_loss(None, None, b["input_ids"][:, 1:].to(lp.device), old, adv, mask, ref_logprobs=ref,
+                             behav_logprobs=behav, logprobs=lp, **terms)
+        return loss, st, mask
+    hidden, weight, targets, mask = policy_head(model, b, s.precision)
+    return (*grpo_loss(hidden, weight, targets, old, adv, mask, ref_logprobs=ref, behav_logprobs=behav, **terms), mask)
 
 
 def recipe_line(s: GRPOSettings) -> str:

@@ -65,8 +65,8 @@ import torch
 import torch.nn.functional as F
 
 import video
-from layers import rope_tables
-from ops import autocast_dtype
+from layers import rope_tables, vision_per_chunk
+from ops import EXACT_KEYS, autocast_dtype, exact_attention, tiled_linear
 
 BLOCK = 256                          # tokens per block of the pool
 SCORES_BUDGET = 2 ** 24              # elements of one working tensor of the attention (scores block, mask, K/V slab)
@@ -241,6 +241,7 @@ class _Forward:
     rope: tuple | None = None            # layers.rope_tables of the forward's positions (first layer)
     autocast: bool = False               # autocast is on around the forward (turned off inside the attention)
     shape: tuple = ()                    # (n, l): rows, tokens per row (right-padded)
+    chunks: list = field(default_factory=list)  # grid rows of each chunk's videos (the exact mode's vision calls)
     cuts: list = field(default_factory=list)    # the slabs of rows (first layer): (a, b, span, the rows' key slots
                                                 # ((b - a) * span,), their mask (b - a, 1, 1, span) or None, a
                                                 # chunk's causal mask for the fused kernel (`_fused_causal`) or
@@ -253,11 +254,14 @@ class GroupKV:
     `extend` prefills a chunk on top of rows, `step` feeds one token to rows (decode); both return the logits
     after each row's last token, (n, V) fp32. `free_row` / `free_prompt` return the blocks at once."""
 
-    def __init__(self, model, device, n_blocks: int):
+    def __init__(self, model, device, n_blocks: int, exact: bool = False):
+        self.exact = exact                 # the exact mode: every row reads [prompt ; suffix] by ops.exact_attention
         self.pool = BlockPool(n_blocks, device)
         self.prompts: dict[int, _Seq] = {}
         self.rows: dict[int, _Seq] = {}
         self.reserved, self.device, self.fwd, self._ids = 0, device, None, 0
+        self.fed = []                      # the M-RoPE positions the last feed gave: a (3, l) host tensor per chunk
+                                           # (add_prompts, extend), a host int per row (step); contract.py hashes them
 
     # -- blocks promised to admitted work (the scheduler's worst case), and sequences
     def reserve(self, n_blocks: int, force: bool = False) -> bool:
@@ -304,7 +308,8 @@ class GroupKV:
         for s in seqs:
             if s.length == len(s.blocks) * BLOCK:
                 s.blocks += self.pool.alloc(1)
-        fwd, (pos,) = self._rows_forward(seqs, [1] * len(seqs), [s.next_pos for s in seqs])
+        self.fed = [s.next_pos for s in seqs]
+        fwd, (pos,) = self._rows_forward(seqs, [1] * len(seqs), self.fed)
         logits = self._run(model, fwd, tokens[:, None], pos.view(1, -1, 1).expand(3, -1, 1))
         for s in seqs:
             s.length += 1
@@ -314,6 +319,7 @@ class GroupKV:
     def _prefills(self, model, seqs: list[_Seq], chunks: list[Chunk], pad_id: int, prompt_mode: bool) -> torch.Tensor:
         """The chunks in as few forwards as hold at most PREFILL_TOKENS tokens each, padding included (a chunk
         longer than that alone), so that the activations of a prefill stay bounded; (n, V) logits."""
+        self.fed = []
         return torch.cat([self._prefill(model, seqs[a:b], chunks[a:b], pad_id, prompt_mode)
                           for a, b, _ in _pack([len(c.ids) for c in chunks], PREFILL_TOKENS)])
 
@@ -329,12 +335,13 @@ class GroupKV:
             types[i, :lengths[i]] = c.mm_types
             p = chunk_positions(model, c) + s.next_pos
             pos[:, i, :lengths[i]] = p
+            self.fed.append(p)
             pos[:, i, lengths[i]:] = p[:, -1:] + 1 + torch.arange(L - lengths[i])   # pads: never attended
             s.next_pos = int(p.max()) + 1
             if c.pixels is not None:
                 pixels.append(c.pixels)
                 grids.append(c.grid)
-        vision = {}
+        vision, fwd_chunks = {}, [len(g) for g in grids]
         if pixels:
             dtype = next(model.parameters()).dtype
             vision = dict(pixel_values_videos=torch.cat(pixels).to(self.device, dtype),
@@ -344,6 +351,7 @@ class GroupKV:
                            self._take(lengths, L))
         else:
             fwd, _ = self._rows_forward(seqs, lengths)
+        fwd.chunks = fwd_chunks
         logits = self._run(model, fwd, _on(self.device, ids), _on(self.device, pos), _on(self.device, types), vision,
                            _on(self.device, [ln - 1 for ln in lengths]))
         for s, ln in zip(seqs, lengths):
@@ -369,7 +377,7 @@ class GroupKV:
         off, ptables, members = [], [], {}                 # members: the rows of each large prompt, in order seen
         for i, s in enumerate(seqs):
             prompt = self.prompts[s.prompt]
-            joined = count[s.prompt] * prompt.length * per_token <= JOIN_PROMPT      # its copies cost little
+            joined = self.exact or count[s.prompt] * prompt.length * per_token <= JOIN_PROMPT   # copies cost little
             off.append(prompt.length if joined else 0)
             ptables.append(prompt.blocks if joined else [])
             if not joined:
@@ -431,13 +439,18 @@ class GroupKV:
         self.fwd = fwd
         fwd.autocast, fwd.shape = autocast_dtype(ids.device.type) is not None, tuple(ids.shape)
         try:
-            out = model.model(input_ids=ids, position_ids=pos, mm_token_type_ids=types, use_cache=False,
-                              rollout_cache=self, **(vision or {}))
+            if self.exact and vision:                      # the tower once per chunk, as the trainer calls it
+                with vision_per_chunk(model, fwd.chunks):
+                    out = model.model(input_ids=ids, position_ids=pos, mm_token_type_ids=types, use_cache=False,
+                                      rollout_cache=self, **vision)
+            else:
+                out = model.model(input_ids=ids, position_ids=pos, mm_token_type_ids=types, use_cache=False,
+                                  rollout_cache=self, **(vision or {}))
         finally:
             self.fwd = None
         h = out.last_hidden_state
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
-        return model.lm_head(h).float()
+        return (tiled_linear(h, model.lm_head.weight) if self.exact else model.lm_head(h)).float()
 
     @staticmethod
     def _key_slots(fwd: _Forward, span: int) -> torch.Tensor:
@@ -484,6 +497,8 @@ class GroupKV:
         large prompts, one slab with each prompt's rows as its queries. Their softmaxes are merged by the LSE."""
         fwd = self.fwd
         (n, l), (_, H, d) = fwd.shape, q.shape
+        if self.exact:
+            return self._attend_exact(layer, q, scale, key, value)
         if fwd.prompt_mode:                                # whole prompts from position 0: plain causal SDPA, fp32
             q, key, value = (t.view(n, l, -1, d).transpose(1, 2).float() for t in (q, key, value))
             return _prompt_attention(q, key, value, scale).transpose(1, 2).flatten(2)
@@ -540,6 +555,23 @@ class GroupKV:
             l_p = l_p.masked_fill(fwd.alone, float("-inf"))
         out = _merge(o_p, l_p, o_s, l_s)                   # (n, Hkv, g l, d)
         return out.reshape(n, 1, H * d) if l == 1 else out.reshape(n, H, l, d).transpose(1, 2).reshape(n, l, H * d)
+
+    def _attend_exact(self, layer: int, q: torch.Tensor, scale: float, key, value) -> torch.Tensor:
+        """The exact mode: each row's queries over its tokens' keys in order ([prompt ; suffix], gathered through the
+        block tables, or a prompt forward's own), by ops.exact_attention, the training forward's routine."""
+        fwd = self.fwd
+        (n, l), (_, H, d) = fwd.shape, q.shape
+        q = q.view(n, l, H, d).transpose(1, 2)
+        if fwd.prompt_mode:
+            K, V = (t.view(n, l, -1, d).transpose(1, 2) for t in (key, value))
+            start = torch.zeros(n, dtype=torch.long, device=q.device)
+        else:
+            span = -(-max(fwd.end_host) // EXACT_KEYS) * EXACT_KEYS       # whole key blocks (past the ends: masked)
+            slots = self._key_slots(fwd, span).reshape(-1)
+            K, V = (_gather(pool[layer], slots, n, span).transpose(1, 2) for pool in (self.pool.k, self.pool.v))
+            start = fwd.start
+        out = exact_attention(q, K, V, start[:, None] + torch.arange(l, device=q.device), scale)
+        return out.transpose(1, 2).reshape(n, l, H * d)
 
 
 def _prompt_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:

@@ -32,13 +32,14 @@ bf16 once where transformers rounds twice.
 Shapes: hidden (n, l, D); the engine's q (n l, H, d), k / v (n l, H_kv, d) (rows of tokens); training's
 (n, H, l, d) and (n, H_kv, l, d); cos / sin (n, l, d).
 """
+import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ops import tdam_attention
+from ops import exact_attention, tdam_attention, tiled_linear
 
 
 def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -69,17 +70,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-def attention(attn, x: torch.Tensor, tables, mask, rollout_cache=None, tdam=None, cache=None) -> torch.Tensor:
+def linear(module, x: torch.Tensor, exact: bool) -> torch.Tensor:
+    """module(x) for a torch.nn.Linear; in the exact mode on fixed row tiles (ops.tiled_linear)."""
+    return tiled_linear(x, module.weight, module.bias) if exact else module(x)
+
+
+def attention(attn, x: torch.Tensor, tables, mask, rollout_cache=None, tdam=None, cache=None,
+              exact: bool = False) -> torch.Tensor:
     """The attention block of `attn` (transformers' attention module: its projections, norms, layer_idx, scaling)
     on the normed hidden x (n, l, D) -> (n, l, H d), before W_o. `tables`: rope_tables' (cos, signed sin) in the
     layout of the path (rows of tokens for the engine, heads first for training). `rollout_cache`: the engine's
-    GroupKV; `cache`: transformers' Cache (generate's), the keys / values of earlier forwards."""
+    GroupKV; `cache`: transformers' Cache (generate's), the keys / values of earlier forwards. `exact`: the exact
+    mode's calls (tiled projections, ops.exact_attention over the row's tokens; the engine's GroupKV picks its own)."""
     n, l, _ = x.shape
     d = attn.head_dim
     # the engine: rows of tokens (n l, heads, d), the pool's layout; training and plain forwards: transformers'
     # (n, l, heads, d), transposed before the rotary as there, so that every gradient sums in its order too
     shape = (n * l, -1, d) if rollout_cache is not None else (n, l, -1, d)
-    q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+    q, k, v = (linear(p, x, exact).view(shape) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
     if hasattr(attn, "q_norm"):                                       # Qwen3-VL: RMSNorm over each head's d
         q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
     if rollout_cache is not None:                                     # the pool, then cascade attention
@@ -90,7 +98,11 @@ def attention(attn, x: torch.Tensor, tables, mask, rollout_cache=None, tdam=None
     q, k = rope(q, *tables), rope(k, *tables)
     if cache is not None:                                             # transformers' Cache: earlier keys + these
         k, v = cache.update(k, v, attn.layer_idx)
-    if tdam is not None:
+    if exact:                                                         # token j of each row is key j
+        out = exact_attention(q, k, v, torch.arange(l, device=q.device).expand(n, l), attn.scaling)
+        out = out.to(torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type)
+                     else q.dtype).transpose(1, 2)
+    elif tdam is not None:
         out = tdam_attention(q, k, v, tdam, attn.scaling)
     else:
         out = sdpa_attention_forward(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
@@ -109,14 +121,56 @@ class PlainLayer:
     """The forward `use_plain_layers` gives a decoder layer (a mixin before the layer's own class)."""
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, rollout_cache=None, tdam=None,
-                cache=None, **_):
+                cache=None, exact=False, **_):
         x = hidden_states
         tables = rollout_cache.rope(*position_embeddings) if rollout_cache is not None else \
             rope_tables(*position_embeddings, rows_of_tokens=False)  # the engine makes them once per forward
-        x = x + self.self_attn.o_proj(attention(self.self_attn, rms_norm(x, self.input_layernorm), tables,
-                                                attention_mask, rollout_cache, tdam, cache))
+        exact = exact or getattr(rollout_cache, "exact", False)
+        a = attention(self.self_attn, rms_norm(x, self.input_layernorm), tables, attention_mask, rollout_cache, tdam,
+                      cache, exact)
+        x = x + linear(self.self_attn.o_proj, a, exact)
         m = rms_norm(x, self.post_attention_layernorm)
-        return x + self.mlp.down_proj(self.mlp.act_fn(self.mlp.gate_proj(m)) * self.mlp.up_proj(m))
+        up = self.mlp.act_fn(linear(self.mlp.gate_proj, m, exact)) * linear(self.mlp.up_proj, m, exact)
+        return x + linear(self.mlp.down_proj, up, exact)
+
+
+@contextlib.contextmanager
+def vision_per_chunk(model, chunks: list[int]):
+    """The exact mode's vision calls: inside, `model.model.get_video_features` runs the tower once per chunk of
+    videos (chunks[i]: the grid rows of chunk i, in order), the calls the engine makes whatever it batches, so that
+    each chunk's features are the same bits in the engine and the trainer (the tower's matmuls would otherwise take
+    shapes from the batch). Outputs are concatenated in order, as one call's would be."""
+    inner = model.model.get_video_features
+
+    def per_chunk(pixel_values_videos, video_grid_thw=None, **kw):
+        feats, p, r = [], 0, 0
+        for n in chunks:
+            grid = video_grid_thw[r:r + n]
+            size = int(grid.prod(-1).sum())
+            feats.append(inner(pixel_values_videos[p:p + size], grid, **kw))
+            p, r = p + size, r + n
+        out = feats[0]
+        out.pooler_output = tuple(x for f in feats for x in f.pooler_output)
+        out.deepstack_features = [tuple(x for f in feats for x in f.deepstack_features[i])
+                                  for i in range(len(out.deepstack_features))]
+        return out
+
+    with replaced_video_features(model, per_chunk):
+        yield
+
+
+@contextlib.contextmanager
+def replaced_video_features(model, fn):
+    """Inside, `model.model.get_video_features` is `fn` (which may call the one it replaces); restored after."""
+    before = vars(model.model).get("get_video_features")
+    model.model.get_video_features = fn
+    try:
+        yield
+    finally:
+        if before is None:
+            del model.model.get_video_features
+        else:
+            model.model.get_video_features = before
 
 
 SUPPORTED = ("Qwen3VLTextDecoderLayer", "Qwen2_5_VLDecoderLayer")   # the layers PlainLayer.forward is written for

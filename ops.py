@@ -578,3 +578,69 @@ def sample_tokens(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Ten
     u = uniform_noise(seeds.to(logits.device), counters.to(logits.device), logits.shape[-1])
     noisy = scores - torch.log(-torch.log(u))
     return torch.where(scores == float("-inf"), scores, noisy).argmax(-1)
+
+
+# -----------------------------------------------------------------------------
+# 4. The exact mode (--set exact_policy=1): the engine's numbers and the trainer's, the same bytes
+
+EXACT_ROWS = 32           # rows of every matmul's tile: each row meets one GEMM shape, (EXACT_ROWS, D) x (D, O)
+EXACT_KEYS = 64           # keys of each block of `exact_attention`, blocks aligned at a row's first token
+EXACT_QUERIES = 16        # query positions of each pass of `exact_attention` (bounds its scores; no effect on values)
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x (..., D), weight (O, D)) on tiles of EXACT_ROWS rows, the last one zero-padded. A BLAS library picks
+    its kernel and its summation order by the shape (a GEMV for one row, another blocking for 40 rows), so one
+    token's row comes out different in a decode step of 3 rows and in a training forward of 3,000; on a fixed tile
+    the row's result depends on its own values alone (tests/test_exact.py). Autocast applies per tile as to F.linear."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if n % EXACT_ROWS:
+        rows = torch.cat([rows, rows.new_zeros(EXACT_ROWS - n % EXACT_ROWS, rows.shape[1])])
+    dtype = autocast_dtype(x.device.type)
+    if dtype is not None and weight.dtype != dtype:       # autocast's cast of the weight, once rather than per tile
+        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    tiles = [F.linear(t, weight, bias) for t in rows.split(EXACT_ROWS)]
+    out = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
+    return out[:n].view(*x.shape[:-1], -1)
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scale: float
+                    ) -> torch.Tensor:
+    """Causal attention whose every output depends on its query and its keys alone, whoever shares the call: the one
+    routine of the exact mode for the engine's prefill and decode (kvcache.GroupKV) and the training forward
+    (layers.attention). q (n, H, m, d); k / v (n, H_kv, c, d), key j of a row its token j; qpos (n, m) each query's
+    token index (key j seen where j <= qpos) -> (n, H, m, d) fp32.
+        s_j = scale (q . k_j),  M = max_j s_j,  p_j = e^(s_j - M),
+        out = (sum_b sum_(j in b) p_j v_j) / (sum_b sum_(j in b) p_j)      b: blocks of EXACT_KEYS keys, from token 0
+    Every matmul has one shape whatever the batch: a query position's g = H / H_kv heads against one key block,
+    (g, d) x (d, EXACT_KEYS), then (g, EXACT_KEYS) x (EXACT_KEYS, d); a block sums its keys in one fixed-length
+    reduction, and the blocks are summed left to right (cumsum). A key past the query weighs e^-inf = 0, so the keys
+    and blocks after it add exact zeros: a decode step over its row's keys and a training forward over the whole row
+    give the same bits. Keys are read in the values' dtype, as the engine's pool stores them (kvcache.BlockPool.write);
+    the math is fp32 with autocast off. The cost: the (m, c) scores of EXACT_QUERIES positions at a time, no fused
+    kernel."""
+    with torch.autocast(q.device.type, enabled=False):
+        n, H, m, d = q.shape
+        k = k.to(v.dtype)
+        q, k, v = q.float(), k.float(), v.float()
+        kv_heads, c = k.shape[1], k.shape[2]
+        if c % EXACT_KEYS:
+            k, v = (F.pad(t, (0, 0, 0, EXACT_KEYS - c % EXACT_KEYS)) for t in (k, v))
+        nb = k.shape[2] // EXACT_KEYS
+        kt = k.view(n, kv_heads, 1, nb, EXACT_KEYS, d).transpose(-1, -2)        # (n, H_kv, 1, nb, d, B)
+        vb = v.view(n, kv_heads, 1, nb, EXACT_KEYS, d)                          # (n, H_kv, 1, nb, B, d)
+        keys = torch.arange(nb * EXACT_KEYS, device=q.device).view(nb, 1, EXACT_KEYS)
+        qg = q.view(n, kv_heads, H // kv_heads, m, d).transpose(2, 3)           # (n, H_kv, m, g, d)
+        outs = []
+        for a in range(0, m, EXACT_QUERIES):
+            pos = qpos[:, a:a + EXACT_QUERIES]
+            # the blocks after the last query's add exact zeros: left out where that is known without a device sync
+            b = nb if pos.device.type != "cpu" else min(nb, int(pos.max()) // EXACT_KEYS + 1)
+            s = torch.matmul(qg[:, :, a:a + EXACT_QUERIES, None], kt[:, :, :, :b]) * scale   # (n, H_kv, mq, b, g, B)
+            s = s.masked_fill(keys[:b] > pos[:, None, :, None, None, None], float("-inf"))
+            p = torch.exp(s - s.amax((3, 5), keepdim=True))
+            total = p.sum(-1).cumsum(3)[:, :, :, -1]                            # (n, H_kv, mq, g)
+            acc = torch.matmul(p, vb[:, :, :, :b]).cumsum(3)[:, :, :, -1]       # (n, H_kv, mq, g, d)
+            outs.append((acc / total[..., None]).permute(0, 1, 3, 2, 4).reshape(n, H, -1, d))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 2)

@@ -19,10 +19,11 @@ import math
 
 import torch
 
+import layers
 import model as model_lib
 import rollout
 import runtime
-from ops import CAUSAL, FULL, TdamSpec, token_logprobs
+from ops import CAUSAL, FULL, TdamSpec, tiled_linear, token_logprobs
 
 
 # -----------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def policy_mask(roles: torch.Tensor) -> torch.Tensor:
     return roles[:, 1:] == rollout.POLICY
 
 
-def hidden_and_targets(model, batch: dict, tdam: TdamSpec | None = None
+def hidden_and_targets(model, batch: dict, tdam: TdamSpec | None = None, exact: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden (B, L-1, D), targets (B, L-1), policy mask (B, L-1)): the final hidden states that predict each
     next token, for the fused kernels. A batch collated with share_videos=True runs the vision tower once per
@@ -138,21 +139,28 @@ def hidden_and_targets(model, batch: dict, tdam: TdamSpec | None = None
     gradient checkpointing's recompute in backward gets the same keyword).
     A batch with "packed" (`pack_prompts`) runs its one packed row instead and gathers each row's states from it.
     FSDP: the lm_head unit is gathered here, since the kernels read lm_head.weight directly (its gradient is
-    reduce-scattered with the final norm's, in backward)."""
+    reduce-scattered with the final norm's, in backward).
+    `exact`: the exact mode's forward (layers.attention's `exact` keyword; the vision tower once per chunk, as the
+    engine called it: layers.vision_per_chunk)."""
     device = next(model.parameters()).device
     packed = batch.get("packed")          # --set pack_prompts: each shared prompt once (`pack_prompts`)
-    if packed is not None and tdam is not None:
-        raise ValueError("hidden_and_targets: a packed batch carries its own attention spec (no tdam / mask)")
+    if packed is not None and (tdam is not None or exact):
+        raise ValueError("hidden_and_targets: a packed batch carries its own attention spec (no tdam / mask / exact)")
     # the pixels go in the compute dtype (bf16 under --precision bf16, where the parameters, FSDP2's shards
     # included, are fp32 master weights); the tower's first matmul rounds them so under autocast anyway
     cast = {"pixel_values_videos": model_lib.compute_dtype(model)}
     kw = {k: v.to(device, cast.get(k, v.dtype)) for k, v in (packed or batch).items()
-          if k not in ("roles", "packed", "gather", "tdam")}
+          if k not in ("roles", "packed", "gather", "tdam", "video_chunks")}
     tdam = packed["tdam"] if packed is not None else tdam
     if tdam is not None:                  # the spec is the mask (padding included); positions come from collate
         kw.pop("attention_mask", None)
         kw["tdam"] = tdam
-    hidden = shared_video_hidden_states(model, kw)                          # vision once per distinct video
+    if exact:                             # causal by token index: padding sits past every real token
+        kw.pop("attention_mask", None)
+        kw["exact"] = True
+    chunks = batch["video_chunks"].tolist() if exact and "video_chunks" in batch else None
+    with layers.vision_per_chunk(model, chunks) if chunks else contextlib.nullcontext():
+        hidden = shared_video_hidden_states(model, kw)                      # vision once per distinct video
     # (B, L-1, D): the states that predict each row's next token (packed: gathered from the packed rows)
     hidden = hidden[:, :-1] if packed is None else hidden.flatten(0, 1)[packed["gather"].to(device)]
     if hasattr(model.lm_head, "unshard"):
@@ -167,6 +175,7 @@ def shared_video_hidden_states(model, batch: dict) -> torch.Tensor:
     `model.model(**batch).last_hidden_state` on the unshared batch; gradients of a shared video sum
     over its rows, as they would for G separate copies."""
     kw = dict(batch)
+    kw.pop("video_chunks", None)
     index = kw.pop("video_index", None)
     if index is None or "pixel_values_videos" not in kw:
         return model.model(**kw, use_cache=False).last_hidden_state
@@ -179,11 +188,8 @@ def shared_video_hidden_states(model, batch: dict) -> torch.Tensor:
         feats.deepstack_features = [tuple(layer[j] for j in order) for layer in feats.deepstack_features]
         return feats
 
-    model.model.get_video_features = shared
-    try:
+    with layers.replaced_video_features(model, shared):
         return model.model(**kw, use_cache=False).last_hidden_state
-    finally:
-        del model.model.get_video_features
 
 
 def policy_head(model, batch: dict, precision: str, tdam: TdamSpec | None = None):
@@ -196,12 +202,27 @@ def policy_head(model, batch: dict, precision: str, tdam: TdamSpec | None = None
     return hidden, weight, targets, mask
 
 
-def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float, compile: bool, precision: str
-                     ) -> torch.Tensor:
+def exact_logprobs(model, batch: dict, temperature: float, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact mode's (log-probs (B, L-1) at POLICY positions, 0 elsewhere; the policy mask): the exact forward
+    (`hidden_and_targets(exact=True)`), the lm_head on fixed row tiles and rollout.sampled_logprobs, the engine's
+    calls for the same tokens: the bits the rollout recorded (tests/test_exact.py). Differentiable (the loss's)."""
+    with autocast(precision, model):
+        hidden, targets, policy = hidden_and_targets(model, batch, exact=True)
+        logits = tiled_linear(hidden[policy], model.lm_head.weight)
+    out = torch.zeros(targets.shape, device=hidden.device, dtype=torch.float32)
+    out[policy] = rollout.sampled_logprobs(logits, targets[policy], temperature)
+    return out, policy
+
+
+def forward_logprobs(model, batch: dict, chunk_size: int, temperature: float, compile: bool, precision: str,
+                     exact: bool = False) -> torch.Tensor:
     """(B, L-1) log p_T(next token) at POLICY positions (0 elsewhere), through `token_logprobs`: the no-grad
     uses (old and reference log-probs, the KL folded into the reward). T is the sampling temperature (RL: the
     rollout's T, so the policy optimised is the policy that sampled; SFT and evaluation: 1). precision: the
-    compute dtype, as in the loss (`autocast`, `head_inputs`), so old and current log-probs agree."""
+    compute dtype, as in the loss (`autocast`, `head_inputs`), so old and current log-probs agree. `exact`: the
+    exact mode's (`exact_logprobs`)."""
+    if exact:
+        return exact_logprobs(model, batch, temperature, precision)[0]
     hidden, weight, targets, policy = policy_head(model, batch, precision)
     out = torch.zeros(targets.shape, device=hidden.device, dtype=torch.float32)
     if policy.any():

@@ -49,6 +49,7 @@ class Recipe:
 
 
 GATING_CHOICES = (4, 8, 16, 32, 64)      # ParaVT's nFrames gating: the overview frame counts K is drawn from
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")     # --set rollout_correction: grpo.grpo_token_terms' correction
 _PARAVT_KL = dict(kl_coef=0.01, kl_estimator="k1", kl_in_reward=True, shaping=True)
 RECIPES = {
     # ParaVT's PARA-GRPO: accuracy + format with exploration anchoring + tool reward, nFrames gating over
@@ -72,7 +73,9 @@ COMMON = dict(
     top_p=1.0, min_window=1.0, overview_fps=2.0, overview_max_frames=768, overview_max_pixels=None, crop_fps=2.0,
     crop_max_frames=128, crop_max_pixels=None, subagent_fps=1.0, subagent_max_frames=16, subagent_max_pixels=224 * 224,
     subagent_max_new_tokens=512, tools_block=True, max_calls_per_turn=5,
-    record_logprobs=False,
+    # the sampled token's log p_T kept at sampling time (one logsumexp a decode step): what the update's mismatch
+    # figures compare with its own forward (mismatch/* in the metrics), and what tis / mis weigh by
+    record_logprobs=True,
     # the RL step
     rl_steps=20, warmup_steps=0, ppo_epochs=1, micro_batch=8, micro_batch_tokens=16384, pack_prompts=True,
     packed_tokens=32768,   # a packed micro-batch's tokens (no padding): one ParaVT group, 16k + 8 x 1.3k; no more than
@@ -98,9 +101,16 @@ COMMON = dict(
     decode_workers=2, decode_timeout=120.0, frame_cache_gb=2.0, frame_cache=None,
     # rollout beside training (async_rl.py; ParaVT's release: AReaL's asynchronous mode, behaviour weight cap 5)
     async_staleness=0, rollout_ranks=1, behav_weight_cap=5.0,
+    # the correction for the gap between the sampler's log-probs and the trainer's (docs/method.md §5.2): none;
+    # tis, each token's term x min(pi_old / pi_behav, cap) (Yao et al. 2025, cap 2); mis, each sequence's terms x
+    # rho 1[rho <= cap], rho = prod_t pi_old / pi_behav (Liu et al. 2025). Asynchronous: none is the decoupled
+    # loss's token mask at behav_weight_cap, tis / mis replace it
+    rollout_correction="none", rollout_correction_cap=2.0,
     # the process groups: the longest any collective or receive may wait (rank 0 on a rollout step, the trainers on
     # an evaluation the rollout ranks reach eta steps later) before the run ends naming it; torch's is 30 minutes
     dist_timeout_min=120.0,
+    # one policy: the exact mode, the engine's log-probs the trainer's bit for bit (docs/method.md, "One policy")
+    exact_policy=False,
 )
 
 PRESETS = {
@@ -359,6 +369,15 @@ def resolve(args) -> None:
                          f"that calls the tool), got {args.sft_tool_free}")
     if args.eval_batch < 1:
         raise ValueError(f"eval_batch must be >= 1 (held-out questions per batched rollout), got {args.eval_batch}")
+    if args.rollout_correction not in ROLLOUT_CORRECTIONS or args.rollout_correction_cap <= 1.0:
+        raise ValueError(f"--set rollout_correction must be one of {', '.join(ROLLOUT_CORRECTIONS)} and "
+                         f"rollout_correction_cap > 1, got {args.rollout_correction!r} and {args.rollout_correction_cap}")
+    if args.rollout_correction != "none" and not (args.record_logprobs or args.async_staleness):
+        raise ValueError(f"--set rollout_correction={args.rollout_correction} weighs by the behaviour log-probs the "
+                         f"rollout records: it needs record_logprobs=1")
+    if args.exact_policy and not args.record_logprobs:
+        raise ValueError("--set exact_policy=1 trains on the log-probs the rollout records (its pi_old, and the check "
+                         "that they are the trainer's): it needs record_logprobs=1")
     if args.async_staleness < 0 or args.behav_weight_cap <= 1.0:
         raise ValueError(f"--async-staleness must be >= 0 and --behav-weight-cap > 1, got {args.async_staleness} and "
                          f"{args.behav_weight_cap}")

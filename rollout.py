@@ -13,9 +13,10 @@ same context (Video-o3, arXiv 2601.23224). The file reads in the order a rollout
     5. memory        row_blocks (a row's worst case, in pool blocks), safe (the banker's rule), split_group; the
                      budget itself: kvcache.memory_budget (--rollout-memory-gb); the engine's: pool_blocks, stays_safe
     6. the engine    ToolEnv (the tool threads' work), Engine: admit -> step -> retire over kvcache.GroupKV;
-                     run_subagents; run_agent
-    7. training I/O  collate, behaviour_logprobs (whole trajectories; policy.py runs them); a recorded
-                     SFT trajectory goes through the same pieces in sft.encode_messages
+                     run_subagents; run_agent. Each row records digests of what it fed (Trajectory.digests)
+    7. training I/O  collate, behaviour_logprobs (whole trajectories; policy.py runs them; collate checks the
+                     digests: the one policy contract, contract.py); a recorded SFT trajectory goes through the
+                     same pieces in sft.encode_messages
 
 Everything works on token sequences. A trajectory is the prompt followed by turns; every token carries a role:
     ENV    prompt, the forced "<think>\n" prefix, tool responses, inserted frames, forced-answer text
@@ -53,6 +54,7 @@ from functools import partial
 
 import torch
 
+import contract
 import kvcache
 import recipes
 import video
@@ -102,8 +104,9 @@ class RolloutConfig:
     max_context: int = P["max_context"]              # tokens a row may hold; one that reaches it is cut and flagged
     tools_block: bool = P["tools_block"]             # Hermes tools block in the system prompt (real checkpoints)
     record_logprobs: bool = P["record_logprobs"]     # Trajectory.logprobs at sampling time (the decoupled loss,
-                                                     # exactness checks): a (B, V) log_softmax a decode step
+                                                     # the mismatch figures, tis / mis): a logsumexp a decode step
     memory_budget_bytes: int | None = None           # K/V the engine may hold (--rollout-memory-gb); None: memory_budget()
+    exact_policy: bool = P["exact_policy"]           # the exact mode: log-probs the trainer's bit for bit (ops.py §4)
 
     @classmethod
     def of(cls, values: dict, **overrides) -> "RolloutConfig":
@@ -144,6 +147,7 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)     # async_rl.py: the policy version of each assistant turn
     parent: tuple[int, int] | None = None   # sub-agents: (caller row, call index)
     subagents: list["Trajectory"] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)      # one per fed segment (turn), contract.py; collate checks them
 
 
 # -----------------------------------------------------------------------------
@@ -154,16 +158,23 @@ def row_seed(seed: int, record_index: int, sample: int) -> int:
     return (seed * 1_000_003 + record_index * 9_176 + sample * 7_919) % (2 ** 62)
 
 
+def sampled_logprobs(logits: torch.Tensor, tok: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(n,) fp32 log p_T(tok) of (n, V) logits, as a training forward takes it (T = 1 when 0, greedy):
+        z = logits / T,   log p_T(tok) = z_tok - logsumexp_v z_v        (no (n, V) log_softmax written)"""
+    z = logits.float() / (temperature or 1.0)
+    return z.gather(1, tok[:, None])[:, 0] - torch.logsumexp(z, -1)
+
+
 def draw(logits: torch.Tensor, ban: torch.Tensor | None, seeds: torch.Tensor, counters: torch.Tensor,
          cfg: "RolloutConfig") -> tuple[torch.Tensor, list, list | None]:
     """A decode step's draw from logits (n, V), the `ban` ids never drawn: (tokens (n,), their values, their
-    log-probs or None), read to the host in one sync. The log-probs (cfg.record_logprobs) are log_softmax(logits / T)
-    of the unmasked logits (T = 1 when greedy), as a training forward computes them."""
+    log-probs or None), read to the host in one sync. The log-probs (cfg.record_logprobs): `sampled_logprobs` of
+    the unmasked logits."""
     masked = logits.index_fill(1, ban, float("-inf")) if ban is not None else logits
     tok = sample_tokens(masked, seeds, counters, cfg.temperature, cfg.top_p)
     if not cfg.record_logprobs:
         return tok, tok.tolist(), None                                      # the step's one host sync
-    lp = torch.log_softmax(logits.float() / (cfg.temperature or 1.0), -1).gather(1, tok[:, None])[:, 0]
+    lp = sampled_logprobs(logits, tok, cfg.temperature)
     return tok, *torch.stack([tok.double(), lp.double()]).tolist()         # the step's one host sync
 
 
@@ -369,15 +380,19 @@ class ToolEnv:
 
     def __init__(self, processor, cfg: RolloutConfig, factor: int, dtype: torch.dtype, pool: video.DecodePool | None):
         self.processor, self.cfg, self.factor, self.dtype, self.pool = processor, cfg, factor, dtype, pool
+        self.hashes = {} if contract.RECORD else None   # pixel digests by tensor (contract.pixel_digest)
         self.sub_text = processor.tokenizer.apply_chat_template(
             [{"role": "user", "content": [{"type": "video", "video": "clip"}, {"type": "text", "text": SUBAGENT_PROMPT}]}],
             tokenize=False, add_generation_prompt=True)
 
     def stored(self, c: Chunk) -> Chunk:
-        """c with its pixels in the model's dtype: the values the model sees, kept by the trajectory once."""
-        if c.pixels is None or c.pixels.dtype == self.dtype:
-            return c
-        return Chunk(c.ids, c.mm_types, c.pixels.to(self.dtype), c.grid)
+        """c with its pixels in the model's dtype: the values the model sees, kept by the trajectory once (their
+        digest taken here, in the tool threads, when the engine records: contract.pixel_digest)."""
+        if c.pixels is not None and c.pixels.dtype != self.dtype:
+            c = Chunk(c.ids, c.mm_types, c.pixels.to(self.dtype), c.grid)
+        if self.hashes is not None:
+            contract.pixel_digest(c.pixels, self.hashes)
+        return c
 
     def subagent_chunk(self, clip: video.Clip) -> Chunk:
         return self.stored(encode_chunk(self.processor, self.sub_text, [clip]))
@@ -425,6 +440,7 @@ class _Row:
     results: list = field(default_factory=list)         # this turn's tool results, while its sub-agents run
     subs: dict = field(default_factory=dict)            # call index -> finished sub-agent trajectory
     waiting: int = 0                     # sub-agents still running
+    fed: contract.Digest | None = None   # the digest of the segment being fed (contract.py), when recording
 
     def sampled(self, t: int, logprob: float | None, stop: int, max_context: int) -> bool:
         """Token t (and its log-prob, if recorded) onto the trajectory; whether it ends the turn: the stop token, or
@@ -437,6 +453,8 @@ class _Row:
             self.traj.logprobs.append(logprob)
         if t == stop or len(self.turn_tokens) == self.max_new or len(self.traj.token_ids) >= max_context:
             self.pending = [t]                           # fed with the next chunk
+            if self.fed is not None:                     # the turn's segment is complete
+                self.traj.digests.append(self.fed.hexdigest())
             self.traj.truncated |= t != stop
             return True
         return False
@@ -536,16 +554,17 @@ class Engine:
         budget = kvcache.memory_budget(self.cfg.memory_budget_bytes, self.device, self.model) // (kvcache.BLOCK * kv_bytes_per_token(self.model))
         self.queued = deque(part for group in self.queued for part in split_group(group, budget))
         blocks, self.need = pool_blocks(self.queued, self.subs, budget)
-        self.kv = GroupKV(self.model, self.device, blocks)
+        self.kv = GroupKV(self.model, self.device, blocks, exact=self.cfg.exact_policy)
         self.tools = ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="tools")
         try:
             while self.queued or self.subs or self.ready or self.active or self.away:
                 self.collect()
                 self.admit()
-                if not self.active:
-                    if not self.away:
+                if not self.active:                         # (a collect may have retired the last row)
+                    if self.away:
+                        self.collect(wait=True)             # nothing to decode until some tool work ends
+                    elif self.queued or self.subs or self.ready:
                         raise RuntimeError("rollout engine stalled: work is queued but nothing can be admitted")
-                    self.collect(wait=True)                 # nothing to decode until some tool work ends
                     continue
                 for r in self.step():
                     self.end_turn(r)
@@ -590,15 +609,25 @@ class Engine:
         self.subs = []
         if new:
             prompts, logits = self.kv.add_prompts(self.model, [c for c, _, _ in new], self.pad)
-            for (c, rows, b), p in zip(new, prompts):
+            for (c, rows, b), p, pos in zip(new, prompts, self.kv.fed):
+                d = self.digest(c, pos)                     # the group's prompt hashed once, copied to its rows
                 for r, k in zip(rows, self.kv.fork(p, len(rows))):
-                    r.kv, r.prompt = k, p
+                    r.kv, r.prompt, r.fed = k, p, None if d is None else d.copy()
                 self.groups[p] = (list(rows), b)
             self.join([r for _, rows, _ in new for r in rows],
                       torch.cat([lg.expand(len(rows), -1) for (_, rows, _), lg in zip(new, logits)]))
         if ready:
             rows = [r for r, _ in ready]
             self.join(rows, self.kv.extend(self.model, [r.kv for r in rows], [c for _, c in ready], self.pad))
+            for (r, c), pos in zip(ready, self.kv.fed):
+                r.fed = self.digest(c, pos)
+
+    def digest(self, c: Chunk, positions: torch.Tensor) -> contract.Digest | None:
+        """The digest of chunk c as the cache fed it, at positions (3, l) (contract.py); None when not recording."""
+        if self.env.hashes is None:
+            return None
+        pixels = contract.pixel_digest(c.pixels, self.env.hashes)     # most hashed in the tool threads (ToolEnv.stored)
+        return contract.Digest().chunk(c.ids, c.mm_types, positions, c.grid, pixels)
 
     def turn_grant(self, r: _Row, prompt_len: int, held: int, turns: int) -> int:
         """Blocks row r may hold by its next turn's end: `held` tokens in its suffix, `turns` assistant turns left."""
@@ -641,6 +670,9 @@ class Engine:
         if self.active:
             self.counters = self.counters + 1
             self.logits = self.kv.step(self.model, [r.kv for r in self.active], tok)
+            if self.env.hashes is not None:                 # host ints: the tokens read above, the fed positions
+                for j, r, p in zip(keep, self.active, self.kv.fed):
+                    r.fed.step(int(toks[j]), p)
         return ended
 
     # -- a turn's end: tools (in the tool threads), sub-agents, the next chunk
@@ -822,20 +854,23 @@ def _finish(t: Trajectory, processor, ids: dict) -> None:
 # -----------------------------------------------------------------------------
 # full-sequence inputs (training forward, and the exactness check of the cache path)
 
-def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = False) -> dict:
+def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = False, check: bool = True) -> dict:
     """Right-padded model inputs for whole trajectories: input_ids / attention_mask / mm_token_type_ids
     (B, L), position_ids (3, B, L) from get_rope_index over each full sequence, the videos of all rows
     concatenated in row order, and `roles` (B, L) (ENV, POLICY; pads are ENV).
+    check: a rollout's trajectory (with Trajectory.digests) must be what the engine fed, by these inputs' digests
+    (contract.check_row: the one policy contract); a difference raises contract.ContractError.
     share_videos=True (for `policy.shared_video_hidden_states`): pixel_values_videos / video_grid_thw hold each distinct
     video ONCE (the G samples of a prompt share its overview tensor) and `video_index` (n_videos,) gives,
     for every video in row order (one per grid row: a turn's parallel clips are one entry of several
-    videos), its index among the distinct ones."""
+    videos), its index among the distinct ones, and `video_chunks` (n_entries,) the grid rows of each distinct entry
+    (one fed chunk: the exact mode calls the vision tower once per chunk, as the engine did)."""
     B, L = len(trajs), max(len(t.token_ids) for t in trajs)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     roles = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.long)
     pos = torch.zeros(3, B, L, dtype=torch.long)
-    pixels, grids, index, seen, n_videos = [], [], [], {}, 0
+    pixels, grids, index, seen, n_videos, hashes = [], [], [], {}, 0, {}
     video_id = model.config.video_token_id
     for i, t in enumerate(trajs):
         n = len(t.token_ids)
@@ -857,12 +892,15 @@ def collate(trajs: list[Trajectory], model, pad_id: int, share_videos: bool = Fa
         else:
             pos[:, i, :n] = model.model.get_rope_index(ids[i:i + 1, :n], mm_token_type_ids=types,
                                                        video_grid_thw=row_grids)[0][:, 0]
+        if check and t.digests:
+            contract.check_row(t, ids[i, :n], types[0], pos[:, i, :n], roles[i, :n] == POLICY, hashes)
     out = dict(input_ids=ids, attention_mask=mask, position_ids=pos, roles=roles,
                mm_token_type_ids=(ids == video_id).int() * 2)
     if pixels:
         out.update(pixel_values_videos=torch.cat(pixels), video_grid_thw=torch.cat(grids))
         if share_videos:
             out["video_index"] = torch.tensor(index, dtype=torch.long)
+            out["video_chunks"] = torch.tensor([len(g) for g in grids])    # grid rows of each entry (a fed chunk)
     return out
 
 

@@ -323,6 +323,34 @@ def load_roles(path: str | None) -> tuple[dict, str]:
     return {k: float(measured[k]) for k in ROLES}, f"measured: {path}"
 
 
+def exact_mode(r: dict, row: dict, mfu: float, hbm_eff: float, decode_batch_eff: float) -> dict:
+    """The exact mode's step (--set exact_policy=1, ops.py §4) beside the fast one's `row` (`project`'s, colocated):
+    every GEMM on tiles of ops.EXACT_ROWS rows reads the layer's weights once a tile, so a decode step of a wave's rows
+    reads the bf16 weights ceil(rows / EXACT_ROWS) times, and prefill and the update run at the larger of their FLOPs
+    (at `mfu`) and their tiles' weight reads (at `hbm_eff`); the attention writes its fp32 scores (s, then e^(s - M),
+    each written and read: 16 bytes a score and head) instead of a fused kernel's tiles. The update's loss forward,
+    its recompute and its backward (two GEMMs a forward GEMM) are the exact forward's; the reference's forward stays
+    the fast one; the pi_old recompute it skips is none here (ppo_epochs 1). Sub-agents and the K/V traffic as fast."""
+    G, seq = r["group"], row["seq_tokens"]
+    heads = QWEN3VL_8B["q_dim"] // QWEN3VL_8B["head_dim"]
+    gemm = lambda tokens, passes: passes * max(2 * TEXT_PARAMS * tokens / (BF16_FLOPS * mfu),
+                                               math.ceil(tokens / ops.EXACT_ROWS) * 2 * TEXT_PARAMS / (HBM_BW * hbm_eff))
+    scores = lambda tokens, ctx, passes: passes * LAYERS * tokens * ctx * heads * 16 / (HBM_BW * hbm_eff)
+    tiles = math.ceil(row["concurrency"] * G / ops.EXACT_ROWS)          # a wave's rows, in tiles
+    decode_extra = (tiles - 1) * 2 * TEXT_PARAMS / (HBM_BW * hbm_eff) / decode_batch_eff
+    steps = (r["rounds"] + 1) * r["turn_tokens"] * row["waves"]
+    prompts_gpu, rows_gpu = r["prompts"] / r["gpus"], row["rows"] / r["gpus"]
+    prefill_tokens = prompts_gpu * r["overview_tokens"] + rows_gpu * r["rounds"] * r["response_tokens"]
+    fast_prefill = 2 * TEXT_PARAMS * prefill_tokens / (BF16_FLOPS * mfu)
+    rollout_s = (row["rollout_s"] + steps * decode_extra - fast_prefill + gemm(prefill_tokens, 1)
+                 + scores(prefill_tokens, r["overview_tokens"] / 2, 1))
+    train_tokens = row["rows"] / r["gpus"] * seq
+    fast_loss = 4 * 2 * TEXT_PARAMS * train_tokens / (BF16_FLOPS * mfu)     # forward, recompute, backward (x2)
+    update_s = row["update_s"] - fast_loss + gemm(train_tokens, 4) + scores(train_tokens, seq / 2, 4)
+    return dict(rollout_s=rollout_s, update_s=update_s, step_s=rollout_s + update_s, decode_tiles=tiles,
+                slowdown=(rollout_s + update_s) / row["step_s"])
+
+
 def settings(args: argparse.Namespace) -> dict:
     """`project`'s keywords from the command line's flags (tests/test_plan.py projects with the defaults' too)."""
     return dict(roles=load_roles(args.roles)[0], hbm_gb=args.hbm_gb, shared=bool(args.shared_prefix), mfu=args.mfu,
@@ -340,6 +368,8 @@ def main() -> None:
         return
     kw = settings(args)
     rows = [project(n, r, **kw) for n, r in RECIPES.items()]
+    for r in rows:                      # the exact mode's step beside the fast one
+        r["exact"] = exact_mode(RECIPES[r["recipe"]], r, kw["mfu"], kw["hbm_eff"], kw["decode_batch_eff"])
     split = {n: project(n + " async", r, layout=r["layout"], **kw) for n, r in RECIPES.items()}
     for r in rows:                      # the asynchronous layout beside the colocated synchronous step
         a = split[r["recipe"]]
@@ -380,6 +410,13 @@ def main() -> None:
                 ["recipe", "R+T", "off-policy", "rollout s", "of it KL s", "update s", "copy s", "send s",
                  "msg GB/trainer", "msg s", "async step s", "sync step s", "speed-up", "rollout busy", "trainer busy",
                  "rollout GB (headroom)", "train GB (headroom)", "fits", "layout"]))
+    print(f"The exact mode (--set exact_policy=1: GEMMs on {ops.EXACT_ROWS}-row tiles, unfused fp32 attention "
+          "scores), colocated, beside the fast step:")
+    print(table([[r["recipe"], f"{r['rollout_s']:.0f}", f"{r['exact']['rollout_s']:.0f}", f"{r['update_s']:.0f}",
+                  f"{r['exact']['update_s']:.0f}", f"{r['step_s']:.0f}", f"{r['exact']['step_s']:.0f}",
+                  f"{r['exact']['slowdown']:.1f}x", r["exact"]["decode_tiles"]] for r in rows],
+                ["recipe", "rollout s", "exact rollout s", "update s", "exact update s", "step s", "exact step s",
+                 "slowdown", "decode tiles"]))
     rnd = lambda v: (round(v, 2) if isinstance(v, float) else {k: rnd(x) for k, x in v.items()}
                      if isinstance(v, dict) else v)
     print(json.dumps({"shared_prefix": bool(args.shared_prefix), "mfu": args.mfu, "hbm_efficiency": args.hbm_efficiency,

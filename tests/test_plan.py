@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import ops
 import policy
 from conftest import BENCH, bench_module
 
@@ -256,3 +257,23 @@ def test_paravt_release_layout_fits_h100_and_h200():
         a = plan("--hbm-gb", hbm)["recipes"]["ParaVT"]["async"]
         assert a["fits"] and a["rollout_headroom_gb"] > 0 and a["train_headroom_gb"] > 0, (hbm, a)
         assert a["kl_s"] > 0 and a["mem_rollout_gb"] <= float(hbm)
+
+
+def test_the_plan_prices_the_exact_mode_beside_the_fast_one():
+    """The exact mode costs what its tiles and unfused scores cost: its step exceeds the fast one, its update most
+    (every GEMM of the loss on ops.EXACT_ROWS-row tiles), and a wave of more rows than one tile reads the weights once
+    a tile: with 4 groups of 16 rows a wave, ceil(64 / EXACT_ROWS) tiles and that many weight reads a decode step."""
+    mod = bench_module("plan")
+    for name, r in plan()["recipes"].items():
+        e = r["exact"]
+        assert e["step_s"] == pytest.approx(e["rollout_s"] + e["update_s"], abs=0.02)
+        assert e["update_s"] > r["update_s"] and e["rollout_s"] >= r["rollout_s"] - 0.01 and e["slowdown"] > 1, name
+    spec = mod.RECIPES["Video-o3"]
+    row = mod.project("Video-o3", spec, True, 0.4, 0.7, 0.8, 10.0, None)
+    wide = mod.exact_mode(spec, dict(row, concurrency=4), 0.4, 0.7, 0.8)
+    narrow = mod.exact_mode(spec, dict(row, concurrency=1), 0.4, 0.7, 0.8)
+    tiles = -(-4 * spec["group"] // ops.EXACT_ROWS)
+    assert wide["decode_tiles"] == tiles > narrow["decode_tiles"] == 1
+    steps = (spec["rounds"] + 1) * spec["turn_tokens"] * row["waves"]
+    extra = (tiles - 1) * 2 * mod.TEXT_PARAMS / (mod.HBM_BW * 0.7) / 0.8 * steps
+    assert wide["rollout_s"] - narrow["rollout_s"] == pytest.approx(extra, rel=1e-6)
