@@ -474,7 +474,7 @@ def update_mismatch(seen: list, world: int, group) -> dict:
     """The step's mismatch figures over every rank's micro-batches (eval.mismatch_figures, eval.mismatch_classes):
     seen holds (train (B, L-1), behav (B, L-1), policy mask of the rows with recorded log-probs, sub-agent rows
     (B,)) per micro-batch. A collective when world > 1: every rank calls it, with or without micro-batches."""
-    train, behav, mask, classes = [], [], [], []
+    train, behav, classes = [], [], []
     for t, b, m, sub in seen:
         cls = evaluation.mismatch_classes(m, sub, b)
         train.append(t[m])

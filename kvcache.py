@@ -237,7 +237,8 @@ class _Forward:
     slabs: list = field(default_factory=list)   # _PromptSlab: the large prompts (one, unless GATHER_BUDGET splits)
     place: torch.Tensor | None = None    # (n,) each row's place among the slabs' p * r places (None: its own index)
     alone: torch.Tensor | None = None    # (n, 1, 1) bool: rows with no large prompt (None: every row has one)
-    qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer)
+    qpos: torch.Tensor | None = None     # (n, g * l) each query's position among its row's keys (first layer;
+                                         # the exact mode: (n, l), and its one cut (span, key slots))
     rope: tuple | None = None            # layers.rope_tables of the forward's positions (first layer)
     autocast: bool = False               # autocast is on around the forward (turned off inside the attention)
     shape: tuple = ()                    # (n, l): rows, tokens per row (right-padded)
@@ -562,15 +563,18 @@ class GroupKV:
         fwd = self.fwd
         (n, l), (_, H, d) = fwd.shape, q.shape
         q = q.view(n, l, H, d).transpose(1, 2)
+        if fwd.qpos is None:                               # made at the first layer, for every layer
+            start = torch.zeros(n, dtype=torch.long, device=q.device) if fwd.prompt_mode else fwd.start
+            fwd.qpos = start[:, None] + torch.arange(l, device=q.device)
+            if not fwd.prompt_mode:                        # whole key blocks (past a row's end: masked)
+                span = -(-max(fwd.end_host) // EXACT_KEYS) * EXACT_KEYS
+                fwd.cuts = [(span, self._key_slots(fwd, span).reshape(-1))]
         if fwd.prompt_mode:
             K, V = (t.view(n, l, -1, d).transpose(1, 2) for t in (key, value))
-            start = torch.zeros(n, dtype=torch.long, device=q.device)
         else:
-            span = -(-max(fwd.end_host) // EXACT_KEYS) * EXACT_KEYS       # whole key blocks (past the ends: masked)
-            slots = self._key_slots(fwd, span).reshape(-1)
+            (span, slots), = fwd.cuts
             K, V = (_gather(pool[layer], slots, n, span).transpose(1, 2) for pool in (self.pool.k, self.pool.v))
-            start = fwd.start
-        out = exact_attention(q, K, V, start[:, None] + torch.arange(l, device=q.device), scale)
+        out = exact_attention(q, K, V, fwd.qpos, scale)
         return out.transpose(1, 2).reshape(n, l, H * d)
 
 

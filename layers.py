@@ -151,8 +151,9 @@ def vision_per_chunk(model, chunks: list[int]):
             p, r = p + size, r + n
         out = feats[0]
         out.pooler_output = tuple(x for f in feats for x in f.pooler_output)
-        out.deepstack_features = [tuple(x for f in feats for x in f.deepstack_features[i])
-                                  for i in range(len(out.deepstack_features))]
+        if getattr(out, "deepstack_features", None) is not None:          # Qwen3-VL's; Qwen2.5-VL has none
+            out.deepstack_features = [tuple(x for f in feats for x in f.deepstack_features[i])
+                                      for i in range(len(out.deepstack_features))]
         return out
 
     with replaced_video_features(model, per_chunk):

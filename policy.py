@@ -185,7 +185,8 @@ def shared_video_hidden_states(model, batch: dict) -> torch.Tensor:
     def shared(pixel_values_videos, video_grid_thw=None, **k):     # runs inside model.model's forward (FSDP hooks)
         feats = inner(pixel_values_videos, video_grid_thw, **k)
         feats.pooler_output = tuple(feats.pooler_output[j] for j in order)
-        feats.deepstack_features = [tuple(layer[j] for j in order) for layer in feats.deepstack_features]
+        if getattr(feats, "deepstack_features", None) is not None:         # Qwen3-VL's; Qwen2.5-VL has none
+            feats.deepstack_features = [tuple(layer[j] for j in order) for layer in feats.deepstack_features]
         return feats
 
     with layers.replaced_video_features(model, shared):

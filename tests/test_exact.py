@@ -146,3 +146,27 @@ def test_an_exact_run_trains_on_the_rollouts_bits(tmp_path, cache_env, one_threa
     assert [r["step"] for r in rows] == [1, 2] and all(r["mismatch/tokens"] > 0 for r in rows)
     assert all(r["mismatch/abs_diff_max"] == 0.0 and r["mismatch/k3"] == 0.0 for r in rows)
     assert calls["fast"] == 0 and calls["exact"] >= 4           # two epochs over each step's micro-batches
+
+
+def test_the_exact_forward_of_qwen25vl_layers_is_batch_invariant():
+    """Qwen2.5-VL's decoder (q / k / v biases, no q / k norms) in the exact forward: a row's logits are the same bits
+    alone and beside other rows, and close to the plain forward's."""
+    import copy
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    import layers
+    config = Qwen2_5_VLConfig(text_config=dict(vocab_size=320, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                    mrope_section=[2, 3, 3])),
+                              vision_config=dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64))
+    torch.manual_seed(0)
+    model = layers.use_plain_layers(Qwen2_5_VLForConditionalGeneration(config).eval())
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+        ids = torch.randint(0, 320, (5, 70))
+        exact = lambda x: ops.tiled_linear(model.model(input_ids=x, exact=True).last_hidden_state, model.lm_head.weight)
+        batch, alone = exact(ids), exact(ids[3:4])
+        assert torch.equal(batch[3:4], alone)
+        torch.testing.assert_close(batch, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
