@@ -69,10 +69,12 @@ class Digest:
 
     def __init__(self, hashes: list | None = None):
         self.h = hashes if hashes is not None else [hashlib.blake2b(digest_size=8) for _ in PARTS]
+        self.tokens, self.positions = [], []         # decode steps not yet hashed (`step`: hashed at `hexdigest`)
 
     def chunk(self, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor, grid: torch.Tensor | None,
               pixels: bytes) -> "Digest":
         """A prefilled chunk: ids, types (l,), positions (3, l) as fed, grid (n, 3) or None, pixel_digest bytes."""
+        self._flush()
         h_ids, h_pos, h_grid, h_pix = self.h
         h_ids.update(struct.pack("=q", len(ids)))
         h_ids.update(_raw(ids, torch.int64))
@@ -84,21 +86,31 @@ class Digest:
         return self
 
     def step(self, token: int, pos: int) -> None:
-        """A decode step: one token at position `pos` in all three components."""
-        self.h[0].update(struct.pack("=q", token))
-        self.h[1].update(struct.pack("=3q", pos, pos, pos))
+        """A decode step: one token at position `pos` in all three components (kept, hashed with the segment's
+        others at `hexdigest`: the same bytes, one update instead of two a row a step)."""
+        self.tokens.append(token)
+        self.positions.append(pos)
 
     def steps(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Decode steps at once: ids (m,), positions (3, m) (the same bytes as m calls of `step`)."""
+        self._flush()
         self.h[0].update(_raw(ids, torch.int64))
         self.h[1].update(_raw(positions.t(), torch.int64))
 
     def copy(self) -> "Digest":
         """An independent copy (a group's rows go on from their shared prompt's digest)."""
+        self._flush()
         return Digest([h.copy() for h in self.h])
+
+    def _flush(self) -> None:
+        if self.tokens:
+            self.h[0].update(struct.pack(f"={len(self.tokens)}q", *self.tokens))
+            self.h[1].update(struct.pack(f"={3 * len(self.positions)}q", *(p for p in self.positions for _ in range(3))))
+            self.tokens, self.positions = [], []
 
     def hexdigest(self) -> str:
         """The segment's digest: "ids:positions:grid:pixels"."""
+        self._flush()
         return ":".join(h.hexdigest() for h in self.h)
 
 

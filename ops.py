@@ -588,21 +588,39 @@ EXACT_KEYS = 64           # keys of each block of `exact_attention`, blocks alig
 EXACT_QUERIES = 16        # query positions of each pass of `exact_attention` (bounds its scores; no effect on values)
 
 
+class _Tiles(torch.autograd.Function):
+    """rows (t R, D) @ weight (O, D)^T (+ bias) as t products of one shape (R, D) x (D, O), R = EXACT_ROWS, in one
+    batched call (the weight broadcast, not copied); the backward is the plain linear's (a gradient need not be
+    batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias):
+        ctx.save_for_backward(rows, weight)
+        ctx.bias = bias is not None
+        out = torch.bmm(rows.reshape(-1, EXACT_ROWS, rows.shape[1]), weight.t().expand(rows.shape[0] // EXACT_ROWS, -1, -1))
+        out = out.view(rows.shape[0], -1)
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ rows, grad.sum(0) if ctx.bias else None
+
+
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x (..., D), weight (O, D)) on tiles of EXACT_ROWS rows, the last one zero-padded. A BLAS library picks
     its kernel and its summation order by the shape (a GEMV for one row, another blocking for 40 rows), so one
     token's row comes out different in a decode step of 3 rows and in a training forward of 3,000; on a fixed tile
-    the row's result depends on its own values alone (tests/test_exact.py). Autocast applies per tile as to F.linear."""
+    the row's result depends on its own values alone (tests/test_exact.py). Under autocast the operands are cast to
+    its dtype first, as F.linear's are."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     if n % EXACT_ROWS:
         rows = torch.cat([rows, rows.new_zeros(EXACT_ROWS - n % EXACT_ROWS, rows.shape[1])])
     dtype = autocast_dtype(x.device.type)
-    if dtype is not None and weight.dtype != dtype:       # autocast's cast of the weight, once rather than per tile
-        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-    tiles = [F.linear(t, weight, bias) for t in rows.split(EXACT_ROWS)]
-    out = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
-    return out[:n].view(*x.shape[:-1], -1)
+    if dtype is not None:
+        rows, weight, bias = rows.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    return _Tiles.apply(rows, weight, bias)[:n].view(*x.shape[:-1], -1)
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scale: float
@@ -624,23 +642,29 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: tor
         n, H, m, d = q.shape
         k = k.to(v.dtype)
         q, k, v = q.float(), k.float(), v.float()
-        kv_heads, c = k.shape[1], k.shape[2]
-        if c % EXACT_KEYS:
-            k, v = (F.pad(t, (0, 0, 0, EXACT_KEYS - c % EXACT_KEYS)) for t in (k, v))
-        nb = k.shape[2] // EXACT_KEYS
-        kt = k.view(n, kv_heads, 1, nb, EXACT_KEYS, d).transpose(-1, -2)        # (n, H_kv, 1, nb, d, B)
-        vb = v.view(n, kv_heads, 1, nb, EXACT_KEYS, d)                          # (n, H_kv, 1, nb, B, d)
-        keys = torch.arange(nb * EXACT_KEYS, device=q.device).view(nb, 1, EXACT_KEYS)
-        qg = q.view(n, kv_heads, H // kv_heads, m, d).transpose(2, 3)           # (n, H_kv, m, g, d)
+        kv, c, B = k.shape[1], k.shape[2], EXACT_KEYS
+        g = H // kv
+        if c % B:
+            k, v = (F.pad(t, (0, 0, 0, B - c % B)) for t in (k, v))
+        nb = k.shape[2] // B
+        kblocks, vblocks = k.reshape(n * kv, nb, B, d), v.reshape(n * kv, nb, B, d)  # each (row, K/V head, block)
+        qg = q.reshape(n * kv, g, m, d)
+        keys = torch.arange(nb * B, device=q.device).view(nb, 1, B)
         outs = []
         for a in range(0, m, EXACT_QUERIES):
-            pos = qpos[:, a:a + EXACT_QUERIES]
+            pos = qpos[:, a:a + EXACT_QUERIES]                                  # (n, mq)
+            mq = pos.shape[1]
             # the blocks after the last query's add exact zeros: left out where that is known without a device sync
-            b = nb if pos.device.type != "cpu" else min(nb, int(pos.max()) // EXACT_KEYS + 1)
-            s = torch.matmul(qg[:, :, a:a + EXACT_QUERIES, None], kt[:, :, :, :b]) * scale   # (n, H_kv, mq, b, g, B)
-            s = s.masked_fill(keys[:b] > pos[:, None, :, None, None, None], float("-inf"))
+            b = nb if pos.device.type != "cpu" else min(nb, int(pos.max()) // B + 1)
+            kt, vt = (x if b == nb else x[:, :b].contiguous() for x in (kblocks, vblocks))
+            kt, vt = kt.view(-1, B, d).transpose(1, 2), vt.view(-1, B, d)      # (n kv b, d, B), (n kv b, B, d)
+            # one (g, d) x (d, B) product a query position, row, K/V head and block: the same shape in any call
+            qs = qg[:, :, a:a + mq].permute(2, 0, 1, 3)[:, :, None].expand(-1, -1, b, -1, -1).reshape(mq, -1, g, d)
+            s = torch.stack([torch.bmm(qs[i], kt) for i in range(mq)]).view(mq, n, kv, b, g, B) * scale
+            s = s.masked_fill(keys[:b] > pos.t()[:, :, None, None, None, None], float("-inf"))
             p = torch.exp(s - s.amax((3, 5), keepdim=True))
-            total = p.sum(-1).cumsum(3)[:, :, :, -1]                            # (n, H_kv, mq, g)
-            acc = torch.matmul(p, vb[:, :, :, :b]).cumsum(3)[:, :, :, -1]       # (n, H_kv, mq, g, d)
-            outs.append((acc / total[..., None]).permute(0, 1, 3, 2, 4).reshape(n, H, -1, d))
+            total = p.sum(-1).cumsum(3)[:, :, :, -1]                            # (mq, n, kv, g)
+            acc = torch.stack([torch.bmm(p[i].view(-1, g, B), vt) for i in range(mq)])
+            acc = acc.view(mq, n, kv, b, g, d).cumsum(3)[:, :, :, -1]           # (mq, n, kv, g, d)
+            outs.append((acc / total[..., None]).permute(1, 2, 3, 0, 4).reshape(n, H, mq, d))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 2)

@@ -130,7 +130,8 @@ def main() -> None:
     p.add_argument("--rl-steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (the exact mode's tests use 1)")
     p.add_argument("--repeats", type=int, default=3, help="timed rollouts a side")
-    p.add_argument("--out-dir", default=None, help="where the runs go (default: a temporary folder)")
+    p.add_argument("--out-dir", default=None, help="where the runs go (default: a temporary folder); a run already "
+                   "complete there is read, not run again")
     args = p.parse_args()
     set_threads(args.threads)
     work = args.out_dir or tempfile.mkdtemp(prefix="mismatch_bench_")
@@ -144,8 +145,10 @@ def main() -> None:
     for mode in ("fast", "exact"):
         for precision in ("fp32", "bf16"):
             run_dir = os.path.join(work, f"{mode}-{precision}")
-            train_py(["--stage", "rl", "--model", ckpt, "--run-dir", run_dir, "--rl-steps", args.rl_steps, "--lr", 0,
-                      "--precision", precision, "--set", f"exact_policy={int(mode == 'exact')}"], args.threads)
+            done = os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and len(rl_rows(run_dir)) >= args.rl_steps
+            if not done:                  # a run already complete in --out-dir is read, not run again
+                train_py(["--stage", "rl", "--resume", "--model", ckpt, "--run-dir", run_dir, "--rl-steps", args.rl_steps, "--lr", 0,
+                          "--precision", precision, "--set", f"exact_policy={int(mode == 'exact')}"], args.threads)
             figures[mode][precision] = gap(rl_rows(run_dir))
     extra = in_process(ckpt, args.threads, args.repeats)
     step_s = figures["fast"]["fp32"]["step_s"]
