@@ -147,8 +147,9 @@ def main() -> None:
             run_dir = os.path.join(work, f"{mode}-{precision}")
             done = os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and len(rl_rows(run_dir)) >= args.rl_steps
             if not done:                  # a run already complete in --out-dir is read, not run again
-                train_py(["--stage", "rl", "--resume", "--model", ckpt, "--run-dir", run_dir, "--rl-steps", args.rl_steps, "--lr", 0,
-                          "--precision", precision, "--set", f"exact_policy={int(mode == 'exact')}"], args.threads)
+                train_py(["--stage", "rl", "--resume", "--model", ckpt, "--run-dir", run_dir, "--rl-steps",
+                          args.rl_steps, "--lr", 0, "--precision", precision, "--set",
+                          f"exact_policy={int(mode == 'exact')}"], args.threads)
             figures[mode][precision] = gap(rl_rows(run_dir))
     extra = in_process(ckpt, args.threads, args.repeats)
     step_s = figures["fast"]["fp32"]["step_s"]
