@@ -383,7 +383,8 @@ def policy_update(run: Run, model, ref_model, optimizer, items: list, job: RLJob
     """The GRPO update on the kept items (trajectory, advantage, reward components), then the optimizer step:
     s.ppo_epochs passes over micro-batches (`update_micro_batches`), the loss a token mean over the policy tokens
     of ALL ranks (each rank divides by N_global / world; FSDP averages the ranks' gradients). With several epochs
-    pi_old is recomputed first by a no-grad forward; with one it is the current policy, detached (ratio 1).
+    pi_old is recomputed first by a no-grad forward (s.exact_policy: it is the rollout's recorded log-probs, the same
+    bits, and the loss runs the exact forward: `update_loss`); with one it is the current policy, detached (ratio 1).
     s.async_staleness: the decoupled loss, with the behaviour log-probs the rollout recorded. A rank with fewer
     micro-batches than another runs zero-weight passes (on its last one, or on `job.filler`), so every rank joins
     the same collectives; the step is skipped only when no rank has a token. `run.group`: the ranks that train.
@@ -440,8 +441,8 @@ def policy_update(run: Run, model, ref_model, optimizer, items: list, job: RLJob
         for b, o, a, r, w, c, rec in zip(batches, old, advs, ref, behav, chunks, recorded):
             loss, st, mask = update_loss(model, b, o, a, r, w, s, terms)
             if epoch == 0 and rec is not None:          # the step's first forward: pi_old, else the loss's own
-                train = o if o is not None and not s.exact_policy else torch.zeros(mask.shape, device=mask.device).masked_scatter(
-                    mask.bool(), st["logprobs"])
+                train = o if o is not None and not s.exact_policy else \
+                    torch.zeros(mask.shape, device=mask.device).masked_scatter(mask.bool(), st["logprobs"])
                 seen.append((train.float().cpu(), *rec, torch.tensor([t.parent is not None for t, _, _ in c])))
             loss.backward()
             total = total + loss.detach().cpu()
