@@ -243,7 +243,7 @@ def measured_update(model, ref, optimizer, items: list, s, tok, world: int, run,
     with phases(meter, out):
         spy = types.SimpleNamespace(world=world, group=None, rank=run.rank,
                                     optimizer_step=lambda model_, optimizer_, loss, *a: step(loss))
-        job = grpo.RLJob([], "", None, s, spare=items[0][0])     # the filler: a zero-weight row
+        job = grpo.RLJob([], "", rollout.RolloutConfig(), s, spare=items[0][0])     # the filler: a zero-weight row
         norm, _ = grpo.policy_update(spy, model, ref, optimizer, items, job, 1, types.SimpleNamespace(tokenizer=tok))
     seconds = time.time() - t0
     out["optimizer"] = tensor_bytes(v for st in optimizer.state.values() for v in st.values()
