@@ -342,7 +342,7 @@ class GroupKV:
             if c.pixels is not None:
                 pixels.append(c.pixels)
                 grids.append(c.grid)
-        vision, fwd_chunks = {}, [len(g) for g in grids]
+        vision = {}
         if pixels:
             dtype = next(model.parameters()).dtype
             vision = dict(pixel_values_videos=torch.cat(pixels).to(self.device, dtype),
@@ -352,7 +352,7 @@ class GroupKV:
                            self._take(lengths, L))
         else:
             fwd, _ = self._rows_forward(seqs, lengths)
-        fwd.chunks = fwd_chunks
+        fwd.chunks = [len(g) for g in grids]
         logits = self._run(model, fwd, _on(self.device, ids), _on(self.device, pos), _on(self.device, types), vision,
                            _on(self.device, [ln - 1 for ln in lengths]))
         for s, ln in zip(seqs, lengths):

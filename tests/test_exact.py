@@ -4,27 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import data
 import ops
 import policy
 import rollout
-from model import load_model
 from conftest import metrics, run, smoke_argv
 from test_rollout import ANSWER, EXACT_SCRIPTS, Scripted, _record_engines, call, config, turn
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model("tiny", device="cpu", tiny_corpus=rollout.prompt_corpus())
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def split(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("exact"))
-    return root, data.make_split(root, 4, seed=0, duration=64.0)
+from test_rollout import split, tiny  # noqa: F401 (fixtures: the tiny model on one thread, 4 synthetic videos)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -151,20 +136,10 @@ def test_an_exact_run_trains_on_the_rollouts_bits(tmp_path, cache_env, one_threa
 def test_the_exact_forward_of_qwen25vl_layers_is_batch_invariant():
     """Qwen2.5-VL's decoder (q / k / v biases, no q / k norms) in the exact forward: a row's logits are the same bits
     alone and beside other rows, and close to the plain forward's."""
-    import copy
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     import layers
-    config = Qwen2_5_VLConfig(text_config=dict(vocab_size=320, hidden_size=64, intermediate_size=128,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                                    mrope_section=[2, 3, 3])),
-                              vision_config=dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64))
-    torch.manual_seed(0)
-    model = layers.use_plain_layers(Qwen2_5_VLForConditionalGeneration(config).eval())
+    from test_layers import qwen25vl
+    model = layers.use_plain_layers(qwen25vl(vocab_size=320))
     with torch.no_grad():
-        for layer in model.model.language_model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_()
         ids = torch.randint(0, 320, (5, 70))
         exact = lambda x: ops.tiled_linear(model.model(input_ids=x, exact=True).last_hidden_state, model.lm_head.weight)
         batch, alone = exact(ids), exact(ids[3:4])

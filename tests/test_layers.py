@@ -79,20 +79,26 @@ def test_plain_layers_read_transformers_cache(tiny):
     torch.testing.assert_close(steps[0], full, rtol=1e-5, atol=1e-5)
 
 
-def test_plain_layers_equal_transformers_on_qwen25vl():
-    """Qwen2.5-VL's decoder (biases on q / k / v, no q / k norms, its own M-RoPE layout): the same logits."""
+def qwen25vl(vocab_size: int = 300):
+    """A small Qwen2.5-VL of transformers' classes, seeded (0), its q / k / v biases away from their zero init."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    config = Qwen2_5_VLConfig(text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128,
+    config = Qwen2_5_VLConfig(text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                     mrope_section=[2, 3, 3])),
                               vision_config=dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64))
     torch.manual_seed(0)
-    theirs = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
     with torch.no_grad():
-        for layer in theirs.model.language_model.layers:         # biases away from their zero init
+        for layer in model.model.language_model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_()
+    return model
+
+
+def test_plain_layers_equal_transformers_on_qwen25vl():
+    """Qwen2.5-VL's decoder (biases on q / k / v, no q / k norms, its own M-RoPE layout): the same logits."""
+    theirs = qwen25vl()
     ours = layers.use_plain_layers(copy.deepcopy(theirs))
     ids = torch.randint(0, 300, (2, 17))
     with torch.no_grad():
